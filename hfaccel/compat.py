@@ -1,0 +1,100 @@
+"""Every place hfaccel depends on a transformers / torch / triton detail that may move between versions.
+
+Tested with transformers 5.17 through 5.23 (see README). Nothing outside this module imports private
+transformers names or branches on a version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AttentionInterface, PreTrainedModel
+from transformers import masking_utils
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+MIN_TRANSFORMERS = Version("5.17.0")
+
+
+def check_transformers_version() -> None:
+    """Raise a clear error on a transformers release hfaccel was not built for."""
+    if not (MIN_TRANSFORMERS <= TRANSFORMERS_VERSION < Version("6")):
+        raise ImportError(
+            f"hfaccel needs transformers >= {MIN_TRANSFORMERS}, < 6; found {TRANSFORMERS_VERSION}")
+
+
+def register_attention(name: str, attention_fn: Callable, mask_fn: Callable) -> None:
+    """Register an attention function and its mask function under ``name`` (a name of hfaccel's own)."""
+    if name in AttentionInterface._global_mapping and AttentionInterface._global_mapping[name] is attention_fn:
+        return
+    AttentionInterface.register(name, attention_fn)
+    masking_utils.AttentionMaskInterface.register(name, mask_fn)
+
+
+def can_set_attn_implementation(model: PreTrainedModel) -> bool:
+    """Whether the model class routes attention through ``AttentionInterface`` (so a custom name takes effect)."""
+    probe = getattr(type(model), "_can_set_attn_implementation", None)
+    return bool(probe()) if callable(probe) else bool(getattr(model, "_supports_attention_backend", False))
+
+
+def dense_bool_mask(**mask_kwargs) -> torch.Tensor | None:
+    """transformers' own 4-D bool mask ``[B, 1, Sq, Skv]`` (True = attend) for any mask pattern."""
+    mask_kwargs["allow_is_causal_skip"] = False
+    mask_kwargs.pop("allow_is_bidirectional_skip", None)
+    return masking_utils.sdpa_mask(**mask_kwargs)
+
+
+def padding_mask(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
+    """The 2-D padding mask ``[B, kv_offset + kv_length]`` indexed by absolute key position (or None)."""
+    return masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
+@dataclass(frozen=True)
+class MaskPattern:
+    """An index-based mask pattern the kernels implement natively."""
+
+    causal: bool
+    sliding_window: int | None = None
+
+
+def describe_mask_function(mask_function: Callable, local_size: int | None) -> MaskPattern | None:
+    """Recognise transformers' causal / bidirectional / sliding-window mask functions; None for anything else.
+
+    Anything unrecognised (chunked attention, packed sequences, image-token overlays, user functions) returns
+    None and is served from a dense mask, so a new pattern costs speed, never correctness.
+    """
+    if mask_function is masking_utils.causal_mask_function:
+        return MaskPattern(causal=True)
+    if mask_function is masking_utils.bidirectional_mask_function:
+        return MaskPattern(causal=False)
+    parts = _and_mask_parts(mask_function)
+    if parts is None or len(parts) != 2 or local_size is None:
+        return None
+    overlay, base = parts
+    window = _closure_value(overlay, "sliding_window")
+    if window != local_size:
+        return None
+    if base is masking_utils.causal_mask_function and _same_code(overlay, masking_utils.sliding_window_overlay(1)):
+        return MaskPattern(causal=True, sliding_window=int(window))
+    return None
+
+
+def _and_mask_parts(mask_function: Callable) -> tuple[Callable, ...] | None:
+    if not _same_code(mask_function, masking_utils.and_masks()):
+        return None
+    parts = _closure_value(mask_function, "mask_functions")
+    return tuple(parts) if isinstance(parts, tuple) else None
+
+
+def _same_code(fn: Callable, other: Callable) -> bool:
+    return getattr(fn, "__code__", None) is getattr(other, "__code__", object())
+
+
+def _closure_value(fn: Callable, name: str):
+    code = getattr(fn, "__code__", None)
+    if code is None or fn.__closure__ is None or name not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents

@@ -1,0 +1,323 @@
+"""Flash attention of queries against a dense K/V (prefill, chunked prefill, decode against a dense cache).
+
+Semantics (what :func:`flash_attention_reference` defines and the kernel computes):
+
+- ``q: [B, Hq, Sq, D]``, ``k, v: [B, Hkv, Skv, D]`` with ``Hq % Hkv == 0``; query head ``h`` reads KV head
+  ``h // (Hq // Hkv)`` (the ``repeat_kv`` order) without K/V ever being repeated in memory.
+- Positions: query ``i`` sits at ``q_offset + i`` and key ``j`` at ``kv_offset + j``. With ``causal``, key j is
+  visible to query i iff ``kpos <= qpos``; with ``sliding_window=w`` also iff ``kpos > qpos - w``.
+- ``key_mask: [B, Skv]`` bool, False hides a key from every query of that row (left padding).
+- Scores are ``(q . k) * scale``, then ``softcap * tanh(score / softcap)`` when ``softcap`` is set.
+- A query that sees no key at all gets a zero output (never NaN).
+- Output ``[B, Sq, Hq, D]`` (the layout transformers' attention functions return), in the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hfaccel.kernels.runtime import interpreting, resolve_backend
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through sigmoid: exact enough in fp32 and available both compiled and interpreted.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _flash_attention_kernel(
+    Q, K, V, O, KEY_MASK,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_mb, stride_ms,
+    num_kv_heads, seq_q, seq_kv, head_dim,
+    q_offset, kv_offset, window,
+    score_scale, softcap_log2,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    # One program: BLOCK_M rows of the flattened (query, head-in-group) axis of one (batch, KV head).
+    # Row r is query r // GROUP of query head kv_head * GROUP + r % GROUP, so the GROUP query heads
+    # sharing a KV head read each K/V tile once.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // num_kv_heads).to(tl.int64)
+    kv_head = pid_bh % num_kv_heads
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = q_idx < seq_q
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+
+    q_ptrs = Q + batch * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = q_offset + q_idx  # [BLOCK_M]
+
+    # Key range this block can see at all: [lo, hi).
+    first_pos = q_offset + (pid_m * BLOCK_M) // GROUP
+    last_pos = q_offset + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seq_q - 1)
+    hi = seq_kv
+    if IS_CAUSAL:
+        hi = tl.minimum(seq_kv, last_pos - kv_offset + 1)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, first_pos - window - kv_offset + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_kv
+        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE_FP32:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        # s: [BLOCK_M, BLOCK_N], scaled into the log2 domain
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(s * score_scale)
+        else:
+            s = s * score_scale
+
+        visible = n_ok[None, :] & row_ok[:, None]
+        k_pos = kv_offset + offs_n
+        if IS_CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        if HAS_KEY_MASK:
+            key_ok = tl.load(KEY_MASK + batch * stride_mb + offs_n * stride_ms, mask=n_ok, other=0)
+            visible = visible & (key_ok != 0)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_ptrs = O + batch * stride_ob + q_idx[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """Tile sizes and launch parameters of one kernel configuration."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(head_dim: int, dtype: torch.dtype, rows: int) -> FlashConfig:
+    """Tiles for a call with ``rows = Sq * (Hq // Hkv)`` rows per (batch, KV head).
+
+    Sized for sm_80/sm_90 shared memory (at most ~100 KB per stage set) and kept at the minimum tile of 16
+    that ``tl.dot`` accepts on the GPU for short (decode) calls.
+    """
+    block_d = triton.next_power_of_2(head_dim)
+    wide = dtype == torch.float32
+    if block_d <= 64:
+        cfg = FlashConfig(128, 32 if wide else 64, 4, 3)
+    elif block_d <= 128:
+        cfg = FlashConfig(128, 32 if wide else 64, 8, 2 if wide else 3)
+    else:
+        cfg = FlashConfig(64, 16 if wide else 32, 8, 2)
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
+    return FlashConfig(block_m, cfg.block_n, cfg.num_warps if block_m > 32 else 4, cfg.num_stages)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                  sliding_window: int | None, softcap: float | None) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, heads_q, _, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k/v must be [batch={batch}, kv_heads, seq_kv, head_dim={head_dim}]; got {tuple(k.shape)}")
+    if heads_q % k.shape[1] != 0:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of KV heads ({k.shape[1]})")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}; got {head_dim}")
+    if key_mask is not None:
+        if key_mask.shape != (batch, k.shape[2]) or key_mask.dtype != torch.bool:
+            raise ValueError(f"key_mask must be a bool tensor of shape {(batch, k.shape[2])}; "
+                             f"got {key_mask.dtype} {tuple(key_mask.shape)}")
+        if key_mask.device != q.device:
+            raise ValueError(f"key_mask must be on {q.device}; got {key_mask.device}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive float or None; got {softcap}")
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    key_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of ``q: [B, Hq, Sq, D]`` over ``k, v: [B, Hkv, Skv, D]``; returns ``[B, Sq, Hq, D]``.
+
+    See the module docstring for the exact semantics. ``backend``: ``"auto"`` (Triton where it can run,
+    else the torch reference), ``"triton"`` or ``"torch"``.
+    """
+    _check_inputs(q, k, v, key_mask, sliding_window, softcap)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if resolve_backend(backend, q.device) == "torch":
+        return flash_attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset,
+                                         kv_offset=kv_offset, key_mask=key_mask,
+                                         sliding_window=sliding_window, softcap=softcap)
+    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, softcap)
+
+
+def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, softcap) -> torch.Tensor:
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    out = torch.empty(batch, seq_q, heads_q, head_dim, dtype=q.dtype, device=q.device)
+    if seq_q == 0 or batch == 0:
+        return out
+    cfg = pick_config(head_dim, q.dtype, seq_q * group)
+    mask = key_mask if key_mask is not None else q  # placeholder pointer, never read
+    mask_strides = key_mask.stride() if key_mask is not None else (0, 0)
+    grid = (triton.cdiv(seq_q * group, cfg.block_m), batch * heads_kv)
+    _flash_attention_kernel[grid](
+        q, k, v, out, mask,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
+        heads_kv, seq_q, seq_kv, head_dim,
+        q_offset, kv_offset, sliding_window or 0,
+        *_score_scales(scale, softcap),
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        IS_CAUSAL=causal, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_KEY_MASK=key_mask is not None,
+        UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
+        IEEE_FP32=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(score_scale, softcap_log2): the kernel's log2-domain factors for ``softcap * tanh(qk * scale / softcap)``."""
+    if softcap is None:
+        return scale * LOG2E, 1.0
+    return scale / softcap, softcap * LOG2E
+
+
+def visibility_mask(
+    batch: int, seq_q: int, seq_kv: int, *, causal: bool, q_offset: int, kv_offset: int,
+    key_mask: torch.Tensor | None, sliding_window: int | None, device: torch.device,
+) -> torch.Tensor:
+    """Bool ``[B, 1, Sq, Skv]``: True where query i may attend key j (the rule the kernel applies)."""
+    q_pos = torch.arange(seq_q, device=device)[:, None] + q_offset
+    k_pos = torch.arange(seq_kv, device=device)[None, :] + kv_offset
+    visible = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    visible = visible.expand(batch, 1, seq_q, seq_kv)
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, None, :]
+    return visible
+
+
+def flash_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    key_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Pure-torch definition of :func:`flash_attention` (fp32 math, GQA by broadcasting, not repeating)."""
+    batch, heads_q, seq_q, head_dim = q.shape
+    heads_kv, seq_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 if scale is None else scale
+    qf = q.float().view(batch, heads_kv, group, seq_q, head_dim)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, k.float()) * scale  # [B, Hkv, G, Sq, Skv]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = visibility_mask(batch, seq_q, seq_kv, causal=causal, q_offset=int(q_offset),
+                              kv_offset=int(kv_offset), key_mask=key_mask,
+                              sliding_window=sliding_window, device=q.device)
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(row_max.isinf(), 0.0, row_max))
+    denom = probs.sum(-1, keepdim=True)
+    probs = probs / torch.where(denom > 0, denom, 1.0)
+    out = torch.einsum("bhgqk,bhkd->bqhgd", probs, v.float())  # [B, Sq, Hkv, G, D]
+    return out.reshape(batch, seq_q, heads_q, head_dim).to(q.dtype)
+
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool) -> float:
+    """Matmul FLOPs of one attention forward (two GEMMs; causal counts half the square when Sq == Skv)."""
+    flops = 4.0 * batch * heads * seq_q * seq_kv * head_dim
+    if causal and seq_q == seq_kv:
+        flops /= 2
+    return flops
+
+
+__all__ = ["FlashConfig", "attention_flops", "flash_attention", "flash_attention_reference", "pick_config",
+           "visibility_mask"]

@@ -1,0 +1,58 @@
+"""Shared helpers for kernel tests: comparison with a readable report, and sm_90 compilation with no GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (atol, rtol) per dtype for a kernel output compared with its fp32 reference:
+# - fp32: the only difference is summation order / online softmax rescaling (~1e-6 relative).
+# - fp16: the output is rounded to fp16 (half-ulp 4.9e-4 at |x| <= 1) and the kernel rounds softmax
+#   probabilities to fp16 before the P @ V matmul, as every flash kernel does (another ~5e-4 relative).
+# - bf16: the same two roundings at bf16's 8-bit mantissa (half-ulp 3.9e-3), plus fp32->bf16 truncation
+#   in the Triton interpreter (1 ulp).
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1",
+                torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """assert_close with the per-dtype tolerances above and a report of where the tensors differ."""
+    atol, rtol = TOLERANCES[dtype or expected.dtype]
+    actual, expected = actual.float(), expected.float()
+    bad = ~torch.isclose(actual, expected, atol=atol, rtol=rtol)
+    if bad.any():
+        diff = (actual - expected).abs()
+        worst = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
+            f"max abs diff {diff.max().item():.3g} at {worst}: actual {actual[worst].item():.6g}, "
+            f"expected {expected[worst].item():.6g}; first bad indices {torch.nonzero(bad)[:5].tolist()}")
+
+
+def compile_sm90(jobs: list[dict]) -> list[dict]:
+    """Compile @triton.jit kernels to sm_90 cubins with triton's bundled ptxas: no GPU, no driver.
+
+    Each job: ``{"module", "kernel", "signature": {arg: triton type}, "constexprs": {...}, "num_warps",
+    "num_stages"}``. Returns per job ``{"ok": True, "shared": bytes}`` or ``{"ok": False, "error": text}``;
+    an error is what the GPU compiler rejects (e.g. a tl.dot with K < 16 on 16-bit inputs). Runs in a child
+    process because the kernels of this (interpreted) process are not compilable.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], input=json.dumps(jobs),
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"sm_90 compile worker failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)

@@ -1,0 +1,58 @@
+"""Tiny random-weight models of each architecture the exactness tests cover, and prompt batches."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+# Small enough for the Triton interpreter, large enough to exercise GQA (4 query heads over 2 KV heads)
+# and, with sliding_window=8, windows shorter than the prompts.
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 24}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 4}),
+}
+
+# Transformers' own path each architecture is compared with: sdpa, except where sdpa cannot run the
+# model (Gemma2's attention logit softcapping is eager-only in transformers).
+BASELINE_ATTENTION = {"gemma2": "eager"}
+
+
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> transformers.PreTrainedModel:
+    config_name, model_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(dtype).eval()
+    _sharpen(model)
+    model.set_attn_implementation(BASELINE_ATTENTION.get(arch, "sdpa"))
+    return model
+
+
+def _sharpen(model: transformers.PreTrainedModel) -> None:
+    """Scale weights up so attention is far from uniform and logits rarely tie (random init is very flat)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                param.mul_(4.0)
+            if name.endswith("embed_tokens.weight"):
+                param.mul_(8.0)
+
+
+def padded_batch(lengths=(11, 7, 4), vocab_size: int = 96, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Left-padded prompts of the given lengths: input_ids and attention_mask ``[B, max(lengths)]``."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=gen)
+        attention_mask[row, width - length:] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
