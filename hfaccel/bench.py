@@ -1,0 +1,225 @@
+"""``hfaccel bench``: figures and ratios against the baselines a user would otherwise pick.
+
+- attention: hfaccel's flash attention vs torch SDPA (its flash backend on CUDA) — prefill, causal, TFLOP/s.
+- decode: ``generate`` tokens/s — transformers sdpa (eager), transformers static cache + torch.compile (CUDA
+  only), and ``hfaccel.accelerate`` — on a model built from a named real config with random weights (speed
+  does not depend on the weights' values), or a local model folder.
+
+Benchmarks are not tests: nothing here asserts a speed. Results print as tables and are written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import hfaccel
+from hfaccel.kernels import flash_attention, resolve_backend
+from hfaccel.kernels.flash_attention import attention_flops
+
+# Shapes of public checkpoints (their config.json values), for random-weight models of the real size.
+NAMED_CONFIGS: dict[str, dict] = {
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                       max_position_embeddings=2048),
+}
+
+# (batch, heads, seq, head_dim) of the prefill attention grid.
+CUDA_ATTENTION_GRID = [(4, 32, 1024, 128), (2, 32, 2048, 128), (1, 32, 4096, 128), (1, 32, 8192, 128),
+                       (4, 32, 2048, 64), (1, 16, 2048, 256), (1, 32, 2048, 80)]
+CPU_ATTENTION_GRID = [(1, 4, 128, 64), (1, 4, 256, 128)]
+
+
+@dataclass
+class AttentionRow:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    dtype: str
+    hfaccel_ms: float
+    sdpa_ms: float
+    hfaccel_tflops: float
+    sdpa_tflops: float
+    speedup: float  # sdpa time / hfaccel time
+    hfaccel_path: str
+
+
+@dataclass
+class DecodeRow:
+    model: str
+    path: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float  # vs transformers sdpa at the same batch
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA, wall clock over ``reps`` runs elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def bench_attention(grid, dtypes, device: torch.device) -> list[AttentionRow]:
+    """Causal prefill attention, hfaccel vs torch SDPA, on random inputs of each grid shape and dtype."""
+    rows = []
+    for batch, heads, seq, head_dim in grid:
+        for dtype in dtypes:
+            q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3))
+            ours = time_ms(lambda: flash_attention(q, k, v, causal=True), device)
+            theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+            flops = attention_flops(batch, heads, seq, seq, head_dim, causal=True)
+            rows.append(AttentionRow(batch, heads, seq, head_dim, str(dtype).removeprefix("torch."), ours, theirs,
+                                     flops / ours / 1e9, flops / theirs / 1e9, theirs / ours,
+                                     resolve_backend("auto", device)))
+            del q, k, v
+    return rows
+
+
+def build_model(spec: str, device: torch.device, dtype: torch.dtype):
+    """A random-weight model of a named config's shapes, or the model in a local folder / hub id."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec in NAMED_CONFIGS:
+        fields = dict(NAMED_CONFIGS[spec])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    elif Path(spec).exists() or "/" in spec:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa").to(device)
+    else:
+        raise ValueError(f"model must be one of {sorted(NAMED_CONFIGS)} or a model folder / hub id; got {spec!r}")
+    return model.eval()
+
+
+def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -> float:
+    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                pad_token_id=0, **kwargs)
+    model.generate(input_ids, **{**args, "max_new_tokens": min(new_tokens, 8),
+                                 "min_new_tokens": min(new_tokens, 8)})  # warm-up (and compile)
+    if input_ids.is_cuda:
+        model.generate(input_ids, **args)  # second warm-up: static-cache compile settles here
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(input_ids, **args)
+    if input_ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def decode_paths(device: torch.device) -> list[str]:
+    paths = ["transformers sdpa"]
+    if device.type == "cuda":
+        paths.append("transformers static+compile")
+    return paths + ["hfaccel"]
+
+
+def bench_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
+                 dtype: torch.dtype) -> list[DecodeRow]:
+    """generate() tokens/s of each path at each batch size (greedy, fixed length, random prompts)."""
+    from transformers import CompileConfig
+
+    model = build_model(spec, device, dtype)
+    rows = []
+    for batch in batches:
+        input_ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
+        baseline = None
+        for path in decode_paths(device):
+            kwargs = {}
+            if path == "hfaccel":
+                hfaccel.accelerate(model)
+            if path == "transformers static+compile":
+                kwargs = dict(cache_implementation="static", compile_config=CompileConfig())
+            seconds = _timed_generate(model, input_ids, new_tokens, **kwargs)
+            hfaccel.restore(model)
+            tokens_per_s = batch * new_tokens / seconds
+            baseline = baseline or tokens_per_s
+            rows.append(DecodeRow(spec, path, batch, prompt_len, new_tokens, seconds, tokens_per_s,
+                                  tokens_per_s / baseline))
+    return rows
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
+        "hfaccel": hfaccel.__version__, "commit": commit or None, "command": " ".join(sys.argv),
+    }
+
+
+def run_bench(what: str = "all", model: str | None = None, device: str = "auto", dtypes: list[str] | None = None,
+              batches: list[int] | None = None, prompt_len: int | None = None, new_tokens: int | None = None,
+              output: str | None = None, console: Console | None = None) -> dict:
+    """Run the attention and/or decode benchmarks, print tables, write JSON; returns the results dict."""
+    console = console or Console()
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    dtype_objs = [getattr(torch, d) for d in (dtypes or (["float16", "bfloat16"] if cuda else ["float32"]))]
+    results = {"environment": environment(dev)}
+    if what in ("all", "attention"):
+        rows = bench_attention(CUDA_ATTENTION_GRID if cuda else CPU_ATTENTION_GRID, dtype_objs, dev)
+        results["attention"] = [asdict(r) for r in rows]
+        console.print(_table("prefill attention (causal): hfaccel vs torch SDPA", results["attention"]))
+    if what in ("all", "decode"):
+        rows = bench_decode(model or ("llama-3.2-1b" if cuda else "tiny-llama"), batches or [1, 16],
+                            prompt_len or (128 if cuda else 32), new_tokens or (128 if cuda else 16), dev,
+                            dtype_objs[0])
+        results["decode"] = [asdict(r) for r in rows]
+        console.print(_table("decode: generate() tokens/s", results["decode"]))
+    path = Path(output or f"bench-results/bench-{datetime.now():%Y%m%d-%H%M%S}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {path}")
+    return results
+
+
+def _table(title: str, rows: list[dict]) -> Table:
+    table = Table(title=title)
+    for key in rows[0]:
+        table.add_column(key, justify="left" if isinstance(rows[0][key], str) else "right")
+    for row in rows:
+        table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()))
+    return table

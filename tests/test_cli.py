@@ -1,0 +1,49 @@
+"""The hfaccel command: demo on a user's model folder, generate, and bench on CPU (small)."""
+
+import json
+
+import pytest
+
+from hfaccel.cli import build_parser, main
+from tests.models import tiny_model
+from tests.test_accelerate import _tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    _tokenizer(path, model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def test_demo_on_a_local_model(model_dir, capsys):
+    assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--prompt", "d e",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "tokens/s" in out and "transformers (sdpa)" in out
+
+
+def test_generate_prints_text(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--max-new-tokens", "4", "a b c"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_bench_writes_json(tmp_path, capsys):
+    output = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny-llama", "--batch", "1", "--batch", "2", "--prompt-len", "8",
+                 "--new-tokens", "3", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert {"environment", "attention", "decode"} <= results.keys()
+    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel"}
+    assert all(row["tokens_per_s"] > 0 for row in results["decode"])
+    assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 for row in results["attention"])
+    assert "prefill attention" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_with_usage(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--attention", "cuda"])
+    assert "invalid choice" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+"""The real SmolLM2-135M-Instruct (from its PyPI wheel, see hfaccel.assets): accelerated == plain transformers."""
+
+import pytest
+import torch
+import transformers
+
+import hfaccel
+from hfaccel.assets import smollm2_path
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = smollm2_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    return model, tokenizer
+
+
+def test_greedy_continuations_identical(smollm2):
+    model, tokenizer = smollm2
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = model.generate(**batch, **kwargs)
+    assert "Paris" in tokenizer.decode(expected[0, batch["input_ids"].shape[1]:])
+    hfaccel.accelerate(model, attention="triton")
+    try:
+        got = model.generate(**batch, **kwargs)
+    finally:
+        hfaccel.restore(model)
+    assert torch.equal(got, expected), "\n".join(tokenizer.batch_decode(got) + tokenizer.batch_decode(expected))
+
+
+def test_prefill_logits_close(smollm2):
+    model, tokenizer = smollm2
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        hfaccel.accelerate(model, attention="triton")
+        try:
+            got = model(**batch).logits
+        finally:
+            hfaccel.restore(model)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-3, rtol=1e-4)
