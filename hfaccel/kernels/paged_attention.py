@@ -1,0 +1,367 @@
+"""Causal attention of variable-length queries over a paged KV pool, with a split-K path for long contexts.
+
+One kernel serves a batch that mixes decode tokens (1 query) and prefill chunks (many queries, causal within
+the chunk, attending to the sequence's earlier blocks). Semantics (:func:`paged_attention_reference`):
+
+- pool ``k_pool, v_pool: [num_blocks, block_size, Hkv, D]``; sequence ``s`` holds ``seq_lens[s]`` tokens,
+  token ``j`` in block ``block_tables[s, j // block_size]`` at offset ``j % block_size``;
+- its queries are its LAST ``q_len`` tokens (already written to the pool): query ``i`` sits at position
+  ``seq_lens[s] - q_len + i`` and sees keys at positions ``<=`` its own (and ``> pos - sliding_window``);
+- queries come either dense, ``q: [B, Hq, Sq, D]`` (one sequence per row, as transformers passes them;
+  output ``[B, Sq, Hq, D]``), or packed, ``q: [T, Hq, D]`` with ``cu_seqlens_q: [S + 1]`` (output ``[T, Hq, D]``);
+- ``key_mask: [S, >= max seq_len]`` bool hides keys (left padding of a generate() batch); GQA reads each KV head
+  once for its ``Hq // Hkv`` query heads; softcap and scale as in ``flash_attention``; no visible key → zeros.
+
+Split-K: with few (sequence, KV head) programs and long contexts, each program's key range is split over
+``num_splits`` programs that write partial outputs and log-sum-exps, merged by a second small kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfaccel.kernels.flash_attention import (
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, _score_scales, _tanh, flash_attention_reference,
+)
+from hfaccel.kernels.runtime import interpreting, resolve_backend
+
+TARGET_PROGRAMS = 256  # enough (sequence, KV head, split) programs to fill an H100's 132 SMs twice
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, PART_O, PART_LSE,
+    stride_q_seq, stride_qt, stride_qh, stride_qd,
+    stride_o_seq, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt, stride_bt_col, stride_mask, stride_mask_col,
+    stride_ps, stride_pseq, stride_pt, stride_ph,
+    num_kv_heads, head_dim, block_size, uniform_q_len, window, keys_per_split,
+    score_scale, softcap_log2,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    # Program: BLOCK_M rows of (query, head-in-group) of one (sequence, KV head), one key split.
+    pid_m = tl.program_id(0)
+    pid_sh = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    seq_id = pid_sh // num_kv_heads
+    kv_head = pid_sh % num_kv_heads
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + seq_id)
+        q_len = tl.load(CU_SEQLENS_Q + seq_id + 1) - q_start
+    else:
+        q_start = 0
+        q_len = uniform_q_len
+    if pid_m * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(SEQ_LENS + seq_id)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = q_idx < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    q_base = Q + seq_id.to(tl.int64) * stride_q_seq
+    q = tl.load(q_base + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = seq_len - q_len + q_idx
+
+    first_pos = seq_len - q_len + (pid_m * BLOCK_M) // GROUP
+    last_pos = seq_len - q_len + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+    hi = tl.minimum(seq_len, last_pos + 1)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, first_pos - window + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if SPLIT:
+        lo = lo + pid_split * keys_per_split
+        hi = tl.minimum(hi, lo + keys_per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = BLOCK_TABLES + seq_id.to(tl.int64) * stride_bt
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        block = tl.load(table + (offs_n // block_size) * stride_bt_col, mask=n_ok, other=0).to(tl.int64)
+        in_block = offs_n % block_size
+        k = tl.load(K_POOL + block[None, :] * stride_kb + in_block[None, :] * stride_ks + kv_head * stride_kh
+                    + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+        v = tl.load(V_POOL + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE_FP32:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(s * score_scale)
+        else:
+            s = s * score_scale
+        visible = n_ok[None, :] & row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        if HAS_KEY_MASK:
+            key_ok = tl.load(KEY_MASK + seq_id.to(tl.int64) * stride_mask + offs_n * stride_mask_col, mask=n_ok, other=0)
+            visible = visible & (key_ok != 0)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        # partials: [num_splits, S, max_q_len, Hq, D] fp32, contiguous, and their log2-sum-exps
+        # [num_splits, S, max_q_len, Hq], whose strides are the partials' divided by head_dim.
+        part = pid_split * stride_ps + seq_id.to(tl.int64) * stride_pseq + q_idx * stride_pt + head * stride_ph
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(PART_LSE + part // head_dim, lse, mask=row_ok)
+        tl.store(PART_O + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        o_base = O + seq_id.to(tl.int64) * stride_o_seq
+        tl.store(o_base + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    O, PART_O, PART_LSE, CU_SEQLENS_Q,
+    stride_o_seq, stride_ot, stride_oh, stride_od,
+    stride_ps, stride_pseq, stride_pt, stride_ph,
+    max_q_len, uniform_q_len, head_dim, num_splits,
+    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    # Program: one (sequence, query) row, one query head; merges the splits by their log-sum-exps.
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_id = pid // max_q_len
+    q_idx = pid % max_q_len
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + seq_id)
+        q_len = tl.load(CU_SEQLENS_Q + seq_id + 1) - q_start
+    else:
+        q_start = 0
+        q_len = uniform_q_len
+    if q_idx < q_len:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < head_dim
+        row = seq_id.to(tl.int64) * stride_pseq + q_idx * stride_pt + head * stride_ph
+        m = tl.full([], float("-inf"), tl.float32)
+        for split in range(num_splits):
+            m = tl.maximum(m, tl.load(PART_LSE + (row + split * stride_ps) // head_dim))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for split in range(num_splits):
+            weight = tl.math.exp2(tl.load(PART_LSE + (row + split * stride_ps) // head_dim) - m_safe)
+            acc += weight * tl.load(PART_O + row + split * stride_ps + offs_d, mask=d_ok, other=0.0)
+            total += weight
+        out = acc / tl.where(total > 0.0, total, 1.0)
+        o_ptr = O + seq_id.to(tl.int64) * stride_o_seq + (q_start + q_idx) * stride_ot + head * stride_oh
+        tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+def pick_paged_config(head_dim: int, dtype: torch.dtype, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_q_len * (Hq // Hkv)`` per program."""
+    block_d = triton.next_power_of_2(head_dim)
+    wide = dtype == torch.float32
+    block_m = min(64 if block_d > 128 else 128, max(16, triton.next_power_of_2(rows)))
+    block_n = (16 if wide else 32) if block_d > 128 else (32 if wide else 64)
+    num_warps = 4 if block_m <= 32 else 8
+    return block_m, block_n, num_warps, 2
+
+
+def choose_num_splits(num_programs: int, max_seqlen_k: int) -> int:
+    """Split the key range when (sequence, KV head, query-tile) programs cannot fill the GPU on their own."""
+    if num_programs >= TARGET_PROGRAMS or max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_seqlen_k // MIN_KEYS_PER_SPLIT))
+
+
+def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap):
+    packed = cu_seqlens_q is not None
+    if q.dim() != (3 if packed else 4):
+        raise ValueError("q must be [batch, heads, seq, head_dim] (dense) or [tokens, heads, head_dim] with "
+                         f"cu_seqlens_q (packed); got shape {tuple(q.shape)} "
+                         f"{'with' if packed else 'without'} cu_seqlens_q")
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must both be [num_blocks, block_size, kv_heads, head_dim]; got "
+                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    heads_q, head_dim = (q.shape[1], q.shape[-1])
+    if k_pool.shape[3] != head_dim or heads_q % k_pool.shape[2] != 0:
+        raise ValueError(f"q has {heads_q} heads of dim {head_dim}; the pool has {k_pool.shape[2]} KV heads of dim "
+                         f"{k_pool.shape[3]} (query heads must be a multiple of KV heads, dims equal)")
+    if head_dim > MAX_HEAD_DIM or q.dtype not in SUPPORTED_DTYPES or not (q.dtype == k_pool.dtype == v_pool.dtype):
+        raise ValueError(f"q and the pools must share one of {SUPPORTED_DTYPES} with head_dim <= {MAX_HEAD_DIM}; "
+                         f"got {q.dtype}/{k_pool.dtype}/{v_pool.dtype}, head_dim {head_dim}")
+    num_seqs = len(cu_seqlens_q) - 1 if packed else q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks]; got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{num_seqs}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if packed and cu_seqlens_q.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens_q must be int32; got {cu_seqlens_q.dtype}")
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 2 or key_mask.shape[0] != num_seqs):
+        raise ValueError(f"key_mask must be bool [{num_seqs}, max_seq_len]; got {key_mask.dtype} "
+                         f"{tuple(key_mask.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive float or None; got {softcap}")
+    tensors = [q, k_pool, v_pool, block_tables, seq_lens] + [t for t in (cu_seqlens_q, key_mask) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted({str(t.device) for t in tensors})}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of (dense or packed) queries over the paged pool; see the module docstring.
+
+    ``max_seqlen_q`` (packed form) and ``max_seqlen_k`` are host-side bounds that size the launch without a
+    device sync; ``num_splits`` forces the split-K factor (default: chosen from the launch size).
+    """
+    _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if resolve_backend(backend, q.device) == "torch":
+        return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
+                                         scale=scale, key_mask=key_mask, sliding_window=sliding_window,
+                                         softcap=softcap)
+    return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
+                   key_mask, sliding_window, softcap, num_splits)
+
+
+def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
+            sliding_window, softcap, num_splits):
+    packed = cu_seqlens_q is not None
+    heads_q, head_dim = q.shape[1], q.shape[-1]
+    heads_kv = k_pool.shape[2]
+    group = heads_q // heads_kv
+    if packed:
+        num_seqs = len(cu_seqlens_q) - 1
+        max_q = int(max_seqlen_q) if max_seqlen_q is not None else int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        out = torch.empty(q.shape[0], heads_q, head_dim, dtype=q.dtype, device=q.device)
+        q_strides = (0, q.stride(0), q.stride(1), q.stride(2))  # every sequence in "batch row" 0
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+    else:
+        num_seqs, max_q = q.shape[0], q.shape[2]
+        out = torch.empty(num_seqs, max_q, heads_q, head_dim, dtype=q.dtype, device=q.device)
+        q_strides = (q.stride(0), q.stride(2), q.stride(1), q.stride(3))
+        o_strides = out.stride()
+    if num_seqs == 0 or max_q == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = pick_paged_config(head_dim, q.dtype, max_q * group)
+    programs = num_seqs * heads_kv * triton.cdiv(max_q * group, block_m)
+    max_k = int(max_seqlen_k) if max_seqlen_k is not None else int(seq_lens.max())
+    num_splits = choose_num_splits(programs, max_k) if num_splits is None else num_splits
+    keys_per_split = triton.cdiv(triton.cdiv(max(max_k, 1), num_splits), block_n) * block_n
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty(num_splits, num_seqs, max_q, heads_q, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_splits, num_seqs, max_q, heads_q, dtype=torch.float32, device=q.device)
+        part_strides = part_o.stride()[:4]
+    else:
+        part_o = part_lse = out  # never touched
+        part_strides = (0, 0, 0, 0)
+    mask = key_mask if key_mask is not None else seq_lens
+    score_scale, softcap_log2 = _score_scales(scale, softcap)
+    flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+                 HAS_KEY_MASK=key_mask is not None, SPLIT=split,
+                 UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
+                 IEEE_FP32=q.dtype == torch.float32)
+    grid = (triton.cdiv(max_q * group, block_m), num_seqs * heads_kv, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_pool, v_pool, out, block_tables, seq_lens, cu_seqlens_q if packed else seq_lens, mask, part_o, part_lse,
+        *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
+        *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
+        heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0, keys_per_split,
+        score_scale, softcap_log2,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=num_warps, num_stages=num_stages, **flags,
+    )
+    if split:
+        _combine_splits_kernel[(num_seqs * max_q, heads_q)](
+            out, part_o, part_lse, cu_seqlens_q if packed else seq_lens, *o_strides, *part_strides,
+            max_q, max_q, head_dim, num_splits,
+            BLOCK_D=triton.next_power_of_2(head_dim), VARLEN=packed, num_warps=1 if head_dim <= 128 else 2,
+        )
+    return out
+
+
+def gather_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor, length: int):
+    """Contiguous ``[Hkv, length, D]`` keys and values of one sequence (for references and fallbacks)."""
+    size = k_pool.shape[1]
+    blocks = block_table[: -(-length // size)].long()
+    k = k_pool[blocks].flatten(0, 1)[:length]
+    v = v_pool[blocks].flatten(0, 1)[:length]
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Pure-torch definition of :func:`paged_attention`: gather each sequence, then ``flash_attention_reference``."""
+    lens = seq_lens.tolist()
+    if cu_seqlens_q is None:
+        queries = [q[s:s + 1] for s in range(q.shape[0])]  # [1, Hq, Sq, D] each
+    else:
+        bounds = cu_seqlens_q.tolist()
+        queries = [q[a:b].transpose(0, 1).unsqueeze(0) for a, b in zip(bounds, bounds[1:])]
+    outs = []
+    for s, query in enumerate(queries):
+        k, v = gather_kv(k_pool, v_pool, block_tables[s], lens[s])
+        mask = None if key_mask is None else key_mask[s:s + 1, :lens[s]]
+        outs.append(flash_attention_reference(query, k[None], v[None], scale=scale, causal=True,
+                                              q_offset=lens[s] - query.shape[2], key_mask=mask,
+                                              sliding_window=sliding_window, softcap=softcap))
+    if cu_seqlens_q is None:
+        return torch.cat(outs) if outs else q.new_empty(0, q.shape[2], q.shape[1], q.shape[3])
+    return torch.cat([o[0] for o in outs]) if outs else q.new_empty(0, q.shape[1], q.shape[2])

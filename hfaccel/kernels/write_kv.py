@@ -1,0 +1,90 @@
+"""Write new keys and values into the paged KV pool by slot mapping.
+
+The pool of one layer is ``k_pool, v_pool: [num_blocks, block_size, Hkv, D]``; slot ``n`` is
+``(n // block_size, n % block_size)``. New tokens ``k, v: [B, S, Hkv, D]`` (any strides, e.g. the transposed
+view of transformers' ``[B, Hkv, S, D]``) go to ``slot_mapping: [B, S]``; a negative slot skips the token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfaccel.kernels.runtime import resolve_backend
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, K_POOL, V_POOL, SLOTS,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_pkb, stride_pks, stride_pkh, stride_pkd,
+    stride_pvb, stride_pvs, stride_pvh, stride_pvd,
+    stride_sb, stride_ss,
+    seq, head_dim, block_size,
+    BLOCK_D: tl.constexpr,
+):
+    # One program: one token of one KV head, K and V together.
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    b = token // seq
+    i = token % seq
+    slot = tl.load(SLOTS + b * stride_sb + i * stride_ss).to(tl.int64)
+    if slot >= 0:
+        block = slot // block_size
+        offset = slot % block_size
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        k = tl.load(K + b * stride_kb + i * stride_ks + head * stride_kh + d * stride_kd, mask=d_ok)
+        v = tl.load(V + b * stride_vb + i * stride_vs + head * stride_vh + d * stride_vd, mask=d_ok)
+        tl.store(K_POOL + block * stride_pkb + offset * stride_pks + head * stride_pkh + d * stride_pkd, k, mask=d_ok)
+        tl.store(V_POOL + block * stride_pvb + offset * stride_pvs + head * stride_pvh + d * stride_pvd, v, mask=d_ok)
+
+
+def _check(k, v, k_pool, v_pool, slot_mapping) -> None:
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [batch, seq, kv_heads, head_dim]; got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must both be [num_blocks, block_size, kv_heads, head_dim]; got "
+                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    if k.shape[2:] != k_pool.shape[2:]:
+        raise ValueError(f"new keys have (kv_heads, head_dim) {tuple(k.shape[2:])} but the pool holds "
+                         f"{tuple(k_pool.shape[2:])}")
+    if slot_mapping.shape != k.shape[:2] or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be an int32/int64 tensor of shape {tuple(k.shape[:2])}; got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if len({k.dtype, v.dtype, k_pool.dtype, v_pool.dtype}) != 1:
+        raise ValueError(f"k, v and the pools must share a dtype; got {k.dtype}, {v.dtype}, {k_pool.dtype}, "
+                         f"{v_pool.dtype}")
+    if len({k.device, v.device, k_pool.device, v_pool.device, slot_mapping.device}) != 1:
+        raise ValueError("k, v, the pools and slot_mapping must be on one device")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slot_mapping: torch.Tensor, *, backend: str = "auto") -> None:
+    """Store ``k, v: [B, S, Hkv, D]`` into ``k_pool, v_pool`` at ``slot_mapping: [B, S]`` (in place)."""
+    _check(k, v, k_pool, v_pool, slot_mapping)
+    if resolve_backend(backend, k.device) == "torch":
+        write_kv_reference(k, v, k_pool, v_pool, slot_mapping)
+        return
+    batch, seq, heads, head_dim = k.shape
+    if batch * seq == 0:
+        return
+    _write_kv_kernel[(batch * seq, heads)](
+        k, v, k_pool, v_pool, slot_mapping,
+        *k.stride(), *v.stride(), *k_pool.stride(), *v_pool.stride(), *slot_mapping.stride(),
+        seq, head_dim, k_pool.shape[1],
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+    )
+
+
+def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Pure-torch definition of :func:`write_kv`."""
+    slots = slot_mapping.reshape(-1).long()
+    keep = slots >= 0
+    heads, head_dim = k_pool.shape[2:]
+    k_pool.view(-1, heads, head_dim)[slots[keep]] = k.reshape(-1, heads, head_dim)[keep]
+    v_pool.view(-1, heads, head_dim)[slots[keep]] = v.reshape(-1, heads, head_dim)[keep]
