@@ -8,6 +8,8 @@ from hfaccel.compat import check_transformers_version
 check_transformers_version()
 
 from hfaccel.accelerate import Acceleration, accelerate, restore  # noqa: E402
+from hfaccel.block_manager import BlockManager, CacheFullError  # noqa: E402
+from hfaccel.cache import PagedCache  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Acceleration", "accelerate", "restore", "__version__"]
+__all__ = ["Acceleration", "BlockManager", "CacheFullError", "PagedCache", "accelerate", "restore", "__version__"]

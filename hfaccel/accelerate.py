@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from hfaccel import attention as attention_impl
 from hfaccel import compat
+from hfaccel.generation import install_paged_generate, uninstall_paged_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
 from hfaccel.kernels.runtime import BACKENDS
@@ -23,6 +24,7 @@ class Acceleration:
     attn_implementation: str  # the attention implementation the model now runs
     original_attn_implementation: str  # what restore() puts back
     fallback_reason: str | None = None  # set when the model was left on transformers' own attention
+    paged: bool = False  # generate() supplies a PagedCache sized for each request
 
     @property
     def active(self) -> bool:
@@ -34,10 +36,10 @@ class Acceleration:
             return (f"hfaccel: not accelerated, attention stays {self.original_attn_implementation!r} "
                     f"({self.fallback_reason})")
         return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
-                f"(backend {self.attention!r})")
+                f"(backend {self.attention!r}), {'paged' if self.paged else 'default'} KV cache in generate()")
 
 
-def accelerate(model: PreTrainedModel, *, attention: str = "auto") -> PreTrainedModel:
+def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True) -> PreTrainedModel:
     """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
 
     Args:
@@ -46,6 +48,9 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto") -> PreTrained
             other devices, decided per call so the model may move between devices; ``"triton"`` — always
             the Triton kernels (a ``ValueError`` now if the model's device cannot run them); ``"torch"`` —
             the pure-torch reference kernels.
+        paged: ``generate()`` without a cache argument uses a :class:`hfaccel.PagedCache` sized for the
+            request, and decode steps read K/V straight from its blocks (``False``: transformers' default
+            cache, attention still through hfaccel's kernels).
 
     Only this model instance changes (its config's attention implementation). Generation, ``model(...)``
     and pipelines keep working and give the same results. An architecture hfaccel cannot serve is left
@@ -68,7 +73,9 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto") -> PreTrained
     attention_impl.register()
     name = attention_impl.ATTENTION_NAMES[attention]
     model.set_attn_implementation(name)
-    model.hfaccel = Acceleration(attention, name, original)
+    if paged:
+        install_paged_generate(model)
+    model.hfaccel = Acceleration(attention, name, original, paged=paged)
     return model
 
 
@@ -79,6 +86,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if info.active:
         model.set_attn_implementation(info.original_attn_implementation)
+    uninstall_paged_generate(model)
     del model.hfaccel
     return model
 

@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from hfaccel import compat
+from hfaccel.cache import PagedKV
 from hfaccel.kernels import flash_attention, flash_attention_reference
 from hfaccel.kernels.flash_attention import visibility_mask
+from hfaccel.kernels.paged_attention import paged_attention
 
 ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton", "torch": "hfaccel_torch"}
 
@@ -85,6 +87,12 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
         raise NotImplementedError("hfaccel attention does not implement attention sinks (s_aux); "
                                   "hfaccel.accelerate leaves such models on transformers' attention")
     softcap = kwargs.get("softcap")
+    paged = isinstance(key, PagedKV)
+    if paged and (key.dense is not None or _needs_dense(attention_mask, dropout, query)):
+        key, value = key.gather()  # a prefill's own K/V, or a gather for what the paged kernel lacks
+        paged = False
+    if paged:
+        return _paged(backend, query, key, attention_mask, scaling, softcap), None
     if attention_mask is None:
         attention_mask = _implicit_mask(module, query, key, kwargs)
     if not isinstance(attention_mask, KernelMask):
@@ -99,6 +107,20 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return flash_attention_reference(query, key, value, **mask_args), None  # differentiable
     return flash_attention(query, key, value, backend=backend, **mask_args), None
+
+
+def _needs_dense(mask, dropout: float, query: torch.Tensor) -> bool:
+    """Whether a call must run on contiguous K/V (the paged kernel is causal, no dropout, no autograd)."""
+    exotic = not isinstance(mask, KernelMask) or not mask.causal
+    return exotic or dropout > 0.0 or (torch.is_grad_enabled() and query.requires_grad)
+
+
+def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,
+           softcap: float | None) -> torch.Tensor:
+    # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
+    return paged_attention(query, kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens, max_seqlen_k=kv.max_seq_len,
+                           scale=scaling, key_mask=mask.key_mask, sliding_window=mask.sliding_window,
+                           softcap=softcap, backend=backend)
 
 
 def auto_attention(module, query, key, value, attention_mask, **kwargs):

@@ -98,7 +98,7 @@ class BlockManager:
         return -(-length // self.block_size)
 
     def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
-        return self._new_blocks_for_append(self._get(seq_id), num_tokens) <= self.num_free_blocks
+        return self.blocks_to_append(self._get(seq_id), num_tokens) <= self.num_free_blocks
 
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
@@ -144,7 +144,7 @@ class BlockManager:
             raise ValueError(f"num_tokens must be >= 0; got {num_tokens}")
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ValueError(f"got {len(token_ids)} token ids for {num_tokens} tokens")
-        needed = self._new_blocks_for_append(seq, num_tokens)
+        needed = self.blocks_to_append(seq, num_tokens)
         if needed > self.num_free_blocks:
             raise CacheFullError(f"appending {num_tokens} tokens to a sequence of {seq.length} needs {needed} "
                                  f"free blocks; the pool has {self.num_free_blocks} (of {self.num_blocks})")
@@ -205,7 +205,10 @@ class BlockManager:
         except KeyError:
             raise KeyError(f"no sequence {seq_id!r} in the block manager") from None
 
-    def _new_blocks_for_append(self, seq: _Sequence, num_tokens: int) -> int:
+    def blocks_to_append(self, seq: _Sequence | Hashable, num_tokens: int) -> int:
+        """Free blocks that appending ``num_tokens`` to the sequence takes (new blocks + copy-on-write)."""
+        if not isinstance(seq, _Sequence):
+            seq = self._get(seq)
         grow = self.blocks_needed(seq.length + num_tokens) - len(seq.blocks)
         cow = num_tokens > 0 and seq.length % self.block_size != 0 and self.ref_counts[seq.blocks[-1]] > 1
         return grow + int(cow)
