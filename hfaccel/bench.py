@@ -1,9 +1,13 @@
 """``hfaccel bench``: figures and ratios against the baselines a user would otherwise pick.
 
 - attention: hfaccel's flash attention vs torch SDPA (its flash backend on CUDA) — prefill, causal, TFLOP/s.
+- paged: decode attention over the paged KV pool — GB/s of K/V read against the measured copy bandwidth,
+  and time against torch SDPA reading the same K/V held contiguously, context 1k–32k, batch 1–64.
+- memory: bytes a batch of mixed-length sequences holds in PagedCache vs DynamicCache vs StaticCache.
 - decode: ``generate`` tokens/s — transformers sdpa (eager), transformers static cache + torch.compile (CUDA
-  only), and ``hfaccel.accelerate`` — on a model built from a named real config with random weights (speed
-  does not depend on the weights' values), or a local model folder.
+  only), ``hfaccel.accelerate`` with its paged cache, and with transformers' dense cache (``paged=False``) —
+  on a model built from a named real config with random weights (speed does not depend on the weights'
+  values), or a local model folder.
 
 Benchmarks are not tests: nothing here asserts a speed. Results print as tables and are written as JSON.
 """
@@ -29,6 +33,7 @@ from rich.table import Table
 import hfaccel
 from hfaccel.kernels import flash_attention, resolve_backend
 from hfaccel.kernels.flash_attention import attention_flops
+from hfaccel.kernels.paged_attention import paged_attention
 
 # Shapes of public checkpoints (their config.json values), for random-weight models of the real size.
 NAMED_CONFIGS: dict[str, dict] = {
@@ -53,6 +58,10 @@ NAMED_CONFIGS: dict[str, dict] = {
 CUDA_ATTENTION_GRID = [(4, 32, 1024, 128), (2, 32, 2048, 128), (1, 32, 4096, 128), (1, 32, 8192, 128),
                        (4, 32, 2048, 64), (1, 16, 2048, 256), (1, 32, 2048, 80)]
 CPU_ATTENTION_GRID = [(1, 4, 128, 64), (1, 4, 256, 128)]
+# (batch, context) of the paged decode grid; heads 32 over 8 KV heads, head_dim 128 (Llama-3-8B shapes).
+CUDA_PAGED_GRID = [(b, c) for c in (1024, 4096, 16384, 32768) for b in (1, 8, 64)]
+CPU_PAGED_GRID = [(1, 128), (2, 256)]
+MEMORY_LENGTHS = [400, 650, 900, 1300, 1800, 2400, 3100, 4000]  # a mixed batch of prompts + generations
 
 
 @dataclass
@@ -68,6 +77,26 @@ class AttentionRow:
     sdpa_tflops: float
     speedup: float  # sdpa time / hfaccel time
     hfaccel_path: str
+
+
+@dataclass
+class PagedRow:
+    batch: int
+    context: int
+    dtype: str
+    hfaccel_ms: float
+    sdpa_ms: float
+    kv_gb_per_s: float
+    copy_gb_per_s: float
+    fraction_of_copy: float  # K/V read bandwidth / measured copy bandwidth
+    speedup: float  # sdpa (contiguous K/V) time / hfaccel paged time
+
+
+@dataclass
+class MemoryRow:
+    cache: str
+    bytes: int
+    vs_paged: float
 
 
 @dataclass
@@ -113,6 +142,57 @@ def bench_attention(grid, dtypes, device: torch.device) -> list[AttentionRow]:
     return rows
 
 
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), the practical roofline of a memory-bound kernel."""
+    numel = (256 << 20) if device.type == "cuda" else (16 << 20)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / time_ms(lambda: dst.copy_(src), device) / 1e6
+
+
+def bench_paged(grid, dtype: torch.dtype, device: torch.device, heads: int = 32, kv_heads: int = 8,
+                head_dim: int = 128, block_size: int = 16) -> list[PagedRow]:
+    """One decode step of attention over the paged pool (shuffled blocks) vs SDPA on contiguous K/V."""
+    copy = copy_bandwidth(device)
+    rows = []
+    for batch, context in grid:
+        blocks_per_seq = -(-context // block_size)
+        pool = torch.randn(2, batch * blocks_per_seq, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+        tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
+        ours = time_ms(lambda: paged_attention(q, pool[0], pool[1], tables, lens, max_seqlen_k=context), device)
+        k = torch.randn(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device)
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * q.element_size()
+        rows.append(PagedRow(batch, context, str(dtype).removeprefix("torch."), ours, theirs,
+                             kv_bytes / ours / 1e6, copy, kv_bytes / ours / 1e6 / copy, theirs / ours))
+        del pool, k, v
+    return rows
+
+
+def memory_comparison(spec: str, lengths: list[int], dtype: torch.dtype, block_size: int = 16) -> list[MemoryRow]:
+    """Bytes each cache holds for sequences of ``lengths`` (K and V, all layers), from the caches' layouts.
+
+    DynamicCache pads every row to the longest; StaticCache preallocates every row to ``max_cache_len``
+    (here the longest length); PagedCache allocates whole blocks per sequence (block manager accounting).
+    """
+    from hfaccel.block_manager import BlockManager
+
+    fields = NAMED_CONFIGS[spec]
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    per_token = 2 * fields["num_hidden_layers"] * fields["num_key_value_heads"] * head_dim * dtype.itemsize
+    manager = BlockManager(sum(-(-n // block_size) for n in lengths), block_size, enable_prefix_caching=False)
+    for seq_id, length in enumerate(lengths):
+        manager.add_sequence(seq_id, num_tokens=length)
+    paged = manager.num_used_blocks * block_size * per_token
+    dynamic = len(lengths) * max(lengths) * per_token
+    return [MemoryRow("PagedCache", paged, 1.0), MemoryRow("DynamicCache", dynamic, dynamic / paged),
+            MemoryRow("StaticCache", dynamic, dynamic / paged),
+            MemoryRow("tokens held (lower bound)", sum(lengths) * per_token, sum(lengths) / (paged / per_token))]
+
+
 def build_model(spec: str, device: torch.device, dtype: torch.dtype):
     """A random-weight model of a named config's shapes, or the model in a local folder / hub id."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -148,7 +228,7 @@ def decode_paths(device: torch.device) -> list[str]:
     paths = ["transformers sdpa"]
     if device.type == "cuda":
         paths.append("transformers static+compile")
-    return paths + ["hfaccel"]
+    return paths + ["hfaccel", "hfaccel paged=False"]
 
 
 def bench_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
@@ -163,8 +243,8 @@ def bench_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: t
         baseline = None
         for path in decode_paths(device):
             kwargs = {}
-            if path == "hfaccel":
-                hfaccel.accelerate(model)
+            if path.startswith("hfaccel"):
+                hfaccel.accelerate(model, paged=path == "hfaccel")
             if path == "transformers static+compile":
                 kwargs = dict(cache_implementation="static", compile_config=CompileConfig())
             seconds = _timed_generate(model, input_ids, new_tokens, **kwargs)
@@ -203,6 +283,16 @@ def run_bench(what: str = "all", model: str | None = None, device: str = "auto",
         rows = bench_attention(CUDA_ATTENTION_GRID if cuda else CPU_ATTENTION_GRID, dtype_objs, dev)
         results["attention"] = [asdict(r) for r in rows]
         console.print(_table("prefill attention (causal): hfaccel vs torch SDPA", results["attention"]))
+    if what in ("all", "paged"):
+        shapes = {} if cuda else dict(heads=8, kv_heads=2, head_dim=64)
+        rows = bench_paged(CUDA_PAGED_GRID if cuda else CPU_PAGED_GRID, dtype_objs[0], dev, **shapes)
+        results["paged"] = [asdict(r) for r in rows]
+        console.print(_table("paged decode attention: hfaccel (paged pool) vs SDPA (contiguous K/V)",
+                             results["paged"]))
+    if what in ("all", "memory"):
+        spec = model if model in NAMED_CONFIGS else "llama-3.2-1b"
+        results["memory"] = [asdict(r) for r in memory_comparison(spec, MEMORY_LENGTHS, torch.float16)]
+        console.print(_table(f"KV cache bytes, {spec} fp16, lengths {MEMORY_LENGTHS}", results["memory"]))
     if what in ("all", "decode"):
         rows = bench_decode(model or ("llama-3.2-1b" if cuda else "tiny-llama"), batches or [1, 16],
                             prompt_len or (128 if cuda else 32), new_tokens or (128 if cuda else 16), dev,

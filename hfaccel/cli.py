@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", nargs="+", help="one or more prompts (batched, left-padded)")
 
     bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
-    bench.add_argument("what", nargs="?", default="all", choices=("all", "attention", "decode"))
+    bench.add_argument("what", nargs="?", default="all", choices=("all", "attention", "paged", "memory", "decode"))
     bench.add_argument("--model", default=None,
                        help="named config (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m, tiny-llama) "
                             "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "

@@ -31,13 +31,17 @@ def test_generate_prints_text(model_dir, capsys):
     assert capsys.readouterr().out.strip()
 
 
-def test_bench_writes_json(tmp_path, capsys):
+def test_bench_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
     output = tmp_path / "bench.json"
     assert main(["bench", "--model", "tiny-llama", "--batch", "1", "--batch", "2", "--prompt-len", "8",
                  "--new-tokens", "3", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
-    assert {"environment", "attention", "decode"} <= results.keys()
-    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel"}
+    assert {"environment", "attention", "paged", "memory", "decode"} <= results.keys()
+    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel paged=False"}
+    assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 for row in results["paged"])
+    memory = {row["cache"]: row["bytes"] for row in results["memory"]}
+    assert memory["tokens held (lower bound)"] <= memory["PagedCache"] < memory["DynamicCache"]
     assert all(row["tokens_per_s"] > 0 for row in results["decode"])
     assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 for row in results["attention"])
     assert "prefill attention" in capsys.readouterr().out

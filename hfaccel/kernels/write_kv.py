@@ -22,24 +22,24 @@ def _write_kv_kernel(
     stride_pkb, stride_pks, stride_pkh, stride_pkd,
     stride_pvb, stride_pvs, stride_pvh, stride_pvd,
     stride_sb, stride_ss,
-    seq, head_dim, block_size,
-    BLOCK_D: tl.constexpr,
+    seq, num_heads, head_dim, block_size,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program: one token of one KV head, K and V together.
+    # One program: one token, all its KV heads, K and V together ([BLOCK_H, BLOCK_D] tiles).
     token = tl.program_id(0)
-    head = tl.program_id(1)
     b = token // seq
     i = token % seq
     slot = tl.load(SLOTS + b * stride_sb + i * stride_ss).to(tl.int64)
     if slot >= 0:
         block = slot // block_size
         offset = slot % block_size
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
-        k = tl.load(K + b * stride_kb + i * stride_ks + head * stride_kh + d * stride_kd, mask=d_ok)
-        v = tl.load(V + b * stride_vb + i * stride_vs + head * stride_vh + d * stride_vd, mask=d_ok)
-        tl.store(K_POOL + block * stride_pkb + offset * stride_pks + head * stride_pkh + d * stride_pkd, k, mask=d_ok)
-        tl.store(V_POOL + block * stride_pvb + offset * stride_pvs + head * stride_pvh + d * stride_pvd, v, mask=d_ok)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        ok = (h < num_heads) & (d < head_dim)
+        k = tl.load(K + b * stride_kb + i * stride_ks + h * stride_kh + d * stride_kd, mask=ok)
+        v = tl.load(V + b * stride_vb + i * stride_vs + h * stride_vh + d * stride_vd, mask=ok)
+        tl.store(K_POOL + block * stride_pkb + offset * stride_pks + h * stride_pkh + d * stride_pkd, k, mask=ok)
+        tl.store(V_POOL + block * stride_pvb + offset * stride_pvs + h * stride_pvh + d * stride_pvd, v, mask=ok)
 
 
 def _check(k, v, k_pool, v_pool, slot_mapping) -> None:
@@ -72,12 +72,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     batch, seq, heads, head_dim = k.shape
     if batch * seq == 0:
         return
-    _write_kv_kernel[(batch * seq, heads)](
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    _write_kv_kernel[(batch * seq,)](
         k, v, k_pool, v_pool, slot_mapping,
         *k.stride(), *v.stride(), *k_pool.stride(), *v_pool.stride(), *slot_mapping.stride(),
-        seq, head_dim, k_pool.shape[1],
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+        seq, heads, head_dim, k_pool.shape[1],
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=write_kv_warps(block_h * block_d),
     )
+
+
+def write_kv_warps(tile: int) -> int:
+    """Warps for a [BLOCK_H, BLOCK_D] tile: about 8 elements per thread, 1 to 8 warps."""
+    return max(1, min(8, tile // 256))
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

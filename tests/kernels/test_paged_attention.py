@@ -170,13 +170,15 @@ def _side_jobs():
             jobs.append(dict(module="hfaccel.kernels.paged_attention", kernel="_combine_splits_kernel",
                              signature=signature, constexprs=dict(BLOCK_D=head_dim, VARLEN=True),
                              num_warps=1 if head_dim <= 128 else 2, num_stages=1))
-            write = importlib.import_module("hfaccel.kernels.write_kv")._write_kv_kernel
-            signature = {name: "i32" for name in write.arg_names if name != "BLOCK_D"}
+            write_module = importlib.import_module("hfaccel.kernels.write_kv")
+            signature = {name: "i32" for name in write_module._write_kv_kernel.arg_names
+                         if name not in ("BLOCK_H", "BLOCK_D")}
             ptr = "*" + TRITON_TYPES[dtype]
             signature.update(K=ptr, V=ptr, K_POOL=ptr, V_POOL=ptr, SLOTS="*i64")
-            jobs.append(dict(module="hfaccel.kernels.write_kv", kernel="_write_kv_kernel", signature=signature,
-                             constexprs=dict(BLOCK_D=head_dim), num_warps=1 if head_dim <= 128 else 2,
-                             num_stages=1))
+            for block_h in (1, 8):  # one KV head (MQA) to Llama-3's eight
+                jobs.append(dict(module="hfaccel.kernels.write_kv", kernel="_write_kv_kernel", signature=signature,
+                                 constexprs=dict(BLOCK_H=block_h, BLOCK_D=head_dim),
+                                 num_warps=write_module.write_kv_warps(block_h * head_dim), num_stages=1))
     return jobs
 
 
@@ -185,7 +187,7 @@ def sm90_results():
     return compile_sm90([_attention_job(*case) for case in SM90_CASES] + _side_jobs())
 
 
-@pytest.mark.parametrize("index", range(len(SM90_CASES) + 12))
+@pytest.mark.parametrize("index", range(len(SM90_CASES) + 18))
 def test_compiles_for_sm90(index, sm90_results):
     result = sm90_results[index]
     assert result["ok"], f"job {index}: {result.get('error')}"
