@@ -87,12 +87,10 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
         raise NotImplementedError("hfaccel attention does not implement attention sinks (s_aux); "
                                   "hfaccel.accelerate leaves such models on transformers' attention")
     softcap = kwargs.get("softcap")
-    paged = isinstance(key, PagedKV)
-    if paged and (key.dense is not None or _needs_dense(attention_mask, dropout, query)):
+    if isinstance(key, PagedKV):
+        if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
+            return _paged(backend, query, key, attention_mask, scaling, softcap), None
         key, value = key.gather()  # a prefill's own K/V, or a gather for what the paged kernel lacks
-        paged = False
-    if paged:
-        return _paged(backend, query, key, attention_mask, scaling, softcap), None
     if attention_mask is None:
         attention_mask = _implicit_mask(module, query, key, kwargs)
     if not isinstance(attention_mask, KernelMask):
@@ -104,15 +102,18 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
     mask_args = dict(scale=scaling, causal=attention_mask.causal, q_offset=attention_mask.q_offset,
                      kv_offset=attention_mask.kv_offset, key_mask=attention_mask.key_mask,
                      sliding_window=attention_mask.sliding_window, softcap=softcap)
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if _needs_autograd(query, key, value):
         return flash_attention_reference(query, key, value, **mask_args), None  # differentiable
     return flash_attention(query, key, value, backend=backend, **mask_args), None
 
 
-def _needs_dense(mask, dropout: float, query: torch.Tensor) -> bool:
-    """Whether a call must run on contiguous K/V (the paged kernel is causal, no dropout, no autograd)."""
-    exotic = not isinstance(mask, KernelMask) or not mask.causal
-    return exotic or dropout > 0.0 or (torch.is_grad_enabled() and query.requires_grad)
+def _needs_autograd(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _paged_kernel_serves(mask, dropout: float, query: torch.Tensor) -> bool:
+    """The paged kernel is causal, without dropout or autograd; anything else runs on gathered K/V."""
+    return isinstance(mask, KernelMask) and mask.causal and dropout == 0.0 and not _needs_autograd(query)
 
 
 def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,

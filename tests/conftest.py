@@ -14,9 +14,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one thread per worker: two workers on two cores, no oversubscription
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Start the long tests first so that parallel workers finish together."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_report_header(config):

@@ -7,6 +7,8 @@ import transformers
 import hfaccel
 from hfaccel.assets import smollm2_path
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
@@ -25,12 +27,24 @@ def test_greedy_continuations_identical(smollm2):
     kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = model.generate(**batch, **kwargs)
     assert "Paris" in tokenizer.decode(expected[0, batch["input_ids"].shape[1]:])
-    hfaccel.accelerate(model, attention="triton")
+    hfaccel.accelerate(model, attention="triton")  # paged=True: generate() runs on a PagedCache
     try:
         got = model.generate(**batch, **kwargs)
     finally:
         hfaccel.restore(model)
     assert torch.equal(got, expected), "\n".join(tokenizer.batch_decode(got) + tokenizer.batch_decode(expected))
+
+
+def test_plain_model_with_paged_cache_identical(smollm2):
+    """The real model, not accelerated, generating with an explicit PagedCache (K/V gathered for sdpa)."""
+    model, tokenizer = smollm2
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = model.generate(**batch, **kwargs)
+    cache = hfaccel.PagedCache(model.config, max_batch_size=3, max_cache_len=batch["input_ids"].shape[1] + 32)
+    got = model.generate(**batch, past_key_values=cache, **kwargs)
+    assert torch.equal(got, expected)
+    assert cache.memory_stats()["blocks_used"] > 0
 
 
 def test_prefill_logits_close(smollm2):
