@@ -10,6 +10,8 @@ check_transformers_version()
 from hfaccel.accelerate import Acceleration, accelerate, restore  # noqa: E402
 from hfaccel.block_manager import BlockManager, CacheFullError  # noqa: E402
 from hfaccel.cache import PagedCache  # noqa: E402
+from hfaccel.quant import Int4Linear, load_quantized, quantize, save_quantized  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Acceleration", "BlockManager", "CacheFullError", "PagedCache", "accelerate", "restore", "__version__"]
+__all__ = ["Acceleration", "BlockManager", "CacheFullError", "Int4Linear", "PagedCache", "accelerate",
+           "load_quantized", "quantize", "restore", "save_quantized", "__version__"]

@@ -39,7 +39,8 @@ class Acceleration:
                 f"(backend {self.attention!r}), {'paged' if self.paged else 'default'} KV cache in generate()")
 
 
-def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True) -> PreTrainedModel:
+def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
+               calib_data=None, group_size: int = 128) -> PreTrainedModel:
     """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
 
     Args:
@@ -51,6 +52,8 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         paged: ``generate()`` without a cache argument uses a :class:`hfaccel.PagedCache` sized for the
             request, and decode steps read K/V straight from its blocks (``False``: transformers' default
             cache, attention still through hfaccel's kernels).
+        quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
+            ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
 
     Only this model instance changes (its config's attention implementation). Generation, ``model(...)``
     and pipelines keep working and give the same results. An architecture hfaccel cannot serve is left
@@ -62,6 +65,10 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
     if attention == "triton":
         resolve_backend("triton", _model_device(model))
+    if quantize is not None:
+        from hfaccel.quant import quantize as quantize_model
+
+        quantize_model(model, quantize, calib_data=calib_data, group_size=group_size)
     if isinstance(getattr(model, "hfaccel", None), Acceleration):
         restore(model)
     original = model.config._attn_implementation

@@ -1,0 +1,38 @@
+"""int4 weight-only quantization: ``Int4Linear``, AWQ/GPTQ checkpoints, and quantizers."""
+
+from __future__ import annotations
+
+from rich.progress import Progress
+from torch import nn
+
+from hfaccel.quant.checkpoint import load_quantized, save_quantized
+from hfaccel.quant.formats import Int4Weight
+from hfaccel.quant.linear import Int4Linear
+from hfaccel.quant.rtn import quantize_rtn
+
+METHODS = ("rtn",)
+
+__all__ = ["Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn", "save_quantized"]
+
+
+def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_size: int = 128,
+             skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+    """Replace the model's Linear layers (except ``skip``) by :class:`Int4Linear`, in place; returns the model.
+
+    ``method``: ``"rtn"`` (round to nearest, no calibration data). Layers whose shapes the int4 kernels cannot
+    take (in_features not a multiple of ``group_size``, out_features not a multiple of 8) stay in full precision.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and not any(name == s or name.endswith("." + s) for s in skip)
+               and m.in_features % group_size == 0 and m.out_features % 8 == 0]
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"int4 {method} quantization", total=len(targets))
+        for name, linear in targets:
+            weight = quantize_rtn(linear.weight, group_size)
+            module = Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module)
+            progress.advance(task)
+    return model

@@ -1,0 +1,69 @@
+"""``Int4Linear``: an ``nn.Linear`` replacement holding int4 weights, running the W4A16 kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hfaccel.kernels.w4a16 import w4a16_matmul
+from hfaccel.quant.formats import Int4Weight
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` stored as 4-bit integers, per-group scales and zero points.
+
+    Buffers (hfaccel's kernel layout, see ``hfaccel.kernels.w4a16``): ``qweight [K/8, N]`` int32,
+    ``scales`` and ``zeros [K/group_size, N]`` in the activation dtype, and for activation-order (GPTQ
+    ``desc_act``) checkpoints ``perm [K]`` (the input permutation that makes groups contiguous) and ``g_idx``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group_size: int = 128, bias: bool = False,
+                 act_order: bool = False, dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        if in_features % group_size or group_size % 8 or out_features % 8:
+            raise ValueError(f"Int4Linear needs in_features ({in_features}) divisible by group_size "
+                             f"({group_size}), group_size by 8 and out_features ({out_features}) by 8")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(in_features // 8, out_features, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=dtype, device=device))
+        self.register_buffer("zeros", torch.zeros(groups, out_features, dtype=dtype, device=device))
+        self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
+        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32, device=device)
+                             if act_order else None)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, *,
+                    dtype: torch.dtype | None = None) -> Int4Linear:
+        """Wrap an :class:`Int4Weight` (and an optional bias) as a module."""
+        k, n = weight.qweight.shape[0] * 8, weight.qweight.shape[1]
+        dtype = dtype or weight.scales.dtype
+        module = cls(k, n, group_size=weight.group_size, bias=bias is not None, act_order=weight.perm is not None,
+                     dtype=dtype, device=weight.qweight.device)
+        module.qweight.copy_(weight.qweight)
+        module.scales.copy_(weight.scales.to(dtype))
+        module.zeros.copy_(weight.zeros.to(dtype))
+        if weight.perm is not None:
+            module.perm.copy_(weight.perm)
+            module.g_idx.copy_(weight.g_idx)
+        if bias is not None:
+            module.bias.data.copy_(bias.to(dtype))
+        return module
+
+    def int4_weight(self) -> Int4Weight:
+        return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size, self.perm, self.g_idx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        out = w4a16_matmul(flat, self.qweight, self.scales, self.zeros, self.group_size)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits=4, "
+                f"group_size={self.group_size}, act_order={self.perm is not None}, bias={self.bias is not None}")
