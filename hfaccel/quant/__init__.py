@@ -5,25 +5,31 @@ from __future__ import annotations
 from rich.progress import Progress
 from torch import nn
 
+from hfaccel.quant.calibrate import calibrate
 from hfaccel.quant.checkpoint import load_quantized, save_quantized
 from hfaccel.quant.formats import Int4Weight
 from hfaccel.quant.linear import Int4Linear
 from hfaccel.quant.rtn import quantize_rtn
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "awq", "gptq")
 
 __all__ = ["Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn", "save_quantized"]
 
 
 def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_size: int = 128,
-             skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+             act_order: bool = False, calib_device=None, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """Replace the model's Linear layers (except ``skip``) by :class:`Int4Linear`, in place; returns the model.
 
-    ``method``: ``"rtn"`` (round to nearest, no calibration data). Layers whose shapes the int4 kernels cannot
-    take (in_features not a multiple of ``group_size``, out_features not a multiple of 8) stay in full precision.
+    ``method``: ``"rtn"`` (round to nearest, no calibration data), ``"awq"`` or ``"gptq"`` (calibrated on
+    ``calib_data``: token ids ``[num_samples, seq_len]``, run layer by layer, each layer on ``calib_device``
+    if given; ``act_order`` for GPTQ). Layers whose shapes the int4 kernels cannot take (in_features not a
+    multiple of ``group_size``, out_features not a multiple of 8) stay in full precision, with a warning.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if method != "rtn":
+        return calibrate(model, method, _calibration_ids(calib_data, method), group_size, act_order=act_order,
+                         calib_device=calib_device, skip=skip)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
                and not any(name == s or name.endswith("." + s) for s in skip)
                and m.in_features % group_size == 0 and m.out_features % 8 == 0]
@@ -36,3 +42,19 @@ def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_si
             setattr(model.get_submodule(parent) if parent else model, child, module)
             progress.advance(task)
     return model
+
+
+def _calibration_ids(calib_data, method: str):
+    import torch
+
+    if calib_data is None:
+        raise ValueError(f"method={method!r} needs calib_data: token ids [num_samples, seq_len]")
+    if isinstance(calib_data, (list, tuple)):
+        lengths = {len(sample) for sample in calib_data}
+        if len(lengths) != 1:
+            raise ValueError(f"calib_data samples must have one length; got lengths {sorted(lengths)}")
+        calib_data = torch.stack([torch.as_tensor(sample) for sample in calib_data])
+    if not isinstance(calib_data, torch.Tensor) or calib_data.dim() != 2 or calib_data.is_floating_point():
+        raise ValueError("calib_data must be integer token ids of shape [num_samples, seq_len]; got "
+                         f"{type(calib_data).__name__} {getattr(calib_data, 'shape', '')}")
+    return calib_data

@@ -71,6 +71,22 @@ class Int4Weight:
     perm: torch.Tensor | None = None  # [K] int64: kernel row i is weight column perm[i]; None = identity
     g_idx: torch.Tensor | None = None  # [K] int32 group of each original column (GPTQ act-order), for saving
 
+    @classmethod
+    def from_values(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    g_idx: torch.Tensor | None = None) -> Int4Weight:
+        """From integer values ``q [K, N]`` (0..15) in original column order and per-group scales/zeros;
+        a ``g_idx`` other than ``arange(K) // group_size`` (activation order) is made contiguous by a ``perm``."""
+        k = q.shape[0]
+        default = torch.arange(k, device=q.device) // group_size
+        if g_idx is None or torch.equal(g_idx.long().to(q.device), default):
+            return cls(pack_along_rows(q), scales, zeros, group_size)
+        counts = torch.bincount(g_idx.long(), minlength=scales.shape[0])
+        if not torch.all(counts == group_size):
+            raise ValueError(f"g_idx must put exactly group_size={group_size} columns in each group; "
+                             f"got group sizes {sorted(set(counts.tolist()))}")
+        perm = torch.argsort(g_idx.long(), stable=True)
+        return cls(pack_along_rows(q[perm]), scales, zeros, group_size, perm=perm, g_idx=g_idx.to(torch.int32))
+
     def values(self) -> torch.Tensor:
         """The integer weight ``[K, N]`` in original column order (0..15)."""
         q = unpack_along_rows(self.qweight)
@@ -108,21 +124,11 @@ def to_awq(weight: Int4Weight) -> dict[str, torch.Tensor]:
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
               group_size: int, *, v1: bool) -> Int4Weight:
     """GPTQ tensors → hfaccel layout (exact); ``v1`` files store zero points minus one."""
-    k = qweight.shape[0] * 8
     zeros = unpack_along_cols(qzeros)
     if v1:
         zeros = (zeros + 1) & 0xF
-    default = torch.arange(k, dtype=torch.int32) // group_size
-    if g_idx is None or torch.equal(g_idx.to(torch.int32).cpu(), default):
-        return Int4Weight(qweight.clone(), scales.clone(), zeros.to(scales.dtype), group_size)
-    perm = torch.argsort(g_idx.long(), stable=True)
-    counts = torch.bincount(g_idx.long(), minlength=scales.shape[0])
-    if not torch.all(counts == group_size):
-        raise ValueError(f"g_idx must put exactly group_size={group_size} columns in each group; "
-                         f"got group sizes {sorted(set(counts.tolist()))}")
-    q = unpack_along_rows(qweight)[perm]
-    return Int4Weight(pack_along_rows(q), scales.clone(), zeros.to(scales.dtype), group_size, perm=perm,
-                      g_idx=g_idx.to(torch.int32).clone())
+    return Int4Weight.from_values(unpack_along_rows(qweight), scales.clone(), zeros.to(scales.dtype), group_size,
+                                  g_idx)
 
 
 def to_gptq(weight: Int4Weight, *, v1: bool) -> dict[str, torch.Tensor]:

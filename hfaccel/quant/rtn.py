@@ -7,18 +7,30 @@ import torch
 from hfaccel.quant.formats import Int4Weight, pack_along_rows
 
 
+def group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit (scale, zero) for each column of ``w [rows, N]``: [min, max] (widened to include 0)
+    mapped onto 0..15. Scales are rounded to fp16 values, what AWQ/GPTQ files store, so saving is lossless."""
+    low = w.amin(0).clamp(max=0.0)
+    high = w.amax(0).clamp(min=0.0)
+    scales = ((high - low) / 15).clamp(min=1e-6).half().float()
+    return scales, (-low / scales).round().clamp(0, 15)
+
+
+def quantize_values(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Integer codes 0..15 of ``w`` with the given (broadcastable) scales and zeros."""
+    return (w / scales + zeros).round().clamp(0, 15)
+
+
 def quantize_rtn(weight: torch.Tensor, group_size: int = 128, *, dtype: torch.dtype | None = None) -> Int4Weight:
-    """``nn.Linear.weight [N, K]`` → :class:`Int4Weight`; each group of ``group_size`` columns of a row maps
-    its [min, max] (widened to include 0) onto 0..15."""
+    """``nn.Linear.weight [N, K]`` → :class:`Int4Weight`, rounding each group of ``group_size`` columns of a row
+    to the nearest of 16 levels spanning its range."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"in_features ({in_features}) must be a multiple of group_size ({group_size})")
     w = weight.detach().float().t().reshape(in_features // group_size, group_size, out_features)  # [G, g, N]
-    low = w.amin(1).clamp(max=0.0)
-    high = w.amax(1).clamp(min=0.0)
-    scales = ((high - low) / 15).clamp(min=1e-8)  # [G, N]
-    zeros = (-low / scales).round().clamp(0, 15)
-    q = (w / scales[:, None] + zeros[:, None]).round().clamp(0, 15)  # [G, g, N]
+    scales, zeros = group_params(w.transpose(0, 1).reshape(group_size, -1))  # [G * N] each
+    scales, zeros = scales.view(-1, out_features), zeros.view(-1, out_features)  # [G, N]
+    q = quantize_values(w, scales[:, None], zeros[:, None])  # [G, g, N]
     dtype = dtype or weight.dtype
     return Int4Weight(pack_along_rows(q.reshape(in_features, out_features).to(torch.int32)).to(weight.device),
                       scales.to(dtype), zeros.to(dtype), group_size)
