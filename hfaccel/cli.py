@@ -1,4 +1,4 @@
-"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``."""
+"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``, ``quantize``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-len", type=int, default=None)
     bench.add_argument("--new-tokens", type=int, default=None)
     bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
+    quantize = sub.add_parser("quantize", help="quantize a model to int4 and save an AWQ or GPTQ checkpoint")
+    quantize.add_argument("model", help="model folder or hub id")
+    quantize.add_argument("--method", default="awq", choices=("rtn", "awq", "gptq"))
+    quantize.add_argument("--calib", help="text file whose tokens calibrate awq/gptq")
+    quantize.add_argument("--out", required=True, help="output folder")
+    quantize.add_argument("--format", choices=("awq", "gptq"), help="checkpoint format (default: the method's)")
+    quantize.add_argument("--group-size", type=int, default=128)
+    quantize.add_argument("--samples", type=int, default=64, help="calibration sequences")
+    quantize.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    quantize.add_argument("--act-order", action="store_true", help="GPTQ activation order (gptq format only)")
+    quantize.add_argument("--device", default="auto", help="device each layer is calibrated on")
     return parser
 
 
@@ -56,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         run_demo(args.model, args.prompt, args.max_new_tokens, args.device, args.dtype, args.attention)
     elif args.command == "generate":
         _generate(args)
+    elif args.command == "quantize":
+        _quantize(args)
     elif args.command == "bench":
         from hfaccel.bench import run_bench
 
@@ -79,6 +92,43 @@ def _generate(args: argparse.Namespace) -> None:
                          pad_token_id=tokenizer.pad_token_id)
     for text in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True):
         console.print(text.strip())
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hfaccel
+    from hfaccel.demo import pick_device
+
+    console = Console()
+    fmt = args.format or ("gptq" if args.method == "gptq" else "awq")
+    if args.act_order and fmt != "gptq":
+        raise SystemExit("--act-order needs --format gptq (AWQ files have no activation order)")
+    if args.method != "rtn" and not args.calib:
+        raise SystemExit(f"--method {args.method} needs --calib TEXTFILE")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float16).eval()
+    calib = calibration_ids(tokenizer, Path(args.calib).read_text(), args.samples, args.seq_len) if args.calib else None
+    device = pick_device(args.device)
+    hfaccel.quantize(model, args.method, calib_data=calib, group_size=args.group_size, act_order=args.act_order,
+                     calib_device=device)
+    hfaccel.save_quantized(model, args.out, format=fmt, tokenizer=tokenizer)
+    console.print(f"wrote {fmt} checkpoint to {args.out} ({args.method}, group size {args.group_size})")
+
+
+def calibration_ids(tokenizer, text: str, samples: int, seq_len: int):
+    """``[samples, seq_len]`` token ids taken at evenly spaced offsets of ``text``."""
+    import torch
+
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if len(ids) < seq_len:
+        raise SystemExit(f"the calibration text has {len(ids)} tokens; --seq-len {seq_len} needs at least that many")
+    starts = torch.linspace(0, len(ids) - seq_len, samples).long().unique()
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
 
 
 if __name__ == "__main__":

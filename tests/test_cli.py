@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from hfaccel.cli import build_parser, main
 from tests.models import tiny_model
@@ -51,3 +52,18 @@ def test_bad_arguments_exit_with_usage(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--attention", "cuda"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, fmt", [("rtn", "awq"), ("gptq", "gptq")])
+def test_quantize_command_writes_a_loadable_checkpoint(model_dir, tmp_path, method, fmt):
+    import hfaccel
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{i % 90 + 4}" for i in range(400)))
+    out = tmp_path / "q"
+    args = ["quantize", str(model_dir), "--method", method, "--out", str(out), "--group-size", "32",
+            "--samples", "4", "--seq-len", "16", "--calib", str(text), "--device", "cpu"]
+    assert main(args) == 0
+    model = hfaccel.load_quantized(out, dtype=torch.float16)
+    assert any(isinstance(m, hfaccel.Int4Linear) for m in model.modules())
+    assert (out / "tokenizer.json").exists() or (out / "tokenizer_config.json").exists()

@@ -30,7 +30,7 @@ def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_si
     if method != "rtn":
         return calibrate(model, method, _calibration_ids(calib_data, method), group_size, act_order=act_order,
                          calib_device=calib_device, skip=skip)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear  # not bitsandbytes' subclasses
                and not any(name == s or name.endswith("." + s) for s in skip)
                and m.in_features % group_size == 0 and m.out_features % 8 == 0]
     with Progress(transient=True) as progress:

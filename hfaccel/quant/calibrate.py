@@ -124,7 +124,7 @@ def _first_layer_inputs(model, layers, calib_data: torch.Tensor):
 def _quantizable(layer: nn.Module, group_size: int, skip) -> dict[str, nn.Linear]:
     found = {}
     for name, module in layer.named_modules():
-        if not isinstance(module, nn.Linear) or any(name.endswith(s) for s in skip):
+        if type(module) is not nn.Linear or any(name.endswith(s) for s in skip):  # not bitsandbytes' subclasses
             continue
         if module.in_features % group_size or module.out_features % 8:
             warnings.warn(f"hfaccel: {name} ({module.in_features}->{module.out_features}) stays in full precision: "
