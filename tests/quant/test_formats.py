@@ -91,3 +91,65 @@ def test_awq_refuses_act_order_weights():
                                 torch.zeros(K // G, N), G, perm=torch.randperm(K), g_idx=torch.zeros(K))
     with pytest.raises(ValueError, match="save as gptq"):
         formats.to_awq(weight)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-v1-act-order", "gptq-v2-sym"])
+def test_hand_built_checkpoint_folder_loads(tmp_path, fmt):
+    """A whole checkpoint folder written by this test from the format description (not by hfaccel's writer):
+    load_quantized gives Int4Linear layers whose weights are exactly the formula's."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    import hfaccel
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    plain = transformers.LlamaForCausalLM(config)
+    tensors, expected = {}, {}
+    gen = torch.Generator().manual_seed(9)
+    for name, module in plain.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        k, n = module.in_features, module.out_features
+        q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+        z = torch.full((k // G, n), 8, dtype=torch.int32) if fmt.endswith("sym") else \
+            torch.randint(0, 16, (k // G, n), generator=gen, dtype=torch.int32)
+        s = (torch.rand(k // G, n, generator=gen) * 0.1 + 0.01).half()
+        g_idx = torch.arange(k, dtype=torch.int32) // G
+        if "act-order" in fmt:
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
+        if fmt == "awq":
+            order = (0, 2, 4, 6, 1, 3, 5, 7)
+            tensors[f"{name}.qweight"] = torch.tensor(
+                [[_pack_words_by_hand(q[r, 8 * c:8 * c + 8], order) for c in range(n // 8)] for r in range(k)],
+                dtype=torch.int32)
+            tensors[f"{name}.qzeros"] = torch.tensor(
+                [[_pack_words_by_hand(z[r, 8 * c:8 * c + 8], order) for c in range(n // 8)] for r in range(k // G)],
+                dtype=torch.int32)
+        else:
+            stored = (z - 1) & 0xF if "v1" in fmt else z
+            tensors[f"{name}.qweight"] = torch.tensor(
+                [[_pack_words_by_hand(q[8 * r:8 * r + 8, o], range(8)) for o in range(n)] for r in range(k // 8)],
+                dtype=torch.int32)
+            tensors[f"{name}.qzeros"] = torch.tensor(
+                [[_pack_words_by_hand(stored[r, 8 * c:8 * c + 8], range(8)) for c in range(n // 8)]
+                 for r in range(k // G)], dtype=torch.int32)
+            tensors[f"{name}.g_idx"] = g_idx
+        tensors[f"{name}.scales"] = s
+        expected[name] = ((q.float() - z.float()[g_idx.long()]) * s.float()[g_idx.long()]).t()
+    for key, value in plain.state_dict().items():
+        if not any(key.startswith(name + ".") for name in expected):
+            tensors[key] = value.half().contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    spec = ({"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm"}
+            if fmt == "awq" else
+            {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": "act-order" in fmt,
+             "sym": fmt.endswith("sym"), "checkpoint_format": "gptq" if "v1" in fmt else "gptq_v2"})
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "quantization_config": spec}))
+    model = hfaccel.load_quantized(tmp_path, dtype=torch.float16)
+    for name, weight in expected.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, hfaccel.Int4Linear), name
+        assert torch.equal(module.int4_weight().dequantize(), weight), name
