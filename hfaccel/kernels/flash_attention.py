@@ -34,6 +34,36 @@ def _tanh(x):
 
 
 @triton.jit
+def _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr, IEEE_FP32: tl.constexpr):
+    """``q [M, D] @ k [D, N]`` scaled into the log2 domain (``c * tanh(s / c)`` first when softcapped)."""
+    if IEEE_FP32:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    if HAS_SOFTCAP:
+        s = softcap_log2 * _tanh(s * score_scale)
+    else:
+        s = s * score_scale
+    return s
+
+
+@triton.jit
+def _online_softmax_update(s, v, m_i, l_i, acc, IEEE_FP32: tl.constexpr):
+    """Fold masked log2 scores ``s [M, N]`` (-inf = hidden) and values ``v [N, D]`` into the running row max
+    ``m_i``, row sum ``l_i`` and unnormalised output ``acc``; rows that have seen no key stay at zero."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_FP32:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _flash_attention_kernel(
     Q, K, V, O, KEY_MASK,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -97,15 +127,7 @@ def _flash_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        if IEEE_FP32:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        # s: [BLOCK_M, BLOCK_N], scaled into the log2 domain
-        if HAS_SOFTCAP:
-            s = softcap_log2 * _tanh(s * score_scale)
-        else:
-            s = s * score_scale
+        s = _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP, IEEE_FP32)  # [BLOCK_M, BLOCK_N]
 
         visible = n_ok[None, :] & row_ok[:, None]
         k_pos = kv_offset + offs_n
@@ -117,18 +139,7 @@ def _flash_attention_kernel(
             key_ok = tl.load(KEY_MASK + batch * stride_mb + offs_n * stride_ms, mask=n_ok, other=0)
             visible = visible & (key_ok != 0)[None, :]
         s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_FP32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, IEEE_FP32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]

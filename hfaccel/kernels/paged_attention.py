@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hfaccel.kernels.flash_attention import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, _score_scales, _tanh, flash_attention_reference,
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, _online_softmax_update, _score_scales, _scores, flash_attention_reference,
 )
 from hfaccel.kernels.runtime import interpreting, resolve_backend
 
@@ -103,14 +103,7 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        if IEEE_FP32:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        if HAS_SOFTCAP:
-            s = softcap_log2 * _tanh(s * score_scale)
-        else:
-            s = s * score_scale
+        s = _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP, IEEE_FP32)  # [BLOCK_M, BLOCK_N]
         visible = n_ok[None, :] & row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
@@ -118,18 +111,7 @@ def _paged_attention_kernel(
             key_ok = tl.load(KEY_MASK + seq_id.to(tl.int64) * stride_mask + offs_n * stride_mask_col, mask=n_ok, other=0)
             visible = visible & (key_ok != 0)[None, :]
         s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_FP32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, IEEE_FP32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
