@@ -9,7 +9,7 @@ PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 PIP := $(PYTHON) -m pip
 
-.PHONY: demo test install install-dev assets
+.PHONY: demo test install install-dev assets gpu-wheels gpu-test gpu-bench
 
 demo: install
 	$(PYTHON) -m hfaccel.cli demo
@@ -27,3 +27,22 @@ install-dev:
 
 assets:
 	$(PYTHON) -m hfaccel.assets
+
+# ---- On a lent GPU machine (no network there; see docs/benchmarks.md) -------------------------------------
+# Here: `make gpu-wheels` puts the pure-Python packages the GPU machine lacks into wheels/ (carried with the
+# tree). There: `make gpu-test` (the suite on CUDA tensors, kernels compiled) and `make gpu-bench`.
+GPU_PY ?= 3.12
+GPU_WHEELS := pytest pluggy iniconfig packaging hypothesis sortedcontainers attrs rich markdown-it-py mdurl \
+	pygments gguf filelock tqdm pyyaml
+
+gpu-wheels:
+	$(PIP) download --no-deps --only-binary :all: --python-version $(GPU_PY) -d wheels $(GPU_WHEELS)
+
+gpu-test:
+	$(PIP) install --no-index --find-links wheels $(GPU_WHEELS) >/dev/null
+	$(PIP) install --no-deps --no-build-isolation -e . >/dev/null
+	HFACCEL_TEST_DEVICE=cuda $(PYTHON) -m pytest -q tests
+
+gpu-bench:
+	mkdir -p docs/bench
+	$(PYTHON) -m hfaccel.cli bench --output docs/bench/$$(date +%Y%m%d-%H%M)-$$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' '-').json

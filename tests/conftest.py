@@ -5,7 +5,8 @@ TRITON_INTERPRET must be set before any module defining a @triton.jit kernel is 
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("HFACCEL_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from tests.devices import DEVICE
+
 # Small enough for the Triton interpreter, large enough to exercise GQA (4 query heads over 2 KV heads)
 # and, with sliding_window=8, windows shorter than the prompts.
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -33,7 +35,7 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> 
     model = getattr(transformers, model_name)(config).to(dtype).eval()
     _sharpen(model)
     model.set_attn_implementation(BASELINE_ATTENTION.get(arch, "sdpa"))
-    return model
+    return model.to(DEVICE)
 
 
 def _sharpen(model: transformers.PreTrainedModel) -> None:
@@ -55,4 +57,4 @@ def padded_batch(lengths=(11, 7, 4), vocab_size: int = 96, seed: int = 1) -> dic
     for row, length in enumerate(lengths):
         input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=gen)
         attention_mask[row, width - length:] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    return {"input_ids": input_ids.to(DEVICE), "attention_mask": attention_mask.to(DEVICE)}

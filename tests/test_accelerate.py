@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import hfaccel
+from tests.devices import DEVICE
 from tests.models import padded_batch, tiny_model
 
 
@@ -115,7 +116,7 @@ def test_attention_sinks_fall_back():
     config = transformers.GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        num_local_experts=2, num_experts_per_tok=1, sliding_window=8)
-    model = transformers.GptOssForCausalLM(config).eval()
+    model = transformers.GptOssForCausalLM(config).eval().to(DEVICE)
     with pytest.warns(UserWarning, match="sinks"):
         hfaccel.accelerate(model)
     assert not model.hfaccel.active

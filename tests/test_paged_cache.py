@@ -8,6 +8,7 @@ from transformers import DynamicCache
 import hfaccel
 from hfaccel import PagedCache
 from hfaccel.cache import PagedKV
+from tests.devices import DEVICE
 from tests.models import ARCHITECTURES, padded_batch, tiny_model
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -130,8 +131,8 @@ def _feed(cache, reference, steps, batch=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     for length in steps:
         for layer in range(cache.num_layers):
-            k = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen)
-            v = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen)
+            k = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen).to(DEVICE)
+            v = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen).to(DEVICE)
             reference.update(k, v, layer)
             cache.update(k, v, layer)
 
@@ -139,8 +140,8 @@ def _feed(cache, reference, steps, batch=3, seed=0):
 def _assert_same(cache, reference):
     assert cache.get_seq_length() == reference.get_seq_length()
     for layer in range(cache.num_layers):
-        keys, values = cache.update(torch.zeros(len(cache.rows), cache.num_kv_heads, 0, cache.head_dim),
-                                    torch.zeros(len(cache.rows), cache.num_kv_heads, 0, cache.head_dim), layer)
+        empty = torch.zeros(len(cache.rows), cache.num_kv_heads, 0, cache.head_dim, device=DEVICE)
+        keys, values = cache.update(empty, empty, layer)
         assert torch.equal(keys, reference.layers[layer].keys)
         assert torch.equal(values, reference.layers[layer].values)
 

@@ -6,6 +6,7 @@ import transformers
 
 import hfaccel
 from hfaccel.assets import smollm2_path
+from tests.devices import DEVICE
 
 pytestmark = pytest.mark.slow
 
@@ -17,13 +18,17 @@ def smollm2():
     path = smollm2_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="sdpa").eval()
+                                                              attn_implementation="sdpa").eval().to(DEVICE)
     return model, tokenizer
+
+
+def _batch(tokenizer):
+    return tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
 
 
 def test_greedy_continuations_identical(smollm2):
     model, tokenizer = smollm2
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    batch = _batch(tokenizer)
     kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = model.generate(**batch, **kwargs)
     assert "Paris" in tokenizer.decode(expected[0, batch["input_ids"].shape[1]:])
@@ -38,7 +43,7 @@ def test_greedy_continuations_identical(smollm2):
 def test_plain_model_with_paged_cache_identical(smollm2):
     """The real model, not accelerated, generating with an explicit PagedCache (K/V gathered for sdpa)."""
     model, tokenizer = smollm2
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    batch = _batch(tokenizer)
     kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = model.generate(**batch, **kwargs)
     cache = hfaccel.PagedCache(model.config, max_batch_size=3, max_cache_len=batch["input_ids"].shape[1] + 32)
@@ -49,7 +54,7 @@ def test_plain_model_with_paged_cache_identical(smollm2):
 
 def test_prefill_logits_close(smollm2):
     model, tokenizer = smollm2
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    batch = _batch(tokenizer)
     with torch.no_grad():
         expected = model(**batch).logits
         hfaccel.accelerate(model, attention="triton")

@@ -29,7 +29,7 @@ def pack_along_rows(q: torch.Tensor) -> torch.Tensor:
     if k % 8:
         raise ValueError(f"rows must be a multiple of 8 to pack; got {k}")
     q = q.to(torch.int64).reshape(k // 8, 8, n)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)[None, :, None]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)[None, :, None]
     return _to_int32((q << shifts).sum(1))
 
 
@@ -44,7 +44,7 @@ def pack_along_cols(q: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -
     if n % 8:
         raise ValueError(f"columns must be a multiple of 8 to pack; got {n}")
     q = q.to(torch.int64).reshape(r, n // 8, 8)[:, :, list(order)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
     return _to_int32((q << shifts).sum(-1))
 
 
@@ -97,7 +97,7 @@ class Int4Weight:
         if self.g_idx is not None:
             return self.g_idx.long()
         k = self.qweight.shape[0] * 8
-        return torch.arange(k) // self.group_size
+        return torch.arange(k, device=self.qweight.device) // self.group_size
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` float32 weight, as ``nn.Linear.weight`` holds it."""

@@ -7,6 +7,7 @@ import torch
 
 from hfaccel.kernels import flash_attention, flash_attention_reference
 from hfaccel.kernels.flash_attention import pick_config, visibility_mask
+from tests.devices import on_device
 from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90
 
 flash_module = importlib.import_module("hfaccel.kernels.flash_attention")
@@ -41,7 +42,7 @@ def _left_padding(batch, seq_kv, pads):
 
 
 def _check(q, k, v, **kwargs):
-    out = flash_attention(q, k, v, backend="triton", **kwargs)
+    out = on_device(flash_attention, q, k, v, backend="triton", **kwargs)
     ref = flash_attention_reference(q, k, v, **kwargs)
     assert out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     assert out.dtype == q.dtype
@@ -88,7 +89,7 @@ def test_fully_masked_rows_are_zero_not_nan():
     shape = (2, 4, 2, 9, 9, 64, 0)
     q, k, v = _inputs(shape, torch.float32)
     key_mask = _left_padding(2, 9, (5, 0))  # row 0: queries 0..4 see only padding
-    out = flash_attention(q, k, v, backend="triton", key_mask=key_mask)
+    out = on_device(flash_attention, q, k, v, backend="triton", key_mask=key_mask)
     assert torch.isfinite(out).all()
     assert out[0, :5].abs().max() == 0
     assert_close(out, flash_attention_reference(q, k, v, key_mask=key_mask))

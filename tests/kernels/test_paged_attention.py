@@ -9,6 +9,7 @@ from hfaccel.kernels.paged_attention import (
     choose_num_splits, paged_attention, paged_attention_reference, pick_paged_config,
 )
 from hfaccel.kernels.write_kv import write_kv, write_kv_reference
+from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90
 
 paged_module = importlib.import_module("hfaccel.kernels.paged_attention")
@@ -47,7 +48,7 @@ def test_decode_matches_reference(heads, head_dim, dtype):
     k_pool, v_pool = _pool(64, heads[1], head_dim, dtype)
     tables, lens = _tables(LENGTHS, 64)
     q = torch.randn(len(LENGTHS), heads[0], 1, head_dim).to(dtype)
-    out = paged_attention(q, k_pool, v_pool, tables, lens, backend="triton", num_splits=1)
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, backend="triton", num_splits=1)
     assert out.shape == (len(LENGTHS), 1, heads[0], head_dim)
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens))
 
@@ -61,7 +62,7 @@ def test_mixed_decode_and_prefill_chunks(dtype):
     tables, lens = _tables(seq_lens, 64)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), 8, 64).to(dtype)
-    out = paged_attention(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
                           backend="triton", num_splits=1)
     assert out.shape == q.shape
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu))
@@ -72,8 +73,8 @@ def test_split_k_agrees_with_single_pass(dtype):
     k_pool, v_pool = _pool(128, 2, 64, dtype)
     tables, lens = _tables([1200, 5, 700], 128)
     q = torch.randn(3, 8, 1, 64).to(dtype)
-    single = paged_attention(q, k_pool, v_pool, tables, lens, backend="triton", num_splits=1)
-    split = paged_attention(q, k_pool, v_pool, tables, lens, backend="triton", num_splits=5)
+    single = on_device(paged_attention, q, k_pool, v_pool, tables, lens, backend="triton", num_splits=1)
+    split = on_device(paged_attention, q, k_pool, v_pool, tables, lens, backend="triton", num_splits=5)
     assert_close(split, single)
     assert_close(split, paged_attention_reference(q, k_pool, v_pool, tables, lens))
 
@@ -90,7 +91,8 @@ def test_dense_prefill_with_padding_window_softcap_and_splits(dtype):
     kwargs = dict(key_mask=key_mask, sliding_window=50, softcap=20.0)
     expected = paged_attention_reference(q, k_pool, v_pool, tables, lens, **kwargs)
     for splits in (1, 3):
-        out = paged_attention(q, k_pool, v_pool, tables, lens, backend="triton", num_splits=splits, **kwargs)
+        out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, backend="triton", num_splits=splits,
+                        **kwargs)
         assert torch.isfinite(out).all()
         assert_close(out, expected)
 
@@ -123,7 +125,9 @@ def test_write_kv_matches_reference(dtype):
     new_k = torch.randn(2, 3, 5, 80).to(dtype).transpose(1, 2)  # [B, S, Hkv, D] view of [B, Hkv, S, D]
     new_v = torch.randn(2, 3, 5, 80).to(dtype).transpose(1, 2)
     slots = torch.tensor([[3, 17, 18, 19, -1], [100, 101, 5, 6, 127]])
-    write_kv(new_k, new_v, k_pool, v_pool, slots, backend="triton")
+    pools = k_pool.to(DEVICE), v_pool.to(DEVICE)
+    on_device(write_kv, new_k, new_v, *pools, slots, backend="triton")
+    k_pool, v_pool = pools[0].cpu(), pools[1].cpu()
     write_kv_reference(new_k, new_v, expected_k, expected_v, slots)
     assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
     assert torch.equal(k_pool.view(-1, 3, 80)[17], new_k[0, 1])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hfaccel.kernels.w4a16 import pick_w4a16_config, w4a16_matmul, w4a16_reference
+from tests.devices import on_device
 from tests.kernels.helpers import TRITON_TYPES, compile_sm90
 
 w4a16_module = importlib.import_module("hfaccel.kernels.w4a16")
@@ -29,7 +30,7 @@ def _weights(k, n, group_size, dtype, seed=0):
 def test_matches_reference(m, k, n, group_size, dtype):
     qweight, scales, zeros = _weights(k, n, group_size, dtype)
     x = torch.randn(m, k).to(dtype)
-    out = w4a16_matmul(x, qweight, scales, zeros, group_size, backend="triton")
+    out = on_device(w4a16_matmul, x, qweight, scales, zeros, group_size, backend="triton")
     ref = w4a16_reference(x, qweight, scales, zeros, group_size)
     assert out.shape == (m, n) and out.dtype == dtype
     error = (out.float() - ref.float()).abs().max() / ref.float().abs().max()

@@ -29,7 +29,7 @@ def test_accelerate_keeps_bitsandbytes_layers(model_dir, bits):
                                                               attn_implementation="sdpa")
     layer_type = type(model.model.layers[0].self_attn.q_proj)
     assert layer_type in (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
-    batch = padded_batch()
+    batch = {key: value.cpu() for key, value in padded_batch().items()}  # bitsandbytes' CPU backend
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     expected = model.generate(**batch, **kwargs)
     hfaccel.accelerate(model, attention="triton")

@@ -8,6 +8,7 @@ import transformers
 
 import hfaccel
 from hfaccel.quant import Int4Linear, quantize_rtn
+from tests.devices import DEVICE
 from tests.models import padded_batch
 
 CONFIG = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -17,14 +18,14 @@ CONFIG = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_
 def _model(seed=0, dtype=torch.float32, **extra):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**{**CONFIG, **extra})
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(DEVICE)
 
 
 def test_int4_linear_equals_dequantized_linear():
-    linear = torch.nn.Linear(256, 72, bias=True)
+    linear = torch.nn.Linear(256, 72, bias=True).to(DEVICE)
     weight = quantize_rtn(linear.weight, 64)
     module = Int4Linear.from_weight(weight, linear.bias)
-    x = torch.randn(3, 5, 256)
+    x = torch.randn(3, 5, 256, device=DEVICE)
     expected = x @ weight.dequantize().t() + linear.bias
     torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-5)
     assert "bits=4" in repr(module) and "group_size=64" in repr(module)
@@ -61,7 +62,7 @@ def test_save_then_load_is_bit_exact(tmp_path, fmt):
     hfaccel.save_quantized(model, tmp_path, format=fmt)
     spec = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert spec["quant_method"] == fmt and spec["bits"] == 4 and spec["group_size"] == 64
-    loaded = hfaccel.load_quantized(tmp_path, dtype=torch.float16)
+    loaded = hfaccel.load_quantized(tmp_path, dtype=torch.float16, device=DEVICE)
     for name, module in model.named_modules():
         if isinstance(module, Int4Linear):
             other = loaded.get_submodule(name)
