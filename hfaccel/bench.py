@@ -128,18 +128,17 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> fl
 
 def bench_attention(grid, dtypes, device: torch.device) -> list[AttentionRow]:
     """Causal prefill attention, hfaccel vs torch SDPA, on random inputs of each grid shape and dtype."""
-    rows = []
-    for batch, heads, seq, head_dim in grid:
-        for dtype in dtypes:
-            q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3))
-            ours = time_ms(lambda: flash_attention(q, k, v, causal=True), device)
-            theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
-            flops = attention_flops(batch, heads, seq, seq, head_dim, causal=True)
-            rows.append(AttentionRow(batch, heads, seq, head_dim, str(dtype).removeprefix("torch."), ours, theirs,
-                                     flops / ours / 1e9, flops / theirs / 1e9, theirs / ours,
-                                     resolve_backend("auto", device)))
-            del q, k, v
-    return rows
+    return [_attention_row(*shape, dtype, device) for shape in grid for dtype in dtypes]
+
+
+def _attention_row(batch: int, heads: int, seq: int, head_dim: int, dtype: torch.dtype,
+                   device: torch.device) -> AttentionRow:
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3))
+    ours = time_ms(lambda: flash_attention(q, k, v, causal=True), device)
+    theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+    flops = attention_flops(batch, heads, seq, seq, head_dim, causal=True)
+    return AttentionRow(batch, heads, seq, head_dim, str(dtype).removeprefix("torch."), ours, theirs,
+                        flops / ours / 1e9, flops / theirs / 1e9, theirs / ours, resolve_backend("auto", device))
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -154,22 +153,24 @@ def bench_paged(grid, dtype: torch.dtype, device: torch.device, heads: int = 32,
                 head_dim: int = 128, block_size: int = 16) -> list[PagedRow]:
     """One decode step of attention over the paged pool (shuffled blocks) vs SDPA on contiguous K/V."""
     copy = copy_bandwidth(device)
-    rows = []
-    for batch, context in grid:
-        blocks_per_seq = -(-context // block_size)
-        pool = torch.randn(2, batch * blocks_per_seq, block_size, kv_heads, head_dim, device=device, dtype=dtype)
-        tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
-        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
-        ours = time_ms(lambda: paged_attention(q, pool[0], pool[1], tables, lens, max_seqlen_k=context), device)
-        k = torch.randn(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
-        v = torch.randn_like(k)
-        theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device)
-        kv_bytes = 2 * batch * context * kv_heads * head_dim * q.element_size()
-        rows.append(PagedRow(batch, context, str(dtype).removeprefix("torch."), ours, theirs,
-                             kv_bytes / ours / 1e6, copy, kv_bytes / ours / 1e6 / copy, theirs / ours))
-        del pool, k, v
-    return rows
+    shapes = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    return [_paged_row(batch, context, dtype, device, copy, **shapes) for batch, context in grid]
+
+
+def _paged_row(batch: int, context: int, dtype: torch.dtype, device: torch.device, copy: float, *, heads: int,
+               kv_heads: int, head_dim: int, block_size: int) -> PagedRow:
+    blocks = batch * -(-context // block_size)
+    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    tables = torch.randperm(blocks, device=device).view(batch, -1).int()  # shuffled, as a live pool is
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
+    ours = time_ms(lambda: paged_attention(q, pool[0], pool[1], tables, lens, max_seqlen_k=context), device)
+    k = torch.randn(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device)
+    gb_per_s = 2 * batch * context * kv_heads * head_dim * q.element_size() / ours / 1e6
+    return PagedRow(batch, context, str(dtype).removeprefix("torch."), ours, theirs, gb_per_s, copy,
+                    gb_per_s / copy, theirs / ours)
 
 
 def memory_comparison(spec: str, lengths: list[int], dtype: torch.dtype, block_size: int = 16) -> list[MemoryRow]:

@@ -128,7 +128,7 @@ def _quantizable(layer: nn.Module, group_size: int, skip) -> dict[str, nn.Linear
             continue
         if module.in_features % group_size or module.out_features % 8:
             warnings.warn(f"hfaccel: {name} ({module.in_features}->{module.out_features}) stays in full precision: "
-                          f"in_features must be a multiple of group_size={group_size}, out_features of 8")
+                          f"in_features must be a multiple of group_size={group_size}, out_features of 8", stacklevel=2)
             continue
         found[name] = module
     return found
