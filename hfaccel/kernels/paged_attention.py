@@ -33,6 +33,18 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _query_span(CU_SEQLENS_Q, seq_id, uniform_q_len, VARLEN: tl.constexpr):
+    """(first query row, query count) of sequence ``seq_id``: packed (varlen) or one row per sequence."""
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + seq_id)
+        q_len = tl.load(CU_SEQLENS_Q + seq_id + 1) - q_start
+    else:
+        q_start = 0
+        q_len = uniform_q_len
+    return q_start, q_len
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, PART_O, PART_LSE,
     stride_q_seq, stride_qt, stride_qh, stride_qd,
@@ -53,12 +65,7 @@ def _paged_attention_kernel(
     pid_split = tl.program_id(2)
     seq_id = pid_sh // num_kv_heads
     kv_head = pid_sh % num_kv_heads
-    if VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + seq_id)
-        q_len = tl.load(CU_SEQLENS_Q + seq_id + 1) - q_start
-    else:
-        q_start = 0
-        q_len = uniform_q_len
+    q_start, q_len = _query_span(CU_SEQLENS_Q, seq_id, uniform_q_len, VARLEN)
     if pid_m * BLOCK_M >= q_len * GROUP:
         return
     seq_len = tl.load(SEQ_LENS + seq_id)
@@ -141,12 +148,7 @@ def _combine_splits_kernel(
     head = tl.program_id(1)
     seq_id = pid // max_q_len
     q_idx = pid % max_q_len
-    if VARLEN:
-        q_start = tl.load(CU_SEQLENS_Q + seq_id)
-        q_len = tl.load(CU_SEQLENS_Q + seq_id + 1) - q_start
-    else:
-        q_start = 0
-        q_len = uniform_q_len
+    q_start, q_len = _query_span(CU_SEQLENS_Q, seq_id, uniform_q_len, VARLEN)
     if q_idx < q_len:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
