@@ -5,15 +5,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-import torch
 from transformers import PreTrainedModel
 
 from hfaccel import attention as attention_impl
-from hfaccel import compat
 from hfaccel.generation import install_paged_generate, uninstall_paged_generate
 from hfaccel.kernels import resolve_backend
-from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
 from hfaccel.kernels.runtime import BACKENDS
+from hfaccel.support import model_device, unsupported_reason
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
     if attention == "triton":
-        resolve_backend("triton", _model_device(model))
+        resolve_backend("triton", model_device(model))
     if quantize is not None:
         from hfaccel.quant import quantize as quantize_model
 
@@ -98,26 +96,6 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why hfaccel cannot serve this model's attention, or None when it can."""
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported (hfaccel serves decoder-only causal LMs)"
-    if getattr(config, "sub_configs", None):
-        return f"composite (multimodal) models are not supported yet (sub-configs: {sorted(config.sub_configs)})"
-    if not compat.can_set_attn_implementation(model):
-        return "its modeling code does not dispatch attention through transformers' AttentionInterface"
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        return "attention sinks (s_aux) are not implemented by hfaccel's kernels"
-    head_dim = _head_dim(config)
-    if head_dim is not None and head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} is larger than the kernels' maximum {MAX_HEAD_DIM}"
-    v_head_dim = getattr(config, "v_head_dim", None)
-    if v_head_dim is not None and v_head_dim != head_dim:
-        return f"query/key head_dim ({head_dim}) differs from value head_dim ({v_head_dim})"
-    return None
-
-
 def _check_model(model) -> None:
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"hfaccel.accelerate expects a transformers PreTrainedModel (e.g. from "
@@ -125,15 +103,3 @@ def _check_model(model) -> None:
     if not model.can_generate():
         raise ValueError(f"hfaccel.accelerate expects a causal language model that can generate (e.g. "
                          f"AutoModelForCausalLM); got {type(model).__name__}, which cannot generate")
-
-
-def _head_dim(config) -> int | None:
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and getattr(config, "num_attention_heads", None):
-        head_dim = config.hidden_size // config.num_attention_heads
-    return head_dim
-
-
-def _model_device(model: PreTrainedModel) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")

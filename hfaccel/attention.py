@@ -15,12 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from hfaccel import compat
-from hfaccel.cache import PagedKV
+from hfaccel.cache import ATTENTION_NAMES, PagedKV
 from hfaccel.kernels import flash_attention, flash_attention_reference
 from hfaccel.kernels.flash_attention import visibility_mask
 from hfaccel.kernels.paged_attention import paged_attention
-
-ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton", "torch": "hfaccel_torch"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +85,8 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
         raise NotImplementedError("hfaccel attention does not implement attention sinks (s_aux); "
                                   "hfaccel.accelerate leaves such models on transformers' attention")
     softcap = kwargs.get("softcap")
+    if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
+        return _packed(backend, query, key, attention_mask, scaling, softcap, dropout), None
     if isinstance(key, PagedKV):
         if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
             return _paged(backend, query, key, attention_mask, scaling, softcap), None
@@ -122,6 +122,20 @@ def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, sca
     return paged_attention(query, kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens, max_seqlen_k=kv.max_seq_len,
                            scale=scaling, key_mask=mask.key_mask, sliding_window=mask.sliding_window,
                            softcap=softcap, backend=backend)
+
+
+def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
+            dropout: float) -> torch.Tensor:
+    # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]
+    if not _paged_kernel_serves(mask, dropout, query):
+        raise NotImplementedError(
+            "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
+            f"without dropout or autograd; got mask {type(mask).__name__}, dropout {dropout}, "
+            f"grad {_needs_autograd(query)}")
+    out = paged_attention(query[0].transpose(0, 1), kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens,
+                          cu_seqlens_q=kv.cu_seqlens_q, max_seqlen_q=kv.max_seqlen_q, max_seqlen_k=kv.max_seq_len,
+                          scale=scaling, sliding_window=mask.sliding_window, softcap=softcap, backend=backend)
+    return out[None]
 
 
 def auto_attention(module, query, key, value, attention_mask, **kwargs):

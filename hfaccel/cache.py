@@ -26,6 +26,14 @@ from hfaccel.block_manager import BlockManager, CacheFullError
 from hfaccel.kernels.write_kv import write_kv
 
 HFACCEL_ATTENTION_PREFIX = "hfaccel"
+# hfaccel's attention implementations, by kernel backend (registered by hfaccel.attention)
+ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton", "torch": "hfaccel_torch"}
+
+
+def kernel_backend(config) -> str:
+    """The kernel backend of the model's hfaccel attention ("auto" for any other attention)."""
+    name = getattr(config, "_attn_implementation", None)
+    return next((backend for backend, known in ATTENTION_NAMES.items() if known == name), "auto")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,10 @@ class PagedKV:
     # On a forward that fills empty rows (a prompt's prefill) the new K/V are the whole cache: attention can
     # read these dense [B, Hkv, S, D] tensors directly instead of the pool.
     dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Packed queries (hfaccel.engine.runner): the forward's new tokens of all sequences in one row; sequence s
+    # owns query rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]. None: one sequence per batch row.
+    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32
+    max_seqlen_q: int = 0
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous)."""
@@ -50,6 +62,14 @@ class PagedKV:
         keys = self.k_pool[blocks].flatten(1, 2)[:, :length]  # [B, S, Hkv, D]
         values = self.v_pool[blocks].flatten(1, 2)[:, :length]
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def kv_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model config (its text config for composite models)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -91,7 +111,6 @@ class PagedCache(Cache):
     def __init__(self, config, *, max_batch_size: int, max_cache_len: int | None = None,
                  num_blocks: int | None = None, block_size: int = 16, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if max_cache_len is None and num_blocks is None:
             raise ValueError("PagedCache needs max_cache_len or num_blocks")
         if max_batch_size < 1 or block_size < 1:
@@ -101,9 +120,7 @@ class PagedCache(Cache):
         self.max_batch_size = max_batch_size
         self.max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
         num_blocks = num_blocks or max_batch_size * -(-self.max_cache_len // block_size)
-        self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(config)
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
         if device is not None and dtype is not None:
@@ -126,7 +143,7 @@ class PagedCache(Cache):
         self._last_layer = layer_idx
         k_pool, v_pool = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
         write_kv(key_states.transpose(1, 2), value_states.transpose(1, 2), k_pool, v_pool,
-                 self._step["slot_mapping"])
+                 self._step["slot_mapping"], backend=kernel_backend(self.config))
         first_fill = key_states.shape[2] == self.seq_len
         paged = PagedKV(k_pool, v_pool, self._step["block_tables"], self._step["seq_lens"], self.seq_len,
                         (key_states, value_states) if first_fill else None)

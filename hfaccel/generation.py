@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import torch
 
 from hfaccel.cache import PagedCache
+from hfaccel.speculative import generate_arguments, speculative_generate
 
 
 def install_paged_generate(model) -> None:
@@ -31,6 +33,8 @@ def generate_with_paged_cache(model, generate: Callable, args: tuple, kwargs: di
     Left to transformers' own cache choice: an explicit ``past_key_values`` that is not a PagedCache, a
     ``cache_implementation`` (argument or generation config), or a request whose size cannot be read.
     """
+    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+        return _assisted_generate(model, generate, args, kwargs)
     cache = kwargs.get("past_key_values")
     shape = request_shape(model, args, kwargs)
     if isinstance(cache, PagedCache):
@@ -42,6 +46,17 @@ def generate_with_paged_cache(model, generate: Callable, args: tuple, kwargs: di
     rows, total_len = shape
     kwargs["past_key_values"] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len)
     return generate(*args, **kwargs)
+
+
+def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
+    """Assisted decoding through hfaccel's batched speculative decoding, or transformers' own (with a warning
+    that names why) for options hfaccel does not implement."""
+    arguments = generate_arguments(model, args, kwargs)
+    if isinstance(arguments, str):
+        warnings.warn(f"hfaccel: assisted generation runs on transformers' implementation (batch size 1 only) "
+                      f"because of {arguments}", stacklevel=3)
+        return generate(*args, **kwargs)
+    return speculative_generate(model, **arguments)
 
 
 def request_shape(model, args: tuple, kwargs: dict) -> tuple[int, int] | None:
