@@ -11,7 +11,9 @@ from hfaccel.accelerate import Acceleration, accelerate, restore  # noqa: E402
 from hfaccel.block_manager import BlockManager, CacheFullError  # noqa: E402
 from hfaccel.cache import PagedCache  # noqa: E402
 from hfaccel.quant import Int4Linear, load_quantized, quantize, save_quantized  # noqa: E402
+from hfaccel.speculative import SpeculativeStats, speculative_generate  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Acceleration", "BlockManager", "CacheFullError", "Int4Linear", "PagedCache", "accelerate",
-           "load_quantized", "quantize", "restore", "save_quantized", "__version__"]
+           "load_quantized", "quantize", "restore", "save_quantized", "SpeculativeStats",
+           "speculative_generate", "__version__"]

@@ -8,6 +8,8 @@
   only), ``hfaccel.accelerate`` with its paged cache, and with transformers' dense cache (``paged=False``) —
   on a model built from a named real config with random weights (speed does not depend on the weights'
   values), or a local model folder.
+- speculative: ``speculative_generate`` against the accelerated target alone, with measured acceptance and
+  cost ratio next to the analytic expectation (``hfaccel.bench_speculative``).
 
 Benchmarks are not tests: nothing here asserts a speed. Results print as tables and are written as JSON.
 """
@@ -273,8 +275,9 @@ def environment(device: torch.device) -> dict:
 
 def run_bench(what: str = "all", model: str | None = None, device: str = "auto", dtypes: list[str] | None = None,
               batches: list[int] | None = None, prompt_len: int | None = None, new_tokens: int | None = None,
-              output: str | None = None, console: Console | None = None) -> dict:
-    """Run the attention and/or decode benchmarks, print tables, write JSON; returns the results dict."""
+              output: str | None = None, console: Console | None = None, draft: str = "int4",
+              num_draft_tokens: int = 4) -> dict:
+    """Run the selected benchmarks, print tables, write JSON; returns the results dict."""
     console = console or Console()
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
@@ -300,6 +303,16 @@ def run_bench(what: str = "all", model: str | None = None, device: str = "auto",
                             dtype_objs[0])
         results["decode"] = [asdict(r) for r in rows]
         console.print(_table("decode: generate() tokens/s", results["decode"]))
+    if what in ("all", "speculative"):
+        from hfaccel.bench_speculative import bench_speculative
+
+        spec_model = model if model is not None and model not in NAMED_CONFIGS else None
+        rows = bench_speculative(spec_model, draft, batches or [1, 4, 16], num_draft_tokens,
+                                 prompt_len or (128 if cuda else 32), new_tokens or (128 if cuda else 16), dev,
+                                 dtype_objs[0])
+        results["speculative"] = [asdict(r) for r in rows]
+        console.print(_table(f"speculative decoding (draft {draft}, k={num_draft_tokens}) vs the target alone",
+                             results["speculative"]))
     path = Path(output or f"bench-results/bench-{datetime.now():%Y%m%d-%H%M%S}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2))

@@ -34,6 +34,7 @@ class SpeculativeStats:
     proposed: int = 0  # drafted tokens offered for verification
     accepted: int = 0  # drafted tokens the target accepted
     emitted: int = 0  # tokens emitted by verification steps (accepted + one per row-step, before stopping cuts)
+    rejections: int = 0  # row-steps that ended on a rejected draft
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -43,6 +44,12 @@ class SpeculativeStats:
     def acceptance_rate(self) -> float:
         """Fraction of drafted tokens the target accepted."""
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """alpha of Leviathan et al.: how often a drafted token is accepted when all before it were."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else 0.0
 
     @property
     def tokens_per_target_forward(self) -> float:
@@ -378,6 +385,7 @@ def _decode(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, s
         stats.row_steps += len(active)
         stats.proposed += sum(drafts.counts)
         stats.accepted += sum(accepted)
+        stats.rejections += sum(taken < count for taken, count in zip(accepted, drafts.counts))
         stats.emitted += sum(accepted) + len(active)
 
 

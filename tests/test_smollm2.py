@@ -1,11 +1,14 @@
 """The real SmolLM2-135M-Instruct (from its PyPI wheel, see hfaccel.assets): accelerated == plain transformers."""
 
+import copy
+
 import pytest
 import torch
 import transformers
 
 import hfaccel
 from hfaccel.assets import smollm2_path
+from hfaccel.quant.rtn import quantize_rtn
 from tests.devices import DEVICE
 
 pytestmark = pytest.mark.slow
@@ -64,3 +67,37 @@ def test_prefill_logits_close(smollm2):
             hfaccel.restore(model)
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-3, rtol=1e-4)
+
+
+def int4_draft(model, group_size: int = 64):
+    """The model with every decoder Linear rounded to int4 (RTN) and dequantized: what an int4 copy computes,
+    at fp32 matmul speed on the CPU (the int4 kernels themselves are tested in tests/quant)."""
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in draft.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize_rtn(module.weight, group_size).dequantize())
+    return draft
+
+
+def test_speculative_with_an_int4_draft(smollm2):
+    """Greedy speculative output is the model's own, stop strings included; the acceptance rate is printed."""
+    model, tokenizer = smollm2
+    batch = _batch(tokenizer)
+    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = model.generate(**batch, **kwargs)
+    draft = hfaccel.accelerate(int4_draft(model), attention="torch")
+    hfaccel.accelerate(model, attention="torch")
+    try:
+        got, stats = hfaccel.speculative_generate(model, draft, **batch, num_draft_tokens=4, return_stats=True,
+                                                  **kwargs)
+        stopped = hfaccel.speculative_generate(model, draft, **batch, stop_strings=[".", "\n\n"],
+                                               tokenizer=tokenizer, **kwargs)
+    finally:
+        hfaccel.restore(model)
+    print(f"SmolLM2-135M with an int4 (RTN, g=64) copy as draft: {stats}")
+    assert torch.equal(got, expected), "\n".join(tokenizer.batch_decode(got) + tokenizer.batch_decode(expected))
+    assert stats.proposed > 0
+    expected_stop = model.generate(**batch, stop_strings=[".", "\n\n"], tokenizer=tokenizer, **kwargs)
+    assert torch.equal(stopped, expected_stop), "\n".join(tokenizer.batch_decode(stopped) +
+                                                          tokenizer.batch_decode(expected_stop))
