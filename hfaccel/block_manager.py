@@ -11,10 +11,12 @@ Invariants (checked by ``check_invariants`` and property-tested):
 - a sequence writes only into the last block of its table, and only when it holds that block alone: a
   shared last block is first copied (copy-on-write; the copy is returned to the caller to perform on the
   device), so two live sequences never write the same block;
-- with prefix caching, each full block whose tokens are known is registered under the hash of (the hash of
-  the block before it, its own tokens); a sequence whose prompt starts with the same full blocks reuses them
-  (ref-count + 1) instead of allocating. Freed blocks keep their content and registration until the pool
-  reuses them, so a later request can still hit them.
+- with prefix caching, each full block whose tokens are known and whose K/V have been computed is registered
+  under the hash of (the hash of the block before it, its own tokens); a sequence whose prompt starts with
+  the same full blocks reuses them (ref-count + 1) instead of allocating. Freed blocks keep their content and
+  registration until the pool reuses them, so a later request can still hit them. A caller that computes a
+  sequence's K/V later than it allocates them (the engine's chunked prefill) passes ``computed=False`` and
+  reports progress with ``mark_computed``, so no other sequence can hit a block before its K/V are written.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class _Sequence:
     length: int = 0
     tokens: list[int] | None = None  # known token ids (prefix caching); None when unknown
     hashes: list[int] = field(default_factory=list)  # hashes of this sequence's leading full blocks
+    computed: int = 0  # leading tokens whose K/V are in the pool (only those blocks may be registered)
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,12 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None) -> int:
+                     num_tokens: int | None = None, computed: bool = True) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
         Give ``token_ids`` (enables prefix sharing) or just ``num_tokens``. Blocks for the whole prompt are
-        allocated (reused where a prefix hit). Raises ``CacheFullError`` with nothing changed if the pool
+        allocated (reused where a prefix hit). ``computed=False``: the prompt's K/V (past the prefix hit) are
+        not written yet (see ``mark_computed``). Raises ``CacheFullError`` with nothing changed if the pool
         cannot hold it.
         """
         if seq_id in self._seqs:
@@ -128,16 +132,19 @@ class BlockManager:
         seq.blocks, seq.hashes = list(hits), hashes
         seq.blocks += [self._allocate() for _ in range(needed)]
         seq.length = length
+        seq.computed = length if computed else len(hits) * self.block_size
         if tokens is not None:
             seq.tokens = tokens
             self._register_full_blocks(seq)
         self._seqs[seq_id] = seq
         return len(hits) * self.block_size
 
-    def append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None) -> list[BlockCopy]:
+    def append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None, *,
+               computed: bool = True) -> list[BlockCopy]:
         """Grow a sequence by ``num_tokens`` slots; returns the block copies to perform first (copy-on-write).
 
-        Raises ``CacheFullError`` with nothing changed if the pool cannot hold them.
+        ``computed=False``: the new tokens' K/V are written later (``mark_computed``). Raises
+        ``CacheFullError`` with nothing changed if the pool cannot hold them.
         """
         seq = self._get(seq_id)
         if num_tokens < 0:
@@ -154,6 +161,8 @@ class BlockManager:
         new_length = seq.length + num_tokens
         seq.blocks += [self._allocate() for _ in range(self.blocks_needed(new_length) - len(seq.blocks))]
         seq.length = new_length
+        if computed:
+            seq.computed = new_length
         if seq.tokens is not None:
             if token_ids is None:
                 seq.tokens = None  # tokens unknown from here: no further prefix registration
@@ -171,7 +180,7 @@ class BlockManager:
             self._ref(block)
         self._seqs[child_id] = _Sequence(list(parent.blocks), parent.length,
                                          None if parent.tokens is None else list(parent.tokens),
-                                         list(parent.hashes))
+                                         list(parent.hashes), parent.computed)
 
     def crop(self, seq_id: Hashable, length: int) -> None:
         """Shorten a sequence to its first ``length`` tokens, releasing blocks no longer needed."""
@@ -183,11 +192,21 @@ class BlockManager:
             self._unref(block)
         del seq.blocks[keep:]
         seq.length = length
+        seq.computed = min(seq.computed, length)
         del seq.hashes[length // self.block_size:]
         if seq.tokens is not None:
             del seq.tokens[length:]
         if length % self.block_size and self.ref_counts[seq.blocks[-1]] == 1:
             self._unregister(seq.blocks[-1])  # about to be rewritten by this sequence alone
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The K/V of the sequence's first ``num_tokens`` tokens are now in the pool (registers full blocks)."""
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= seq.length:
+            raise ValueError(f"a sequence of {seq.length} tokens cannot have {num_tokens} computed")
+        seq.computed = max(seq.computed, num_tokens)
+        if seq.tokens is not None:
+            self._register_full_blocks(seq)
 
     def free(self, seq_id: Hashable) -> None:
         """End a sequence; blocks no other sequence holds return to the pool."""
@@ -258,7 +277,7 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         size = self.block_size
-        while len(seq.hashes) < min(len(seq.tokens), seq.length) // size:
+        while len(seq.hashes) < min(len(seq.tokens), seq.length, seq.computed) // size:
             index = len(seq.hashes)
             key = (seq.hashes[-1] if seq.hashes else None, tuple(seq.tokens[index * size:(index + 1) * size]))
             block, digest = seq.blocks[index], hash(key)

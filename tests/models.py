@@ -58,3 +58,20 @@ def padded_batch(lengths=(11, 7, 4), vocab_size: int = 96, seed: int = 1) -> dic
         input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=gen)
         attention_mask[row, width - length:] = 1
     return {"input_ids": input_ids.to(DEVICE), "attention_mask": attention_mask.to(DEVICE)}
+
+
+CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()[]{}<>/\\|@#$%^&*+=_~`\n"
+
+
+def char_tokenizer(vocab_size: int = 96) -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer for the tiny models: ids 0-2 are <pad>, <s>, </s>; every other id is one character, so
+    multi-character stop strings always span several tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials + list(CHARS[:vocab_size - len(specials)]))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>")

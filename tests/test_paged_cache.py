@@ -84,15 +84,17 @@ def test_sampling_with_seed_matches(accelerated):
 
 
 def test_assisted_decoding_matches():
-    """transformers' own assisted generation (batch 1) with a PagedCache on the target."""
+    """Assisted generation: hfaccel's speculative decoding, and transformers' own (batch 1) when the caller
+    passes a PagedCache for the target (it crops the cache as drafts are rejected)."""
     model, draft = tiny_model("llama"), tiny_model("llama", seed=5)
     batch = {k: v[:1] for k, v in padded_batch().items()}
     expected = model.generate(**batch, max_new_tokens=16, **GREEDY)
     hfaccel.accelerate(model, attention="triton")
     got = model.generate(**batch, max_new_tokens=16, assistant_model=draft, **GREEDY)
     assert torch.equal(got, expected)
-    got = model.generate(**batch, max_new_tokens=16, assistant_model=draft,
-                         past_key_values=_paged_cache(model, rows=1, length=40), **GREEDY)
+    with pytest.warns(UserWarning, match="transformers' implementation .* past_key_values"):
+        got = model.generate(**batch, max_new_tokens=16, assistant_model=draft,
+                             past_key_values=_paged_cache(model, rows=1, length=40), **GREEDY)
     assert torch.equal(got, expected)
 
 

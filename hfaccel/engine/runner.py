@@ -13,6 +13,7 @@ the others or recomputing anything.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -95,8 +96,25 @@ class SequenceKVCache(Cache):
         if len(seq_ids) != len(num_new) or len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"one distinct sequence id per entry of num_new; got {list(seq_ids)}, {list(num_new)}")
         self._reserve(seq_ids, num_new, token_ids)
-        self.step = self._packed_step(seq_ids, num_new)
+        starts = [self.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
+        return self.prepare(seq_ids, starts, num_new)
+
+    def prepare(self, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int]) -> PackedStep:
+        """The next forward computes tokens ``[starts[i], starts[i] + num_new[i])`` of sequence ``seq_ids[i]``,
+        whose slots the caller already holds in the block manager (the engine allocates them itself)."""
+        for seq_id, start, n in zip(seq_ids, starts, num_new):
+            if start < 0 or start + n > self.manager.seq_len(seq_id):
+                raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; cannot compute "
+                                 f"tokens {start}..{start + n}")
+        self.step = self._packed_step(seq_ids, starts, num_new)
         return self.step
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Perform the block manager's copy-on-write copies (every layer, K and V)."""
+        if copies:
+            src = torch.tensor([c.src for c in copies], device=self.kv.device)
+            dst = torch.tensor([c.dst for c in copies], device=self.kv.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
 
     def seq_len(self, seq_id: Hashable) -> int:
         return self.manager.seq_len(seq_id)
@@ -160,15 +178,12 @@ class SequenceKVCache(Cache):
                 copies += manager.append(seq_id, n, tokens)
             else:
                 manager.add_sequence(seq_id, tokens, num_tokens=None if tokens is not None else n)
-        if copies:
-            src = torch.tensor([c.src for c in copies], device=self.kv.device)
-            dst = torch.tensor([c.dst for c in copies], device=self.kv.device)
-            self.kv[:, :, dst] = self.kv[:, :, src]
+        self.copy_blocks(copies)
 
-    def _packed_step(self, seq_ids, num_new) -> PackedStep:
-        manager, size = self.manager, self.block_size
-        lens = [manager.seq_len(s) for s in seq_ids]
-        tables = [manager.block_table(s) for s in seq_ids]
+    def _packed_step(self, seq_ids, starts, num_new) -> PackedStep:
+        size = self.block_size
+        lens = [start + n for start, n in zip(starts, num_new)]  # context of each sequence after this forward
+        tables = [self.manager.block_table(s) for s in seq_ids]
         width = max((len(t) for t in tables), default=1) or 1
         slots, positions, cu = [], [], [0]
         for table, length, n in zip(tables, lens, num_new):
@@ -203,23 +218,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
-                logits_for: str = "last", token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None,
+                token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """One packed forward; returns logits ``[S, V]`` (``logits_for="last"``: each sequence's last new
-        token) or ``[T, V]`` (``"all"``: every new token, in packed order).
+        token), ``[T, V]`` (``"all"``: every new token, in packed order) or ``[len(logits_for), V]`` (the last
+        new token of the sequences at those indices of ``seq_ids``).
 
-        ``input_ids: [T]`` are the new tokens of every sequence, concatenated in ``seq_ids`` order.
+        ``input_ids: [T]`` are the new tokens of every sequence, concatenated in ``seq_ids`` order. Without
+        ``starts`` the runner grows each sequence by its new tokens (starting new ones); with ``starts`` the
+        caller has allocated the slots and says where each sequence's new tokens begin.
         """
         if input_ids.dim() != 1 or input_ids.shape[0] != sum(num_new):
             raise ValueError(f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got "
                              f"{tuple(input_ids.shape)}")
         if any(n < 1 for n in num_new):
             raise ValueError(f"every sequence needs at least one new token; got {list(num_new)}")
-        step = self.cache.begin_forward(seq_ids, num_new, token_ids)
-        keep = step.cu_seqlens_q[1:].long() - 1 if logits_for == "last" else 0  # 0: every position
+        if starts is None:
+            step = self.cache.begin_forward(seq_ids, num_new, token_ids)
+        else:
+            step = self.cache.prepare(seq_ids, starts, num_new)
+        keep = self._logits_index(step, num_new, logits_for)
         out = self.model(input_ids=input_ids.to(self.device)[None], position_ids=step.positions[None],
                          past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         self.cache.step = None
         return out.logits[0]
+
+    def _logits_index(self, step: PackedStep, num_new: Sequence[int], logits_for) -> torch.Tensor | int:
+        if isinstance(logits_for, str):
+            if logits_for not in ("last", "all"):
+                raise ValueError(f"logits_for must be 'last', 'all' or sequence indices; got {logits_for!r}")
+            return step.cu_seqlens_q[1:].long() - 1 if logits_for == "last" else 0  # 0: every position
+        ends = list(itertools.accumulate(num_new))
+        return torch.tensor([ends[i] - 1 for i in logits_for], dtype=torch.long).to(self.device, non_blocking=True)
 
     def crop(self, seq_id: Hashable, length: int) -> None:
         self.cache.crop(seq_id, length)

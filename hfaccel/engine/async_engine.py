@@ -1,0 +1,178 @@
+"""``AsyncEngine``: the engine stepped by a background thread, for asyncio services.
+
+The thread owns the :class:`Engine`: requests and aborts from the event loop are queued to it and applied
+before the next step, so the model never runs concurrently with a change to the queues. Each request's
+outputs travel back through its own ``asyncio.Queue``. A consumer that stops iterating (a client that went
+away, a cancelled task) aborts its request, which frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from hfaccel.engine.engine import DeltaTracker, Engine, Prompt
+from hfaccel.engine.params import RequestOutput, SamplingParams
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    """Runs an :class:`Engine` in a background thread; ``stream`` and ``generate`` are coroutines."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[_Pending] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Pending] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hfaccel-engine", daemon=True)
+        self._thread.start()
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's new text and tokens as they come; the last output has ``finished=True``.
+
+        A bad prompt or parameter raises ValueError before anything is yielded.
+        """
+        pending = self._submit(prompt, params or SamplingParams(), request_id)
+        finished = False
+        try:
+            while not finished:
+                item = await pending.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(pending.request_id)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> RequestOutput:
+        """The request's final output (text and tokens of every completion)."""
+        tracker, last = _Accumulator(), None
+        async for delta in self.stream(prompt, params, request_id):
+            last = tracker.add(delta)
+        return last
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op once it has finished)."""
+        with self._lock:
+            self._aborts.append(str(request_id))
+        self._wake.set()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            queued = len(self._adds)
+        return {**self.engine.stats(), "queued": queued}
+
+    def shutdown(self, abort: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop the thread: abort what is in flight (or let it finish first with ``abort=False``)."""
+        if abort:
+            with self._lock:
+                self._aborts += list(self._streams)
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------------------------------------- internals
+    def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> _Pending:
+        if self._stopping:
+            raise RuntimeError("the engine is shutting down")
+        if self._error is not None:
+            raise RuntimeError(f"the engine thread failed: {self._error!r}") from self._error
+        self.engine.prepare_prompt(prompt, params)  # a bad request fails here, in the caller
+        request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+        pending = _Pending(request_id, prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            self._adds.append(pending)
+        self._wake.set()
+        return pending
+
+    def _run(self) -> None:
+        trackers: dict[str, DeltaTracker] = {}
+        try:
+            while True:
+                self._apply_queued(trackers)
+                if self._stopping and not self.engine.has_unfinished_requests():
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output, trackers)
+        except BaseException as error:  # the model failed: every waiting stream gets the error
+            self._error = error
+            for pending in list(self._streams.values()):
+                pending.loop.call_soon_threadsafe(pending.queue.put_nowait, error)
+
+    def _apply_queued(self, trackers: dict[str, DeltaTracker]) -> None:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for pending in adds:
+            try:
+                self.engine.add_request(pending.prompt, pending.params, pending.request_id)
+            except ValueError as error:
+                pending.loop.call_soon_threadsafe(pending.queue.put_nowait, error)
+                continue
+            self._streams[pending.request_id] = pending
+            trackers[pending.request_id] = DeltaTracker()
+        for request_id in aborts:
+            if self.engine.abort(request_id):
+                request = self.engine.requests[request_id]
+                self._deliver(self.engine.snapshot(request), trackers)
+
+    def _deliver(self, output: RequestOutput, trackers: dict[str, DeltaTracker]) -> None:
+        pending = self._streams.get(output.request_id)
+        if pending is None:
+            return
+        delta = trackers[output.request_id].delta(output)
+        if delta is not None:
+            pending.loop.call_soon_threadsafe(pending.queue.put_nowait, delta)
+        if output.finished:
+            del self._streams[output.request_id]
+            del trackers[output.request_id]
+            self.engine.release(output.request_id)
+
+
+class _Accumulator:
+    """Joins stream deltas back into full outputs."""
+
+    def __init__(self):
+        self.full: RequestOutput | None = None
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        if self.full is None:
+            self.full = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], delta.finished,
+                                      delta.error, delta.metrics)
+        by_index = {out.index: out for out in self.full.outputs}
+        for out in delta.outputs:
+            if out.index not in by_index:
+                by_index[out.index] = type(out)(out.index, logprobs=None if out.logprobs is None else [])
+                self.full.outputs.append(by_index[out.index])
+            target = by_index[out.index]
+            target.text += out.text
+            target.token_ids += out.token_ids
+            if out.logprobs is not None:
+                target.logprobs = (target.logprobs or []) + out.logprobs
+            target.finish_reason, target.stop_reason = out.finish_reason, out.stop_reason
+        self.full.outputs.sort(key=lambda out: out.index)
+        self.full.finished, self.full.metrics = delta.finished, delta.metrics
+        return self.full

@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop strings found across token boundaries.
+
+Each new token costs two decodes of a few tokens (not of the whole output): the text of the window
+``[prefix_offset, end)`` minus the text of ``[prefix_offset, read_offset)`` — the standard way to get the text
+a token adds when tokenizers merge spaces and bytes across tokens. A window ending in an incomplete UTF-8
+sequence (``\\ufffd``) waits for the next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PROMPT_CONTEXT = 6  # prompt tokens decoded with the output so its first token gets its leading space right
+
+
+class IncrementalDetokenizer:
+    """The text of one output, grown token by token, cut at the first stop string."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # characters a partial stop could span
+        self.text = ""
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> str | None:
+        """Add a token; returns the stop string if the text now contains one (the text is cut before it)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return self._append(full[len(prefix):])
+        return None
+
+    def flush(self) -> None:
+        """At the end: add whatever the last tokens decode to, even an incomplete character."""
+        if self.stopped_by is None and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
+            self.read_offset = len(self.ids)
+
+    def stable_text(self, finished: bool) -> str:
+        """Text that can be shown now: all of it when finished, else all but what a stop string may still claim."""
+        if finished or not self.stop:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.hold)]
+
+    def _append(self, delta: str) -> str | None:
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hits = [(self.text.find(s, search_from), s) for s in self.stop]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if hits:
+            at, stop = min(hits)
+            self.text = self.text[:at]
+            self.stopped_by = stop
+            return stop
+        return None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

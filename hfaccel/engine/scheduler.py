@@ -1,0 +1,214 @@
+"""Iteration-level scheduling: which tokens of which sequences the next forward computes.
+
+Every step packs, within ``max_num_batched_tokens``:
+
+1. the running sequences, oldest first: one decode token each (or the rest of a prefill chunk / recompute),
+   growing their blocks; when the pool is out of blocks the newest running sequence is preempted (its blocks
+   freed, to be recomputed from its tokens when it is admitted again) until the older one fits;
+2. then waiting sequences, first come first served, while sequences and tokens remain in the budget and the
+   pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
+   budget is computed in chunks over several steps (chunked prefill), so running decodes never stall.
+
+Plain Python over the engine's :class:`~hfaccel.block_manager.BlockManager`; nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from hfaccel.block_manager import BlockCopy, BlockManager, CacheFullError
+from hfaccel.engine.detokenizer import IncrementalDetokenizer
+from hfaccel.engine.params import CompletionOutput, RequestMetrics, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion of a request: its tokens (prompt + output) and how many have K/V in the pool."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    num_computed: int = 0
+    status: Status = Status.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens:]
+
+
+@dataclass(eq=False)
+class Request:
+    """A request of the engine: one prompt, ``params.n`` completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # the n completions exist (made from the first one when its prompt is computed)
+    reported: int = 0  # outputs already handed to stream()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status is Status.FINISHED for seq in self.seqs)
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens ``[start, start + length)`` of ``seq`` in the next forward."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the sequence's last token (its logits give the next token)."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    copies: list[BlockCopy]  # copy-on-write block copies to perform before the forward
+    preempted: list[Sequence]
+    out_of_blocks: list[Sequence]  # sequences alone in the pool that still cannot grow
+
+
+class Scheduler:
+    """FCFS iteration-level scheduler with chunked prefill, preemption by recompute and prefix caching."""
+
+    def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, "
+                             f"{max_num_batched_tokens}")
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ------------------------------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (its blocks are already shared with the parent)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence from the queues and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.manager:
+            self.manager.free(seq.seq_id)
+        seq.status = Status.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -------------------------------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], [], [])
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted by an older sequence in this loop
+                continue
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, out):
+                continue
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            budget -= length
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            if seq.request.params.n > 1 and not seq.request.forked and \
+                    len(self.running) + seq.request.params.n > self.max_num_seqs:
+                break
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            length = min(seq.num_tokens - seq.num_computed, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            budget -= length
+        return out
+
+    def _grow(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Give a running sequence slots for all its tokens, preempting newer sequences if the pool is full."""
+        missing = seq.num_tokens - self.manager.seq_len(seq.seq_id)
+        while self.manager.blocks_to_append(seq.seq_id, missing) > self.manager.num_free_blocks:
+            victim = self.running[-1]
+            if victim is seq:
+                if len(self.running) == 1:
+                    out.out_of_blocks.append(seq)
+                else:
+                    self._preempt(seq, out)
+                return False
+            self._preempt(victim, out)
+        new = seq.token_ids[self.manager.seq_len(seq.seq_id):]
+        out.copies += self.manager.append(seq.seq_id, missing, new, computed=False)
+        return True
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Allocate blocks for a waiting sequence's tokens (prefix hits reused); False if the pool is short."""
+        manager = self.manager
+        watermark = max(1, manager.num_blocks // 100) if self.running else 0  # room for running sequences to grow
+        if manager.blocks_needed(seq.num_tokens) + watermark > manager.num_free_blocks + self._possible_hits(seq):
+            return False
+        free_before = manager.num_free_blocks
+        try:
+            cached = manager.add_sequence(seq.seq_id, seq.token_ids, computed=False)
+        except CacheFullError:
+            return False
+        if manager.num_free_blocks < watermark and free_before >= watermark:
+            manager.free(seq.seq_id)  # fewer prefix hits than hoped: it would leave running sequences no room
+            return False
+        seq.num_computed = cached
+        if seq.request.metrics.first_scheduled_time is None:
+            seq.request.metrics.num_cached_tokens = cached
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _possible_hits(self, seq: Sequence) -> int:
+        return seq.num_tokens // self.manager.block_size if self.manager.enable_prefix_caching else 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free a running sequence's blocks; it goes back to the front of the queue and is recomputed."""
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.request.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.chunks = [chunk for chunk in out.chunks if chunk.seq is not seq]

@@ -1,0 +1,241 @@
+"""The continuous-batching engine gives each prompt exactly what its own ``model.generate`` gives (greedy), under
+preemption, prefix caching and chunked prefill; stop conditions, n > 1, logprobs, seeds, streaming, aborts.
+
+Most cases run hfaccel's torch reference kernels (fast on the CPU); ``test_exactness_through_triton_kernels``
+runs the interpreted Triton kernels.
+"""
+
+import random
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.engine import Engine, SamplingParams
+from tests.models import ARCHITECTURES, char_tokenizer, tiny_model
+
+SHARED = list(range(30, 50))  # a 20-token prefix several prompts share (one full block of 16)
+
+
+def mixed_prompts(count: int = 20, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompts of 1-29 tokens (some sharing SHARED as prefix) and max_tokens of 1-24."""
+    rng = random.Random(seed)
+    prompts, budgets = [], []
+    for i in range(count):
+        tail = [rng.randrange(3, 96) for _ in range(rng.randrange(1, 16 if i % 3 == 0 else 30))]
+        prompts.append(SHARED + tail if i % 3 == 0 else tail)
+        budgets.append(rng.randrange(1, 25))
+    return prompts, budgets
+
+
+def reference(model, prompts, budgets) -> list[list[int]]:
+    """Each prompt's own greedy generate() (no EOS: fixed lengths)."""
+    outs = []
+    for prompt, budget in zip(prompts, budgets):
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=budget, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def greedy(budget: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True, **kwargs)
+
+
+def run(engine, prompts, budgets):
+    return engine.generate(prompts, [greedy(b) for b in budgets])
+
+
+CONFIGS = {
+    "default": {},
+    "preemption": {"num_blocks": 16, "block_size": 4},  # 64 slots for 20 prompts: sequences get preempted
+    "chunked-prefill": {"max_num_batched_tokens": 5},
+    "no-prefix-cache": {"enable_prefix_caching": False, "num_blocks": 16, "block_size": 4,
+                        "max_num_batched_tokens": 9},
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_exactness_under_each_scheduling_condition(config):
+    model = tiny_model("llama")
+    prompts, budgets = mixed_prompts()
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, **CONFIGS[config])
+    outputs = run(engine, prompts, budgets)
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert out.outputs[0].token_ids == want, f"prompt {i} ({len(prompts[i])} tokens) differs under {config}"
+        assert out.outputs[0].finish_reason == "length"
+    preemptions = sum(out.metrics.num_preemptions for out in outputs)
+    cached = sum(out.metrics.num_cached_tokens for out in outputs)
+    if config == "preemption":
+        assert preemptions > 0, "the tiny pool should have forced preemption"
+    if config == "no-prefix-cache":
+        assert cached == 0
+    if config == "default":
+        assert cached > 0, "prompts sharing a 20-token prefix should hit the prefix cache"
+    assert engine.stats()["blocks_used"] == 0 and engine.requests == {}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_exactness_across_architectures(arch):
+    """Preemption, chunked prefill and prefix caching at once, on every architecture."""
+    model = tiny_model(arch)
+    prompts, budgets = mixed_prompts(12, seed=1)
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=6, num_blocks=14, block_size=4,
+                    max_num_batched_tokens=11)
+    for i, (out, want) in enumerate(zip(run(engine, prompts, budgets), expected)):
+        assert out.outputs[0].token_ids == want, f"{arch}: prompt {i} differs"
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_exactness_through_triton_kernels():
+    model = tiny_model("qwen2")
+    prompts, budgets = mixed_prompts(6, seed=2)
+    budgets = [min(b, 8) for b in budgets]
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention="triton"), max_num_seqs=4, num_blocks=24, block_size=4,
+                    max_num_batched_tokens=16)
+    for out, want in zip(run(engine, prompts, budgets), expected):
+        assert out.outputs[0].token_ids == want
+
+
+def test_repetition_penalty_matches_transformers():
+    model = tiny_model("mistral")
+    prompts, _ = mixed_prompts(4, seed=3)
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4)
+    outputs = engine.generate(prompts, greedy(12, repetition_penalty=1.5))
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+
+
+# ------------------------------------------------------------------------------------- stopping & text
+@pytest.fixture(scope="module")
+def char_engine():
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    return Engine(model, char_tokenizer(), max_num_seqs=8, num_blocks=64, block_size=4)
+
+
+def test_stop_strings_spanning_tokens_are_cut_from_the_text(char_engine):
+    free = char_engine.generate("the cat", greedy(30))[0].outputs[0]
+    assert len(free.text) == 30  # one character per token
+    stop = free.text[12:15]  # three tokens long, inside the output
+    first = free.text.find(stop)
+    out = char_engine.generate("the cat", greedy(30, stop=["zzzz", stop]))[0].outputs[0]
+    assert out.text == free.text[:first]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == free.token_ids[:first + len(stop)]  # through the token that completed the stop
+
+
+def test_stop_token_and_eos(char_engine):
+    free = char_engine.generate("hello", greedy(20))[0].outputs[0]
+    stop_id = free.token_ids[5]
+    out = char_engine.generate("hello", greedy(20, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    assert out.text == free.text[:free.token_ids.index(stop_id)]  # the stop token's text is not output
+
+
+def test_max_tokens_1_and_text_equals_decode(char_engine):
+    out = char_engine.generate(["abc", "x"], greedy(1))
+    assert [len(o.outputs[0].token_ids) for o in out] == [1, 1]
+    assert all(o.outputs[0].finish_reason == "length" for o in out)
+    long = char_engine.generate("abc", greedy(17))[0].outputs[0]
+    assert long.text == char_engine.tokenizer.decode(long.token_ids)
+
+
+def test_bad_prompts_fail_alone(char_engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        char_engine.add_request([], greedy(4))
+    with pytest.raises(ValueError, match="context is 256"):
+        char_engine.add_request([5] * 300, greedy(4))
+    with pytest.raises(ValueError, match="token ids must be in \\[0, 96\\)"):
+        char_engine.add_request([5, 500], greedy(4))
+    with pytest.raises(ValueError, match="SamplingParams.temperature must be"):
+        SamplingParams(temperature=-1)
+    outputs = char_engine.generate(["good", [5] * 300, "", "also good"], greedy(5))
+    assert [o.error is None for o in outputs] == [True, False, False, True]
+    assert "context is 256" in outputs[1].error and outputs[2].outputs[0].finish_reason == "error"
+    assert [len(o.outputs[0].token_ids) for o in (outputs[0], outputs[3])] == [5, 5]
+    assert char_engine.stats()["blocks_used"] == 0
+
+
+# ---------------------------------------------------------------------------------- n, seeds, logprobs
+def test_n_completions_share_the_prompt():
+    model = tiny_model("qwen3")
+    prompt = list(range(3, 30))
+    expected = reference(model, [prompt], [10])[0]
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, num_blocks=32, block_size=4)
+    out = engine.generate(prompt, greedy(10, n=3))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(o.token_ids == expected for o in out.outputs)
+    sampled = engine.generate(prompt, SamplingParams(max_tokens=10, n=3, seed=5, ignore_eos=True))[0]
+    again = engine.generate(prompt, SamplingParams(max_tokens=10, n=3, seed=5, ignore_eos=True))[0]
+    assert [o.token_ids for o in sampled.outputs] == [o.token_ids for o in again.outputs]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1  # each completion samples on its own
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_seeded_request_does_not_depend_on_the_batch():
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
+    alone = Engine(model, max_num_seqs=8).generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    others, budgets = mixed_prompts(7, seed=4)
+    crowd = Engine(model, max_num_seqs=8, max_num_batched_tokens=13)
+    mixed = [SamplingParams(max_tokens=b, temperature=1.0, ignore_eos=True) for b in budgets]
+    outputs = crowd.generate(others[:3] + [[5, 6, 7, 8]] + others[3:], mixed[:3] + [params] + mixed[3:])
+    assert outputs[3].outputs[0].token_ids == alone
+
+
+def test_logprobs_are_the_models():
+    model = tiny_model("phi3")
+    prompt = [4, 9, 16, 25, 36]
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=2)
+    out = engine.generate(prompt, greedy(4, logprobs=3))[0].outputs[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    expected = torch.log_softmax(logits.float(), -1)
+    for step, entry in enumerate(out.logprobs):
+        assert entry.token_id == out.token_ids[step]
+        assert entry.logprob == pytest.approx(expected[step, entry.token_id].item(), abs=1e-4)
+        top = expected[step].topk(3)
+        assert list(entry.top) == top.indices.tolist()  # greedy: the chosen token is the top one
+        assert list(entry.top.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------- stream & abort
+def test_stream_deltas_add_up_and_closing_aborts(char_engine):
+    full = char_engine.generate("stream me", greedy(12))[0].outputs[0]
+    deltas = list(char_engine.stream("stream me", greedy(12)))
+    assert "".join(d.outputs[0].text for d in deltas if d.outputs) == full.text
+    assert sum((d.outputs[0].token_ids for d in deltas if d.outputs), []) == full.token_ids
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    stream = char_engine.stream("abort me", greedy(50))
+    next(stream)
+    next(stream)
+    assert char_engine.stats()["blocks_used"] > 0
+    stream.close()  # the consumer goes away: the request is aborted, its blocks freed
+    assert char_engine.stats()["blocks_used"] == 0 and char_engine.requests == {}
+
+
+def test_abort_frees_blocks_at_once():
+    engine = Engine(hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=4, num_blocks=32,
+                    block_size=4)
+    ids = [engine.add_request(list(range(3, 20)), greedy(30)) for _ in range(3)]
+    engine.step()
+    engine.step()
+    used = engine.stats()["blocks_used"]
+    assert engine.abort(ids[1]) and not engine.abort(ids[1]) and not engine.abort("nope")
+    assert engine.stats()["blocks_used"] < used
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.snapshot(engine.requests[ids[1]]).outputs[0].finish_reason == "abort"
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_model_hfaccel_cannot_serve_is_refused():
+    model = tiny_model("llama")
+    model.config.v_head_dim = 3
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="Engine cannot serve"):
+        Engine(model)
