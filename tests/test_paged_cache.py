@@ -92,7 +92,7 @@ def test_assisted_decoding_matches():
     hfaccel.accelerate(model, attention="triton")
     got = model.generate(**batch, max_new_tokens=16, assistant_model=draft, **GREEDY)
     assert torch.equal(got, expected)
-    with pytest.warns(UserWarning, match="transformers' implementation .* past_key_values"):
+    with pytest.warns(UserWarning, match="transformers' implementation.*past_key_values"):
         got = model.generate(**batch, max_new_tokens=16, assistant_model=draft,
                              past_key_values=_paged_cache(model, rows=1, length=40), **GREEDY)
     assert torch.equal(got, expected)
