@@ -21,7 +21,7 @@ Invariants (checked by ``check_invariants`` and property-tested):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -99,6 +99,16 @@ class BlockManager:
 
     def blocks_needed(self, length: int) -> int:
         return -(-length // self.block_size)
+
+    def blocks_to_append_many(self, seq_ids: Sequence[Hashable], num_tokens: int) -> int:
+        """Free blocks that appending ``num_tokens`` to each of ``seq_ids`` in turn takes. A shared partial last
+        block held only by these sequences is copied by all of them but the last, which keeps it."""
+        total = sum(self.blocks_to_append(seq_id, num_tokens) for seq_id in seq_ids)
+        if num_tokens == 0:
+            return total
+        seqs = [self._get(seq_id) for seq_id in seq_ids]
+        holders = Counter(seq.blocks[-1] for seq in seqs if seq.length % self.block_size)
+        return total - sum(1 for block, count in holders.items() if count > 1 and self.ref_counts[block] == count)
 
     def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
         return self.blocks_to_append(self._get(seq_id), num_tokens) <= self.num_free_blocks

@@ -278,7 +278,7 @@ class PagedCache(Cache):
         return seq_id
 
     def _append_to_rows(self, new_tokens: int) -> None:
-        needed = sum(self.manager.blocks_to_append(seq_id, new_tokens) for seq_id in self.rows)
+        needed = self.manager.blocks_to_append_many(self.rows, new_tokens)
         if needed > self.manager.num_free_blocks:
             raise CacheFullError(f"{len(self.rows)} rows need {needed} more blocks for {new_tokens} tokens; the "
                                  f"pool has {self.manager.num_free_blocks} free of {self.manager.num_blocks}")

@@ -98,3 +98,22 @@ def _closure_value(fn: Callable, name: str):
     if code is None or fn.__closure__ is None or name not in code.co_freevars:
         return None
     return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def pipeline_generation_config(pipe, generate_kwargs: dict):
+    """(effective GenerationConfig, generate() kwargs it does not hold) of a text-generation pipeline call.
+
+    transformers >= 5.2x prepares a call's kwargs with ``Pipeline._prepare_generate_kwargs``; earlier 5.x
+    releases pass the pipeline's own ``generation_config`` unless the call gives one.
+    """
+    import copy
+
+    kwargs = dict(generate_kwargs)
+    if hasattr(pipe, "_prepare_generate_kwargs"):
+        kwargs = pipe._prepare_generate_kwargs(kwargs)
+        base = kwargs.pop("generation_config", None) or pipe.model.generation_config
+    else:
+        base = kwargs.pop("generation_config", None) or pipe.generation_config
+    config = copy.deepcopy(base)
+    unused = config.update(**kwargs)
+    return config, unused

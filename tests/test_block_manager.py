@@ -27,6 +27,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.tokens: dict[int, list[int]] = {}  # what each live sequence holds
         self.pool: dict[int, int] = {}  # slot -> token written there
+        self.uncomputed: dict[int, int] = {}  # sequence -> first token whose K/V is not written yet
 
     @initialize(prefix_caching=st.booleans())
     def setup(self, prefix_caching):
@@ -46,26 +47,62 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 if src in self.pool:
                     self.pool[copy.dst * BLOCK_SIZE + offset] = self.pool[src]
 
-    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(1, 9), max_size=9))
-    def add(self, stem, tail):
+    def _computed(self):
+        return sorted(s for s in self.tokens if s not in self.uncomputed)
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(1, 9), max_size=9), computed=st.booleans())
+    def add(self, stem, tail, computed):
+        """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before."""
         tokens, seq_id = stem + tail, self.next_id
         free_before = self.manager.num_free_blocks
         try:
-            cached = self.manager.add_sequence(seq_id, tokens)
+            cached = self.manager.add_sequence(seq_id, tokens, computed=computed)
         except CacheFullError:
             assert self.manager.num_free_blocks == free_before and seq_id not in self.manager
             return
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
         for slot, token in zip(self.manager.slots(seq_id, 0, cached), tokens):
             assert self.pool.get(slot) == token, "prefix hit returned a block holding other tokens"
-        self._write(seq_id, cached, tokens[cached:])
+        if computed:
+            self._write(seq_id, cached, tokens[cached:])
+        else:
+            self.uncomputed[seq_id] = cached
         self.tokens[seq_id] = tokens
         self.next_id += 1
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.uncomputed)
+    @rule(data=st.data())
+    def compute(self, data):
+        """A prefill chunk of a sequence added with computed=False runs: its K/V are written."""
+        seq_id = data.draw(st.sampled_from(sorted(self.uncomputed)))
+        start, tokens = self.uncomputed[seq_id], self.tokens[seq_id]
+        end = data.draw(st.integers(start + 1, len(tokens)))
+        self._write(seq_id, start, tokens[start:end])
+        self.manager.mark_computed(seq_id, end)
+        if end == len(tokens):
+            del self.uncomputed[seq_id]
+        else:
+            self.uncomputed[seq_id] = end
+
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
+    @rule(data=st.data(), count=st.integers(0, 3))
+    def append_to_several(self, data, count):
+        """The exact block count of appending to several sequences at once (beam rows after a reorder)."""
+        ids = data.draw(st.lists(st.sampled_from(self._computed()), min_size=1, max_size=4, unique=True))
+        predicted, free_before = self.manager.blocks_to_append_many(ids, count), self.manager.num_free_blocks
+        if predicted > free_before:
+            return
+        for seq_id in ids:
+            new = [7] * count
+            self._copy(self.manager.append(seq_id, count, new))
+            self._write(seq_id, len(self.tokens[seq_id]), new)
+            self.tokens[seq_id] = self.tokens[seq_id] + new
+        assert free_before - self.manager.num_free_blocks == predicted
+
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
     @rule(data=st.data(), new=st.lists(st.integers(1, 9), min_size=1, max_size=6))
     def append(self, data, new):
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq_id = data.draw(st.sampled_from(self._computed()))
         try:
             copies = self.manager.append(seq_id, len(new), new)
         except CacheFullError:
@@ -74,18 +111,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._write(seq_id, len(self.tokens[seq_id]), new)
         self.tokens[seq_id] = self.tokens[seq_id] + new
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        parent = data.draw(st.sampled_from(self._computed()))
         self.manager.fork(parent, self.next_id)
         self.tokens[self.next_id] = list(self.tokens[parent])
         self.next_id += 1
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
     @rule(data=st.data())
     def crop(self, data):
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq_id = data.draw(st.sampled_from(self._computed()))
         length = data.draw(st.integers(0, len(self.tokens[seq_id])))
         self.manager.crop(seq_id, length)
         self.tokens[seq_id] = self.tokens[seq_id][:length]
@@ -96,6 +133,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.manager.free(seq_id)
         del self.tokens[seq_id]
+        self.uncomputed.pop(seq_id, None)
 
     @invariant()
     def consistent(self):
@@ -104,7 +142,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager.check_invariants()  # no leak, no double free, ref-counts match the tables
         for seq_id, tokens in self.tokens.items():
             assert self.manager.seq_len(seq_id) == len(tokens)
-            held = [self.pool.get(slot) for slot in self.manager.slots(seq_id, 0, len(tokens))]
+            written = self.uncomputed.get(seq_id, len(tokens))
+            tokens = tokens[:written]
+            held = [self.pool.get(slot) for slot in self.manager.slots(seq_id, 0, written)]
             assert held == tokens, f"sequence {seq_id} lost its tokens: holds {held}, expected {tokens}"
 
     def teardown(self):

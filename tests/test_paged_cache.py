@@ -68,6 +68,17 @@ def test_beam_search_matches(arch, accelerated):
     assert torch.equal(got, expected)
 
 
+def test_beam_search_in_a_pool_sized_exactly_for_the_request():
+    """Beams that share a partial last block copy it on write; the default pool (rows x blocks per row) is
+    enough because the last sharer keeps the original (blocks_to_append_many counts exactly)."""
+    model = tiny_model("llama")
+    batch = padded_batch(lengths=(5,))
+    kwargs = dict(max_new_tokens=6, num_beams=2, **GREEDY)
+    expected = model.generate(**batch, **kwargs)
+    hfaccel.accelerate(model, attention="torch")  # generate() sizes the PagedCache: 2 rows x 1 block
+    assert torch.equal(model.generate(**batch, **kwargs), expected)
+
+
 @pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])
 def test_sampling_with_seed_matches(accelerated):
     model = tiny_model("qwen2")
