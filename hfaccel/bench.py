@@ -8,6 +8,8 @@
   only), ``hfaccel.accelerate`` with its paged cache, and with transformers' dense cache (``paged=False``) —
   on a model built from a named real config with random weights (speed does not depend on the weights'
   values), or a local model folder.
+- engine: serving N requests — sequential / static-batch ``generate``, transformers' ``generate_batch`` and
+  ``hfaccel.Engine``: throughput, TTFT and inter-token latency (``hfaccel.bench_engine``).
 - speculative: ``speculative_generate`` against the accelerated target alone, with measured acceptance and
   cost ratio next to the analytic expectation (``hfaccel.bench_speculative``).
 
@@ -273,37 +275,41 @@ def environment(device: torch.device) -> dict:
     }
 
 
-def run_bench(what: str = "all", model: str | None = None, device: str = "auto", dtypes: list[str] | None = None,
+def run_bench(what: str | list[str] = "all", model: str | None = None, device: str = "auto", dtypes: list[str] | None = None,
               batches: list[int] | None = None, prompt_len: int | None = None, new_tokens: int | None = None,
               output: str | None = None, console: Console | None = None, draft: str = "int4",
-              num_draft_tokens: int = 4) -> dict:
-    """Run the selected benchmarks, print tables, write JSON; returns the results dict."""
-    console = console or Console()
+              num_draft_tokens: int = 4, num_requests: int | None = None) -> dict:
+    """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
+    chosen = {what} if isinstance(what, str) else set(what)
+    wanted = lambda case: "all" in chosen or case in chosen  # noqa: E731
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     dtype_objs = [getattr(torch, d) for d in (dtypes or (["float16", "bfloat16"] if cuda else ["float32"]))]
     results = {"environment": environment(dev)}
-    if what in ("all", "attention"):
+    if wanted("attention"):
         rows = bench_attention(CUDA_ATTENTION_GRID if cuda else CPU_ATTENTION_GRID, dtype_objs, dev)
         results["attention"] = [asdict(r) for r in rows]
         console.print(_table("prefill attention (causal): hfaccel vs torch SDPA", results["attention"]))
-    if what in ("all", "paged"):
+    if wanted("paged"):
         shapes = {} if cuda else dict(heads=8, kv_heads=2, head_dim=64)
         rows = bench_paged(CUDA_PAGED_GRID if cuda else CPU_PAGED_GRID, dtype_objs[0], dev, **shapes)
         results["paged"] = [asdict(r) for r in rows]
         console.print(_table("paged decode attention: hfaccel (paged pool) vs SDPA (contiguous K/V)",
                              results["paged"]))
-    if what in ("all", "memory"):
+    if wanted("memory"):
         spec = model if model in NAMED_CONFIGS else "llama-3.2-1b"
         results["memory"] = [asdict(r) for r in memory_comparison(spec, MEMORY_LENGTHS, torch.float16)]
         console.print(_table(f"KV cache bytes, {spec} fp16, lengths {MEMORY_LENGTHS}", results["memory"]))
-    if what in ("all", "decode"):
+    if wanted("decode"):
         rows = bench_decode(model or ("llama-3.2-1b" if cuda else "tiny-llama"), batches or [1, 16],
                             prompt_len or (128 if cuda else 32), new_tokens or (128 if cuda else 16), dev,
                             dtype_objs[0])
         results["decode"] = [asdict(r) for r in rows]
         console.print(_table("decode: generate() tokens/s", results["decode"]))
-    if what in ("all", "speculative"):
+    if wanted("engine"):
+        results.update(_engine_tables(model, dev, dtype_objs[0], console, num_requests))
+    if wanted("speculative"):
         from hfaccel.bench_speculative import bench_speculative
 
         spec_model = model if model is not None and model not in NAMED_CONFIGS else None
@@ -318,6 +324,24 @@ def run_bench(what: str = "all", model: str | None = None, device: str = "auto",
     path.write_text(json.dumps(results, indent=2))
     console.print(f"wrote {path}")
     return results
+
+
+def _engine_tables(model: str | None, device: torch.device, dtype: torch.dtype, console: Console,
+                   num_requests: int | None) -> dict:
+    from hfaccel.bench_engine import bench_engine, make_workload
+
+    cuda = device.type == "cuda"
+    spec = model or ("llama-3.2-1b" if cuda else "tiny-llama")
+    net = build_model(spec, device, dtype)
+    count = num_requests or (256 if cuda else 32)
+    work = make_workload(count, (16, 512) if cuda else (8, 64), (16, 256) if cuda else (4, 32),
+                         net.config.vocab_size)
+    rows, decode = bench_engine(net, work, device, max_num_seqs=64 if cuda else 16,
+                                max_num_batched_tokens=4096 if cuda else 512)
+    serving, steps = [asdict(r) for r in rows], [asdict(r) for r in decode]
+    console.print(_table(f"serving {count} requests, {spec}: output tokens/s and latency", serving))
+    console.print(_table(f"engine decode step vs reading the weights once ({spec})", steps))
+    return {"engine": serving, "engine_decode_step": steps}
 
 
 def _table(title: str, rows: list[dict]) -> Table:

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", nargs="+", help="one or more prompts (batched, left-padded)")
 
     bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
-    bench.add_argument("what", nargs="?", default="all", choices=("all", "attention", "paged", "memory", "decode",
-                                                                     "speculative"))
+    bench.add_argument("what", nargs="*", default=["all"], choices=("all", "attention", "paged", "memory", "decode",
+                                                                     "engine", "speculative"))
     bench.add_argument("--model", default=None,
                        help="named config (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m, tiny-llama) "
                             "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default="int4",
                        help="speculative: int4 | layers:N | self | ngram | a model folder (default: int4)")
     bench.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
+    bench.add_argument("--requests", type=int, default=None, help="engine: requests served (256 CUDA, 32 CPU)")
     bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
     quantize = sub.add_parser("quantize", help="quantize a model to int4 and save an AWQ or GPTQ checkpoint")
     quantize.add_argument("model", help="model folder or hub id")
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         from hfaccel.bench import run_bench
 
         run_bench(args.what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
-                  args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens)
+                  args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                  num_requests=args.requests)
     return 0
 
 

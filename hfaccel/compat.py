@@ -117,3 +117,15 @@ def pipeline_generation_config(pipe, generate_kwargs: dict):
     config = copy.deepcopy(base)
     unused = config.update(**kwargs)
     return config, unused
+
+
+def continuous_batching_config(num_blocks: int, block_size: int, max_batch_tokens: int):
+    """transformers' ``ContinuousBatchingConfig`` sized explicitly (its block-size argument was renamed
+    ``page_size`` after 5.17)."""
+    import inspect
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    return ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                    **{size_name: block_size})

@@ -35,10 +35,11 @@ def test_generate_prints_text(model_dir, capsys):
 def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
     output = tmp_path / "bench.json"
-    assert main(["bench", "--model", "tiny-llama", "--batch", "1", "--batch", "2", "--prompt-len", "8",
-                 "--new-tokens", "3", "--output", str(output)]) == 0
+    assert main(["bench", "attention", "paged", "memory", "decode", "engine", "--model", "tiny-llama", "--batch", "1",
+                 "--batch", "2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "6",
+                 "--output", str(output)]) == 0
     results = json.loads(output.read_text())
-    assert {"environment", "attention", "paged", "memory", "decode"} <= results.keys()
+    assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
     assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel paged=False"}
     assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 for row in results["paged"])
     memory = {row["cache"]: row["bytes"] for row in results["memory"]}
@@ -46,6 +47,23 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     assert all(row["tokens_per_s"] > 0 for row in results["decode"])
     assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 for row in results["attention"])
     assert "prefill attention" in capsys.readouterr().out
+    paths = {row["path"]: row for row in results["engine"]}
+    assert paths["hfaccel Engine"]["output_tokens"] == paths["padded static batches of 32"]["output_tokens"]
+    assert all(row["tokens_per_s"] > 0 for row in results["engine"])
+    assert paths["hfaccel Engine"]["ttft_p50_ms"] > 0 and paths["transformers generate_batch"]["vs_generate_batch"] == 1
+    assert all(row["step_ms"] > 0 for row in results["engine_decode_step"])
+
+
+@pytest.mark.slow
+def test_bench_speculative(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "speculative", "--batch", "1", "--batch", "2", "--prompt-len", "16", "--new-tokens", "8",
+                 "--draft", "self", "--output", str(output)]) == 0
+    rows = json.loads(output.read_text())["speculative"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    assert all(row["alpha"] == 1.0 and row["acceptance_rate"] == 1.0 for row in rows)  # the target drafts itself
+    assert all(row["expected_speedup"] > 0 and row["efficiency"] > 0 for row in rows)
 
 
 def test_bad_arguments_exit_with_usage(capsys):

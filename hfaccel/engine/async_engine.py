@@ -120,7 +120,7 @@ class AsyncEngine:
         except BaseException as error:  # the model failed: every waiting stream gets the error
             self._error = error
             for pending in list(self._streams.values()):
-                pending.loop.call_soon_threadsafe(pending.queue.put_nowait, error)
+                _send(pending, error)
 
     def _apply_queued(self, trackers: dict[str, DeltaTracker]) -> None:
         with self._lock:
@@ -130,7 +130,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(pending.prompt, pending.params, pending.request_id)
             except ValueError as error:
-                pending.loop.call_soon_threadsafe(pending.queue.put_nowait, error)
+                _send(pending, error)
                 continue
             self._streams[pending.request_id] = pending
             trackers[pending.request_id] = DeltaTracker()
@@ -144,12 +144,22 @@ class AsyncEngine:
         if pending is None:
             return
         delta = trackers[output.request_id].delta(output)
-        if delta is not None:
-            pending.loop.call_soon_threadsafe(pending.queue.put_nowait, delta)
+        if delta is not None and not _send(pending, delta):
+            self.engine.abort(output.request_id)  # its event loop is gone: nobody will read it
+            output = self.engine.snapshot(self.engine.requests[output.request_id])
         if output.finished:
             del self._streams[output.request_id]
             del trackers[output.request_id]
             self.engine.release(output.request_id)
+
+
+def _send(pending: _Pending, item) -> bool:
+    """Hand an item to the stream's event loop; False if that loop is closed."""
+    try:
+        pending.loop.call_soon_threadsafe(pending.queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Accumulator:

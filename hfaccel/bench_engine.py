@@ -1,0 +1,185 @@
+"""``hfaccel bench engine``: serving many requests — throughput and latency against what a user would use.
+
+N requests with seeded random prompt and output lengths (random token ids: speed does not depend on them),
+served by: sequential ``generate`` (transformers sdpa, on a subset, throughput extrapolated per token); padded
+static batches of ``generate``; transformers' continuous batching ``generate_batch`` (sized explicitly: same
+KV pool and token budget as the engine; it takes one output length for all requests, the mean, and its
+throughput counts what it generated); and ``hfaccel.Engine``. Reported: output tokens/s, its ratio to
+``generate_batch``, and TTFT / inter-token latency percentiles where the path exposes them. A second table
+times the engine's decode step at batch 64 against reading the model's weights once at the measured copy
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import hfaccel
+from hfaccel import compat
+from hfaccel.engine import Engine, SamplingParams
+
+
+DECODE_BATCH = 64
+DECODE_CONTEXTS = (128, 1024)
+
+
+@dataclass
+class ServingRow:
+    path: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    vs_generate_batch: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+
+
+@dataclass
+class DecodeStepRow:
+    batch: int
+    context: int
+    step_ms: float
+    weight_read_ms: float  # weight bytes / measured copy bandwidth
+    ratio: float  # step / weight read (goal on a GPU: <= 1.5)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                  seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: int, block_size: int = 16,
+                 max_num_batched_tokens: int = 2048, static_batch: int = 32, sequential_subset: int = 8):
+    """Rows for each serving path, and the decode-step table."""
+    need = sum(-(-(len(p) + n) // block_size) for p, n in zip(work.prompts, work.output_lens))
+    num_blocks = max(need, DECODE_BATCH * -(-(max(DECODE_CONTEXTS) + 8) // block_size))  # + the decode table
+    rows = [_generate_batch(model, work, num_blocks, block_size, max_num_batched_tokens, device)]
+    rows.append(_sequential(model, work, sequential_subset, device))
+    rows.append(_static_batches(model, work, static_batch, device))
+    hfaccel.accelerate(model, paged=False)
+    engine = Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    num_blocks=num_blocks, block_size=block_size)
+    rows.append(_engine_run(engine, work, device))
+    decode = [_decode_step(engine, DECODE_BATCH, context, device) for context in DECODE_CONTEXTS]
+    hfaccel.restore(model)
+    baseline = rows[0].tokens_per_s
+    for row in rows:
+        row.vs_generate_batch = row.tokens_per_s / baseline if baseline else None
+    return rows, decode
+
+
+def _generate_batch(model, work: Workload, num_blocks: int, block_size: int, max_tokens: int,
+                    device: torch.device) -> ServingRow:
+    from transformers import GenerationConfig
+
+    mean_len = round(statistics.mean(work.output_lens))
+    config = GenerationConfig(max_new_tokens=mean_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_config = compat.continuous_batching_config(num_blocks, block_size, max_tokens)
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=work.prompts, generation_config=config,
+                                   continuous_batching_config=cb_config, record_timestamps=True)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outputs.values())
+    ttft = [o.timestamps[0] - o.created_time for o in outputs.values() if o.timestamps]
+    itl = [b - a for o in outputs.values() if o.timestamps for a, b in zip(o.timestamps, o.timestamps[1:])]
+    return _row("transformers generate_batch", len(work.prompts), produced, seconds, ttft, itl)
+
+
+def _sequential(model, work: Workload, subset: int, device: torch.device) -> ServingRow:
+    tokens, seconds = 0, 0.0
+    for prompt, length in list(zip(work.prompts, work.output_lens))[:subset]:
+        ids = torch.tensor([prompt], device=device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
+        _sync(device)
+        seconds += time.perf_counter() - start
+        tokens += length
+    return _row(f"sequential generate (first {subset})", subset, tokens, seconds, [], [])
+
+
+def _static_batches(model, work: Workload, size: int, device: torch.device) -> ServingRow:
+    tokens, start = 0, time.perf_counter()
+    for first in range(0, len(work.prompts), size):
+        prompts, lengths = work.prompts[first:first + size], work.output_lens[first:first + size]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
+                       do_sample=False, pad_token_id=0)
+        tokens += sum(lengths)  # what the requests asked for; the rest of each row is padding work
+    _sync(device)
+    return _row(f"padded static batches of {size}", len(work.prompts), tokens, time.perf_counter() - start, [], [])
+
+
+def _engine_run(engine: Engine, work: Workload, device: torch.device) -> ServingRow:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens]
+    engine.generate(work.prompts[:4], params[:4])  # warm-up: kernels compile
+    start = time.perf_counter()
+    outputs = engine.generate(work.prompts, params)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    itl = [gap for o in outputs for gap in o.metrics.inter_token_latencies]
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return _row("hfaccel Engine", len(work.prompts), produced, seconds, ttft, itl)
+
+
+def _decode_step(engine: Engine, batch: int, context: int, device: torch.device) -> DecodeStepRow:
+    """Milliseconds of one decode forward of ``batch`` sequences at ``context`` tokens each."""
+    from hfaccel.bench import copy_bandwidth
+
+    runner, manager = engine.runner, engine.scheduler.manager
+    ids = list(range(10**9, 10**9 + batch))
+    blocks = manager.blocks_needed(context + 4) * batch
+    if blocks > manager.num_free_blocks:
+        return DecodeStepRow(batch, context, float("nan"), float("nan"), float("nan"))
+    tokens = torch.randint(3, engine.vocab_size, (batch * context,), device=device)
+    runner.forward(ids, tokens, [context] * batch)
+    step = torch.randint(3, engine.vocab_size, (batch,), device=device)
+    runner.forward(ids, step, [1] * batch)  # warm-up
+    _sync(device)
+    start, reps = time.perf_counter(), 5
+    for _ in range(reps):
+        runner.forward(ids, step, [1] * batch)
+    _sync(device)
+    step_ms = (time.perf_counter() - start) / reps * 1e3
+    for seq_id in ids:
+        runner.free(seq_id)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weight_ms = weight_bytes / (copy_bandwidth(device) / 2 * 1e9) * 1e3  # copy GB/s counts read + write
+    return DecodeStepRow(batch, context, step_ms, weight_ms, step_ms / weight_ms)
+
+
+def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> ServingRow:
+    return ServingRow(path, requests, tokens, seconds, tokens / seconds, None, *_percentiles(ttft),
+                      *_percentiles(itl))
+
+
+def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
+    return pick(0.5), pick(0.99)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
