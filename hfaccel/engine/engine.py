@@ -22,6 +22,7 @@ from hfaccel.engine.sampler import SampleRow, sample
 from hfaccel.engine.scheduler import Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 
 Prompt = str | Sequence[int] | Sequence[dict]
+CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
 
 
 class Engine:
@@ -32,8 +33,8 @@ class Engine:
         tokenizer: its tokenizer (needed for text prompts, chat messages, stop strings and output text).
         max_num_seqs: sequences decoded together at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
-        num_blocks: KV pool size in blocks (default: a share of free GPU memory, or on the CPU room for
-            ``max_num_seqs`` sequences of up to 2048 tokens).
+        num_blocks: KV pool size in blocks (default: ``kv_cache_fraction`` of free GPU memory, or on the CPU
+            room for ``max_num_seqs`` sequences of up to 2048 tokens within 1 GiB).
         block_size: token slots per block.
         enable_prefix_caching: requests sharing a prompt prefix share its KV blocks.
         max_model_len: longest sequence (prompt + output); default the model's ``max_position_embeddings``.
@@ -352,7 +353,8 @@ def _default_num_blocks(model, block_size: int, max_num_seqs: int, max_model_len
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(free * fraction) // block_bytes)
-    return max_num_seqs * -(-min(max_model_len, 2048) // block_size)
+    wanted = max_num_seqs * -(-min(max_model_len, 2048) // block_size)
+    return max(1, min(wanted, CPU_POOL_BYTES // block_bytes))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
