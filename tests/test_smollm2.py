@@ -101,3 +101,24 @@ def test_speculative_with_an_int4_draft(smollm2):
     expected_stop = model.generate(**batch, stop_strings=[".", "\n\n"], tokenizer=tokenizer, **kwargs)
     assert torch.equal(stopped, expected_stop), "\n".join(tokenizer.batch_decode(stopped) +
                                                           tokenizer.batch_decode(expected_stop))
+
+
+def test_engine_greedy_equals_generate(smollm2):
+    """The engine (chunked prefill, a pool small enough to preempt) gives each prompt its own generate()."""
+    model, tokenizer = smollm2
+    prompts = PROMPTS + ["The three primary colors are", "In 1969, the first person to walk on the Moon was"]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(DEVICE)
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    hfaccel.accelerate(model, attention="torch", paged=False)
+    try:
+        engine = hfaccel.Engine(model, tokenizer, max_num_seqs=4, num_blocks=6, max_num_batched_tokens=24)
+        outputs = engine.generate(prompts, hfaccel.SamplingParams(max_tokens=24, temperature=0))
+    finally:
+        hfaccel.restore(model)
+    for out, want in zip(outputs, expected):
+        assert out.outputs[0].token_ids == want, (out.outputs[0].text, tokenizer.decode(want))
+        assert out.outputs[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert sum(out.metrics.num_preemptions for out in outputs) > 0

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from hfaccel.engine.cuda_graphs import DecodeGraphs
 from hfaccel.engine.detokenizer import IncrementalDetokenizer
 from hfaccel.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 from hfaccel.engine.runner import ModelRunner
@@ -39,11 +40,13 @@ class Engine:
         enable_prefix_caching: requests sharing a prompt prefix share its KV blocks.
         max_model_len: longest sequence (prompt + output); default the model's ``max_position_embeddings``.
         kv_cache_fraction: on CUDA, the share of free memory the default pool takes.
+        cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
+            ``True`` on another device runs the same static-shape decode step without capture.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  num_blocks: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, kv_cache_fraction: float = 0.8):
+                 max_model_len: int | None = None, kv_cache_fraction: float = 0.8, cuda_graphs: bool | None = None):
         _ensure_accelerated(model)
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
@@ -57,6 +60,9 @@ class Engine:
         self.scheduler = Scheduler(self.runner.cache.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        if cuda_graphs is None:
+            cuda_graphs = self.runner.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.runner, max_num_seqs, self.max_model_len) if cuda_graphs else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -194,9 +200,12 @@ class Engine:
         now = time.perf_counter()
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         completing = [i for i, c in enumerate(chunks) if c.completes]
-        logits = self.runner.forward([c.seq.seq_id for c in chunks],
-                                     torch.tensor(flat, dtype=torch.long), [c.length for c in chunks],
-                                     starts=[c.start for c in chunks], logits_for=completing)  # [C, V]
+        seq_ids, starts = [c.seq.seq_id for c in chunks], [c.start for c in chunks]
+        if self.graphs is not None and len(flat) == len(completing) and self.graphs.serves(len(chunks)):
+            logits = self.graphs.run(seq_ids, flat, starts)  # decode only: one token per sequence
+        else:
+            logits = self.runner.forward(seq_ids, torch.tensor(flat, dtype=torch.long), [c.length for c in chunks],
+                                         starts=starts, logits_for=completing)  # [C, V]
         manager = self.scheduler.manager
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length

@@ -306,6 +306,8 @@ def flash_attention_reference(
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     scale = head_dim ** -0.5 if scale is None else scale
+    if seq_kv == 0:  # no key at all: every query sees nothing and returns zeros
+        return q.new_zeros(batch, seq_q, heads_q, head_dim)
     qf = q.float().view(batch, heads_kv, group, seq_q, head_dim)
     scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, k.float()) * scale  # [B, Hkv, G, Sq, Skv]
     if softcap is not None:

@@ -239,3 +239,21 @@ def test_model_hfaccel_cannot_serve_is_refused():
     model.config.v_head_dim = 3
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="Engine cannot serve"):
         Engine(model)
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_static_shape_decode_steps_are_exact(attention):
+    """The CUDA-graph decode path (static buffers, padded batch sizes) run without capture on the CPU: padding
+    rows write nowhere and change nothing."""
+    model = tiny_model("gemma2" if attention == "torch" else "llama")
+    prompts, _ = mixed_prompts(9, seed=5)
+    budgets = [3 + i for i in range(9)]  # sequences finish one by one: decode batches of every size
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention=attention), max_num_seqs=7, num_blocks=60, block_size=4,
+                    cuda_graphs=True)
+    assert engine.graphs is not None and not engine.graphs.capture and engine.graphs.sizes == [1, 2, 4, 7]
+    served, replay = [], engine.graphs.run
+    engine.graphs.run = lambda seq_ids, *args: served.append(len(seq_ids)) or replay(seq_ids, *args)
+    for out, want in zip(run(engine, prompts, budgets), expected):
+        assert out.outputs[0].token_ids == want
+    assert set(served) - {1, 2, 4, 7}, f"some decode step should have been padded to a ladder size: {served}"

@@ -68,6 +68,22 @@ def test_mixed_decode_and_prefill_chunks(dtype):
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_padding_rows_of_a_static_decode_batch(splits):
+    """Rows of length 0 and slot -1 (a CUDA-graph batch padded to a ladder size) return zeros, and the real
+    rows beside them are unaffected."""
+    k_pool, v_pool = _pool(32, 2, 64, torch.float32)
+    tables, lens = _tables([40, 17, 1, 1], 32)
+    lens[2:] = 0
+    tables[2:] = 0
+    q = torch.randn(4, 8, 64)
+    cu = torch.arange(5, dtype=torch.int32)
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=1,
+                    max_seqlen_k=256, backend="triton", num_splits=splits)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_k_agrees_with_single_pass(dtype):
     k_pool, v_pool = _pool(128, 2, 64, dtype)
