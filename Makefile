@@ -33,7 +33,9 @@ assets:
 # tree). There: `make gpu-test` (the suite on CUDA tensors, kernels compiled) and `make gpu-bench`.
 GPU_PY ?= 3.12
 GPU_WHEELS := pytest pluggy iniconfig packaging hypothesis sortedcontainers attrs rich markdown-it-py mdurl \
-	pygments gguf filelock tqdm pyyaml
+	pygments gguf filelock tqdm pyyaml pytest-xdist execnet fastapi starlette uvicorn h11 click \
+	prometheus-client openai httpx httpcore anyio sniffio idna certifi distro jiter pydantic pydantic-core \
+	annotated-types typing-inspection typing-extensions
 
 gpu-wheels:
 	$(PIP) download --no-deps --only-binary :all: --python-version $(GPU_PY) -d wheels $(GPU_WHEELS)

@@ -10,6 +10,7 @@
   values), or a local model folder.
 - engine: serving N requests — sequential / static-batch ``generate``, transformers' ``generate_batch`` and
   ``hfaccel.Engine``: throughput, TTFT and inter-token latency (``hfaccel.bench_engine``).
+- serve: the OpenAI-compatible server at concurrency 1, 8, 64 over loopback (``hfaccel.bench_serve``).
 - speculative: ``speculative_generate`` against the accelerated target alone, with measured acceptance and
   cost ratio next to the analytic expectation (``hfaccel.bench_speculative``).
 
@@ -278,7 +279,7 @@ def environment(device: torch.device) -> dict:
 def run_bench(what: str | list[str] = "all", model: str | None = None, device: str = "auto", dtypes: list[str] | None = None,
               batches: list[int] | None = None, prompt_len: int | None = None, new_tokens: int | None = None,
               output: str | None = None, console: Console | None = None, draft: str = "int4",
-              num_draft_tokens: int = 4, num_requests: int | None = None) -> dict:
+              num_draft_tokens: int = 4, num_requests: int | None = None, url: str | None = None) -> dict:
     """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
     chosen = {what} if isinstance(what, str) else set(what)
     wanted = lambda case: "all" in chosen or case in chosen  # noqa: E731
@@ -309,6 +310,11 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
         console.print(_table("decode: generate() tokens/s", results["decode"]))
     if wanted("engine"):
         results.update(_engine_tables(model, dev, dtype_objs[0], console, num_requests))
+    if "serve" in chosen:  # not part of "all": it starts (or needs) a server
+        from hfaccel.bench_serve import bench_serve
+
+        results["serve"] = bench_serve(url, model, new_tokens or (128 if cuda else 16), device)
+        console.print(_table("OpenAI-compatible server over loopback: streaming completions", results["serve"]))
     if wanted("speculative"):
         from hfaccel.bench_speculative import bench_speculative
 

@@ -1,4 +1,4 @@
-"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``, ``quantize``."""
+"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``, ``quantize``, ``serve``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from hfaccel.kernels.runtime import BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+BENCH_CASES = ("all", "attention", "paged", "memory", "decode", "engine", "speculative", "serve")
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", nargs="+", help="one or more prompts (batched, left-padded)")
 
     bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
-    bench.add_argument("what", nargs="*", default=["all"], choices=("all", "attention", "paged", "memory", "decode",
-                                                                     "engine", "speculative"))
+    bench.add_argument("what", nargs="*", metavar="CASE",
+                       help=f"benchmarks to run: {', '.join(BENCH_CASES)} (default: all, which leaves out serve)")
+    bench.add_argument("--serve", action="store_true", help="also benchmark the HTTP server (same as 'serve')")
+    bench.add_argument("--url", default=None, help="serve: a running server's base URL (…/v1); default: start one")
     bench.add_argument("--model", default=None,
                        help="named config (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m, tiny-llama) "
                             "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
@@ -61,7 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
     quantize.add_argument("--act-order", action="store_true", help="GPTQ activation order (gptq format only)")
     quantize.add_argument("--device", default="auto", help="device each layer is calibrated on")
+    _serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)"))
     return parser
+
+
+def _serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model", help="model folder or hub id (an AWQ/GPTQ checkpoint loads as int4)")
+    serve.add_argument("--quantize", choices=("rtn", "awq", "gptq"), help="quantize to int4 when loading")
+    serve.add_argument("--calib", help="text file for --quantize awq/gptq (default: Hamlet, from hfaccel.assets)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto", choices=DTYPES)
+    serve.add_argument("--attention", default="auto", choices=BACKENDS)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    serve.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: from free memory)")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    serve.add_argument("--graceful-shutdown", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGTERM")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,12 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         _generate(args)
     elif args.command == "quantize":
         _quantize(args)
+    elif args.command == "serve":
+        _serve(args)
     elif args.command == "bench":
         from hfaccel.bench import run_bench
 
-        run_bench(args.what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
+        unknown = sorted(set(args.what) - set(BENCH_CASES))
+        if unknown:
+            raise SystemExit(f"hfaccel bench: unknown case(s) {unknown}; choose from {', '.join(BENCH_CASES)}")
+        what = args.what or ([] if args.serve else ["all"])
+        if args.serve:
+            what.append("serve")
+        run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-                  num_requests=args.requests)
+                  num_requests=args.requests, url=args.url)
     return 0
 
 
@@ -124,6 +157,54 @@ def _quantize(args: argparse.Namespace) -> None:
                      calib_device=device)
     hfaccel.save_quantized(model, args.out, format=fmt, tokenizer=tokenizer)
     console.print(f"wrote {fmt} checkpoint to {args.out} ({args.method}, group size {args.group_size})")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from hfaccel.engine.server import ServerConfig, serve
+    except ImportError as error:
+        raise SystemExit(f"hfaccel serve needs the server extras: pip install 'hfaccel[serve]' ({error})") from None
+    import hfaccel
+    from hfaccel.demo import pick_device, pick_dtype
+
+    device = pick_device(args.device)
+    model, tokenizer = load_for_serving(args, device, pick_dtype(args.dtype, device))
+    hfaccel.accelerate(model, attention=args.attention, paged=False)
+    engine = hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                            max_model_len=args.max_model_len)
+    config = ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
+                          request_timeout=args.request_timeout)
+    serve(hfaccel.AsyncEngine(engine), config, host=args.host, port=args.port,
+          graceful_shutdown_s=args.graceful_shutdown)
+
+
+def load_for_serving(args: argparse.Namespace, device, dtype):
+    """(model, tokenizer) of ``args.model``: an int4 checkpoint through hfaccel.load_quantized, else
+    transformers, quantized with ``--quantize`` if asked."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hfaccel
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = Path(args.model) / "config.json"
+    method = json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if \
+        config.exists() else None
+    if method in ("awq", "gptq"):
+        return hfaccel.load_quantized(args.model, dtype=dtype, device=device), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device)
+    if args.quantize:
+        calib = None
+        if args.quantize != "rtn":
+            from hfaccel.assets import shakespeare_text
+
+            text = Path(args.calib).read_text() if args.calib else shakespeare_text("hamlet")
+            calib = calibration_ids(tokenizer, text, 64, 512)
+        hfaccel.quantize(model, args.quantize, calib_data=calib, calib_device=device)
+    return model.eval(), tokenizer
 
 
 def calibration_ids(tokenizer, text: str, samples: int, seq_len: int):

@@ -85,3 +85,10 @@ def test_quantize_command_writes_a_loadable_checkpoint(model_dir, tmp_path, meth
     model = hfaccel.load_quantized(out, dtype=torch.float16)
     assert any(isinstance(m, hfaccel.Int4Linear) for m in model.modules())
     assert (out / "tokenizer.json").exists() or (out / "tokenizer_config.json").exists()
+
+
+def test_bench_unknown_case_and_serve_without_extras_message():
+    with pytest.raises(SystemExit, match="unknown case\\(s\\) \\['nope'\\]"):
+        main(["bench", "nope"])
+    args = build_parser().parse_args(["serve", "folder", "--api-key", "k", "--max-queue", "3"])
+    assert (args.host, args.port, args.api_key, args.max_queue) == ("127.0.0.1", 8000, "k", 3)

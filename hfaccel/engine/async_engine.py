@@ -65,7 +65,7 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> RequestOutput:
         """The request's final output (text and tokens of every completion)."""
-        tracker, last = _Accumulator(), None
+        tracker, last = OutputAccumulator(), None
         async for delta in self.stream(prompt, params, request_id):
             last = tracker.add(delta)
         return last
@@ -162,8 +162,8 @@ def _send(pending: _Pending, item) -> bool:
     return True
 
 
-class _Accumulator:
-    """Joins stream deltas back into full outputs."""
+class OutputAccumulator:
+    """Joins stream deltas back into the request's full output."""
 
     def __init__(self):
         self.full: RequestOutput | None = None
