@@ -22,6 +22,7 @@ import torch
 import hfaccel
 from hfaccel import compat
 from hfaccel.engine import Engine, SamplingParams
+from hfaccel.engine.loadgen import percentiles_ms
 
 
 DECODE_BATCH = 64
@@ -168,16 +169,8 @@ def _decode_step(engine: Engine, batch: int, context: int, device: torch.device)
 
 
 def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> ServingRow:
-    return ServingRow(path, requests, tokens, seconds, tokens / seconds, None, *_percentiles(ttft),
-                      *_percentiles(itl))
-
-
-def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
-    return pick(0.5), pick(0.99)
+    return ServingRow(path, requests, tokens, seconds, tokens / seconds, None, *percentiles_ms(ttft),
+                      *percentiles_ms(itl))
 
 
 def _sync(device: torch.device) -> None:

@@ -86,11 +86,12 @@ async def run_load(url: str, model: str, prompts: list[str], requests: int, conc
 def summarize(results: list[Result], concurrency: int, seconds: float) -> Summary:
     ok = [r for r in results if r.error is None]
     return Summary(len(results), concurrency, len(ok), len(results) - len(ok), seconds,
-                   sum(r.chunks for r in ok) / seconds, *_percentiles([r.latency_s for r in ok]),
-                   *_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]))
+                   sum(r.chunks for r in ok) / seconds, *percentiles_ms([r.latency_s for r in ok]),
+                   *percentiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]))
 
 
-def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+def percentiles_ms(values: list[float]) -> tuple[float | None, float | None]:
+    """(p50, p99) in milliseconds of values in seconds; (None, None) for no values."""
     if not values:
         return None, None
     ordered = sorted(values)

@@ -237,15 +237,10 @@ async def _completions(state: _State, req: CompletionRequest):
     prompts = _prompt_list(req.prompt)
     prepared = [_prepare(state, p, req.max_tokens, lambda m: req.sampling_params(m, req.logprobs))
                 for p in prompts]
-    admission = _Admission(state, len(prepared))
     ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse(ctx.stream(prepared, admission, include_usage))
-    try:
-        outputs = await ctx.run_all(prepared)
-    finally:
-        admission.release()
+    outputs = await _run(ctx, req, prepared)
+    if isinstance(outputs, StreamingResponse):
+        return outputs
     choices = [{"index": i * req.n + o.index, "text": o.text, "finish_reason": _finish(o.finish_reason),
                 "logprobs": ctx.completion_logprobs(o.logprobs)} for i, out in enumerate(outputs) for o in out.outputs]
     return ctx.body(choices, _usage(outputs))
@@ -262,19 +257,26 @@ async def _chat(state: _State, req: ChatCompletionRequest):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
     prepared = [_prepare(state, messages, max_tokens, lambda m: req.sampling_params(m, logprobs))]
-    admission = _Admission(state, 1)
     ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse(ctx.stream(prepared, admission, include_usage))
-    try:
-        outputs = await ctx.run_all(prepared)
-    finally:
-        admission.release()
+    outputs = await _run(ctx, req, prepared)
+    if isinstance(outputs, StreamingResponse):
+        return outputs
     choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                 "finish_reason": _finish(o.finish_reason), "logprobs": ctx.chat_logprobs(o.logprobs)}
                for o in outputs[0].outputs]
     return ctx.body(choices, _usage(outputs))
+
+
+async def _run(ctx: _Call, req, prepared) -> StreamingResponse | list[RequestOutput]:
+    """Admit the call's prompts, then stream them, or run them to completion and return their outputs."""
+    admission = _Admission(ctx.state, len(prepared))
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _sse(ctx.stream(prepared, admission, include_usage))
+    try:
+        return await ctx.run_all(prepared)
+    finally:
+        admission.release()
 
 
 class _Call:
