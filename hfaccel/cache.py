@@ -117,9 +117,9 @@ class PagedCache(Cache):
             raise ValueError(f"max_batch_size and block_size must be >= 1; got {max_batch_size}, {block_size}")
         self.config = config
         self.block_size = block_size
-        self.max_batch_size = max_batch_size
-        self.max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
-        num_blocks = num_blocks or max_batch_size * -(-self.max_cache_len // block_size)
+        self._max_batch_size = max_batch_size
+        self._max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
+        num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(config)
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
@@ -150,6 +150,17 @@ class PagedCache(Cache):
         if str(getattr(self.config, "_attn_implementation", "")).startswith(HFACCEL_ATTENTION_PREFIX):
             return paged, paged
         return paged.gather()
+
+    # transformers 5.17's Cache defines both as read-only (deprecated) properties; these take their place
+    @property
+    def max_batch_size(self) -> int:
+        """The most rows (batch x beams x return sequences) this cache holds."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """The most tokens per row."""
+        return self._max_cache_len
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seq_len
