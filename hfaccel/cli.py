@@ -72,6 +72,7 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model", help="model folder or hub id (an AWQ/GPTQ checkpoint loads as int4)")
     serve.add_argument("--quantize", choices=("rtn", "awq", "gptq"), help="quantize to int4 when loading")
     serve.add_argument("--calib", help="text file for --quantize awq/gptq (default: Hamlet, from hfaccel.assets)")
+    serve.add_argument("--group-size", type=int, default=128, help="--quantize group size")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -203,7 +204,7 @@ def load_for_serving(args: argparse.Namespace, device, dtype):
 
             text = Path(args.calib).read_text() if args.calib else shakespeare_text("hamlet")
             calib = calibration_ids(tokenizer, text, 64, 512)
-        hfaccel.quantize(model, args.quantize, calib_data=calib, calib_device=device)
+        hfaccel.quantize(model, args.quantize, calib_data=calib, group_size=args.group_size, calib_device=device)
     return model.eval(), tokenizer
 
 

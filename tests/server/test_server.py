@@ -268,3 +268,19 @@ def test_sigterm_shuts_down_cleanly_with_a_request_in_flight(model_dir):
     assert running.process.wait(30) == 0
     running.log.close()
     assert all(line.startswith("data: ") or not line for line in rest)
+
+
+def test_serve_loads_quantized_models(model_dir, tmp_path):
+    """--quantize rtn quantizes at load; an AWQ checkpoint folder loads as int4 without --quantize."""
+    import torch
+
+    import hfaccel
+    from hfaccel.cli import build_parser, load_for_serving
+
+    args = build_parser().parse_args(["serve", str(model_dir), "--quantize", "rtn", "--group-size", "32"])
+    model, tokenizer = load_for_serving(args, torch.device("cpu"), torch.float32)
+    assert any(isinstance(m, hfaccel.Int4Linear) for m in model.modules()) and tokenizer is not None
+    hfaccel.save_quantized(model, tmp_path / "awq", format="awq", tokenizer=tokenizer)
+    args = build_parser().parse_args(["serve", str(tmp_path / "awq")])
+    loaded, _ = load_for_serving(args, torch.device("cpu"), torch.float16)
+    assert any(isinstance(m, hfaccel.Int4Linear) for m in loaded.modules())
