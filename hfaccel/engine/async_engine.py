@@ -39,6 +39,7 @@ class AsyncEngine:
         self._streams: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._stopping = False
+        self._abort_all = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hfaccel-engine", daemon=True)
         self._thread.start()
@@ -81,11 +82,14 @@ class AsyncEngine:
             queued = len(self._adds)
         return {**self.engine.stats(), "queued": queued}
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine thread is running (False after a fatal error or shutdown)."""
+        return self._thread.is_alive() and self._error is None and not self._stopping
+
     def shutdown(self, abort: bool = True, timeout: float | None = 30.0) -> None:
         """Stop the thread: abort what is in flight (or let it finish first with ``abort=False``)."""
-        if abort:
-            with self._lock:
-                self._aborts += list(self._streams)
+        self._abort_all = abort
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
@@ -109,18 +113,37 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_queued(trackers)
+                if self._stopping and self._abort_all:
+                    self._fail_all(RuntimeError("the engine is shutting down"), trackers)
                 if self._stopping and not self.engine.has_unfinished_requests():
                     break
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for output in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # e.g. out of memory: fail what is in flight, keep serving
+                    self._fail_all(error, trackers)
+                    continue
+                for output in outputs:
                     self._deliver(output, trackers)
-        except BaseException as error:  # the model failed: every waiting stream gets the error
+        except BaseException as error:  # the thread itself is going down: nobody may wait forever
             self._error = error
-            for pending in list(self._streams.values()):
+            self._fail_all(error, trackers)
+            with self._lock:
+                adds, self._adds = self._adds, []
+            for pending in adds:
                 _send(pending, error)
+
+    def _fail_all(self, error: BaseException, trackers: dict[str, DeltaTracker]) -> None:
+        """Abort every request in flight; each stream gets ``error``."""
+        for request_id, pending in list(self._streams.items()):
+            self.engine.abort(request_id)
+            self.engine.release(request_id)
+            _send(pending, error)
+            del self._streams[request_id]
+            trackers.pop(request_id, None)
 
     def _apply_queued(self, trackers: dict[str, DeltaTracker]) -> None:
         with self._lock:

@@ -69,7 +69,9 @@ class DecodeGraphs:
     def _fill(self, seq_ids, tokens, starts, size: int) -> None:
         """Copy a step's inputs into the static buffers (one host-to-device copy per buffer)."""
         manager, block = self.runner.cache.manager, self.runner.cache.block_size
-        batch, width = len(seq_ids), self.block_tables.shape[1]
+        batch = len(seq_ids)
+        # only the columns these sequences use: the kernel never reads a table past a sequence's length
+        width = max(len(manager.block_table(seq_id)) for seq_id in seq_ids)
         tables = torch.zeros(size, width, dtype=torch.int32)
         slots = torch.full((1, size), -1, dtype=torch.long)
         for row, (seq_id, pos) in enumerate(zip(seq_ids, starts)):
@@ -85,7 +87,7 @@ class DecodeGraphs:
         for static, host in ((self.input_ids, ids), (self.positions, positions), (self.seq_lens, lens)):
             static[:size].copy_(host, non_blocking=True)
         self.slot_mapping[:, :size].copy_(slots, non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+        self.block_tables[:size, :width].copy_(tables, non_blocking=True)
 
     def _forward(self, size: int) -> torch.Tensor:
         cache = self.runner.cache

@@ -89,6 +89,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be hfaccel.SamplingParams; got {type(params).__name__}")
         params.validate()
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} completions cannot run at once: the engine runs at most max_num_seqs="
+                             f"{self.scheduler.max_num_seqs} sequences")
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         return text, prompt_ids
@@ -206,15 +209,19 @@ class Engine:
         else:
             logits = self.runner.forward(seq_ids, torch.tensor(flat, dtype=torch.long), [c.length for c in chunks],
                                          starts=starts, logits_for=completing)  # [C, V]
+        sampled = self._sample(logits, [chunks[i].seq for i in completing])
+        # only now that nothing can fail does the step count (a failed step is simply recomputed)
         manager = self.scheduler.manager
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
             manager.mark_computed(chunk.seq.seq_id, chunk.seq.num_computed)
             if chunk.seq.request.metrics.first_scheduled_time is None:
                 chunk.seq.request.metrics.first_scheduled_time = now
-        targets = []  # (row of logits, sequence to sample for)
-        for row, i in enumerate(completing):
-            targets += [(row, seq) for seq in self._sampling_sequences(chunks[i].seq)]
+        return sampled
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Seq]) -> list[tuple[Seq, int, TokenLogprob | None]]:
+        """Next tokens of the sequences whose last token was computed (``logits`` row i is ``seqs[i]``'s)."""
+        targets = [(row, target) for row, seq in enumerate(seqs) for target in self._sampling_sequences(seq)]
         if not targets:
             return []
         rows = [SampleRow(seq.request.params, seq.generator, seq.request.prompt_token_ids, seq.output_ids)
@@ -274,7 +281,8 @@ class Engine:
                                                  params.skip_special_tokens)
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed + 7919 * index)
+            seed = (params.seed + 7919 * index) % (1 << 63)  # any int seed; a distinct stream per completion
+            generator = torch.Generator(self.runner.device).manual_seed(seed)
         output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         return Seq(next(self._seq_ids), request, index, token_ids, output, detokenizer, generator)
 
@@ -284,7 +292,10 @@ class Engine:
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             self._need_tokenizer("chat messages")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            try:
+                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            except Exception as error:  # jinja2 template errors ("roles must alternate", ...)
+                raise ValueError(f"the tokenizer's chat template rejected the messages: {error}") from None
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             return None, [int(t) for t in ids]
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:

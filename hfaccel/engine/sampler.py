@@ -67,23 +67,28 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     temperature = torch.tensor([row.params.temperature for row in rows], device=device)
     probs = torch.softmax(logits / temperature[:, None], -1)
     sorted_probs, order = probs.sort(-1, descending=True)  # [R, V]
-    keep = _filter_sorted(sorted_probs, rows)
+    keep = _filter_sorted(sorted_probs, rows)  # a prefix of the sorted tokens
     kept = sorted_probs * keep
     cdf = kept.cumsum(-1)  # [R, V]
     uniform = _uniforms(rows, device) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, uniform[:, None], right=True).clamp_max(cdf.shape[-1] - 1)  # [R, 1]
+    pick = torch.searchsorted(cdf, uniform[:, None], right=True)  # [R, 1]
+    pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)  # rounding never reaches a filtered token
     return order.gather(1, pick)[:, 0]
 
 
 def _filter_sorted(sorted_probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Which of the descending-sorted tokens survive top-k, top-p and min-p (the top token always does)."""
+    """Which of the descending-sorted tokens survive top-k, then top-p over what top-k left (renormalised, as
+    transformers' warpers chain), then min-p; the top token always does. The survivors are a prefix."""
     device, vocab = sorted_probs.device, sorted_probs.shape[-1]
     top_k = torch.tensor([row.params.top_k if row.params.uses_top_k else vocab for row in rows], device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], device=device)
     rank = torch.arange(vocab, device=device)[None]
-    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
-    keep = (rank < top_k[:, None]) & (before < top_p[:, None]) & (sorted_probs >= min_p[:, None] * sorted_probs[:, :1])
+    keep = rank < top_k[:, None]
+    in_top_k = sorted_probs * keep
+    in_top_k = in_top_k / in_top_k.sum(-1, keepdim=True)
+    before = in_top_k.cumsum(-1) - in_top_k  # mass of the more likely tokens, within top-k
+    keep &= (before < top_p[:, None]) & (sorted_probs >= min_p[:, None] * sorted_probs[:, :1])
     keep[:, 0] = True
     return keep
 

@@ -149,10 +149,10 @@ class Scheduler:
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            if seq.request.params.n > 1 and not seq.request.forked and \
-                    len(self.running) + seq.request.params.n > self.max_num_seqs:
+            joining = seq.request.params.n if not seq.request.forked else 1  # its siblings fork in later
+            if self._num_sequences() + joining > self.max_num_seqs:
                 break
             if not self._admit(seq):
                 break
@@ -161,6 +161,10 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
         return out
+
+    def _num_sequences(self) -> int:
+        """Running sequences, counting the siblings that requests still in prefill will fork."""
+        return sum(seq.request.params.n if not seq.request.forked else 1 for seq in self.running)
 
     def _grow(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give a running sequence slots for all its tokens, preempting newer sequences if the pool is full."""

@@ -32,6 +32,7 @@ from hfaccel.engine.params import RequestOutput, SamplingParams, TokenLogprob
 from hfaccel.engine.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 
 MAX_BODY_BYTES = 8 << 20
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -129,11 +130,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         else:
             response = await call_next(request)
         if path.startswith("/v1/"):
-            state.metrics.requests.labels(path, str(response.status_code)).inc()
+            endpoint = path if path in ROUTES else "other"  # a fixed label set, whatever clients send
+            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
     @app.get("/health")
     async def health():
+        if not engine.healthy:
+            return JSONResponse({"status": "unavailable", **engine.stats()}, status_code=503)
         return {"status": "ok", **engine.stats()}
 
     @app.get("/metrics")
@@ -272,7 +276,7 @@ async def _run(ctx: _Call, req, prepared) -> StreamingResponse | list[RequestOut
     admission = _Admission(ctx.state, len(prepared))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse(ctx.stream(prepared, admission, include_usage))
+        return _EventStream(ctx.stream(prepared, admission, include_usage), admission)
     try:
         return await ctx.run_all(prepared)
     finally:
@@ -297,6 +301,8 @@ class _Call:
         except asyncio.TimeoutError:
             raise APIError(408, f"the request took longer than the server's limit of {timeout} s and was "
                                 f"aborted", "timeout_error", code="timeout") from None
+        except Exception as error:  # the engine failed (e.g. out of memory) or is shutting down
+            raise APIError(503, f"the engine could not serve the request: {error}", "server_error") from None
         for output in outputs:
             self.state.metrics.observe(output)
         return outputs
@@ -437,9 +443,20 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _sse(lines: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(lines, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _EventStream(StreamingResponse):
+    """Server-sent events that give their admission back however the response ends — also when the client
+    is gone before the first event (the event generator then never starts, so its own ``finally`` never runs)."""
+
+    def __init__(self, lines: AsyncIterator[str], admission: _Admission):
+        super().__init__(lines, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.admission = admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.release()
 
 
 def serve(engine: AsyncEngine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,

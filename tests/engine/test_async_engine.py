@@ -75,3 +75,24 @@ def test_bad_request_fails_alone(engines):
         return await async_engine.generate("still fine", _greedy(3))
 
     assert len(asyncio.run(main()).outputs[0].token_ids) == 3
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engines):
+    _, async_engine = engines
+    real_step, calls = async_engine.engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real_step()
+
+    async_engine.engine.step = failing_once
+
+    async def main():
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await async_engine.generate("first", _greedy())
+        return await async_engine.generate("second", _greedy(4))
+
+    assert len(asyncio.run(main()).outputs[0].token_ids) == 4
+    assert async_engine.healthy and async_engine.stats()["blocks_used"] == 0

@@ -257,3 +257,52 @@ def test_static_shape_decode_steps_are_exact(attention):
     for out, want in zip(run(engine, prompts, budgets), expected):
         assert out.outputs[0].token_ids == want
     assert set(served) - {1, 2, 4, 7}, f"some decode step should have been padded to a ladder size: {served}"
+
+
+def test_sampling_filters_match_transformers_warpers():
+    """top-k, then top-p over what top-k kept, then min-p: the tokens the engine can draw are exactly those
+    transformers' warpers leave a probability."""
+    from hfaccel.engine.sampler import SampleRow, _filter_sorted
+    from hfaccel.sampling import probabilities, warpers
+
+    gen = torch.Generator().manual_seed(0)
+    for top_k, top_p in [(3, 0.5), (None, 0.9), (10, 0.95), (1, 1.0), (50, 0.3)]:
+        logits = torch.randn(4, 60, generator=gen) * 3
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        probs = torch.softmax(logits, -1)
+        sorted_probs, order = probs.sort(-1, descending=True)
+        keep = _filter_sorted(sorted_probs, [SampleRow(params, None, [], [])] * 4)
+        engine_set = [set(order[r][keep[r]].tolist()) for r in range(4)]
+        reference = probabilities(logits, warpers(1.0, top_k, top_p))
+        assert engine_set == [set(reference[r].nonzero()[:, 0].tolist()) for r in range(4)], (top_k, top_p)
+
+
+def test_n_beyond_max_num_seqs_and_any_seed():
+    engine = Engine(hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=2, num_blocks=32,
+                    block_size=4)
+    with pytest.raises(ValueError, match="n=3 completions cannot run at once"):
+        engine.add_request([5, 6], SamplingParams(n=3))
+    out = engine.generate([5, 6], SamplingParams(max_tokens=3, n=2, seed=2**64 - 1, ignore_eos=True))[0]
+    assert [len(o.token_ids) for o in out.outputs] == [3, 3]
+    negative = engine.generate([5, 6], SamplingParams(max_tokens=3, seed=-7, ignore_eos=True))[0]
+    assert len(negative.outputs[0].token_ids) == 3
+
+
+def test_a_failed_step_changes_nothing(monkeypatch):
+    """If sampling fails (e.g. out of memory) the step does not count: the next one recomputes it."""
+    import hfaccel.engine.engine as engine_module
+
+    model = tiny_model("llama")
+    prompts, budgets = mixed_prompts(3, seed=6)
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, num_blocks=40, block_size=4)
+    ids = [engine.add_request(p, greedy(b)) for p, b in zip(prompts, budgets)]
+    engine.step()
+    real = engine_module.sample
+    monkeypatch.setattr(engine_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    monkeypatch.setattr(engine_module, "sample", real)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [engine.snapshot(engine.requests[i]).outputs[0].token_ids for i in ids] == expected
