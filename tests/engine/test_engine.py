@@ -103,7 +103,8 @@ def test_exactness_through_triton_kernels():
 def test_repetition_penalty_matches_transformers():
     model = tiny_model("mistral")
     prompts, _ = mixed_prompts(4, seed=3)
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+    expected = [model.generate(torch.tensor([p], device=model.device), max_new_tokens=12, do_sample=False,
+                               repetition_penalty=1.5,
                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4)
     outputs = engine.generate(prompts, greedy(12, repetition_penalty=1.5))
@@ -194,8 +195,8 @@ def test_logprobs_are_the_models():
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=2)
     out = engine.generate(prompt, greedy(4, logprobs=3))[0].outputs[0]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    expected = torch.log_softmax(logits.float(), -1)
+        logits = model(torch.tensor([prompt + out.token_ids], device=model.device)).logits[0, len(prompt) - 1:-1]
+    expected = torch.log_softmax(logits.float(), -1).cpu()
     for step, entry in enumerate(out.logprobs):
         assert entry.token_id == out.token_ids[step]
         assert entry.logprob == pytest.approx(expected[step, entry.token_id].item(), abs=1e-4)
