@@ -344,11 +344,13 @@ def speculative_generate(
         target = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
         if draft == "ngram":
             drafter = _NgramDrafter(ngram_size, target.device)
-            _decode(rows, target, drafter, sampler, stopper, num_draft_tokens, stats)
+            clock = _Clock([target.device], exact=return_stats)
+            _decode(rows, target, drafter, sampler, stopper, num_draft_tokens, stats, clock)
         else:
             with hfaccel_attention(draft_model):
                 drafter = _ModelDrafter(draft_model, num_blocks, block_size, target.device)
-                _decode(rows, target, drafter, sampler, stopper, num_draft_tokens, stats)
+                clock = _Clock([target.device, drafter.runner.device], exact=return_stats)
+                _decode(rows, target, drafter, sampler, stopper, num_draft_tokens, stats, clock)
     stats.per_row_acceptance = [row.accepted / row.proposed if row.proposed else 0.0 for row in rows]
     pad = pad_token_id if pad_token_id is not None else config.pad_token_id
     if pad is None and stopper.eos:
@@ -358,19 +360,19 @@ def speculative_generate(
 
 
 def _decode(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, stopper: _Stopper, k: int,
-            stats: SpeculativeStats) -> None:
-    start = _now(target.device)
+            stats: SpeculativeStats, clock: _Clock) -> None:
+    start = clock.now()
     _prefill(rows, target)
-    stats.prefill_seconds = _now(target.device) - start
+    stats.prefill_seconds = clock.now() - start
     while active := [row for row in rows if not row.finished]:
-        start = _now(target.device)
+        start = clock.now()
         counts = [max(0, min(k, row.remaining - 1)) for row in active]
         drafts = drafter.propose(active, counts, sampler)
-        middle = _now(target.device)
+        middle = clock.now()
         target_probs = _verify_forward(target, active, drafts, sampler)  # [R, K + 1, V]
         accepted, next_tokens = verify(target_probs, drafts, sampler)
         stats.draft_seconds += middle - start
-        stats.verify_seconds += _now(target.device) - middle
+        stats.verify_seconds += clock.now() - middle
         drafted = drafts.tokens.tolist()
         for row, count, taken, token, proposal in zip(active, drafts.counts, accepted, next_tokens, drafted):
             before = len(row.tokens)
@@ -484,10 +486,17 @@ def _assemble(input_ids: torch.Tensor, rows: list[_Row], pad: int | None) -> tor
     return torch.cat([input_ids, torch.tensor(new, dtype=input_ids.dtype, device=input_ids.device)], 1)
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class _Clock:
+    """Phase timings. Exact ones (statistics asked for) wait for the devices at each reading; otherwise the
+    host's clock is read without a sync, so timing never stalls the GPU's queue of work."""
+
+    def __init__(self, devices: list[torch.device], exact: bool):
+        self.devices = [d for d in dict.fromkeys(devices) if d.type == "cuda"] if exact else []
+
+    def now(self) -> float:
+        for device in self.devices:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
 
 # ------------------------------------------------------------------ model.generate(assistant_model=...) route
