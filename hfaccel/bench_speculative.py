@@ -97,23 +97,30 @@ def bench_speculative(target: str | None, draft_spec: str, batches: list[int], k
     hfaccel.accelerate(model)
     if draft is not None and draft is not model:
         hfaccel.accelerate(draft, paged=False)
-    rows = []
-    for batch in batches:
-        input_ids = text_prompts(tokenizer, batch, prompt_len, device)
-        fixed = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": [], "pad_token_id": 0}
-        base_s, _ = _timed(lambda: model.generate(input_ids, min_new_tokens=new_tokens, **fixed), device)
-        spec_s, (_, stats) = _timed(lambda: hfaccel.speculative_generate(
-            model, draft, input_ids, draft="ngram" if draft is None else "model", num_draft_tokens=k,
-            return_stats=True, **fixed), device)
-        cost = 0.0 if draft is None else _decode_seconds(draft, input_ids) / _decode_seconds(model, input_ids)
-        alpha = stats.token_acceptance
-        expected = expected_speedup(alpha, k, cost)
-        speedup = base_s / spec_s
-        rows.append(SpeculativeRow(target or "smollm2-135m", draft_spec, batch, k, new_tokens,
-                                   batch * new_tokens / base_s, batch * new_tokens / spec_s, speedup, alpha,
-                                   stats.acceptance_rate, stats.tokens_per_target_forward, cost, expected,
-                                   speedup / expected))
-    return rows
+    return [_row(model, draft, target or "smollm2-135m", draft_spec, text_prompts(tokenizer, b, prompt_len, device),
+                 k, new_tokens, device) for b in batches]
+
+
+def _row(model, draft, target: str, draft_spec: str, input_ids: torch.Tensor, k: int, new_tokens: int,
+         device: torch.device) -> SpeculativeRow:
+    """One batch size: the target alone, then speculative decoding, then the cost ratio of the two models."""
+    fixed = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": [], "pad_token_id": 0}
+    base_s, _ = _timed(lambda: model.generate(input_ids, min_new_tokens=new_tokens, **fixed), device)
+
+    def run(stats: bool):
+        return hfaccel.speculative_generate(model, draft, input_ids, draft="ngram" if draft is None else "model",
+                                            num_draft_tokens=k, return_stats=stats, **fixed)
+
+    _, stats = run(True)  # acceptance figures (greedy: the timed run accepts the same drafts)
+    spec_s, _ = _timed(lambda: run(False), device)  # timed without the statistics' device syncs
+    cost = 0.0 if draft is None else _decode_seconds(draft, input_ids) / _decode_seconds(model, input_ids)
+    alpha = stats.token_acceptance
+    expected = expected_speedup(alpha, k, cost)
+    speedup = base_s / spec_s
+    batch = input_ids.shape[0]
+    return SpeculativeRow(target, draft_spec, batch, k, new_tokens, batch * new_tokens / base_s,
+                          batch * new_tokens / spec_s, speedup, alpha, stats.acceptance_rate,
+                          stats.tokens_per_target_forward, cost, expected, speedup / expected)
 
 
 def _timed(fn: Callable, device: torch.device):
