@@ -72,10 +72,11 @@ def kv_dims(config) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
-class _PagedLayer(CacheLayerMixin):
-    """What transformers sees per layer; all state lives in the owning PagedCache."""
+class CacheLayerView(CacheLayerMixin):
+    """What transformers sees per layer of a cache that keeps every layer's state itself (PagedCache,
+    SequenceKVCache): each call goes to the owning cache with this layer's index."""
 
-    def __init__(self, cache: PagedCache, layer_idx: int):
+    def __init__(self, cache: Cache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.is_initialized = True
@@ -86,14 +87,14 @@ class _PagedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         return self.cache.update(key_states, value_states, self.layer_idx)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.seq_len + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.cache.get_mask_sizes(query_length, self.layer_idx)
 
     def get_seq_length(self) -> int:
-        return self.cache.seq_len
+        return self.cache.get_seq_length(self.layer_idx)
 
     def get_max_length(self) -> int:
-        return self.cache.max_cache_len
+        return self.cache.get_max_length(self.layer_idx)
 
 
 class PagedCache(Cache):
@@ -133,7 +134,7 @@ class PagedCache(Cache):
         self._tables: torch.Tensor | None = None  # device block tables, reused while no table changes
         self._tables_key: tuple = ()
         self._tables_dirty = True
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[CacheLayerView(self, i) for i in range(self.num_layers)])
 
     # --------------------------------------------------------------------------------- transformers API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

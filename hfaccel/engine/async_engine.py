@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hfaccel.engine.engine import DeltaTracker, Engine, Prompt
 from hfaccel.engine.params import RequestOutput, SamplingParams
+from hfaccel.engine.scheduler import Request
 
 
 @dataclass
@@ -122,12 +123,12 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    outputs = self.engine.step()
+                    changed = self.engine.step_requests()
                 except Exception as error:  # e.g. out of memory: fail what is in flight, keep serving
                     self._fail_all(error, trackers)
                     continue
-                for output in outputs:
-                    self._deliver(output, trackers)
+                for request in changed:
+                    self._deliver(request, trackers)
         except BaseException as error:  # the thread itself is going down: nobody may wait forever
             self._error = error
             self._fail_all(error, trackers)
@@ -159,21 +160,19 @@ class AsyncEngine:
             trackers[pending.request_id] = DeltaTracker()
         for request_id in aborts:
             if self.engine.abort(request_id):
-                request = self.engine.requests[request_id]
-                self._deliver(self.engine.snapshot(request), trackers)
+                self._deliver(self.engine.requests[request_id], trackers)
 
-    def _deliver(self, output: RequestOutput, trackers: dict[str, DeltaTracker]) -> None:
-        pending = self._streams.get(output.request_id)
+    def _deliver(self, request: Request, trackers: dict[str, DeltaTracker]) -> None:
+        pending = self._streams.get(request.request_id)
         if pending is None:
             return
-        delta = trackers[output.request_id].delta(output)
+        delta = trackers[request.request_id].delta(request)
         if delta is not None and not _send(pending, delta):
-            self.engine.abort(output.request_id)  # its event loop is gone: nobody will read it
-            output = self.engine.snapshot(self.engine.requests[output.request_id])
-        if output.finished:
-            del self._streams[output.request_id]
-            del trackers[output.request_id]
-            self.engine.release(output.request_id)
+            self.engine.abort(request.request_id)  # its event loop is gone: nobody will read it
+        if request.finished:
+            del self._streams[request.request_id]
+            del trackers[request.request_id]
+            self.engine.release(request.request_id)
 
 
 def _send(pending: _Pending, item) -> bool:

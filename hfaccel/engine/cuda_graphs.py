@@ -70,14 +70,13 @@ class DecodeGraphs:
         """Copy a step's inputs into the static buffers (one host-to-device copy per buffer)."""
         manager, block = self.runner.cache.manager, self.runner.cache.block_size
         batch = len(seq_ids)
+        rows = [manager.block_table(seq_id) for seq_id in seq_ids]
         # only the columns these sequences use: the kernel never reads a table past a sequence's length
-        width = max(len(manager.block_table(seq_id)) for seq_id in seq_ids)
-        tables = torch.zeros(size, width, dtype=torch.int32)
+        width = max(len(row) for row in rows)
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows] + [[0] * width] * (size - batch),
+                              dtype=torch.int32)
         slots = torch.full((1, size), -1, dtype=torch.long)
-        for row, (seq_id, pos) in enumerate(zip(seq_ids, starts)):
-            table = manager.block_table(seq_id)
-            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            slots[0, row] = table[pos // block] * block + pos % block
+        slots[0, :batch] = torch.tensor([row[pos // block] * block + pos % block for row, pos in zip(rows, starts)])
         lens = torch.zeros(size, dtype=torch.int32)
         lens[:batch] = torch.tensor([pos + 1 for pos in starts], dtype=torch.int32)
         ids = torch.zeros(size, dtype=torch.long)

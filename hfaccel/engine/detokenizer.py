@@ -44,11 +44,14 @@ class IncrementalDetokenizer:
             self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
             self.read_offset = len(self.ids)
 
-    def stable_text(self, finished: bool) -> str:
-        """Text that can be shown now: all of it when finished, else all but what a stop string may still claim."""
+    def stable_length(self, finished: bool) -> int:
+        """Characters that can be shown now: all when finished, else all but what a stop string may still claim."""
         if finished or not self.stop:
-            return self.text
-        return self.text[:max(0, len(self.text) - self.hold)]
+            return len(self.text)
+        return max(0, len(self.text) - self.hold)
+
+    def stable_text(self, finished: bool) -> str:
+        return self.text[:self.stable_length(finished)]
 
     def _append(self, delta: str) -> str | None:
         search_from = max(0, len(self.text) - self.hold)

@@ -118,6 +118,12 @@ class Engine:
     # ---------------------------------------------------------------------------------------------- steps
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and forward; returns the requests whose outputs changed (full state)."""
+        return [self.snapshot(request) for request in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """Run one step; returns the live requests it changed, copying nothing (``DeltaTracker`` reads the
+        new part of each: what ``generate``, ``stream`` and ``AsyncEngine`` use, so a step costs the same
+        however long the outputs already are)."""
         plan = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq in plan.out_of_blocks:
@@ -128,7 +134,7 @@ class Engine:
             for seq, token, logprob in self._forward(plan.chunks):
                 self._append_token(seq, token, logprob)
                 touched[seq.request.request_id] = seq.request
-        return [self.snapshot(request) for request in touched.values()]
+        return list(touched.values())
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
                  None = None) -> list[RequestOutput]:
@@ -148,7 +154,7 @@ class Engine:
             except ValueError as error:
                 ids.append(_error_output(prompt, error))
         while self.has_unfinished_requests():
-            self.step()
+            self.step_requests()
         outputs = [self.snapshot(self.requests[i]) if isinstance(i, str) else i for i in ids]
         for i in ids:
             if isinstance(i, str):
@@ -167,8 +173,8 @@ class Engine:
             while True:
                 request = self.requests[request_id]
                 if not request.finished:
-                    self.step()
-                delta = seen.delta(self.snapshot(request))
+                    self.step_requests()
+                delta = seen.delta(request)
                 if delta is not None:
                     yield delta
                 if request.finished:
@@ -326,31 +332,40 @@ class Engine:
 
 
 class DeltaTracker:
-    """Turns successive full snapshots of one request into deltas (new text and tokens per completion)."""
+    """What is new in one request since the last call: new text and tokens per completion (read from the
+    live request, so the cost follows the new tokens, not the output's length)."""
 
     def __init__(self):
         self.text: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.done: set[int] = set()
 
-    def delta(self, full: RequestOutput) -> RequestOutput | None:
-        outputs = []
-        for out in full.outputs:
-            if out.index in self.done:
-                continue
-            text_at, token_at = self.text.get(out.index, 0), self.tokens.get(out.index, 0)
-            if len(out.text) == text_at and len(out.token_ids) == token_at and not out.finished:
-                continue
-            outputs.append(CompletionOutput(out.index, out.text[text_at:], out.token_ids[token_at:],
-                                            None if out.logprobs is None else out.logprobs[token_at:],
-                                            out.finish_reason, out.stop_reason))
-            self.text[out.index], self.tokens[out.index] = len(out.text), len(out.token_ids)
-            if out.finished:
-                self.done.add(out.index)
-        if not outputs and not full.finished:
+    def delta(self, request: Request) -> RequestOutput | None:
+        outputs = [delta for seq in sorted(request.seqs, key=lambda s: s.index)
+                   if (delta := self._completion_delta(seq)) is not None]
+        if not outputs and not request.finished:
             return None
-        return RequestOutput(full.request_id, full.prompt, full.prompt_token_ids, outputs, full.finished,
-                             full.error, full.metrics)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             request.finished, metrics=request.metrics)
+
+    def _completion_delta(self, seq: Seq) -> CompletionOutput | None:
+        out = seq.output
+        if out.index in self.done:
+            return None
+        finished = out.finish_reason is not None
+        detokenizer = seq.detokenizer
+        end = detokenizer.stable_length(finished) if detokenizer is not None else 0
+        text_at, token_at = self.text.get(out.index, 0), self.tokens.get(out.index, 0)
+        if end == text_at and len(out.token_ids) == token_at and not finished:
+            return None
+        text = detokenizer.text[text_at:end] if detokenizer is not None else ""
+        delta = CompletionOutput(out.index, text, out.token_ids[token_at:],
+                                 None if out.logprobs is None else out.logprobs[token_at:], out.finish_reason,
+                                 out.stop_reason)
+        self.text[out.index], self.tokens[out.index] = end, len(out.token_ids)
+        if finished:
+            self.done.add(out.index)
+        return delta
 
 
 def _ensure_accelerated(model) -> None:

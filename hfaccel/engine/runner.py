@@ -19,11 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from hfaccel import attention as attention_impl
 from hfaccel.block_manager import BlockCopy, BlockManager, CacheFullError
-from hfaccel.cache import HFACCEL_ATTENTION_PREFIX, PagedKV, kernel_backend, kv_dims
+from hfaccel.cache import HFACCEL_ATTENTION_PREFIX, CacheLayerView, PagedKV, kernel_backend, kv_dims
 from hfaccel.kernels.write_kv import write_kv
 from hfaccel.support import model_device, unsupported_reason
 
@@ -39,30 +39,6 @@ class PackedStep:
     positions: torch.Tensor  # [T] int64: position of each new token in its sequence
     max_seq_len: int
     max_q_len: int
-
-
-class _SequenceLayer(CacheLayerMixin):
-    """What transformers sees per layer; the state lives in the owning SequenceKVCache."""
-
-    def __init__(self, cache: SequenceKVCache, layer_idx: int):
-        super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        return None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.cache.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.get_mask_sizes(query_length)
-
-    def get_seq_length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class SequenceKVCache(Cache):
@@ -83,7 +59,7 @@ class SequenceKVCache(Cache):
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # [L, 2, num_blocks, block_size, Hkv, D]
         self.step: PackedStep | None = None
-        super().__init__(layers=[_SequenceLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[CacheLayerView(self, i) for i in range(self.num_layers)])
 
     # ------------------------------------------------------------------------------------------ sequences
     def begin_forward(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],

@@ -79,7 +79,7 @@ def test_bad_request_fails_alone(engines):
 
 def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engines):
     _, async_engine = engines
-    real_step, calls = async_engine.engine.step, []
+    real_step, calls = async_engine.engine.step_requests, []
 
     def failing_once():
         calls.append(1)
@@ -87,7 +87,7 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engi
             raise RuntimeError("CUDA out of memory (simulated)")
         return real_step()
 
-    async_engine.engine.step = failing_once
+    async_engine.engine.step_requests = failing_once
 
     async def main():
         with pytest.raises(RuntimeError, match="out of memory"):
