@@ -4,14 +4,16 @@ N requests with seeded random prompt and output lengths (random token ids: speed
 served by: sequential ``generate`` (transformers sdpa, on a subset, throughput extrapolated per token); padded
 static batches of ``generate``; transformers' continuous batching ``generate_batch`` (sized explicitly: same
 KV pool and token budget as the engine; it takes one output length for all requests, the mean, and its
-throughput counts what it generated); and ``hfaccel.Engine``. Reported: output tokens/s, its ratio to
+throughput counts what it generated); and ``hfaccel.Engine`` (on CUDA also with synchronous scheduling, to
+show what overlapping the host's work with the device's gives). Reported: output tokens/s, its ratio to
 ``generate_batch``, and TTFT / inter-token latency percentiles where the path exposes them. A second table
-times the engine's decode step at batch 64 against reading the model's weights once at the measured copy
-bandwidth.
+times the engine's decode step at batch 64 (the CUDA-graph replay the engine runs, or its eager forward
+without graphs) against reading the model's weights once at the measured copy bandwidth.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -45,6 +47,7 @@ class ServingRow:
 
 @dataclass
 class DecodeStepRow:
+    path: str  # "cuda graph" or "eager"
     batch: int
     context: int
     step_ms: float
@@ -74,10 +77,17 @@ def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: i
     rows.append(_sequential(model, work, sequential_subset, device))
     rows.append(_static_batches(model, work, static_batch, device))
     hfaccel.accelerate(model, paged=False)
-    engine = Engine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                    num_blocks=num_blocks, block_size=block_size)
-    rows.append(_engine_run(engine, work, device))
+    settings = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "num_blocks": num_blocks, "block_size": block_size}
+    engine = Engine(model, **settings)
+    rows.append(_engine_run(engine, work, device, "hfaccel Engine"))
     decode = [_decode_step(engine, DECODE_BATCH, context, device) for context in DECODE_CONTEXTS]
+    if engine.async_scheduling:
+        del engine  # its KV pool and graphs: room for the next one
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = Engine(model, async_scheduling=False, **settings)
+        rows.append(_engine_run(engine, work, device, "hfaccel Engine, synchronous scheduling"))
     hfaccel.restore(model)
     baseline = rows[0].tokens_per_s
     for row in rows:
@@ -129,7 +139,7 @@ def _static_batches(model, work: Workload, size: int, device: torch.device) -> S
     return _row(f"padded static batches of {size}", len(work.prompts), tokens, time.perf_counter() - start, [], [])
 
 
-def _engine_run(engine: Engine, work: Workload, device: torch.device) -> ServingRow:
+def _engine_run(engine: Engine, work: Workload, device: torch.device, name: str) -> ServingRow:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens]
     engine.generate(work.prompts[:4], params[:4])  # warm-up: kernels compile
     start = time.perf_counter()
@@ -139,33 +149,42 @@ def _engine_run(engine: Engine, work: Workload, device: torch.device) -> Serving
     ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
     itl = [gap for o in outputs for gap in o.metrics.inter_token_latencies]
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return _row("hfaccel Engine", len(work.prompts), produced, seconds, ttft, itl)
+    return _row(name, len(work.prompts), produced, seconds, ttft, itl)
 
 
 def _decode_step(engine: Engine, batch: int, context: int, device: torch.device) -> DecodeStepRow:
-    """Milliseconds of one decode forward of ``batch`` sequences at ``context`` tokens each."""
+    """Milliseconds of one decode step of ``batch`` sequences at ``context`` tokens each, as the engine runs
+    it (CUDA-graph replay, inputs filled from the host, when the engine has graphs)."""
     from hfaccel.bench import copy_bandwidth
 
-    runner, manager = engine.runner, engine.scheduler.manager
+    runner, manager, graphs = engine.runner, engine.scheduler.manager, engine.graphs
+    path = "cuda graph" if graphs is not None and graphs.capture else "eager"
     ids = list(range(10**9, 10**9 + batch))
     blocks = manager.blocks_needed(context + 4) * batch
     if blocks > manager.num_free_blocks:
-        return DecodeStepRow(batch, context, float("nan"), float("nan"), float("nan"))
+        return DecodeStepRow(path, batch, context, float("nan"), float("nan"), float("nan"))
     tokens = torch.randint(3, engine.vocab_size, (batch * context,), device=device)
     runner.forward(ids, tokens, [context] * batch)
     step = torch.randint(3, engine.vocab_size, (batch,), device=device)
-    runner.forward(ids, step, [1] * batch)  # warm-up
+    runner.forward(ids, step, [1] * batch)  # the slot of position ``context``; warm-up
+    step_ids = step.tolist()
+    if graphs is not None and graphs.serves(batch):
+        run = lambda: graphs.run(ids, step_ids, [context] * batch)  # noqa: E731
+    else:
+        run = lambda: runner.forward(ids, step, [1] * batch, starts=[context] * batch)  # noqa: E731
+    run()  # graphs: capture
     _sync(device)
-    start, reps = time.perf_counter(), 5
+    path = "cuda graph" if graphs is not None and graphs.capture and graphs.serves(batch) else "eager"
+    start, reps = time.perf_counter(), 10
     for _ in range(reps):
-        runner.forward(ids, step, [1] * batch)
+        run()
     _sync(device)
     step_ms = (time.perf_counter() - start) / reps * 1e3
     for seq_id in ids:
         runner.free(seq_id)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     weight_ms = weight_bytes / (copy_bandwidth(device) / 2 * 1e9) * 1e3  # copy GB/s counts read + write
-    return DecodeStepRow(batch, context, step_ms, weight_ms, step_ms / weight_ms)
+    return DecodeStepRow(path, batch, context, step_ms, weight_ms, step_ms / weight_ms)
 
 
 def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> ServingRow:

@@ -209,6 +209,17 @@ class BlockManager:
         if length % self.block_size and self.ref_counts[seq.blocks[-1]] == 1:
             self._unregister(seq.blocks[-1])  # about to be rewritten by this sequence alone
 
+    def set_token(self, seq_id: Hashable, position: int, token: int) -> None:
+        """Fill in a token that was appended before it was known (the engine schedules a sampled token's slot
+        while the token is still on the device). Its K/V must not be computed yet: no block holds it."""
+        seq = self._get(seq_id)
+        if seq.tokens is None:
+            return
+        if not seq.computed <= position < len(seq.tokens):
+            raise ValueError(f"token {position} of a sequence of {len(seq.tokens)} tokens, {seq.computed} of them "
+                             f"computed, cannot be set (only tokens not yet computed can)")
+        seq.tokens[position] = token
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """The K/V of the sequence's first ``num_tokens`` tokens are now in the pool (registers full blocks)."""
         seq = self._get(seq_id)

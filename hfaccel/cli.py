@@ -84,6 +84,10 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int, default=4096)
     serve.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: from free memory)")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay decode steps from CUDA graphs (default: on CUDA)")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="overlap each step's host work with the device's (default: on CUDA)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     serve.add_argument("--graceful-shutdown", type=float, default=30.0,
@@ -173,7 +177,8 @@ def _serve(args: argparse.Namespace) -> None:
     hfaccel.accelerate(model, attention=args.attention, paged=False)
     engine = hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                            max_model_len=args.max_model_len)
+                            max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
+                            async_scheduling=args.async_scheduling)
     config = ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
                           request_timeout=args.request_timeout)
     serve(hfaccel.AsyncEngine(engine), config, host=args.host, port=args.port,

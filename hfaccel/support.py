@@ -1,6 +1,8 @@
-"""Which models hfaccel's attention can serve, and where a model lives."""
+"""Which models hfaccel's attention can serve, where a model lives, and host lists as device tensors."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -33,6 +35,14 @@ def model_device(model: PreTrainedModel) -> torch.device:
     """The device of the model's first parameter (CPU for a model without parameters)."""
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``, without waiting for the work queued there (a blocking
+    host-to-device copy would synchronize the stream: the engine must not, between steps). On CUDA the list is
+    staged in pinned memory, which the caching host allocator keeps until the copy is done."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _head_dim(config) -> int | None:

@@ -50,11 +50,18 @@ class DecodeGraphs:
         return 0 < num_seqs <= self.max_batch
 
     @torch.inference_mode()
-    def run(self, seq_ids: Sequence, tokens: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
-        """Logits ``[B, V]`` of one decode token per sequence (token ``tokens[i]`` at position ``starts[i]``)."""
+    def run(self, seq_ids: Sequence, tokens: Sequence[int], starts: Sequence[int],
+            device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` of one decode token per sequence (token ``tokens[i]`` at position ``starts[i]``).
+
+        ``device_tokens = (rows [F], ids [F])``, on the device: tokens the host does not know yet (sampled by
+        the step still running), copied device-to-device over ``tokens[rows]``.
+        """
         batch = len(seq_ids)
         size = next(s for s in self.sizes if s >= batch)
         self._fill(seq_ids, tokens, starts, size)
+        if device_tokens is not None:
+            self.input_ids.index_copy_(0, *device_tokens)
         if not self.capture:
             return self._forward(size)[:batch]
         if size not in self._graphs:
@@ -67,22 +74,21 @@ class DecodeGraphs:
 
     # --------------------------------------------------------------------------------------- internals
     def _fill(self, seq_ids, tokens, starts, size: int) -> None:
-        """Copy a step's inputs into the static buffers (one host-to-device copy per buffer)."""
+        """Copy a step's inputs into the static buffers (one non-blocking host-to-device copy per buffer)."""
         manager, block = self.runner.cache.manager, self.runner.cache.block_size
         batch = len(seq_ids)
         rows = [manager.block_table(seq_id) for seq_id in seq_ids]
+        pinned = {"pin_memory": self.device.type == "cuda"}
         # only the columns these sequences use: the kernel never reads a table past a sequence's length
         width = max(len(row) for row in rows)
         tables = torch.tensor([row + [0] * (width - len(row)) for row in rows] + [[0] * width] * (size - batch),
-                              dtype=torch.int32)
-        slots = torch.full((1, size), -1, dtype=torch.long)
-        slots[0, :batch] = torch.tensor([row[pos // block] * block + pos % block for row, pos in zip(rows, starts)])
-        lens = torch.zeros(size, dtype=torch.int32)
-        lens[:batch] = torch.tensor([pos + 1 for pos in starts], dtype=torch.int32)
-        ids = torch.zeros(size, dtype=torch.long)
-        ids[:batch] = torch.tensor(list(tokens), dtype=torch.long)
-        positions = torch.zeros(size, dtype=torch.long)
-        positions[:batch] = torch.tensor(list(starts), dtype=torch.long)
+                              dtype=torch.int32, **pinned)
+        pad = [0] * (size - batch)
+        slots = torch.tensor([[row[pos // block] * block + pos % block for row, pos in zip(rows, starts)]
+                              + [-1] * (size - batch)], dtype=torch.long, **pinned)
+        lens = torch.tensor([pos + 1 for pos in starts] + pad, dtype=torch.int32, **pinned)
+        ids = torch.tensor([max(t, 0) for t in tokens] + pad, dtype=torch.long, **pinned)
+        positions = torch.tensor(list(starts) + pad, dtype=torch.long, **pinned)
         for static, host in ((self.input_ids, ids), (self.positions, positions), (self.seq_lens, lens)):
             static[:size].copy_(host, non_blocking=True)
         self.slot_mapping[:, :size].copy_(slots, non_blocking=True)

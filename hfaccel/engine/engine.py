@@ -5,6 +5,12 @@ sequence's next token plus prefill chunks of waiting ones (see ``scheduler``), s
 prompt or last token was just computed (``sampler``), and finishes those that hit EOS, a stop token or string,
 ``max_tokens`` or the context length, freeing their blocks at once. ``generate`` and ``stream`` drive steps
 for the caller; ``AsyncEngine`` drives them from a background thread for services.
+
+Asynchronous scheduling (the default on CUDA): a step queues its forward and sampling on the device and then
+handles the previous step's tokens — stop checks, detokenization, freeing — while the device computes. The
+next step is scheduled before those tokens reach the host: each sequence that sampled one holds a ``PENDING``
+slot for it, and the forward reads the token from the previous step's device tensor. A sequence that turns
+out to have stopped drops the one token computed past its end. Outputs are the same as without it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +26,9 @@ from hfaccel.engine.cuda_graphs import DecodeGraphs
 from hfaccel.engine.detokenizer import IncrementalDetokenizer
 from hfaccel.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 from hfaccel.engine.runner import ModelRunner
-from hfaccel.engine.sampler import SampleRow, sample
-from hfaccel.engine.scheduler import Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
+from hfaccel.engine.sampler import SampledTokens, SampleRow, sample
+from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
+from hfaccel.support import to_device
 
 Prompt = str | Sequence[int] | Sequence[dict]
 CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
@@ -42,11 +50,15 @@ class Engine:
         kv_cache_fraction: on CUDA, the share of free memory the default pool takes.
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
+        async_scheduling: schedule and launch each step before the previous step's tokens reach the host, so
+            the host's work overlaps the device's (default: on CUDA). The outputs are the same; ``step()``
+            then returns what the step before it produced.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  num_blocks: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, kv_cache_fraction: float = 0.8, cuda_graphs: bool | None = None):
+                 max_model_len: int | None = None, kv_cache_fraction: float = 0.8, cuda_graphs: bool | None = None,
+                 async_scheduling: bool | None = None):
         _ensure_accelerated(model)
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
@@ -63,6 +75,8 @@ class Engine:
         if cuda_graphs is None:
             cuda_graphs = self.runner.device.type == "cuda"
         self.graphs = DecodeGraphs(self.runner, max_num_seqs, self.max_model_len) if cuda_graphs else None
+        self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._in_flight: _Launched | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -126,14 +140,24 @@ class Engine:
         however long the outputs already are)."""
         plan = self.scheduler.schedule()
         touched: dict[str, Request] = {}
-        for seq in plan.out_of_blocks:
-            self._finish(seq, "length")  # alone in the pool and out of blocks: the pool is the limit
-            touched[seq.request.request_id] = seq.request
+        for seq in plan.out_of_blocks:  # alone in the pool and out of blocks: the pool is the limit
+            if seq.num_pending:
+                seq.finishing = True  # ends when its token in flight arrives
+            else:
+                self._finish(seq, "length")
+                touched[seq.request.request_id] = seq.request
+        launched = None
         if plan.chunks:
             self.runner.cache.copy_blocks(plan.copies)
-            for seq, token, logprob in self._forward(plan.chunks):
-                self._append_token(seq, token, logprob)
-                touched[seq.request.request_id] = seq.request
+            launched = self._launch(plan.chunks)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._collect(previous, touched)  # the device computes ``launched`` meanwhile
+        if launched is not None and not self.async_scheduling:
+            self._in_flight = None
+            self._collect(launched, touched)
+        if not self.has_unfinished_requests():
+            self._in_flight = None  # every sequence in it has finished: its tokens are past their ends
         return list(touched.values())
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
@@ -204,55 +228,125 @@ class Engine:
                 "blocks_free": manager.num_free_blocks}
 
     # --------------------------------------------------------------------------------------- internals
-    def _forward(self, chunks: list[ScheduledChunk]) -> list[tuple[Seq, int, TokenLogprob | None]]:
-        """One packed forward of the chunks; sample every sequence whose last token was computed."""
+    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
+        """Queue one packed forward of the chunks and the sampling of every sequence whose last token it
+        computes; the step counts (computed tokens, forks, pending tokens) only once nothing can fail."""
         now = time.perf_counter()
+        logits = self._forward(chunks)  # [C, V]: one row per completing chunk
+        targets, rows, children = self._targets([c for c in chunks if c.completes])
+        sampled = self._sample(logits, rows, targets) if targets else None
+        for chunk in chunks:
+            chunk.seq.num_computed = chunk.start + chunk.length
+            if chunk.seq.request.metrics.first_scheduled_time is None:
+                chunk.seq.request.metrics.first_scheduled_time = now
+        for parent, child in children:
+            self._register_fork(parent, child)
+        for seq in targets:
+            self._add_pending(seq)
+        if sampled is not None and self.async_scheduling:
+            sampled.start_copy()
+        return _Launched(chunks, targets, sampled)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks."""
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         completing = [i for i, c in enumerate(chunks) if c.completes]
         seq_ids, starts = [c.seq.seq_id for c in chunks], [c.start for c in chunks]
+        device_tokens = self._device_tokens(chunks)
         if self.graphs is not None and len(flat) == len(completing) and self.graphs.serves(len(chunks)):
-            logits = self.graphs.run(seq_ids, flat, starts)  # decode only: one token per sequence
-        else:
-            logits = self.runner.forward(seq_ids, torch.tensor(flat, dtype=torch.long), [c.length for c in chunks],
-                                         starts=starts, logits_for=completing)  # [C, V]
-        sampled = self._sample(logits, [chunks[i].seq for i in completing])
-        # only now that nothing can fail does the step count (a failed step is simply recomputed)
-        manager = self.scheduler.manager
+            return self.graphs.run(seq_ids, flat, starts, device_tokens)  # decode only: one token per sequence
+        input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
+        if device_tokens is not None:
+            input_ids.index_copy_(0, *device_tokens)
+        return self.runner.forward(seq_ids, input_ids, [c.length for c in chunks], starts=starts,
+                                   logits_for=completing)
+
+    def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(positions [F], tokens [F])`` in the packed input of the tokens still in flight (sampled by the
+        step before, read from its device tensor), or None when the host knows every token."""
+        positions, sources, offset = [], [], 0
         for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + chunk.length
-            manager.mark_computed(chunk.seq.seq_id, chunk.seq.num_computed)
-            if chunk.seq.request.metrics.first_scheduled_time is None:
-                chunk.seq.request.metrics.first_scheduled_time = now
-        return sampled
+            seq = chunk.seq
+            for pos in range(max(chunk.start, seq.num_known_tokens), chunk.start + chunk.length):
+                assert seq.num_pending == 1, "a sequence has one token in flight at most when it is scheduled"
+                positions.append(offset + pos - chunk.start)
+                sources.append(self._in_flight.row_of[seq.seq_id])
+            offset += chunk.length
+        if not positions:
+            return None
+        device = self.runner.device
+        return to_device(positions, torch.long, device), self._in_flight.tokens(sources)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Seq]) -> list[tuple[Seq, int, TokenLogprob | None]]:
-        """Next tokens of the sequences whose last token was computed (``logits`` row i is ``seqs[i]``'s)."""
-        targets = [(row, target) for row, seq in enumerate(seqs) for target in self._sampling_sequences(seq)]
-        if not targets:
-            return []
-        rows = [SampleRow(seq.request.params, seq.generator, seq.request.prompt_token_ids, seq.output_ids)
-                for _, seq in targets]
-        tokens, logprobs = sample(logits[torch.tensor([r for r, _ in targets], device=logits.device)], rows)
-        return [(seq, token, logprob) for (_, seq), token, logprob in zip(targets, tokens, logprobs)]
+    def _targets(self, chunks: list[ScheduledChunk]) -> tuple[list[Seq], list[int], list[tuple[Seq, Seq]]]:
+        """The sequences that sample from the completing chunks' logits and the logits row of each: a chunk's
+        own sequence, plus its n - 1 siblings the first time its prompt is computed (made here; they share its
+        blocks once ``_register_fork`` runs)."""
+        targets, rows, children = [], [], []
+        for row, chunk in enumerate(chunks):
+            seq, request = chunk.seq, chunk.seq.request
+            family = [seq]
+            if not request.forked:
+                family += [self._new_sequence(request, index, list(seq.token_ids))
+                           for index in range(1, request.params.n)]
+                children += [(seq, child) for child in family[1:]]
+            targets += family
+            rows += [row] * len(family)
+        return targets, rows, children
 
-    def _sampling_sequences(self, seq: Seq) -> list[Seq]:
-        """The sequences that sample from this sequence's logits: itself, plus its n - 1 siblings the first
-        time its prompt is computed (they share its blocks)."""
-        request = seq.request
-        if request.forked:
-            return [seq]
-        request.forked = True
-        for index in range(1, request.params.n):
-            child = self._new_sequence(request, index, list(seq.token_ids))
-            self.scheduler.manager.fork(seq.seq_id, child.seq_id)
-            child.num_computed = seq.num_computed
-            request.seqs.append(child)
-            self.scheduler.add_running(child)
-        return list(request.seqs)
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Seq]) -> SampledTokens:
+        """Next tokens of ``seqs`` (``seqs[i]`` samples from ``logits[rows[i]]``), queued on the device."""
+        if rows != list(range(logits.shape[0])):
+            logits = logits[to_device(rows, torch.long, logits.device)]
+        sample_rows = [SampleRow(seq.request.params, seq.generator, seq.request.prompt_token_ids,
+                                 seq.output.token_ids) for seq in seqs]
+        pending = None  # the penalties count a token still in flight
+        if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
+            pending = self._in_flight.tokens([self._in_flight.row_of[s.seq_id] if s.num_pending else -1
+                                              for s in seqs])
+        return sample(logits, sample_rows, pending)
 
-    def _append_token(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
+    def _register_fork(self, parent: Seq, child: Seq) -> None:
+        self.scheduler.manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed = parent.num_computed
+        parent.request.forked = True
+        parent.request.seqs.append(child)
+        self.scheduler.add_running(child)
+
+    def _add_pending(self, seq: Seq) -> None:
+        """Hold the slot of a token sampled on the device; the host fills it in at ``_collect``."""
+        seq.token_ids.append(PENDING)
+        seq.num_pending += 1
+        if (len(seq.output.token_ids) + seq.num_pending >= seq.request.params.max_tokens
+                or seq.num_tokens >= self.max_model_len):
+            seq.finishing = True
+
+    def _collect(self, launched: _Launched, touched: dict[str, Request]) -> None:
+        """A launched step's results on the host: computed blocks registered, sampled tokens filled in and
+        checked for stops (the host waits here for the device, once per step)."""
+        tokens, logprobs = launched.sampled.result() if launched.sampled is not None else ([], [])
+        manager = self.scheduler.manager
+        for chunk in launched.chunks:
+            if chunk.seq.status is Status.RUNNING:  # not preempted, finished or aborted since
+                manager.mark_computed(chunk.seq.seq_id, chunk.start + chunk.length)
+        for seq, token, logprob in zip(launched.targets, tokens, logprobs):
+            if seq.status is Status.FINISHED:  # stopped or aborted while this token was in flight
+                continue
+            self._fill_pending(seq, token)
+            self._accept_token(seq, token, logprob)
+            if seq.finishing and not seq.num_pending and seq.status is not Status.FINISHED:
+                self._finish(seq, "length")
+            touched[seq.request.request_id] = seq.request
+
+    def _fill_pending(self, seq: Seq, token: int) -> None:
+        position = seq.num_known_tokens
+        seq.token_ids[position] = token
+        seq.num_pending -= 1
+        manager = self.scheduler.manager
+        if seq.status is Status.RUNNING and position < manager.seq_len(seq.seq_id):
+            manager.set_token(seq.seq_id, position, token)
+
+    def _accept_token(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
         params, out, now = seq.request.params, seq.output, time.perf_counter()
-        seq.token_ids.append(token)
         out.token_ids.append(token)
         if logprob is not None:
             out.logprobs.append(logprob)
@@ -267,12 +361,15 @@ class Engine:
         stop = seq.detokenizer.add(token) if seq.detokenizer is not None else None
         if stop is not None:
             return self._finish(seq, "stop", stop)
-        if len(out.token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(out.token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return self._finish(seq, "length")
         return None
 
     def _finish(self, seq: Seq, reason: str, stop_reason: str | int | None = None) -> None:
         seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
+        if seq.num_pending:  # tokens sampled past the end: dropped when they arrive
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         if seq.detokenizer is not None and not isinstance(stop_reason, str):
             seq.detokenizer.flush()  # a stop string already cut the text
         self.scheduler.finish(seq)
@@ -329,6 +426,23 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"{what} need the engine's tokenizer (Engine(model, tokenizer)); give token ids "
                              f"instead")
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its tokens reach the host later."""
+
+    chunks: list[ScheduledChunk]
+    targets: list[Seq]  # the sequences that sampled, in the order of ``sampled``'s rows
+    sampled: SampledTokens | None
+
+    def __post_init__(self):
+        self.row_of = {seq.seq_id: row for row, seq in enumerate(self.targets)}
+
+    def tokens(self, rows: list[int]) -> torch.Tensor:
+        """The sampled tokens of ``rows`` (``-1`` for a row of -1), gathered on the device: ``[len(rows)]``."""
+        index = to_device(rows, torch.long, self.sampled.tokens.device)
+        return torch.where(index >= 0, self.sampled.tokens[index.clamp(min=0)], -1)
 
 
 class DeltaTracker:

@@ -25,7 +25,7 @@ from hfaccel import attention as attention_impl
 from hfaccel.block_manager import BlockCopy, BlockManager, CacheFullError
 from hfaccel.cache import HFACCEL_ATTENTION_PREFIX, CacheLayerView, PagedKV, kernel_backend, kv_dims
 from hfaccel.kernels.write_kv import write_kv
-from hfaccel.support import model_device, unsupported_reason
+from hfaccel.support import model_device, to_device, unsupported_reason
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ class SequenceKVCache(Cache):
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Perform the block manager's copy-on-write copies (every layer, K and V)."""
         if copies:
-            src = torch.tensor([c.src for c in copies], device=self.kv.device)
-            dst = torch.tensor([c.dst for c in copies], device=self.kv.device)
+            src = to_device([c.src for c in copies], torch.long, self.kv.device)
+            dst = to_device([c.dst for c in copies], torch.long, self.kv.device)
             self.kv[:, :, dst] = self.kv[:, :, src]
 
     def seq_len(self, seq_id: Hashable) -> int:
@@ -169,11 +169,11 @@ class SequenceKVCache(Cache):
             cu.append(cu[-1] + n)
         device = self.kv.device
         return PackedStep(
-            slot_mapping=torch.tensor([slots], dtype=torch.int64).to(device, non_blocking=True),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).to(device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True),
+            slot_mapping=to_device([slots], torch.int64, device),
+            block_tables=to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+            seq_lens=to_device(lens, torch.int32, device),
+            cu_seqlens_q=to_device(cu, torch.int32, device),
+            positions=to_device(positions, torch.int64, device),
             max_seq_len=max(lens, default=0),
             max_q_len=max(num_new, default=0),
         )
@@ -225,7 +225,7 @@ class ModelRunner:
                 raise ValueError(f"logits_for must be 'last', 'all' or sequence indices; got {logits_for!r}")
             return step.cu_seqlens_q[1:].long() - 1 if logits_for == "last" else 0  # 0: every position
         ends = list(itertools.accumulate(num_new))
-        return torch.tensor([ends[i] - 1 for i in logits_for], dtype=torch.long).to(self.device, non_blocking=True)
+        return to_device([ends[i] - 1 for i in logits_for], torch.long, self.device)
 
     def crop(self, seq_id: Hashable, length: int) -> None:
         self.cache.crop(seq_id, length)

@@ -1,20 +1,25 @@
-"""Batched sampling where every row has its own SamplingParams, on the device, one host copy per step.
+"""Batched sampling where every row has its own SamplingParams, on the device, without waiting for it.
 
 Order per row (as vLLM / transformers): repetition, frequency and presence penalties on the logits; greedy
 rows take the argmax; the others divide by temperature, keep the top-k, the nucleus (top-p) and the tokens
 with at least ``min_p`` times the top probability, renormalise, and draw by inverse CDF with one uniform
 number per row. A seeded row draws its number from its own generator, so its tokens do not depend on what
 else is in the batch. Log-probabilities are those of the model's distribution after penalties.
+
+``sample`` only queues work: host lists reach the device by non-blocking copies and the result stays on the
+device (``SampledTokens``) until the engine asks for it, so the engine can queue the next step first. A row
+whose previous token is still in flight passes it in ``pending`` (device tensor) for the penalties.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hfaccel.engine.params import SamplingParams, TokenLogprob
+from hfaccel.support import to_device
 
 
 @dataclass
@@ -24,47 +29,103 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
+    output_ids: Sequence[int]  # the output tokens the host knows (see ``pending`` for one more)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """``logits [R, V]`` -> one token per row, and its logprobs where the row asked for them."""
+@dataclass
+class SampledTokens:
+    """One step's sampled tokens (and logprobs), on the device until ``result`` is asked for."""
+
+    tokens: torch.Tensor  # [R] int64
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    logprob_counts: list[int] = field(default_factory=list)  # top entries each of them wants
+    chosen: torch.Tensor | None = None  # [W] logprob of each such row's token
+    top_ids: torch.Tensor | None = None  # [W, K]
+    top_values: torch.Tensor | None = None  # [W, K]
+    _host: list[torch.Tensor | None] | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> SampledTokens:
+        """Start copying the results to the host (pinned memory, non-blocking); ``result`` waits for it."""
+        tensors = [self.tokens, self.chosen, self.top_ids, self.top_values]
+        self._host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        if self.tokens.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        return self
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The tokens and logprobs as Python values (waits for the device: the engine's one wait per step)."""
+        if self._host is None:
+            self.start_copy()
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, chosen, top_ids, top_values = self._host
+        tokens = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
+            for j, (row, count) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
+                logprobs[row] = TokenLogprob(tokens[row], chosen[j], dict(zip(top_ids[j][:count],
+                                                                              top_values[j][:count])))
+        return tokens, logprobs
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None = None) -> SampledTokens:
+    """``logits [R, V]`` -> one token per row (and its logprobs where the row asked for them), on the device.
+
+    ``pending [R]`` (int64, on the device): a token each row has generated that ``output_ids`` does not hold
+    yet (still in flight), or -1; the penalties count it.
+    """
     logits = logits.float()
-    logits = _apply_penalties(logits, rows)
+    logits = _apply_penalties(logits, rows, pending)
     tokens = logits.argmax(-1)  # [R]
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
+        index = to_device(sampled, torch.long, logits.device)
         tokens[index] = _draw(logits[index], [rows[i] for i in sampled])
-    logprobs = _logprobs(logits, tokens, rows)
-    return tokens.tolist(), logprobs
+    return _with_logprobs(SampledTokens(tokens), logits, rows)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None) -> torch.Tensor:
+    """Repetition (on every token of the prompt and output), frequency and presence (on output counts)."""
     penalized = [i for i, row in enumerate(rows) if row.params.penalized]
     if not penalized:
         return logits
+    device, vocab = logits.device, logits.shape[-1]
+    params = [rows[i].params for i in penalized]
+    index = to_device(penalized, torch.long, device)
+    counts = _token_counts([rows[i].output_ids for i in penalized], vocab, device)  # [P, V]
+    if pending is not None:
+        extra = pending[index]  # [P]
+        counts.scatter_add_(1, extra.clamp(min=0)[:, None], (extra >= 0).float()[:, None])
+    seen = _token_counts([rows[i].prompt_ids for i in penalized], vocab, device) + counts > 0  # [P, V]
+    repetition = to_device([p.repetition_penalty for p in params], torch.float, device)[:, None]
+    frequency = to_device([p.frequency_penalty for p in params], torch.float, device)[:, None]
+    presence = to_device([p.presence_penalty for p in params], torch.float, device)[:, None]
+    values = logits[index]  # [P, V]
+    values = torch.where(seen, torch.where(values < 0, values * repetition, values / repetition), values)
+    values = values - (frequency * counts + presence * (counts > 0).float())
     logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i in penalized:
-        params, row = rows[i].params, rows[i]
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(list(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
-                                device=logits.device)
-            values = logits[i, seen]
-            logits[i, seen] = torch.where(values < 0, values * params.repetition_penalty,
-                                          values / params.repetition_penalty)
-        if row.output_ids and (params.frequency_penalty or params.presence_penalty):
-            out = torch.tensor(list(row.output_ids), dtype=torch.long, device=logits.device)
-            counts = torch.zeros(vocab, device=logits.device).index_add_(0, out, torch.ones_like(out, dtype=torch.float))
-            logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    logits[index] = values
     return logits
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` float counts of each token in each list (one copy to the device)."""
+    rows = [r for r, tokens in enumerate(token_lists) for _ in tokens]
+    flat = [t for tokens in token_lists for t in tokens]
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    if flat:
+        index = to_device([rows, flat], torch.long, device)  # [2, N]
+        counts.index_put_((index[0], index[1]), torch.ones(len(flat), device=device), accumulate=True)
+    return counts
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Inverse-CDF sampling of ``logits [R, V]`` after each row's temperature / top-k / top-p / min-p."""
     device = logits.device
-    temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+    temperature = to_device([row.params.temperature for row in rows], torch.float, device)
     probs = torch.softmax(logits / temperature[:, None], -1)
     sorted_probs, order = probs.sort(-1, descending=True)  # [R, V]
     keep = _filter_sorted(sorted_probs, rows)  # a prefix of the sorted tokens
@@ -80,9 +141,9 @@ def _filter_sorted(sorted_probs: torch.Tensor, rows: Sequence[SampleRow]) -> tor
     """Which of the descending-sorted tokens survive top-k, then top-p over what top-k left (renormalised, as
     transformers' warpers chain), then min-p; the top token always does. The survivors are a prefix."""
     device, vocab = sorted_probs.device, sorted_probs.shape[-1]
-    top_k = torch.tensor([row.params.top_k if row.params.uses_top_k else vocab for row in rows], device=device)
-    top_p = torch.tensor([row.params.top_p for row in rows], device=device)
-    min_p = torch.tensor([row.params.min_p for row in rows], device=device)
+    top_k = to_device([row.params.top_k if row.params.uses_top_k else vocab for row in rows], torch.long, device)
+    top_p = to_device([row.params.top_p for row in rows], torch.float, device)
+    min_p = to_device([row.params.min_p for row in rows], torch.float, device)
     rank = torch.arange(vocab, device=device)[None]
     keep = rank < top_k[:, None]
     in_top_k = sorted_probs * keep
@@ -102,18 +163,15 @@ def _uniforms(rows: Sequence[SampleRow], device: torch.device) -> torch.Tensor:
     return values
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprob | None]:
+def _with_logprobs(result: SampledTokens, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledTokens:
+    """Add the log-probability of each chosen token, and the top ones, for the rows that asked."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    result: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
         return result
-    index = torch.tensor(wanted, device=logits.device)
+    index = to_device(wanted, torch.long, logits.device)
     logprobs = torch.log_softmax(logits[index], -1)  # [W, V]
-    chosen = logprobs.gather(1, tokens[index][:, None])[:, 0].tolist()
-    width = max(rows[i].params.logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(max(width, 1), -1) if width else (None, None)
-    for j, i in enumerate(wanted):
-        count = rows[i].params.logprobs
-        top = {} if not count else dict(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist()))
-        result[i] = TokenLogprob(int(tokens[i]), chosen[j], top)
+    counts = [rows[i].params.logprobs for i in wanted]
+    result.logprob_rows, result.logprob_counts = wanted, counts
+    result.chosen = logprobs.gather(1, result.tokens[index][:, None])[:, 0]  # [W]
+    result.top_values, result.top_ids = logprobs.topk(max(max(counts), 1), -1)  # [W, K]
     return result

@@ -25,6 +25,9 @@ from hfaccel.engine.detokenizer import IncrementalDetokenizer
 from hfaccel.engine.params import CompletionOutput, RequestMetrics, SamplingParams
 
 
+PENDING = -1  # a sampled token the host does not know yet (asynchronous scheduling)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -33,7 +36,12 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One completion of a request: its tokens (prompt + output) and how many have K/V in the pool."""
+    """One completion of a request: its tokens (prompt + output) and how many have K/V in the pool.
+
+    With asynchronous scheduling a sampled token is appended as ``PENDING`` while it is still on the device
+    (``num_pending`` of them, always the last ones); the engine fills it in a step later. ``finishing``: a
+    pending token will end the sequence (``max_tokens`` or the context), so nothing more is scheduled for it.
+    """
 
     seq_id: int
     request: Request
@@ -44,14 +52,17 @@ class Sequence:
     generator: torch.Generator | None
     num_computed: int = 0
     status: Status = Status.WAITING
+    num_pending: int = 0
+    finishing: bool = False
 
     @property
     def num_tokens(self) -> int:
+        """Tokens including the pending ones (what the scheduler computes)."""
         return len(self.token_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.request.num_prompt_tokens:]
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
 
 
 @dataclass(eq=False)
@@ -142,7 +153,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted by an older sequence in this loop
+            if seq.status is not Status.RUNNING or seq.finishing:  # preempted in this loop / nothing left to do
                 continue
             length = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, out):

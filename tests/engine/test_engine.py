@@ -55,12 +55,14 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_exactness_under_each_scheduling_condition(config):
+def test_exactness_under_each_scheduling_condition(config, async_scheduling):
     model = tiny_model("llama")
     prompts, budgets = mixed_prompts()
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, **CONFIGS[config])
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, async_scheduling=async_scheduling,
+                    **CONFIGS[config])
     outputs = run(engine, prompts, budgets)
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.outputs[0].token_ids == want, f"prompt {i} ({len(prompts[i])} tokens) differs under {config}"
@@ -76,14 +78,15 @@ def test_exactness_under_each_scheduling_condition(config):
     assert engine.stats()["blocks_used"] == 0 and engine.requests == {}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_exactness_across_architectures(arch):
+def test_exactness_across_architectures(arch, async_scheduling):
     """Preemption, chunked prefill and prefix caching at once, on every architecture."""
     model = tiny_model(arch)
     prompts, budgets = mixed_prompts(12, seed=1)
     expected = reference(model, prompts, budgets)
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=6, num_blocks=14, block_size=4,
-                    max_num_batched_tokens=11)
+                    max_num_batched_tokens=11, async_scheduling=async_scheduling)
     for i, (out, want) in enumerate(zip(run(engine, prompts, budgets), expected)):
         assert out.outputs[0].token_ids == want, f"{arch}: prompt {i} differs"
     assert engine.stats()["blocks_used"] == 0
@@ -100,13 +103,14 @@ def test_exactness_through_triton_kernels():
         assert out.outputs[0].token_ids == want
 
 
-def test_repetition_penalty_matches_transformers():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_repetition_penalty_matches_transformers(async_scheduling):
     model = tiny_model("mistral")
     prompts, _ = mixed_prompts(4, seed=3)
     expected = [model.generate(torch.tensor([p], device=model.device), max_new_tokens=12, do_sample=False,
                                repetition_penalty=1.5,
                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, async_scheduling=async_scheduling)
     outputs = engine.generate(prompts, greedy(12, repetition_penalty=1.5))
     assert [out.outputs[0].token_ids for out in outputs] == expected
 
@@ -245,13 +249,14 @@ def test_model_hfaccel_cannot_serve_is_refused():
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_static_shape_decode_steps_are_exact(attention):
     """The CUDA-graph decode path (static buffers, padded batch sizes) run without capture on the CPU: padding
-    rows write nowhere and change nothing."""
+    rows write nowhere and change nothing. With the torch kernels, asynchronous scheduling too (each decode
+    token copied into the static input buffer from the previous step's device tensor)."""
     model = tiny_model("gemma2" if attention == "torch" else "llama")
     prompts, _ = mixed_prompts(9, seed=5)
     budgets = [3 + i for i in range(9)]  # sequences finish one by one: decode batches of every size
     expected = reference(model, prompts, budgets)
     engine = Engine(hfaccel.accelerate(model, attention=attention), max_num_seqs=7, num_blocks=60, block_size=4,
-                    cuda_graphs=True)
+                    cuda_graphs=True, async_scheduling=attention == "torch")
     assert engine.graphs is not None and not engine.graphs.capture and engine.graphs.sizes == [1, 2, 4, 7]
     served, replay = [], engine.graphs.run
     engine.graphs.run = lambda seq_ids, *args: served.append(len(seq_ids)) or replay(seq_ids, *args)

@@ -1,7 +1,8 @@
 """Property test of the engine's scheduling and block accounting, driving the real engine on a tiny model.
 
 Random arrivals (prompts from a few shared stems, so prefix hits happen), n > 1, stop strings, sampling and
-greedy requests, aborts at any time and steps in between, on a pool small enough to force preemption. After
+greedy requests, aborts at any time and steps in between, on a pool small enough to force preemption, with
+synchronous and asynchronous scheduling. After
 every operation the block manager's invariants hold (ref-counts = tables, free pool = unreferenced blocks,
 registrations consistent) and no finished sequence holds blocks; when everything has finished, every block
 is free and every request has a finish reason.
@@ -15,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
-from hfaccel.engine.scheduler import Status
+from hfaccel.engine.scheduler import PENDING, Status
 from tests.models import char_tokenizer, tiny_model
 
 STEMS = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [40, 41, 42]]
@@ -27,10 +28,11 @@ def _model():
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(prefix_caching=st.booleans(), budget=st.sampled_from([3, 8, 64]))
-    def setup(self, prefix_caching, budget):
+    @initialize(prefix_caching=st.booleans(), budget=st.sampled_from([3, 8, 64]), async_scheduling=st.booleans())
+    def setup(self, prefix_caching, budget, async_scheduling):
         self.engine = Engine(_model(), char_tokenizer(), max_num_seqs=4, max_num_batched_tokens=budget,
-                             num_blocks=14, block_size=4, enable_prefix_caching=prefix_caching)
+                             num_blocks=14, block_size=4, enable_prefix_caching=prefix_caching,
+                             async_scheduling=async_scheduling)
         self.ids: list[str] = []
 
     @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(3, 95), max_size=10),
@@ -62,8 +64,10 @@ class EngineMachine(RuleBasedStateMachine):
         assert set(manager.sequences()) == live, "only running sequences hold blocks"
         for request in engine.requests.values():
             for seq in request.seqs:
+                assert PENDING not in seq.token_ids[:seq.num_known_tokens], "pending tokens are the last ones"
+                assert len(seq.output.token_ids) <= request.params.max_tokens
                 if seq.status is Status.FINISHED:
-                    assert seq.output.finish_reason is not None
+                    assert seq.output.finish_reason is not None and seq.num_pending == 0
 
     def teardown(self):
         engine = getattr(self, "engine", None)

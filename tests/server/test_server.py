@@ -83,7 +83,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    running = Server(model_dir)
+    running = Server(model_dir, "--async-scheduling")  # the CUDA default, run on the CPU
     yield running
     assert running.stop() == 0
 
