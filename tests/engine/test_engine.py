@@ -172,9 +172,12 @@ def test_n_completions_share_the_prompt():
     prompt = list(range(3, 30))
     expected = reference(model, [prompt], [10])[0]
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, num_blocks=32, block_size=4)
+    computed, forward = [], engine.runner.forward
+    engine.runner.forward = lambda ids, tokens, *a, **k: computed.append(len(tokens)) or forward(ids, tokens, *a, **k)
     out = engine.generate(prompt, greedy(10, n=3))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(o.token_ids == expected for o in out.outputs)
+    assert sum(computed) == len(prompt) + 3 * 9, "the siblings share the prompt's computation, not only its blocks"
     sampled = engine.generate(prompt, SamplingParams(max_tokens=10, n=3, seed=5, ignore_eos=True))[0]
     again = engine.generate(prompt, SamplingParams(max_tokens=10, n=3, seed=5, ignore_eos=True))[0]
     assert [o.token_ids for o in sampled.outputs] == [o.token_ids for o in again.outputs]
