@@ -7,11 +7,13 @@ the previous step's tensor, dropped tokens past a stop, deferred prefix registra
 """
 
 import pytest
+import torch
 
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from hfaccel.engine.sampler import SampledTokens
 from hfaccel.engine.scheduler import PENDING
+from tests.devices import DEVICE
 from tests.models import char_tokenizer, tiny_model
 
 PROMPTS = ["the cat", "hello there", "x", "a longer prompt than the others", "the cat sat", "0123456789"]
@@ -71,7 +73,7 @@ def test_each_step_is_launched_before_the_previous_tokens_are_read(model, monkey
     monkeypatch.setattr(SampledTokens, "result", lambda self: events.append("read") or result(self))
     for async_scheduling in (False, True):
         events.clear()
-        e = engine(model, async_scheduling)
+        e = engine(model, async_scheduling, cuda_graphs=False)  # every forward through runner.forward
         forward = e.runner.forward
         e.runner.forward = lambda *args, **kwargs: events.append("launch") or forward(*args, **kwargs)
         e.generate("abc", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
@@ -137,3 +139,21 @@ def test_generated_blocks_are_cached_for_a_follow_up(model):
                                      follow_up.metrics.num_cached_tokens)
     assert results[True] == results[False]
     assert results[True][2] == 20  # the 23 computed tokens of the first request: 5 full blocks
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronization exists only on a GPU")
+def test_decode_steps_never_block_on_the_device(model):
+    """In the decode steady state (CUDA graphs, asynchronous scheduling) nothing in a step synchronizes with
+    the device except waiting for the previous step's tokens (an event, which sync debug mode allows)."""
+    e = engine(model, True)
+    for prompt in PROMPTS[:4]:
+        e.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True,
+                                             repetition_penalty=1.1, logprobs=2))
+    for _ in range(6):  # prompts in, a graph captured for batch 4
+        e.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            e.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -12,6 +12,7 @@ import torch
 
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
+from tests.devices import DEVICE
 from tests.models import ARCHITECTURES, char_tokenizer, tiny_model
 
 SHARED = list(range(30, 50))  # a 20-token prefix several prompts share (one full block of 16)
@@ -171,7 +172,8 @@ def test_n_completions_share_the_prompt():
     model = tiny_model("qwen3")
     prompt = list(range(3, 30))
     expected = reference(model, [prompt], [10])[0]
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, num_blocks=32, block_size=4)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, num_blocks=32, block_size=4,
+                    cuda_graphs=False)  # every forward through runner.forward, to count its tokens
     computed, forward = [], engine.runner.forward
     engine.runner.forward = lambda ids, tokens, *a, **k: computed.append(len(tokens)) or forward(ids, tokens, *a, **k)
     out = engine.generate(prompt, greedy(10, n=3))[0]
@@ -251,7 +253,7 @@ def test_model_hfaccel_cannot_serve_is_refused():
 
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_static_shape_decode_steps_are_exact(attention):
-    """The CUDA-graph decode path (static buffers, padded batch sizes) run without capture on the CPU: padding
+    """The CUDA-graph decode path (static buffers, padded batch sizes; run without capture on the CPU): padding
     rows write nowhere and change nothing. With the torch kernels, asynchronous scheduling too (each decode
     token copied into the static input buffer from the previous step's device tensor)."""
     model = tiny_model("gemma2" if attention == "torch" else "llama")
@@ -260,7 +262,8 @@ def test_static_shape_decode_steps_are_exact(attention):
     expected = reference(model, prompts, budgets)
     engine = Engine(hfaccel.accelerate(model, attention=attention), max_num_seqs=7, num_blocks=60, block_size=4,
                     cuda_graphs=True, async_scheduling=attention == "torch")
-    assert engine.graphs is not None and not engine.graphs.capture and engine.graphs.sizes == [1, 2, 4, 7]
+    assert engine.graphs is not None and engine.graphs.sizes == [1, 2, 4, 7]
+    assert engine.graphs.capture == (DEVICE.type == "cuda")  # captured and replayed on a GPU
     served, replay = [], engine.graphs.run
     engine.graphs.run = lambda seq_ids, *args: served.append(len(seq_ids)) or replay(seq_ids, *args)
     for out, want in zip(run(engine, prompts, budgets), expected):
