@@ -37,11 +37,16 @@ def model_device(model: PreTrainedModel) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on ``device``, without waiting for the work queued there (a blocking
-    host-to-device copy would synchronize the stream: the engine must not, between steps). On CUDA the list is
-    staged in pinned memory, which the caching host allocator keeps until the copy is done."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list or a CPU tensor) as a tensor on ``device``, without waiting for the work queued there
+    (a blocking host-to-device copy would synchronize the stream: the engine must not, between steps). On CUDA
+    they are staged in pinned memory, which the caching host allocator keeps until the copy is done."""
+    pin = device.type == "cuda"
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype)
+        host = host.pin_memory() if pin else host
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=pin)
     return host.to(device, non_blocking=True)
 
 

@@ -74,7 +74,7 @@ def test_smollm2_texts_equal_transformers_pipeline():
     reference = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
     expected = reference(prompts, max_new_tokens=24, do_sample=False)
     expected_chat = reference(chats, max_new_tokens=24, do_sample=False)
-    pipe = hfaccel.pipeline(model=model, tokenizer=tokenizer, attention="torch",
-                            engine_kwargs={"max_num_seqs": 4, "num_blocks": 128})
+    pipe = hfaccel.pipeline(model=model, tokenizer=tokenizer, attention="torch",  # the CUDA defaults' scheduling
+                            engine_kwargs={"max_num_seqs": 4, "num_blocks": 128, "async_scheduling": True})
     assert pipe(prompts, max_new_tokens=24, do_sample=False) == expected
     assert pipe(chats, max_new_tokens=24, do_sample=False) == expected_chat

@@ -103,7 +103,8 @@ def test_speculative_with_an_int4_draft(smollm2):
                                                           tokenizer.batch_decode(expected_stop))
 
 
-def test_engine_greedy_equals_generate(smollm2):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_greedy_equals_generate(smollm2, async_scheduling):
     """The engine (chunked prefill, a pool small enough to preempt) gives each prompt its own generate()."""
     model, tokenizer = smollm2
     prompts = PROMPTS + ["The three primary colors are", "In 1969, the first person to walk on the Moon was"]
@@ -114,7 +115,8 @@ def test_engine_greedy_equals_generate(smollm2):
         expected.append(out[0, ids.shape[1]:].tolist())
     hfaccel.accelerate(model, attention="torch", paged=False)
     try:
-        engine = hfaccel.Engine(model, tokenizer, max_num_seqs=4, num_blocks=6, max_num_batched_tokens=24)
+        engine = hfaccel.Engine(model, tokenizer, max_num_seqs=4, num_blocks=6, max_num_batched_tokens=24,
+                                async_scheduling=async_scheduling)
         outputs = engine.generate(prompts, hfaccel.SamplingParams(max_tokens=24, temperature=0))
     finally:
         hfaccel.restore(model)
