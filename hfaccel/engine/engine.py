@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ class Engine:
             cuda_graphs = self.runner.device.type == "cuda"
         self.graphs = DecodeGraphs(self.runner, max_num_seqs, self.max_model_len) if cuda_graphs else None
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
-        self._in_flight: _Launched | None = None
+        self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -138,26 +139,22 @@ class Engine:
         """Run one step; returns the live requests it changed, copying nothing (``DeltaTracker`` reads the
         new part of each: what ``generate``, ``stream`` and ``AsyncEngine`` use, so a step costs the same
         however long the outputs already are)."""
-        plan = self.scheduler.schedule()
         touched: dict[str, Request] = {}
+        self._collect_all_but(1 if self.async_scheduling else 0, touched)  # left by a wait that failed
+        plan = self.scheduler.schedule()
         for seq in plan.out_of_blocks:  # alone in the pool and out of blocks: the pool is the limit
             if seq.num_pending:
                 seq.finishing = True  # ends when its token in flight arrives
             else:
                 self._finish(seq, "length")
                 touched[seq.request.request_id] = seq.request
-        launched = None
         if plan.chunks:
             self.runner.cache.copy_blocks(plan.copies)
-            launched = self._launch(plan.chunks)
-        previous, self._in_flight = self._in_flight, launched
-        if previous is not None:
-            self._collect(previous, touched)  # the device computes ``launched`` meanwhile
-        if launched is not None and not self.async_scheduling:
-            self._in_flight = None
-            self._collect(launched, touched)
+            self._in_flight.append(self._launch(plan.chunks))
+        # asynchronous: the previous step is collected while the device computes the one just launched
+        self._collect_all_but(1 if self.async_scheduling and plan.chunks else 0, touched)
         if not self.has_unfinished_requests():
-            self._in_flight = None  # every sequence in it has finished: its tokens are past their ends
+            self._collect_all_but(0, touched)  # its sequences have all finished: nothing to wait for
         return list(touched.values())
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
@@ -270,12 +267,12 @@ class Engine:
             for pos in range(max(chunk.start, seq.num_known_tokens), chunk.start + chunk.length):
                 assert seq.num_pending == 1, "a sequence has one token in flight at most when it is scheduled"
                 positions.append(offset + pos - chunk.start)
-                sources.append(self._in_flight.row_of[seq.seq_id])
+                sources.append(self._in_flight[-1].row_of[seq.seq_id])
             offset += chunk.length
         if not positions:
             return None
         device = self.runner.device
-        return to_device(positions, torch.long, device), self._in_flight.tokens(sources)
+        return to_device(positions, torch.long, device), self._in_flight[-1].tokens(sources)
 
     def _targets(self, chunks: list[ScheduledChunk]) -> tuple[list[Seq], list[int], list[tuple[Seq, Seq]]]:
         """The sequences that sample from the completing chunks' logits and the logits row of each: a chunk's
@@ -301,8 +298,8 @@ class Engine:
                                  seq.output.token_ids) for seq in seqs]
         pending = None  # the penalties count a token still in flight
         if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
-            pending = self._in_flight.tokens([self._in_flight.row_of[s.seq_id] if s.num_pending else -1
-                                              for s in seqs])
+            previous = self._in_flight[-1]
+            pending = previous.tokens([previous.row_of[s.seq_id] if s.num_pending else -1 for s in seqs])
         return sample(logits, sample_rows, pending)
 
     def _register_fork(self, parent: Seq, child: Seq) -> None:
@@ -320,9 +317,18 @@ class Engine:
                 or seq.num_tokens >= self.max_model_len):
             seq.finishing = True
 
+    def _collect_all_but(self, keep: int, touched: dict[str, Request]) -> None:
+        """Collect the oldest launched steps until ``keep`` remain. A step leaves the queue only once
+        collected, so a wait that raised (an interrupt, an error surfacing from the device) is retried."""
+        while len(self._in_flight) > keep:
+            self._collect(self._in_flight[0], touched)
+            self._in_flight.popleft()
+
     def _collect(self, launched: _Launched, touched: dict[str, Request]) -> None:
         """A launched step's results on the host: computed blocks registered, sampled tokens filled in and
         checked for stops (the host waits here for the device, once per step)."""
+        if not any(seq.status is not Status.FINISHED for seq in launched.sequences()):
+            return  # all stopped or aborted meanwhile: nothing to wait for
         tokens, logprobs = launched.sampled.result() if launched.sampled is not None else ([], [])
         manager = self.scheduler.manager
         for chunk in launched.chunks:
@@ -438,6 +444,9 @@ class _Launched:
 
     def __post_init__(self):
         self.row_of = {seq.seq_id: row for row, seq in enumerate(self.targets)}
+
+    def sequences(self) -> list[Seq]:
+        return [chunk.seq for chunk in self.chunks] + self.targets
 
     def tokens(self, rows: list[int]) -> torch.Tensor:
         """The sampled tokens of ``rows`` (``-1`` for a row of -1), gathered on the device: ``[len(rows)]``."""

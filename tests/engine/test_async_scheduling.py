@@ -64,7 +64,7 @@ def test_outputs_equal_synchronous_scheduling(model, config):
     expected = summary(sync.generate(PROMPTS, params))
     assert summary(overlapped.generate(PROMPTS, params)) == expected
     assert expected[0][0][2:4] == ("stop", params[0].stop_token_ids[0]) and expected[1][0][2] == "stop"
-    assert overlapped.stats()["blocks_used"] == 0 and overlapped._in_flight is None
+    assert overlapped.stats()["blocks_used"] == 0 and not overlapped._in_flight
 
 
 def test_each_step_is_launched_before_the_previous_tokens_are_read(model, monkeypatch):
@@ -94,7 +94,7 @@ def test_a_stop_drops_the_token_in_flight(model):
     seq = e.requests[request_id].seqs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == params.stop_token_ids[0]
     assert seq.token_ids[len(seq.request.prompt_token_ids):] == out.token_ids  # nothing past the stop
-    assert seq.num_pending == 0 and e.stats()["blocks_used"] == 0 and e._in_flight is None
+    assert seq.num_pending == 0 and e.stats()["blocks_used"] == 0 and not e._in_flight
 
 
 def test_abort_while_a_token_is_in_flight(model):
@@ -157,3 +157,25 @@ def test_decode_steps_never_block_on_the_device(model):
             e.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_interrupted_wait_is_retried(model, monkeypatch, async_scheduling):
+    """Ctrl-C (or an error surfacing from the device) while the host waits for a step's tokens: the step stays
+    queued, the next ``step()`` collects it, and the outputs are those of an uninterrupted run."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    expected = [out.outputs[0].token_ids for out in engine(model, False).generate(prompts, greedy)]
+    e = engine(model, async_scheduling, num_blocks=40, block_size=4)
+    ids = [e.add_request(prompt, greedy) for prompt in prompts]
+    e.step()
+    e.step()
+    result = SampledTokens.result
+    monkeypatch.setattr(SampledTokens, "result", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        e.step()
+    monkeypatch.setattr(SampledTokens, "result", result)
+    while e.has_unfinished_requests():
+        e.step()
+    assert [e.snapshot(e.requests[i]).outputs[0].token_ids for i in ids] == expected
+    assert e.stats()["blocks_used"] == 0 and not e._in_flight
