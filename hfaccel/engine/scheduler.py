@@ -106,7 +106,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     copies: list[BlockCopy]  # copy-on-write block copies to perform before the forward
     preempted: list[Sequence]
-    out_of_blocks: list[Sequence]  # sequences alone in the pool that still cannot grow
+    out_of_blocks: list[Sequence]  # sequences the whole pool cannot hold (they end: the pool is the limit)
 
 
 class Scheduler:
@@ -162,6 +162,9 @@ class Scheduler:
             budget -= length
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
+            if self._never_fits(seq) and not seq.num_pending:  # preempted at a length the pool cannot hold
+                out.out_of_blocks.append(self.waiting.popleft())
+                continue
             joining = seq.request.params.n if not seq.request.forked else 1  # its siblings fork in later
             if self._num_sequences() + joining > self.max_num_seqs:
                 break
@@ -179,6 +182,9 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give a running sequence slots for all its tokens, preempting newer sequences if the pool is full."""
+        if self._never_fits(seq):  # it would need the whole pool and more: preempting others cannot help
+            out.out_of_blocks.append(seq)
+            return False
         missing = seq.num_tokens - self.manager.seq_len(seq.seq_id)
         while self.manager.blocks_to_append(seq.seq_id, missing) > self.manager.num_free_blocks:
             victim = self.running[-1]
@@ -192,6 +198,9 @@ class Scheduler:
         new = seq.token_ids[self.manager.seq_len(seq.seq_id):]
         out.copies += self.manager.append(seq.seq_id, missing, new, computed=False)
         return True
+
+    def _never_fits(self, seq: Sequence) -> bool:
+        return self.manager.blocks_needed(seq.num_tokens) > self.manager.num_blocks
 
     def _admit(self, seq: Sequence) -> bool:
         """Allocate blocks for a waiting sequence's tokens (prefix hits reused); False if the pool is short."""
