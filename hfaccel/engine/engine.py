@@ -232,6 +232,8 @@ class Engine:
         logits = self._forward(chunks)  # [C, V]: one row per completing chunk
         targets, rows, children = self._targets([c for c in chunks if c.completes])
         sampled = self._sample(logits, rows, targets) if targets else None
+        if sampled is not None and self.async_scheduling:
+            sampled.start_copy()
         for chunk in chunks:
             chunk.seq.num_computed = chunk.start + chunk.length
             if chunk.seq.request.metrics.first_scheduled_time is None:
@@ -240,8 +242,6 @@ class Engine:
             self._register_fork(parent, child)
         for seq in targets:
             self._add_pending(seq)
-        if sampled is not None and self.async_scheduling:
-            sampled.start_copy()
         return _Launched(chunks, targets, sampled)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
