@@ -451,6 +451,8 @@ class _Launched:
     def tokens(self, rows: list[int]) -> torch.Tensor:
         """The sampled tokens of ``rows`` (``-1`` for a row of -1), gathered on the device: ``[len(rows)]``."""
         index = to_device(rows, torch.long, self.sampled.tokens.device)
+        if min(rows) >= 0:  # the decode inputs: a plain gather
+            return self.sampled.tokens[index]
         return torch.where(index >= 0, self.sampled.tokens[index.clamp(min=0)], -1)
 
 
