@@ -14,7 +14,9 @@ Invariants (checked by ``check_invariants`` and property-tested):
 - with prefix caching, each full block whose tokens are known and whose K/V have been computed is registered
   under the hash of (the hash of the block before it, its own tokens); a sequence whose prompt starts with
   the same full blocks reuses them (ref-count + 1) instead of allocating. Freed blocks keep their content and
-  registration until the pool reuses them, so a later request can still hit them. A caller that computes a
+  registration until the pool reuses them, so a later request can still hit them. A registered block never
+  changes under its hash: a sequence cropped into a registered block keeps the registration until it writes
+  there, and then either unregisters the block (held alone) or copies it first (shared). A caller that computes a
   sequence's K/V later than it allocates them (the engine's chunked prefill) passes ``computed=False`` and
   reports progress with ``mark_computed``, so no other sequence can hit a block before its K/V are written.
 """
@@ -166,8 +168,11 @@ class BlockManager:
             raise CacheFullError(f"appending {num_tokens} tokens to a sequence of {seq.length} needs {needed} "
                                  f"free blocks; the pool has {self.num_free_blocks} (of {self.num_blocks})")
         copies = []
-        if num_tokens and seq.length % self.block_size and self.ref_counts[seq.blocks[-1]] > 1:
-            copies.append(self._copy_on_write(seq))
+        if num_tokens and seq.length % self.block_size:  # the new tokens start inside the last block
+            if self.ref_counts[seq.blocks[-1]] > 1:
+                copies.append(self._copy_on_write(seq))
+            else:
+                self._unregister(seq.blocks[-1])  # a registered block never changes under its hash
         new_length = seq.length + num_tokens
         seq.blocks += [self._allocate() for _ in range(self.blocks_needed(new_length) - len(seq.blocks))]
         seq.length = new_length
@@ -206,8 +211,6 @@ class BlockManager:
         del seq.hashes[length // self.block_size:]
         if seq.tokens is not None:
             del seq.tokens[length:]
-        if length % self.block_size and self.ref_counts[seq.blocks[-1]] == 1:
-            self._unregister(seq.blocks[-1])  # about to be rewritten by this sequence alone
 
     def set_token(self, seq_id: Hashable, position: int, token: int) -> None:
         """Fill in a token that was appended before it was known (the engine schedules a sampled token's slot

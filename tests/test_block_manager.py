@@ -206,3 +206,36 @@ def test_waste_under_four_percent_for_400_to_4000_tokens():
     waste = (allocated - sum(lengths)) / allocated
     assert manager.num_tokens() == sum(lengths)
     assert waste < 0.04, waste
+
+
+def test_a_cropped_sequence_never_rewrites_a_registered_block():
+    """Regression (found by the state machine): crop into a registered block that another sequence shares,
+    let the sharers go, append — the write must not change what the block's hash promises."""
+    manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    manager.add_sequence("a", tokens, computed=False)
+    manager.mark_computed("a", 8)  # registers both blocks
+    assert manager.add_sequence("b", tokens) == 4  # shares the first block
+    shared = manager.block_table("a")[0]
+    manager.crop("a", 1)  # "a" now ends inside the shared, registered block
+    manager.fork("a", "fork")
+    manager.free("fork")
+    manager.free("b")  # "a" holds the registered block alone
+    assert manager.append("a", 1, [1]) == []  # writes position 1 of that block: [1, 1, 3, 4]
+    assert manager.block_table("a")[0] == shared
+    manager.check_invariants()
+    assert manager.add_sequence("c", tokens) == 0  # no hit on a block whose content changed
+    assert manager.block_table("c")[0] != shared
+
+
+def test_a_cropped_sequence_copies_a_registered_block_it_shares():
+    manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    manager.add_sequence("a", tokens)
+    manager.add_sequence("b", tokens)
+    shared = manager.block_table("a")[0]
+    manager.crop("a", 2)
+    copies = manager.append("a", 1, [9])
+    assert [(c.src, c.dst) for c in copies] == [(shared, manager.block_table("a")[0])]
+    assert manager.add_sequence("c", tokens) == 4 and manager.block_table("c")[0] == shared  # still cached
+    manager.check_invariants()
