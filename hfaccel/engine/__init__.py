@@ -1,8 +1,9 @@
-"""hfaccel's serving side: the continuous-batching ``Engine`` and the packed ``ModelRunner`` under it."""
+"""The continuous-batching ``Engine`` (and ``AsyncEngine`` for services) over one Hugging Face model."""
 
+from hfaccel.engine.async_engine import AsyncEngine
 from hfaccel.engine.engine import Engine
-from hfaccel.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
-from hfaccel.engine.runner import ModelRunner, SequenceKVCache, hfaccel_attention
+from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hfaccel.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["CompletionOutput", "Engine", "ModelRunner", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "SequenceKVCache", "TokenLogprob", "hfaccel_attention"]
+__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams",
+           "TokenLogprob"]

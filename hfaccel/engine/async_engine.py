@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from hfaccel.engine.engine import DeltaTracker, Engine, Prompt
-from hfaccel.engine.params import RequestOutput, SamplingParams
+from hfaccel.engine.outputs import RequestOutput
 from hfaccel.engine.scheduler import Request
+from hfaccel.sampling import SamplingParams
 
 
 @dataclass

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from hfaccel.engine.cuda_graphs import DecodeGraphs
-from hfaccel.engine.detokenizer import IncrementalDetokenizer
-from hfaccel.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
-from hfaccel.engine.runner import ModelRunner
-from hfaccel.engine.sampler import SampledTokens, SampleRow, sample
+from hfaccel.attention import set_hfaccel_attention, unsupported_reason, uses_hfaccel_attention
+from hfaccel.device import model_device, to_device
+from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
-from hfaccel.support import to_device
+from hfaccel.kv import KVPool
+from hfaccel.runner import ModelRunner
+from hfaccel.sampling import (
+    IncrementalDetokenizer, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenLogprob, eos_token_ids, sample,
+)
 
 Prompt = str | Sequence[int] | Sequence[dict]
 CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
@@ -39,7 +41,7 @@ class Engine:
     """Continuous-batching generation engine over a Hugging Face causal LM.
 
     Args:
-        model: the model (accelerated here with ``hfaccel.accelerate`` if it is not yet).
+        model: the model (put on hfaccel's attention here if it is not yet: ``ValueError`` if it cannot be).
         tokenizer: its tokenizer (needed for text prompts, chat messages, stop strings and output text).
         max_num_seqs: sequences decoded together at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
@@ -60,7 +62,7 @@ class Engine:
                  num_blocks: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, kv_cache_fraction: float = 0.8, cuda_graphs: bool | None = None,
                  async_scheduling: bool | None = None):
-        _ensure_accelerated(model)
+        _use_hfaccel_attention(model)
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
         limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
@@ -68,15 +70,16 @@ class Engine:
         self.vocab_size = int(text_config.vocab_size)
         num_blocks = num_blocks or _default_num_blocks(model, block_size, max_num_seqs, self.max_model_len,
                                                        kv_cache_fraction)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
-                                  enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.runner.cache.manager, max_num_seqs=max_num_seqs,
+        pool = KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size,
+                                enable_prefix_caching=enable_prefix_caching)
+        self.runner = ModelRunner(model, pool)
+        self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        if cuda_graphs is None:
-            cuda_graphs = self.runner.device.type == "cuda"
-        self.graphs = DecodeGraphs(self.runner, max_num_seqs, self.max_model_len) if cuda_graphs else None
-        self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
+        on_cuda = self.runner.device.type == "cuda"
+        if cuda_graphs if cuda_graphs is not None else on_cuda:
+            self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len)
+        self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
         self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -149,7 +152,7 @@ class Engine:
                 self._finish(seq, "length")
                 touched[seq.request.request_id] = seq.request
         if plan.chunks:
-            self.runner.cache.copy_blocks(plan.copies)
+            self.runner.pool.copy_blocks(plan.copies)
             self._in_flight.append(self._launch(plan.chunks))
         # asynchronous: the previous step is collected while the device computes the one just launched
         self._collect_all_but(1 if self.async_scheduling and plan.chunks else 0, touched)
@@ -248,15 +251,12 @@ class Engine:
         """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks."""
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         completing = [i for i, c in enumerate(chunks) if c.completes]
-        seq_ids, starts = [c.seq.seq_id for c in chunks], [c.start for c in chunks]
-        device_tokens = self._device_tokens(chunks)
-        if self.graphs is not None and len(flat) == len(completing) and self.graphs.serves(len(chunks)):
-            return self.graphs.run(seq_ids, flat, starts, device_tokens)  # decode only: one token per sequence
         input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
+        device_tokens = self._device_tokens(chunks)
         if device_tokens is not None:
             input_ids.index_copy_(0, *device_tokens)
-        return self.runner.forward(seq_ids, input_ids, [c.length for c in chunks], starts=starts,
-                                   logits_for=completing)
+        return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
+                                   starts=[c.start for c in chunks], logits_for=completing)
 
     def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(positions [F], tokens [F])`` in the packed input of the tokens still in flight (sampled by the
@@ -313,8 +313,7 @@ class Engine:
         """Hold the slot of a token sampled on the device; the host fills it in at ``_collect``."""
         seq.token_ids.append(PENDING)
         seq.num_pending += 1
-        if (len(seq.output.token_ids) + seq.num_pending >= seq.request.params.max_tokens
-                or seq.num_tokens >= self.max_model_len):
+        if len(seq.output.token_ids) + seq.num_pending >= seq.stopper.max_tokens:
             seq.finishing = True
 
     def _collect_all_but(self, keep: int, touched: dict[str, Request]) -> None:
@@ -352,7 +351,7 @@ class Engine:
             manager.set_token(seq.seq_id, position, token)
 
     def _accept_token(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
-        params, out, now = seq.request.params, seq.output, time.perf_counter()
+        out, now = seq.output, time.perf_counter()
         out.token_ids.append(token)
         if logprob is not None:
             out.logprobs.append(logprob)
@@ -360,16 +359,9 @@ class Engine:
         if seq.index == 0:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.token_times.append(now)
-        if token in params.stop_token_ids:
-            return self._finish(seq, "stop", token)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return self._finish(seq, "stop", token)
-        stop = seq.detokenizer.add(token) if seq.detokenizer is not None else None
-        if stop is not None:
-            return self._finish(seq, "stop", stop)
-        if len(out.token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
-            return self._finish(seq, "length")
-        return None
+        ended = seq.stopper.check(token, len(out.token_ids))
+        if ended is not None:
+            self._finish(seq, *ended)
 
     def _finish(self, seq: Seq, reason: str, stop_reason: str | int | None = None) -> None:
         seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
@@ -388,12 +380,15 @@ class Engine:
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
                                                  params.skip_special_tokens)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        budget = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)  # or the context ends it
+        stopper = StopChecker(stop_ids, detokenizer, budget)
         generator = None
         if params.seed is not None:
             seed = (params.seed + 7919 * index) % (1 << 63)  # any int seed; a distinct stream per completion
             generator = torch.Generator(self.runner.device).manual_seed(seed)
         output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        return Seq(next(self._seq_ids), request, index, token_ids, output, detokenizer, generator)
+        return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, generator)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -493,36 +488,23 @@ class DeltaTracker:
         return delta
 
 
-def _ensure_accelerated(model) -> None:
-    import hfaccel
-
-    info = getattr(model, "hfaccel", None)
-    if info is None:
-        hfaccel.accelerate(model, paged=False)
-        info = model.hfaccel
-    if not info.active:
-        raise ValueError(f"hfaccel.Engine cannot serve {type(model).__name__}: {info.fallback_reason}")
+def _use_hfaccel_attention(model) -> None:
+    """Put the model on hfaccel's attention (the runner's packed forwards need it), or say why it cannot be."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"hfaccel.Engine cannot serve {type(model).__name__}: {reason}")
+    if not uses_hfaccel_attention(model):
+        set_hfaccel_attention(model)
 
 
 def _default_num_blocks(model, block_size: int, max_num_seqs: int, max_model_len: int, fraction: float) -> int:
-    from hfaccel.cache import kv_dims
-
-    layers, kv_heads, head_dim = kv_dims(model.config)
-    block_bytes = layers * 2 * block_size * kv_heads * head_dim * model.dtype.itemsize
-    device = next(model.parameters()).device
+    block_bytes = KVPool(model.config, num_blocks=1, block_size=block_size).block_bytes(model.dtype)
+    device = model_device(model)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(free * fraction) // block_bytes)
     wanted = max_num_seqs * -(-min(max_model_len, 2048) // block_size)
     return max(1, min(wanted, CPU_POOL_BYTES // block_bytes))
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set([] if ids is None else [ids] if isinstance(ids, int) else ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def _is_single_prompt(prompts) -> bool:

@@ -9,7 +9,7 @@ Every step packs, within ``max_num_batched_tokens``:
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall.
 
-Plain Python over the engine's :class:`~hfaccel.block_manager.BlockManager`; nothing here touches tensors.
+Plain Python over the engine's :class:`~hfaccel.kv.BlockManager`; nothing here touches tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hfaccel.block_manager import BlockCopy, BlockManager, CacheFullError
-from hfaccel.engine.detokenizer import IncrementalDetokenizer
-from hfaccel.engine.params import CompletionOutput, RequestMetrics, SamplingParams
+from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
+from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
+from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
 
 
 PENDING = -1  # a sampled token the host does not know yet (asynchronous scheduling)
@@ -48,7 +48,7 @@ class Sequence:
     index: int  # which of the request's n completions
     token_ids: list[int]
     output: CompletionOutput
-    detokenizer: IncrementalDetokenizer | None
+    stopper: StopChecker | None  # None: the scheduler's own tests, which never sample
     generator: torch.Generator | None
     num_computed: int = 0
     status: Status = Status.WAITING
@@ -63,6 +63,11 @@ class Sequence:
     @property
     def num_known_tokens(self) -> int:
         return len(self.token_ids) - self.num_pending
+
+    @property
+    def detokenizer(self) -> IncrementalDetokenizer | None:
+        """The output's text (None without a tokenizer)."""
+        return None if self.stopper is None else self.stopper.detokenizer
 
 
 @dataclass(eq=False)

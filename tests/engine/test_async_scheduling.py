@@ -11,7 +11,7 @@ import torch
 
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
-from hfaccel.engine.sampler import SampledTokens
+from hfaccel.sampling import SampledTokens
 from hfaccel.engine.scheduler import PENDING
 from tests.devices import DEVICE
 from tests.models import char_tokenizer, tiny_model

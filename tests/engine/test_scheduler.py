@@ -1,7 +1,8 @@
 """Scheduler edge cases driven directly (the engine's tests cover the common paths end to end)."""
 
-from hfaccel.block_manager import BlockManager
-from hfaccel.engine.params import CompletionOutput, RequestMetrics, SamplingParams
+from hfaccel.kv import BlockManager
+from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
+from hfaccel.sampling import SamplingParams
 from hfaccel.engine.scheduler import Request, Scheduler, Sequence, Status
 
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import hfaccel
-from hfaccel.assets import shakespeare_text, smollm2_path
+from hfaccel.tools.assets import shakespeare_text, smollm2_path
 
 pytestmark = pytest.mark.slow
 GROUP = 64

@@ -1,0 +1,188 @@
+"""hfaccel's attention and mask functions, as transformers' ``AttentionInterface`` sees them.
+
+The mask function turns transformers' mask request into a :class:`KernelMask` (offsets, per-row key
+padding, causal / sliding window) instead of a ``[B, 1, Sq, Skv]`` tensor; the attention function hands it
+to :func:`hfaccel.kernels.flash_attention`. Whatever the kernels do not implement (an unrecognised mask
+pattern, dropout while training, autograd) is served by an exact torch path instead, never approximated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from hfaccel import compat
+from hfaccel.kernels import flash_attention, flash_attention_reference
+from hfaccel.kernels.flash_attention import visibility_mask
+from hfaccel.kernels.paged_attention import paged_attention
+from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
+
+
+@dataclass(frozen=True)
+class KernelMask:
+    """Who may attend to whom, in the form the kernels read (see ``hfaccel.kernels.flash_attention``)."""
+
+    key_mask: torch.Tensor | None  # [B, Skv] bool, False = padding; None = every key is real
+    q_offset: int  # absolute position of query 0
+    kv_offset: int  # absolute position of key 0
+    causal: bool
+    sliding_window: int | None
+
+    # transformers treats a prepared 4-D mask (e.g. from generate()'s create_masks_for_generate with a static
+    # cache) as final; a KernelMask passed back into the model is final too (see kernel_mask).
+    ndim = 4
+
+    def contiguous(self) -> KernelMask:
+        # generate() makes static-cache masks contiguous before compiled decode steps.
+        if self.key_mask is None or self.key_mask.is_contiguous():
+            return self
+        return replace(self, key_mask=self.key_mask.contiguous())
+
+
+def kernel_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    use_vmap: bool = False,
+    **kwargs,
+) -> KernelMask | torch.Tensor | None:
+    """transformers ``AttentionMaskInterface`` function: a :class:`KernelMask`, or a dense bool mask for a
+    pattern the kernels do not implement natively."""
+    if isinstance(attention_mask, KernelMask):
+        return attention_mask
+    pattern = None if use_vmap else compat.describe_mask_function(mask_function, local_size)
+    if pattern is None:
+        return compat.dense_bool_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+            local_size=local_size, use_vmap=use_vmap, **kwargs)
+    padding = compat.padding_mask(attention_mask, kv_length, kv_offset)
+    key_mask = None if padding is None else padding[:, kv_offset:kv_offset + kv_length].bool()
+    return KernelMask(key_mask=key_mask, q_offset=int(q_offset), kv_offset=int(kv_offset),
+                      causal=pattern.causal, sliding_window=pattern.sliding_window)
+
+
+def _implicit_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> KernelMask:
+    """The mask transformers means by ``attention_mask=None``: no padding, queries aligned to the last keys."""
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    return KernelMask(None, key.shape[2] - query.shape[2], 0, causal, None)
+
+
+def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask, scaling: float | None = None, dropout: float = 0.0,
+               **kwargs) -> tuple[torch.Tensor, None]:
+    # query: [B, Hq, Sq, D]; key, value: [B, Hkv, Skv, D]; returns ([B, Sq, Hq, D], None)
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("hfaccel attention does not implement attention sinks (s_aux); "
+                                  "hfaccel.accelerate leaves such models on transformers' attention")
+    softcap = kwargs.get("softcap")
+    if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
+        return _packed(backend, query, key, attention_mask, scaling, softcap, dropout), None
+    if isinstance(key, PagedKV):
+        if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
+            return _paged(backend, query, key, attention_mask, scaling, softcap), None
+        key, value = key.gather()  # a prefill's own K/V, or a gather for what the paged kernel lacks
+    if attention_mask is None:
+        attention_mask = _implicit_mask(module, query, key, kwargs)
+    if not isinstance(attention_mask, KernelMask):
+        return _dense_attention(query, key, value, attention_mask, scaling, softcap, dropout), None
+    if dropout > 0.0:
+        _warn_fallback("attention dropout is active (model in training mode)")
+        return _dense_attention(query, key, value, _to_dense(attention_mask, query, key), scaling, softcap,
+                                dropout), None
+    mask_args = dict(scale=scaling, causal=attention_mask.causal, q_offset=attention_mask.q_offset,
+                     kv_offset=attention_mask.kv_offset, key_mask=attention_mask.key_mask,
+                     sliding_window=attention_mask.sliding_window, softcap=softcap)
+    if _needs_autograd(query, key, value):
+        return flash_attention_reference(query, key, value, **mask_args), None  # differentiable
+    return flash_attention(query, key, value, backend=backend, **mask_args), None
+
+
+def _needs_autograd(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _paged_kernel_serves(mask, dropout: float, query: torch.Tensor) -> bool:
+    """The paged kernel is causal, without dropout or autograd; anything else runs on gathered K/V."""
+    return isinstance(mask, KernelMask) and mask.causal and dropout == 0.0 and not _needs_autograd(query)
+
+
+def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,
+           softcap: float | None) -> torch.Tensor:
+    # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
+    return paged_attention(query, kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens, max_seqlen_k=kv.max_seq_len,
+                           scale=scaling, key_mask=mask.key_mask, sliding_window=mask.sliding_window,
+                           softcap=softcap, backend=backend)
+
+
+def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
+            dropout: float) -> torch.Tensor:
+    # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]
+    if not _paged_kernel_serves(mask, dropout, query):
+        raise NotImplementedError(
+            "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
+            f"without dropout or autograd; got mask {type(mask).__name__}, dropout {dropout}, "
+            f"grad {_needs_autograd(query)}")
+    out = paged_attention(query[0].transpose(0, 1), kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens,
+                          cu_seqlens_q=kv.cu_seqlens_q, max_seqlen_q=kv.max_seqlen_q, max_seqlen_k=kv.max_seq_len,
+                          scale=scaling, sliding_window=mask.sliding_window, softcap=softcap, backend=backend)
+    return out[None]
+
+
+def auto_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention registered as ``hfaccel``: Triton where it can run, the torch reference elsewhere."""
+    return _attention("auto", module, query, key, value, attention_mask, **kwargs)
+
+
+def triton_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention registered as ``hfaccel_triton``: always the Triton kernel."""
+    return _attention("triton", module, query, key, value, attention_mask, **kwargs)
+
+
+def torch_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention registered as ``hfaccel_torch``: always the pure-torch reference."""
+    return _attention("torch", module, query, key, value, attention_mask, **kwargs)
+
+
+# by kernel backend; each declares that it reads the paged pool (hfaccel.kv.hf_cache)
+ATTENTION_FUNCTIONS = {"auto": auto_attention, "triton": triton_attention, "torch": torch_attention}
+for _backend, _function in ATTENTION_FUNCTIONS.items():
+    setattr(_function, PAGED_READER_ATTRIBUTE, _backend)
+
+
+def _to_dense(mask: KernelMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return visibility_mask(query.shape[0], query.shape[2], key.shape[2], causal=mask.causal,
+                           q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
+                           sliding_window=mask.sliding_window, device=query.device)
+
+
+def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
+    """Exact torch attention with a dense mask ``[B, 1|Hq, Sq, Skv]`` (bool: True = attend; float: additive)."""
+    group = query.shape[1] // key.shape[1]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=group > 1)
+        return out.transpose(1, 2).contiguous()
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = softcap * torch.tanh(query @ key.transpose(-1, -2) * scale / softcap)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    probs = F.dropout(torch.softmax(scores.float(), -1).to(value.dtype), p=dropout, training=dropout > 0)
+    return (probs @ value).transpose(1, 2).contiguous()
+
+
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"hfaccel: attention runs on torch instead of hfaccel's kernels: {reason}", stacklevel=3)

@@ -1,0 +1,79 @@
+"""Putting a model on hfaccel's attention: the names it is registered under, which models it can serve."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from transformers import PreTrainedModel
+
+from hfaccel import compat
+from hfaccel.attention.functions import ATTENTION_FUNCTIONS, kernel_mask
+from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
+
+# hfaccel's attention implementations, by kernel backend
+ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton", "torch": "hfaccel_torch"}
+
+
+def register() -> None:
+    """Register hfaccel's attention and mask functions under hfaccel's own names (idempotent)."""
+    for backend, name in ATTENTION_NAMES.items():
+        compat.register_attention(name, ATTENTION_FUNCTIONS[backend], kernel_mask)
+
+
+def uses_hfaccel_attention(model: PreTrainedModel) -> bool:
+    """Whether the model's attention implementation is one of hfaccel's."""
+    return compat.attn_implementation(model.config) in ATTENTION_NAMES.values()
+
+
+def set_hfaccel_attention(model: PreTrainedModel, backend: str = "auto") -> None:
+    """Switch this model instance to hfaccel's attention (``ValueError`` naming the reason if it cannot serve)."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"{type(model).__name__} cannot run on hfaccel's paged attention: {reason}")
+    register()
+    model.set_attn_implementation(ATTENTION_NAMES[backend])
+
+
+@contextmanager
+def hfaccel_attention(model: PreTrainedModel, backend: str = "auto"):
+    """Run ``model`` with hfaccel's attention for the duration of the block (a no-op if it already does).
+
+    A model that hfaccel cannot serve raises ``ValueError`` saying why. The model's own attention
+    implementation is put back on exit.
+    """
+    if uses_hfaccel_attention(model):
+        yield model
+        return
+    current = compat.attn_implementation(model.config)
+    set_hfaccel_attention(model, backend)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(current)
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why hfaccel cannot serve this model's attention, or None when it can."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported (hfaccel serves decoder-only causal LMs)"
+    if getattr(config, "sub_configs", None):
+        return f"composite (multimodal) models are not supported yet (sub-configs: {sorted(config.sub_configs)})"
+    if not compat.can_set_attn_implementation(model):
+        return "its modeling code does not dispatch attention through transformers' AttentionInterface"
+    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        return "attention sinks (s_aux) are not implemented by hfaccel's kernels"
+    head_dim = _head_dim(config)
+    if head_dim is not None and head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is larger than the kernels' maximum {MAX_HEAD_DIM}"
+    v_head_dim = getattr(config, "v_head_dim", None)
+    if v_head_dim is not None and v_head_dim != head_dim:
+        return f"query/key head_dim ({head_dim}) differs from value head_dim ({v_head_dim})"
+    return None
+
+
+def _head_dim(config) -> int | None:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim

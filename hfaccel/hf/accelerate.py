@@ -1,0 +1,105 @@
+"""``hfaccel.accelerate`` / ``hfaccel.restore``: patch one model instance, and undo it."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from hfaccel import compat
+from hfaccel.attention import ATTENTION_NAMES, set_hfaccel_attention, unsupported_reason
+from hfaccel.device import model_device
+from hfaccel.hf.generation import install_paged_generate, uninstall_paged_generate
+from hfaccel.kernels import resolve_backend
+from hfaccel.kernels.runtime import BACKENDS
+
+
+@dataclass(frozen=True)
+class Acceleration:
+    """What :func:`accelerate` did to a model; found on the model as ``model.hfaccel``."""
+
+    attention: str  # the backend asked for: "auto", "triton" or "torch"
+    attn_implementation: str  # the attention implementation the model now runs
+    original_attn_implementation: str  # what restore() puts back
+    fallback_reason: str | None = None  # set when the model was left on transformers' own attention
+    paged: bool = False  # generate() supplies a PagedCache sized for each request
+
+    @property
+    def active(self) -> bool:
+        """True when the model's attention runs through hfaccel."""
+        return self.fallback_reason is None
+
+    def __str__(self) -> str:
+        if not self.active:
+            return (f"hfaccel: not accelerated, attention stays {self.original_attn_implementation!r} "
+                    f"({self.fallback_reason})")
+        return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
+                f"(backend {self.attention!r}), {'paged' if self.paged else 'default'} KV cache in generate()")
+
+
+def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
+               calib_data=None, group_size: int = 128) -> PreTrainedModel:
+    """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
+
+    Args:
+        model: a loaded transformers causal LM (anything ``AutoModelForCausalLM`` gives).
+        attention: ``"auto"`` — Triton on CUDA (and under ``TRITON_INTERPRET=1``), the torch reference on
+            other devices, decided per call so the model may move between devices; ``"triton"`` — always
+            the Triton kernels (a ``ValueError`` now if the model's device cannot run them); ``"torch"`` —
+            the pure-torch reference kernels.
+        paged: ``generate()`` without a cache argument uses a :class:`hfaccel.PagedCache` sized for the
+            request, and decode steps read K/V straight from its blocks (``False``: transformers' default
+            cache, attention still through hfaccel's kernels).
+        quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
+            ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
+
+    Only this model instance changes (its config's attention implementation). Generation, ``model(...)``
+    and pipelines keep working and give the same results. An architecture hfaccel cannot serve is left
+    on transformers' attention with a warning that names the reason (see ``model.hfaccel``).
+    Calling ``accelerate`` again re-applies it with the new arguments; :func:`restore` undoes it.
+    """
+    _check_model(model)
+    if attention not in BACKENDS:
+        raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
+    if attention == "triton":
+        resolve_backend("triton", model_device(model))
+    if quantize is not None:
+        from hfaccel.quant import quantize as quantize_model
+
+        quantize_model(model, quantize, calib_data=calib_data, group_size=group_size)
+    if isinstance(getattr(model, "hfaccel", None), Acceleration):
+        restore(model)
+    original = compat.attn_implementation(model.config)
+    reason = unsupported_reason(model)
+    if reason is not None:
+        warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
+        model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason)
+        return model
+    set_hfaccel_attention(model, attention)
+    name = ATTENTION_NAMES[attention]
+    if paged:
+        install_paged_generate(model)
+    model.hfaccel = Acceleration(attention, name, original, paged=paged)
+    return model
+
+
+def restore(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo :func:`accelerate` on ``model`` (a no-op on a model that was never accelerated)."""
+    info = getattr(model, "hfaccel", None)
+    if not isinstance(info, Acceleration):
+        return model
+    if info.active:
+        model.set_attn_implementation(info.original_attn_implementation)
+    uninstall_paged_generate(model)
+    del model.hfaccel
+    return model
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"hfaccel.accelerate expects a transformers PreTrainedModel (e.g. from "
+                        f"AutoModelForCausalLM.from_pretrained); got {type(model).__name__}")
+    if not model.can_generate():
+        raise ValueError(f"hfaccel.accelerate expects a causal language model that can generate (e.g. "
+                         f"AutoModelForCausalLM); got {type(model).__name__}, which cannot generate")

@@ -1,0 +1,139 @@
+"""``generate`` of an accelerated model: a PagedCache sized for each request unless the caller chose a cache;
+assisted generation (``assistant_model`` / ``prompt_lookup_num_tokens``) through hfaccel's speculative decoding."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import torch
+
+from hfaccel import compat
+from hfaccel.kv import PagedCache
+from hfaccel.sampling import token_ids
+
+
+def install_paged_generate(model) -> None:
+    """Give this model instance a ``generate`` that supplies a PagedCache (``restore`` removes it)."""
+    generate = type(model).generate.__get__(model)
+
+    @functools.wraps(generate)
+    def paged_generate(*args, **kwargs):
+        return generate_with_paged_cache(model, generate, args, kwargs)
+
+    model.generate = paged_generate
+
+
+def uninstall_paged_generate(model) -> None:
+    model.__dict__.pop("generate", None)
+
+
+def generate_with_paged_cache(model, generate: Callable, args: tuple, kwargs: dict):
+    """Call ``generate`` with a fresh PagedCache for the request, or validate the caller's PagedCache first.
+
+    Left to transformers' own cache choice: an explicit ``past_key_values`` that is not a PagedCache, a
+    ``cache_implementation`` (argument or generation config), or a request whose size cannot be read.
+    """
+    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+        return _assisted_generate(model, generate, args, kwargs)
+    cache = kwargs.get("past_key_values")
+    shape = request_shape(model, args, kwargs)
+    if isinstance(cache, PagedCache):
+        if shape is not None:
+            cache.check_request(*shape)  # before any forward pass; the cache stays usable
+        return generate(*args, **kwargs)
+    if cache is not None or shape is None or _cache_implementation(model, kwargs) is not None:
+        return generate(*args, **kwargs)
+    rows, total_len = shape
+    kwargs["past_key_values"] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len)
+    return generate(*args, **kwargs)
+
+
+def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
+    """Assisted decoding through hfaccel's batched speculative decoding, or transformers' own (with a warning
+    that names why) for options hfaccel does not implement."""
+    from hfaccel.speculative import speculative_generate  # only a call that asks for it loads it
+
+    arguments = generate_arguments(model, args, kwargs)
+    if isinstance(arguments, str):
+        warnings.warn(f"hfaccel: assisted generation runs on transformers' implementation (batch size 1 only) "
+                      f"because of {arguments}", stacklevel=3)
+        return generate(*args, **kwargs)
+    return speculative_generate(model, **arguments)
+
+
+def request_shape(model, args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """(rows, tokens per row) a generate() call will hold in its cache, or None if it cannot be told."""
+    inputs = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds", kwargs.get("inputs"))
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+        return None
+    config = kwargs.get("generation_config") or model.generation_config
+    prompt_len = inputs.shape[1]
+    new_tokens = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if new_tokens is None:
+        new_tokens = kwargs.get("max_length", config.max_length) - prompt_len
+    beams = kwargs.get("num_beams", config.num_beams) or 1
+    returns = kwargs.get("num_return_sequences", config.num_return_sequences) or 1
+    return inputs.shape[0] * (beams if beams > 1 else returns), prompt_len + max(int(new_tokens), 1)
+
+
+def _cache_implementation(model, kwargs: dict) -> str | None:
+    config = kwargs.get("generation_config") or model.generation_config
+    return kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+
+
+# generate() arguments the speculative route reads (the token-changing options are compat.generation_options())
+_SPECULATIVE_ARGS = {"input_ids", "inputs", "attention_mask", "generation_config", "assistant_model",
+                     "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", "max_new_tokens",
+                     "max_length", "do_sample", "temperature", "top_p", "top_k", "eos_token_id", "pad_token_id",
+                     "stop_strings", "tokenizer", "assistant_tokenizer", "use_cache", "seed"}
+_SPECULATIVE_IMPLEMENTS = frozenset({"stop_strings", "prompt_lookup_num_tokens"})
+
+
+def generate_arguments(model, args: tuple, kwargs: dict) -> dict | str:
+    """``speculative_generate`` keyword arguments for a ``model.generate(...)`` call that asks for assisted
+    decoding (``assistant_model`` or ``prompt_lookup_num_tokens``), or the reason it must stay transformers'."""
+    kwargs = dict(kwargs)
+    if args:
+        if len(args) > 1 or not isinstance(args[0], torch.Tensor):
+            return "positional arguments other than the input ids"
+        kwargs["input_ids"] = args[0]
+    known = _SPECULATIVE_ARGS | set(compat.generation_options())
+    unknown = sorted(k for k, v in kwargs.items() if k not in known and v is not None)
+    if unknown:
+        return f"generate() arguments {unknown}"
+    config = kwargs.pop("generation_config", None) or model.generation_config
+    active = compat.active_generation_options(config, kwargs, _SPECULATIVE_IMPLEMENTS)
+    if active:
+        return f"generation options {active}"
+    value = lambda name: kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)  # noqa: E731
+    assistant, tokenizer = kwargs.get("assistant_model"), kwargs.get("tokenizer")
+    if kwargs.get("assistant_tokenizer") is not None:
+        return "a different assistant tokenizer (universal assisted decoding)"
+    ngram = assistant is None
+    input_ids = kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return "inputs other than a [batch, length] tensor of token ids"
+    steps = value("prompt_lookup_num_tokens") if ngram else value("num_assistant_tokens")
+    max_new = value("max_new_tokens")
+    return {
+        "draft_model": assistant, "draft": "ngram" if ngram else "model", "input_ids": input_ids,
+        "attention_mask": _generate_attention_mask(input_ids, kwargs.get("attention_mask"), config),
+        "num_draft_tokens": int(steps) if steps else 4, "ngram_size": int(value("max_matching_ngram_size") or 2),
+        "max_new_tokens": int(max_new) if max_new is not None else int(value("max_length")) - input_ids.shape[1],
+        "do_sample": bool(value("do_sample")), "temperature": float(value("temperature") or 1.0),
+        "top_p": float(value("top_p") or 1.0), "top_k": value("top_k"), "eos_token_id": value("eos_token_id"),
+        "pad_token_id": value("pad_token_id"), "stop_strings": value("stop_strings"), "tokenizer": tokenizer,
+    }
+
+
+def _generate_attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config) -> torch.Tensor | None:
+    """The attention mask ``generate`` would infer: padding where ``pad_token_id`` (not also EOS) appears."""
+    if mask is not None or config.pad_token_id is None:
+        return mask
+    if config.pad_token_id in token_ids(config.eos_token_id) or not (input_ids == config.pad_token_id).any():
+        return None
+    return (input_ids != config.pad_token_id).long()

@@ -1,0 +1,8 @@
+"""The paged KV memory: block bookkeeping, the pool of K/V tensors, and transformers ``Cache`` views over it."""
+
+from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.hf_cache import PagedCache, PagedKV, PoolCache, SequenceKVCache, paged_reader_backend
+from hfaccel.kv.pool import KVPool, PackedStep, kv_dims
+
+__all__ = ["BlockCopy", "BlockManager", "CacheFullError", "KVPool", "PackedStep", "PagedCache", "PagedKV", "PoolCache",
+           "SequenceKVCache", "kv_dims", "paged_reader_backend", "slot_mapping"]

@@ -1,0 +1,342 @@
+"""The block manager of the paged KV pool (plain Python bookkeeping), and the slot arithmetic.
+
+The KV pool is ``num_blocks`` blocks of ``block_size`` token slots. Each sequence owns a block table (its
+blocks in order) and a length; token ``i`` of a sequence lives in slot
+``block_table[i // block_size] * block_size + i % block_size`` (:func:`slot_mapping`, the one place that says so).
+
+Invariants (checked by ``check_invariants`` and property-tested):
+
+- a block's ref-count is the number of live sequences whose table holds it; a block with ref-count 0 is in
+  the free pool, and every block is either free or referenced;
+- a sequence writes only into the last block of its table, and only when it holds that block alone: a
+  shared last block is first copied (copy-on-write; the copy is returned to the caller to perform on the
+  device), so two live sequences never write the same block;
+- with prefix caching, each full block whose tokens are known and whose K/V have been computed is registered
+  under the hash of (the hash of the block before it, its own tokens); a sequence whose prompt starts with
+  the same full blocks reuses them (ref-count + 1) instead of allocating. Freed blocks keep their content and
+  registration until the pool reuses them, so a later request can still hit them. A registered block never
+  changes under its hash: a sequence cropped into a registered block keeps the registration until it writes
+  there, and then either unregisters the block (held alone) or copies it first (shared). A caller that computes a
+  sequence's K/V later than it allocates them (the engine's chunked prefill) passes ``computed=False`` and
+  reports progress with ``mark_computed``, so no other sequence can hit a block before its K/V are written.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+
+def slot_mapping(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Pool slot (int64) of token ``positions`` of the sequences whose block tables are ``block_tables[rows]``.
+
+    ``block_tables [S, W]``; ``rows`` and ``positions`` are index tensors of one (broadcastable) shape, e.g.
+    ``rows [T]`` and ``positions [T]`` for packed tokens, or ``rows [B, 1]`` and ``positions [1, S]`` for a batch.
+    """
+    return block_tables[rows, positions // block_size].long() * block_size + positions % block_size
+
+
+class CacheFullError(RuntimeError):
+    """The pool has too few free blocks for a request; nothing was changed."""
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+    tokens: list[int] | None = None  # known token ids (prefix caching); None when unknown
+    hashes: list[int] = field(default_factory=list)  # hashes of this sequence's leading full blocks
+    computed: int = 0  # leading tokens whose K/V are in the pool (only those blocks may be registered)
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy block ``src`` into block ``dst`` (every layer, K and V) before writing to ``dst``."""
+
+    src: int
+    dst: int
+
+
+class BlockManager:
+    """Allocates pool blocks to sequences: on demand, ref-counted, with fork, crop and prefix sharing."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._hash_to_block: dict[int, int] = {}
+        self._block_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def sequences(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self._get(seq_id).blocks
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).length
+
+    def num_tokens(self) -> int:
+        """Token slots in use, counting a block shared by several sequences once."""
+        used = {}
+        for seq in self._seqs.values():
+            for index, block in enumerate(seq.blocks):
+                filled = min(self.block_size, seq.length - index * self.block_size)
+                used[block] = max(used.get(block, 0), filled)
+        return sum(used.values())
+
+    def slots(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Pool slot of each token position in ``[start, end)`` of the sequence."""
+        table = torch.tensor([self._get(seq_id).blocks or [0]], dtype=torch.int64)  # [1, W]
+        positions = torch.arange(start, end)
+        return slot_mapping(table, torch.zeros_like(positions), positions, self.block_size).tolist()
+
+    def blocks_needed(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def blocks_to_append_many(self, seq_ids: Sequence[Hashable], num_tokens: int) -> int:
+        """Free blocks that appending ``num_tokens`` to each of ``seq_ids`` in turn takes. A shared partial last
+        block held only by these sequences is copied by all of them but the last, which keeps it."""
+        total = sum(self.blocks_to_append(seq_id, num_tokens) for seq_id in seq_ids)
+        if num_tokens == 0:
+            return total
+        seqs = [self._get(seq_id) for seq_id in seq_ids]
+        holders = Counter(seq.blocks[-1] for seq in seqs if seq.length % self.block_size)
+        return total - sum(1 for block, count in holders.items() if count > 1 and self.ref_counts[block] == count)
+
+    def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
+        return self.blocks_to_append(self._get(seq_id), num_tokens) <= self.num_free_blocks
+
+    # ----------------------------------------------------------------------------------------- changes
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
+                     num_tokens: int | None = None, computed: bool = True) -> int:
+        """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
+
+        Give ``token_ids`` (enables prefix sharing) or just ``num_tokens``. Blocks for the whole prompt are
+        allocated (reused where a prefix hit). ``computed=False``: the prompt's K/V (past the prefix hit) are
+        not written yet (see ``mark_computed``). Raises ``CacheFullError`` with nothing changed if the pool
+        cannot hold it.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        length = len(token_ids) if token_ids is not None else num_tokens
+        if length is None or length < 0:
+            raise ValueError("add_sequence needs token_ids or a num_tokens >= 0")
+        tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
+        hits, hashes = self._prefix_hits(tokens)
+        needed = self.blocks_needed(length) - len(hits)
+        reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
+        if needed > self.num_free_blocks - reusable_free:
+            raise CacheFullError(f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
+                                 f"slots; the pool has {self.num_free_blocks - reusable_free} "
+                                 f"(of {self.num_blocks})")
+        seq = _Sequence(tokens=[] if tokens is not None else None)
+        for block in hits:
+            self._ref(block)
+        seq.blocks, seq.hashes = list(hits), hashes
+        seq.blocks += [self._allocate() for _ in range(needed)]
+        seq.length = length
+        seq.computed = length if computed else len(hits) * self.block_size
+        if tokens is not None:
+            seq.tokens = tokens
+            self._register_full_blocks(seq)
+        self._seqs[seq_id] = seq
+        return len(hits) * self.block_size
+
+    def append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None, *,
+               computed: bool = True) -> list[BlockCopy]:
+        """Grow a sequence by ``num_tokens`` slots; returns the block copies to perform first (copy-on-write).
+
+        ``computed=False``: the new tokens' K/V are written later (``mark_computed``). Raises
+        ``CacheFullError`` with nothing changed if the pool cannot hold them.
+        """
+        seq = self._get(seq_id)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0; got {num_tokens}")
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"got {len(token_ids)} token ids for {num_tokens} tokens")
+        needed = self.blocks_to_append(seq, num_tokens)
+        if needed > self.num_free_blocks:
+            raise CacheFullError(f"appending {num_tokens} tokens to a sequence of {seq.length} needs {needed} "
+                                 f"free blocks; the pool has {self.num_free_blocks} (of {self.num_blocks})")
+        copies = []
+        if num_tokens and seq.length % self.block_size:  # the new tokens start inside the last block
+            if self.ref_counts[seq.blocks[-1]] > 1:
+                copies.append(self._copy_on_write(seq))
+            else:
+                self._unregister(seq.blocks[-1])  # a registered block never changes under its hash
+        new_length = seq.length + num_tokens
+        seq.blocks += [self._allocate() for _ in range(self.blocks_needed(new_length) - len(seq.blocks))]
+        seq.length = new_length
+        if computed:
+            seq.computed = new_length
+        if seq.tokens is not None:
+            if token_ids is None:
+                seq.tokens = None  # tokens unknown from here: no further prefix registration
+            else:
+                seq.tokens += list(token_ids)
+                self._register_full_blocks(seq)
+        return copies
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` sharing all its blocks (no data is copied)."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        parent = self._get(parent_id)
+        for block in parent.blocks:
+            self._ref(block)
+        self._seqs[child_id] = _Sequence(list(parent.blocks), parent.length,
+                                         None if parent.tokens is None else list(parent.tokens),
+                                         list(parent.hashes), parent.computed)
+
+    def crop(self, seq_id: Hashable, length: int) -> None:
+        """Shorten a sequence to its first ``length`` tokens, releasing blocks no longer needed."""
+        seq = self._get(seq_id)
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot crop a sequence of {seq.length} tokens to {length}")
+        keep = self.blocks_needed(length)
+        for block in seq.blocks[keep:]:
+            self._unref(block)
+        del seq.blocks[keep:]
+        seq.length = length
+        seq.computed = min(seq.computed, length)
+        del seq.hashes[length // self.block_size:]
+        if seq.tokens is not None:
+            del seq.tokens[length:]
+
+    def set_token(self, seq_id: Hashable, position: int, token: int) -> None:
+        """Fill in a token that was appended before it was known (the engine schedules a sampled token's slot
+        while the token is still on the device). Its K/V must not be computed yet: no block holds it."""
+        seq = self._get(seq_id)
+        if seq.tokens is None:
+            return
+        if not seq.computed <= position < len(seq.tokens):
+            raise ValueError(f"token {position} of a sequence of {len(seq.tokens)} tokens, {seq.computed} of them "
+                             f"computed, cannot be set (only tokens not yet computed can)")
+        seq.tokens[position] = token
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The K/V of the sequence's first ``num_tokens`` tokens are now in the pool (registers full blocks)."""
+        seq = self._get(seq_id)
+        if not 0 <= num_tokens <= seq.length:
+            raise ValueError(f"a sequence of {seq.length} tokens cannot have {num_tokens} computed")
+        seq.computed = max(seq.computed, num_tokens)
+        if seq.tokens is not None:
+            self._register_full_blocks(seq)
+
+    def free(self, seq_id: Hashable) -> None:
+        """End a sequence; blocks no other sequence holds return to the pool."""
+        for block in self._seqs.pop(seq_id).blocks:
+            self._unref(block)
+
+    def reset(self) -> None:
+        for seq_id in list(self._seqs):
+            self.free(seq_id)
+
+    # --------------------------------------------------------------------------------------- internals
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"no sequence {seq_id!r} in the block manager") from None
+
+    def blocks_to_append(self, seq: _Sequence | Hashable, num_tokens: int) -> int:
+        """Free blocks that appending ``num_tokens`` to the sequence takes (new blocks + copy-on-write)."""
+        if not isinstance(seq, _Sequence):
+            seq = self._get(seq)
+        grow = self.blocks_needed(seq.length + num_tokens) - len(seq.blocks)
+        cow = num_tokens > 0 and seq.length % self.block_size != 0 and self.ref_counts[seq.blocks[-1]] > 1
+        return grow + int(cow)
+
+    def _allocate(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        self._unregister(block)  # its old content is about to be overwritten
+        self.ref_counts[block] = 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def _unref(self, block: int) -> None:
+        if self.ref_counts[block] <= 0:
+            raise AssertionError(f"block {block} freed twice")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[block] = None
+
+    def _copy_on_write(self, seq: _Sequence) -> BlockCopy:
+        shared = seq.blocks[-1]
+        fresh = self._allocate()
+        self._unref(shared)
+        seq.blocks[-1] = fresh
+        return BlockCopy(shared, fresh)
+
+    def _prefix_hits(self, tokens: list[int] | None) -> tuple[list[int], list[int]]:
+        """Blocks already holding the leading full blocks of ``tokens``, and their hashes.
+
+        A hit never covers the last token: the caller must run at least one token to get its logits.
+        """
+        hits, hashes, parent = [], [], None
+        if tokens is None:
+            return hits, hashes
+        for start in range(0, len(tokens) - self.block_size, self.block_size):
+            key = (parent, tuple(tokens[start:start + self.block_size]))
+            block = self._hash_to_block.get(hash(key))
+            if block is None or self._block_key.get(block) != key:
+                break
+            hits.append(block)
+            parent = hash(key)
+            hashes.append(parent)
+        return hits, hashes
+
+    def _register_full_blocks(self, seq: _Sequence) -> None:
+        size = self.block_size
+        while len(seq.hashes) < min(len(seq.tokens), seq.length, seq.computed) // size:
+            index = len(seq.hashes)
+            key = (seq.hashes[-1] if seq.hashes else None, tuple(seq.tokens[index * size:(index + 1) * size]))
+            block, digest = seq.blocks[index], hash(key)
+            if digest not in self._hash_to_block and block not in self._block_key:
+                self._hash_to_block[digest] = block
+                self._block_key[block] = key
+            seq.hashes.append(digest)
+
+    def _unregister(self, block: int) -> None:
+        key = self._block_key.pop(block, None)
+        if key is not None and self._hash_to_block.get(hash(key)) == block:
+            del self._hash_to_block[hash(key)]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the ref-counts, free pool or registrations are inconsistent."""
+        counts = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            assert len(seq.blocks) == self.blocks_needed(seq.length), "table length does not match length"
+            assert len(set(seq.blocks)) == len(seq.blocks), "a block appears twice in one table"
+            for block in seq.blocks:
+                counts[block] += 1
+        assert counts == self.ref_counts, "ref-counts differ from the tables"
+        assert set(self._free) == {b for b, c in enumerate(counts) if c == 0}, "free pool differs from ref-counts"
+        for digest, block in self._hash_to_block.items():
+            assert hash(self._block_key[block]) == digest, "registration points at a block with other content"

@@ -1,0 +1,383 @@
+"""transformers ``Cache`` views over a :class:`~hfaccel.kv.pool.KVPool`.
+
+- :class:`PagedCache`, for ``generate``: usable by any model (``model.generate(..., past_key_values=
+  PagedCache(model.config, max_batch_size=B, max_cache_len=L))``); each batch row is one sequence of the pool,
+  blocks are allocated as tokens arrive.
+- :class:`SequenceKVCache`, for hfaccel's :class:`~hfaccel.runner.ModelRunner`: any number of independent
+  sequences packed into one ``[1, T]`` row; the runner sets each forward's metadata (``step``).
+
+Both write new K/V into the pool by slot mapping (``hfaccel.kernels.write_kv``). What a layer's ``update``
+returns depends on who reads it: an attention function that declares it reads the pool (hfaccel's, through
+the attribute named by :data:`PAGED_READER_ATTRIBUTE`) gets a :class:`PagedKV` — the paged kernel reads K/V
+straight from the blocks, no gather, no copy, no ``repeat_kv``; any other attention (sdpa, eager, ...) gets
+ordinary ``[B, Hkv, S, D]`` tensors gathered from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hfaccel import compat
+from hfaccel.kv.block_manager import BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.pool import KVPool, PackedStep
+
+# An attention function that reads PagedKV carries this attribute; its value is the kernel backend ("auto",
+# "triton" or "torch") the cache then also writes with.
+PAGED_READER_ATTRIBUTE = "hfaccel_kernel_backend"
+
+
+def paged_reader_backend(config) -> str | None:
+    """The kernel backend of the model's attention when that attention reads :class:`PagedKV`, else None."""
+    function = compat.attention_function(compat.attn_implementation(config))
+    return getattr(function, PAGED_READER_ATTRIBUTE, None)
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One layer's view of the pool, handed to hfaccel's attention instead of K/V tensors."""
+
+    k_pool: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_pool: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32 (tokens held, including this forward's)
+    max_seq_len: int  # host copy of seq_lens.max()
+    # On a forward that fills empty rows (a prompt's prefill) the new K/V are the whole cache: attention can
+    # read these dense [B, Hkv, S, D] tensors directly instead of the pool.
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Packed queries (the runner): the forward's new tokens of all sequences in one row; sequence s owns query
+    # rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]. None: one sequence per batch row.
+    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32
+    max_seqlen_q: int = 0
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous)."""
+        if self.dense is not None:
+            return self.dense
+        length, size = self.max_seq_len, self.k_pool.shape[1]
+        blocks = self.block_tables[:, : -(-length // size)].long()  # [B, n_blocks]
+        keys = self.k_pool[blocks].flatten(1, 2)[:, :length]  # [B, S, Hkv, D]
+        values = self.v_pool[blocks].flatten(1, 2)[:, :length]
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+class CacheLayerView(CacheLayerMixin):
+    """What transformers sees per layer of a :class:`PoolCache`: each call goes to the cache with this layer's
+    index."""
+
+    def __init__(self, cache: PoolCache, layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.cache.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return self.cache.get_max_length(self.layer_idx)
+
+
+class PoolCache(Cache):
+    """The base of hfaccel's caches: a transformers ``Cache`` whose layers live in a :class:`KVPool`.
+
+    A subclass says where this forward's new tokens go (:meth:`_begin_layer`); the base writes them and returns
+    what the model's attention reads (module docstring).
+    """
+
+    def __init__(self, config, pool: KVPool):
+        self.config = config
+        self.pool = pool
+        super().__init__(layers=[CacheLayerView(self, i) for i in range(pool.num_layers)])
+
+    @property
+    def manager(self) -> BlockManager:
+        return self.pool.manager
+
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """The pool tensor ``[L, 2, num_blocks, block_size, Hkv, D]`` (None until the first write)."""
+        return self.pool.kv
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.pool.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.pool.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.pool.head_dim
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states, value_states: [B, Hkv, S_new, D]
+        paged, slots = self._begin_layer(key_states, value_states, layer_idx)
+        backend = paged_reader_backend(self.config)
+        self.pool.write(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2), slots,
+                        backend=backend or "auto")
+        if backend is not None:
+            return paged, paged
+        return paged.gather()
+
+    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+        """The layer's view for this forward, and the slots ``[B, S_new]`` its new tokens go to."""
+        raise NotImplementedError
+
+
+class PagedCache(PoolCache):
+    """Paged KV cache for ``generate`` (see the module docstring).
+
+    Args:
+        config: the model's config (its text config is used for layers, KV heads and head dim).
+        max_batch_size: the most rows (batch × beams × return sequences) it will hold.
+        max_cache_len: the most tokens per row (prompt + new tokens).
+        num_blocks: pool size in blocks; default ``max_batch_size * ceil(max_cache_len / block_size)``.
+        block_size: token slots per block.
+        device, dtype: of the pool; default: those of the first keys written (the pool is then created lazily).
+    """
+
+    def __init__(self, config, *, max_batch_size: int, max_cache_len: int | None = None,
+                 num_blocks: int | None = None, block_size: int = 16, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        if max_cache_len is None and num_blocks is None:
+            raise ValueError("PagedCache needs max_cache_len or num_blocks")
+        if max_batch_size < 1 or block_size < 1:
+            raise ValueError(f"max_batch_size and block_size must be >= 1; got {max_batch_size}, {block_size}")
+        self._max_batch_size = max_batch_size
+        self._max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
+        num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
+        super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
+                                        dtype=dtype))
+        self.rows: list[int] = []  # the block manager's sequence id of each batch row
+        self.seq_len = 0  # tokens per row (rows of a generate() batch advance together)
+        self._next_id = 0
+        self._last_layer = -1
+        self._step: dict | None = None  # per-forward tensors shared by all layers
+        self._tables: torch.Tensor | None = None  # device block tables, reused while no table changes
+        self._tables_key: tuple = ()
+        self._tables_dirty = True
+
+    # --------------------------------------------------------------------------------- transformers API
+    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+        if layer_idx <= self._last_layer or self._step is None:
+            self._begin_forward(key_states.shape[0], key_states.shape[2], key_states)
+        self._last_layer = layer_idx
+        k_pool, v_pool = self.pool.layer(layer_idx)
+        first_fill = key_states.shape[2] == self.seq_len
+        paged = PagedKV(k_pool, v_pool, self._step["block_tables"], self._step["seq_lens"], self.seq_len,
+                        (key_states, value_states) if first_fill else None)
+        return paged, self._step["slot_mapping"]
+
+    # transformers 5.17's Cache defines both as read-only (deprecated) properties; these take their place
+    @property
+    def max_batch_size(self) -> int:
+        """The most rows (batch x beams x return sequences) this cache holds."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """The most tokens per row."""
+        return self._max_cache_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seq_len
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.seq_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        """Free every row (the pool memory stays allocated for reuse)."""
+        self.manager.reset()
+        self.rows, self.seq_len, self._step, self._last_layer = [], 0, None, -1
+        self._tables_dirty = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop tokens: a negative value removes that many from the end; a positive one is the length to keep."""
+        length = self.seq_len + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self.seq_len)
+        length = max(length, 0)
+        for seq_id in self.rows:
+            self.manager.crop(seq_id, length)
+        self.seq_len, self._step, self._tables_dirty = length, None, True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues row ``beam_idx[i]``. Block tables and ref-counts move; no K/V is copied."""
+        self._reselect([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reselect([int(i) for i in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reselect([row for row in range(len(self.rows)) for _ in range(repeats)])
+
+    # ------------------------------------------------------------------------------------------ memory
+    def memory_stats(self) -> dict[str, float]:
+        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding tokens, waste."""
+        per_block = self.block_bytes()
+        used_tokens = self.manager.num_tokens()
+        allocated = self.manager.num_used_blocks * per_block
+        holding = used_tokens * per_block // self.block_size
+        return {
+            "blocks_total": self.manager.num_blocks,
+            "blocks_used": self.manager.num_used_blocks,
+            "blocks_free": self.manager.num_free_blocks,
+            "bytes_pool": self.manager.num_blocks * per_block,
+            "bytes_allocated": allocated,
+            "bytes_holding_tokens": holding,
+            "waste_fraction": (allocated - holding) / allocated if allocated else 0.0,
+        }
+
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return self.pool.block_bytes()
+
+    def check_request(self, batch_size: int, total_len: int) -> None:
+        """Raise ValueError, before any forward pass, if ``batch_size`` rows of ``total_len`` tokens cannot fit."""
+        if batch_size > self.max_batch_size:
+            raise ValueError(f"PagedCache holds at most max_batch_size={self.max_batch_size} rows; the request "
+                             f"needs {batch_size} (batch x beams x return sequences)")
+        if total_len > self.max_cache_len:
+            raise ValueError(f"the request needs {total_len} tokens per row (prompt + max new tokens) but "
+                             f"PagedCache max_cache_len is {self.max_cache_len}")
+        needed = batch_size * self.manager.blocks_needed(total_len)
+        if self.rows:
+            needed -= sum(len(self.manager.block_table(s)) for s in self.rows)
+        if needed > self.manager.num_free_blocks:
+            raise ValueError(f"the request needs {needed} more blocks of {self.block_size} tokens; the pool has "
+                             f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}")
+
+    # --------------------------------------------------------------------------------------- internals
+    def _begin_forward(self, batch: int, new_tokens: int, like: torch.Tensor) -> None:
+        """Reserve slots for this forward's tokens in every row (all or nothing) and build its tensors."""
+        if self.pool.kv is None:
+            self.pool.allocate(like.device, like.dtype)
+        if self.rows and batch != len(self.rows):
+            raise ValueError(f"PagedCache holds {len(self.rows)} rows but got a batch of {batch}")
+        if self.seq_len + new_tokens > self.max_cache_len:
+            raise CacheFullError(f"{self.seq_len + new_tokens} tokens per row exceed PagedCache max_cache_len="
+                                 f"{self.max_cache_len}")
+        if not self.rows:
+            self.check_request(batch, new_tokens)
+            self.rows = [self._new_row(new_tokens) for _ in range(batch)]
+        else:
+            self._append_to_rows(new_tokens)
+        start, self.seq_len = self.seq_len, self.seq_len + new_tokens
+        tables = self._block_tables()
+        positions = torch.arange(start, self.seq_len, device=tables.device)  # [S_new]
+        rows = torch.arange(batch, device=tables.device)[:, None]  # [B, 1]
+        self._step = {
+            "slot_mapping": slot_mapping(tables, rows, positions[None], self.block_size),  # [B, S_new]
+            "block_tables": tables,
+            "seq_lens": torch.full((batch,), self.seq_len, dtype=torch.int32, device=tables.device),
+        }
+
+    def _block_tables(self) -> torch.Tensor:
+        """Device block tables ``[B, max_blocks]`` int32, rebuilt only when some row's table changed."""
+        lengths = tuple(len(self.manager.block_table(s)) for s in self.rows)  # tables only grow at their ends
+        if self._tables is None or self._tables_dirty or lengths != self._tables_key:
+            self._tables = self.pool.block_tables(self.rows).to(self.pool.device)
+            self._tables_key, self._tables_dirty = lengths, False
+        return self._tables
+
+    def _new_row(self, length: int) -> int:
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self.manager.add_sequence(seq_id, num_tokens=length)
+        return seq_id
+
+    def _append_to_rows(self, new_tokens: int) -> None:
+        needed = self.manager.blocks_to_append_many(self.rows, new_tokens)
+        if needed > self.manager.num_free_blocks:
+            raise CacheFullError(f"{len(self.rows)} rows need {needed} more blocks for {new_tokens} tokens; the "
+                                 f"pool has {self.manager.num_free_blocks} free of {self.manager.num_blocks}")
+        copies = [copy for seq_id in self.rows for copy in self.manager.append(seq_id, new_tokens)]
+        if copies:
+            self._tables_dirty = True
+            self.pool.copy_blocks(copies)
+
+    def _reselect(self, sources: list[int]) -> None:
+        """New row i continues old row ``sources[i]``: forks share blocks; old rows are then released."""
+        if any(not 0 <= s < len(self.rows) for s in sources):
+            raise IndexError(f"row indices {sources} out of range for {len(self.rows)} rows")
+        if len(sources) > self.max_batch_size:
+            raise ValueError(f"{len(sources)} rows exceed PagedCache max_batch_size={self.max_batch_size}")
+        old, new = self.rows, []
+        for source in sources:
+            seq_id, self._next_id = self._next_id, self._next_id + 1
+            self.manager.fork(old[source], seq_id)
+            new.append(seq_id)
+        for seq_id in old:
+            self.manager.free(seq_id)
+        self.rows, self._step, self._tables_dirty = new, None, True
+
+
+class SequenceKVCache(PoolCache):
+    """A ``transformers.Cache`` holding many independent sequences of one pool, for packed forwards.
+
+    The runner sets ``step`` (a device :class:`PackedStep`) before the model's forward; the model's layers then
+    call ``update`` with their packed K/V ``[1, Hkv, T, D]``. The model's attention must read the pool
+    (hfaccel's attention).
+    """
+
+    def __init__(self, config, pool: KVPool):
+        super().__init__(config, pool)
+        self.step: PackedStep | None = None
+
+    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+        step = self.step
+        if step is None:
+            raise RuntimeError("SequenceKVCache.step must be set (by the runner) before the model's forward")
+        if paged_reader_backend(self.config) is None:
+            raise RuntimeError("SequenceKVCache needs the model's attention to be hfaccel's (got "
+                               f"{compat.attn_implementation(self.config)!r}); see hfaccel.runner")
+        k_pool, v_pool = self.pool.layer(layer_idx)
+        paged = PagedKV(k_pool, v_pool, step.block_tables, step.seq_lens, step.max_seq_len,
+                        cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_q_len)
+        return paged, step.slot_mapping
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.step is None else self.step.max_seq_len - self.step.max_q_len
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return (0 if self.step is None else self.step.max_seq_len), 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length()
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -1,0 +1,173 @@
+"""``KVPool``: one model's paged KV memory — the tensors, the block manager, and each forward's metadata.
+
+Layout: one tensor ``[num_layers, 2, num_blocks, block_size, Hkv, D]``. A block of one layer is ``block_size``
+token rows of ``Hkv * D`` contiguous values: the paged kernel's (block, offset, head) address reads whole
+``D``-vectors per token, a new token is written as one contiguous row, and a copy-on-write or a memory figure
+covers every layer in one indexing operation.
+
+Ownership (as nano-vllm's): whoever decides what to compute (the engine's scheduler, speculative decoding)
+allocates through ``pool.manager``; the runner builds each forward's metadata here (:meth:`KVPool.packed_step`)
+and the model's layers write through the pool's HF ``Cache`` views (``hfaccel.kv.hf_cache``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from hfaccel.device import model_device, to_device
+from hfaccel.kernels.write_kv import write_kv
+from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
+
+
+def kv_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model config (its text config for composite models)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """One packed forward's metadata, shared by every layer: sequence ``s`` computes its tokens
+    ``[seq_lens[s] - q_len_s, seq_lens[s])``, which are rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of the
+    packed input. Padding rows (static-shape steps) have one token each, slot -1 and length 0."""
+
+    slot_mapping: torch.Tensor  # [1, T] int64: pool slot of each new token (-1: write nowhere)
+    block_tables: torch.Tensor  # [S, W] int32
+    seq_lens: torch.Tensor  # [S] int32: tokens held after this forward
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32
+    positions: torch.Tensor  # [T] int64: position of each new token in its sequence
+    max_seq_len: int
+    max_q_len: int
+
+    def to(self, device: torch.device) -> PackedStep:
+        """The same metadata on ``device`` (non-blocking copies from pinned memory on CUDA)."""
+        moved = {f.name: to_device(getattr(self, f.name), getattr(self, f.name).dtype, device)
+                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+class KVPool:
+    """The paged KV memory of one model (module docstring).
+
+    Args:
+        config: the model's config (its text config gives layers, KV heads and head dim).
+        num_blocks, block_size: the pool's size in blocks of ``block_size`` token slots.
+        device, dtype: of the tensors; when either is None they are allocated by :meth:`allocate`, e.g. from the
+            first keys a layer writes.
+        enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
+    """
+
+    def __init__(self, config, *, num_blocks: int, block_size: int = 16, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, enable_prefix_caching: bool = False):
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(config)
+        self.block_size = block_size
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
+        if device is not None and dtype is not None:
+            self.allocate(torch.device(device), dtype)
+
+    @classmethod
+    def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False) -> KVPool:
+        """A pool on the model's device, in its dtype."""
+        return cls(model.config, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
+                   dtype=model.dtype, enable_prefix_caching=enable_prefix_caching)
+
+    # ------------------------------------------------------------------------------------------ memory
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self.kv is None else self.kv.device
+
+    def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_pool, v_pool)`` of one layer, each ``[num_blocks, block_size, Hkv, D]``."""
+        return self.kv[index, 0], self.kv[index, 1]
+
+    def block_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block across all layers, K and V (in ``dtype``, default the pool's, else 2-byte)."""
+        itemsize = (dtype or (self.kv.dtype if self.kv is not None else torch.float16)).itemsize
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer; returns that layer's pools."""
+        k_pool, v_pool = self.layer(layer)
+        write_kv(keys, values, k_pool, v_pool, slots, backend=backend)
+        return k_pool, v_pool
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Perform the block manager's copy-on-write copies (every layer, K and V)."""
+        if copies:
+            src = to_device([c.src for c in copies], torch.long, self.kv.device)
+            dst = to_device([c.dst for c in copies], torch.long, self.kv.device)
+            self.kv[:, :, dst] = self.kv[:, :, src]
+
+    # --------------------------------------------------------------------------------------- sequences
+    def reserve(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
+                token_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """Grow sequence ``seq_ids[i]`` by ``num_new[i]`` slots (starting it if new), all or nothing.
+
+        ``token_ids`` (the new tokens, per sequence) lets the block manager share prompt prefixes. Raises
+        ``CacheFullError`` with nothing changed when the pool cannot hold them.
+        """
+        manager = self.manager
+        needed = sum(manager.blocks_to_append(s, n) if s in manager else manager.blocks_needed(n)
+                     for s, n in zip(seq_ids, num_new))
+        if needed > manager.num_free_blocks:
+            raise CacheFullError(f"{len(seq_ids)} sequences need {needed} more blocks of {self.block_size} "
+                                 f"tokens; the pool has {manager.num_free_blocks} free of {manager.num_blocks}")
+        copies: list[BlockCopy] = []
+        for i, (seq_id, n) in enumerate(zip(seq_ids, num_new)):
+            tokens = None if token_ids is None else token_ids[i]
+            if seq_id in manager:
+                copies += manager.append(seq_id, n, tokens)
+            else:
+                manager.add_sequence(seq_id, tokens, num_tokens=None if tokens is not None else n)
+        self.copy_blocks(copies)
+
+    def block_tables(self, seq_ids: Sequence[Hashable], *, num_rows: int | None = None,
+                     width: int | None = None) -> torch.Tensor:
+        """Host block tables ``[num_rows, width]`` int32 of the sequences (zero-padded rows and columns)."""
+        tables = [self.manager.block_table(s) for s in seq_ids]
+        width = width or max((len(t) for t in tables), default=1) or 1
+        rows = (num_rows or len(tables)) - len(tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * rows,
+                            dtype=torch.int32).view(-1, width)
+
+    def packed_step(self, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int], *,
+                    num_rows: int | None = None, table_width: int | None = None) -> PackedStep:
+        """Host metadata of a forward computing tokens ``[starts[i], starts[i] + num_new[i])`` of ``seq_ids[i]``,
+        whose slots the sequences already hold. ``num_rows`` pads to that many sequences (one token each, writing
+        nowhere, seeing nothing); ``table_width`` fixes the block tables' width. Built with host tensor ops (a
+        Python loop per token would cost ~1 ms per 4096-token prefill chunk)."""
+        for seq_id, start, n in zip(seq_ids, starts, num_new):
+            if start < 0 or start + n > self.manager.seq_len(seq_id):
+                raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; cannot compute "
+                                 f"tokens {start}..{start + n}")
+        pad = (num_rows or len(seq_ids)) - len(seq_ids)
+        table = self.block_tables(seq_ids, num_rows=len(seq_ids) + pad, width=table_width)  # [S, W]
+        start = torch.tensor(list(starts) + [0] * pad, dtype=torch.int64)  # [S]
+        new = torch.tensor(list(num_new) + [1] * pad, dtype=torch.int64)  # [S]
+        cu = torch.zeros(len(new) + 1, dtype=torch.int64)
+        torch.cumsum(new, 0, out=cu[1:])  # [S + 1]
+        owner = torch.repeat_interleave(torch.arange(len(new)), new)  # [T]: sequence of each new token
+        positions = start[owner] + torch.arange(int(cu[-1])) - cu[owner]  # [T]
+        slots = slot_mapping(table, owner, positions, self.block_size)  # [T]
+        lens = start + new
+        if pad:
+            real = int(cu[len(seq_ids)])
+            slots[real:], lens[len(seq_ids):] = -1, 0
+        return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
+                          cu_seqlens_q=cu.to(torch.int32), positions=positions,
+                          max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=max(num_new, default=0))

@@ -1,0 +1,110 @@
+"""Packed (varlen) forward passes of a Hugging Face model over a paged KV pool, one sequence per request.
+
+:class:`ModelRunner` is what the engine and speculative decoding drive: each forward takes any number of
+sequences, each with its own number of new tokens (a whole prompt, a prefill chunk, one decode token, a
+draft run to verify), concatenated into one ``[1, T]`` row with per-token positions — no padding anywhere.
+The model itself runs unchanged (its attention hfaccel's): its layers hand their new K/V to the runner's
+:class:`~hfaccel.kv.SequenceKVCache`, which writes them into the pool by slot mapping and returns a ``PagedKV``
+with ``cu_seqlens_q``, so hfaccel's attention runs the paged kernel on the packed queries.
+
+The runner builds each forward's metadata once (:meth:`KVPool.packed_step`). With decode graphs enabled
+(:meth:`ModelRunner.enable_decode_graphs`) a forward of one token per sequence runs as a static-shape step
+replayed from a CUDA graph (``hfaccel.runner.graphs``); every other forward runs eagerly.
+
+Each sequence has its own length; ``crop`` rolls a sequence back (rejected draft tokens) without touching
+the others or recomputing anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from hfaccel.device import model_device, to_device
+from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
+from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
+
+
+class ModelRunner:
+    """Runs packed forwards of one HF causal LM over a :class:`KVPool`.
+
+    The model's attention must be hfaccel's while the runner is used (``hfaccel.accelerate(model)``, or
+    :func:`hfaccel.attention.hfaccel_attention` for the duration of a call).
+    """
+
+    def __init__(self, model, pool: KVPool):
+        self.model = model
+        self.pool = pool
+        self.device = model_device(model)
+        self.cache = SequenceKVCache(model.config, pool)
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, capture: bool | None = None,
+                             ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
+        """Run forwards of one token per sequence (up to ``max_batch`` sequences of up to ``max_model_len``
+        tokens) as static-shape steps, captured as CUDA graphs per padded batch size (``capture``: default on
+        CUDA; without capture the same static step runs eagerly)."""
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, capture=capture, ladder=ladder)
+        return self.graphs
+
+    @torch.inference_mode()
+    def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
+                logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None,
+                token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """One packed forward; returns logits ``[S, V]`` (``logits_for="last"``: each sequence's last new
+        token), ``[T, V]`` (``"all"``: every new token, in packed order) or ``[len(logits_for), V]`` (the last
+        new token of the sequences at those indices of ``seq_ids``).
+
+        ``input_ids: [T]`` are the new tokens of every sequence, concatenated in ``seq_ids`` order. Without
+        ``starts`` the runner grows each sequence by its new tokens in the pool (starting new ones; ``token_ids``
+        lets prompts share prefix blocks); with ``starts`` the caller has allocated the slots and says where each
+        sequence's new tokens begin.
+        """
+        if input_ids.dim() != 1 or input_ids.shape[0] != sum(num_new):
+            raise ValueError(f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got "
+                             f"{tuple(input_ids.shape)}")
+        if len(seq_ids) != len(num_new) or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"one distinct sequence id per entry of num_new; got {list(seq_ids)}, {list(num_new)}")
+        if any(n < 1 for n in num_new):
+            raise ValueError(f"every sequence needs at least one new token; got {list(num_new)}")
+        if starts is None:
+            self.pool.reserve(seq_ids, num_new, token_ids)
+            starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
+        input_ids = input_ids.to(self.device)
+        if self.graphs is not None and self.graphs.serves(num_new, logits_for):
+            return self.graphs.run(seq_ids, input_ids, starts)
+        step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
+        return self.run_model(input_ids, step, self._logits_index(step, num_new, logits_for))
+
+    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int) -> torch.Tensor:
+        """The model's forward on packed ``input_ids [T]`` with the step's metadata; logits of the ``keep``
+        positions (``0``: all)."""
+        self.cache.step = step
+        try:
+            out = self.model(input_ids=input_ids[None], position_ids=step.positions[None], past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=keep)
+        finally:
+            self.cache.step = None
+        return out.logits[0]
+
+    def _logits_index(self, step: PackedStep, num_new: Sequence[int], logits_for) -> torch.Tensor | int:
+        if isinstance(logits_for, str):
+            if logits_for not in ("last", "all"):
+                raise ValueError(f"logits_for must be 'last', 'all' or sequence indices; got {logits_for!r}")
+            return step.cu_seqlens_q[1:].long() - 1 if logits_for == "last" else 0  # 0: every position
+        ends = list(itertools.accumulate(num_new))
+        return to_device([ends[i] - 1 for i in logits_for], torch.long, self.device)
+
+    # ------------------------------------------------------------------------------------------ sequences
+    def crop(self, seq_id: Hashable, length: int) -> None:
+        """Keep the first ``length`` tokens of one sequence (rolled-back tokens are simply overwritten later)."""
+        self.pool.manager.crop(seq_id, length)
+
+    def free(self, seq_id: Hashable) -> None:
+        if seq_id in self.pool.manager:
+            self.pool.manager.free(seq_id)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self.pool.manager.seq_len(seq_id)

@@ -1,0 +1,5 @@
+"""Lossless, batched speculative decoding over hfaccel's runner (a draft model, or prompt lookup)."""
+
+from hfaccel.speculative.decoding import SpeculativeStats, lookup_continuation, speculative_generate, vocab_size
+
+__all__ = ["SpeculativeStats", "lookup_continuation", "speculative_generate", "vocab_size"]

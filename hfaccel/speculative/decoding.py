@@ -1,0 +1,497 @@
+"""Speculative decoding: a cheap drafter proposes tokens, the target verifies them all in one forward.
+
+Lossless: greedy output is the target's own greedy output, token for token; sampled output has exactly the
+target's distribution (Leviathan et al. 2023, Chen et al. 2023): drafted token ``d`` is accepted with
+probability ``min(1, p(d) / q(d))``; at the first rejection the token is drawn from
+``normalize(max(p - q, 0))``; when all drafts pass, one bonus token is drawn from ``p``. ``p`` and ``q`` are
+the target's and drafter's distributions after the same warpers (``hfaccel.sampling.warpers``: temperature,
+top-k, top-p, as ``generate`` applies them), and every draw is the sampler's inverse CDF.
+
+Batched: every row is its own sequence of the target's and the draft model's :class:`ModelRunner` (packed
+forwards, no padding), so each row accepts its own number of tokens per step, and the rejected tail of a
+row is cropped from its KV cache without recomputing anything. The draft model may live on another device
+or dtype than the target. ``draft="ngram"`` drafts without a model (prompt lookup).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hfaccel.attention import hfaccel_attention
+from hfaccel.kv import KVPool
+from hfaccel.runner import ModelRunner
+from hfaccel.sampling import (
+    IncrementalDetokenizer, SamplingParams, StopChecker, Warping, inverse_cdf, probabilities, token_ids,
+)
+
+
+@dataclass
+class SpeculativeStats:
+    """What a :func:`speculative_generate` call did (``return_stats=True``)."""
+
+    num_draft_tokens: int
+    target_forwards: int = 0  # verification forwards (each serves every active row)
+    row_steps: int = 0  # (row, verification) pairs
+    proposed: int = 0  # drafted tokens offered for verification
+    accepted: int = 0  # drafted tokens the target accepted
+    emitted: int = 0  # tokens emitted by verification steps (accepted + one per row-step, before stopping cuts)
+    rejections: int = 0  # row-steps that ended on a rejected draft
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    per_row_acceptance: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens the target accepted."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """alpha of Leviathan et al.: how often a drafted token is accepted when all before it were."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Mean tokens a row gains per verification forward (1 = no speed-up from drafting)."""
+        return self.emitted / self.row_steps if self.row_steps else 0.0
+
+    def __str__(self) -> str:
+        return (f"acceptance {self.acceptance_rate:.3f} ({self.accepted}/{self.proposed}), "
+                f"{self.tokens_per_target_forward:.2f} tokens per target forward over {self.target_forwards} "
+                f"forwards; time prefill {self.prefill_seconds:.3f}s, draft {self.draft_seconds:.3f}s, "
+                f"verify {self.verify_seconds:.3f}s")
+
+
+@dataclass
+class _Row:
+    """One batch row: its tokens (prompt + generated) and where each model's cache stands."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    budget: int  # max new tokens
+    stopper: StopChecker | None = None  # EOS, stop strings, the budget
+    finished: bool = False
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - (len(self.tokens) - self.prompt_len)
+
+
+@dataclass
+class _Drafts:
+    """A step's proposals, padded to the step's longest: ``tokens [R, K]`` on the target device."""
+
+    tokens: torch.Tensor  # [R, K] int64 (padding past counts[r] is 0)
+    counts: list[int]  # drafted tokens per row (<= K)
+    probs: torch.Tensor | None  # [R, K, V] fp32 drafter distribution, or None: drafts are deterministic
+
+
+class _Sampler:
+    """Greedy or warped sampling for one call: the sampler's warpers and inverse-CDF draws, with one seeded
+    generator per device when a seed is given."""
+
+    def __init__(self, do_sample: bool, temperature: float, top_k: int | None, top_p: float, seed: int | None):
+        if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be a number > 0 when sampling; got {temperature!r}")
+        self.do_sample = do_sample
+        self.params = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_k=top_k,
+                                     top_p=float(top_p)) if do_sample else None
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed + len(self._generators))
+        return self._generators[device]
+
+    def uniform(self, *shape: int, device: torch.device) -> torch.Tensor:
+        return torch.rand(*shape, device=device, generator=self.generator(device))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [..., V]`` -> the sampling distribution ``[..., V]`` (fp32)."""
+        flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+        warping = Warping.of([self.params] * flat.shape[0], flat.shape[-1], flat.device)
+        return probabilities(flat, warping).reshape(logits.shape)
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of a distribution ``probs [N, V]`` -> ``[N]``."""
+        return inverse_cdf(probs, self.uniform(probs.shape[0], device=probs.device))
+
+
+class _ModelDrafter:
+    """Drafts with a smaller model through its own :class:`ModelRunner`."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, target_device: torch.device):
+        self.runner = ModelRunner(model, KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size))
+        self.target_device = target_device
+
+    def propose(self, rows: list[_Row], counts: list[int], sampler: _Sampler) -> _Drafts:
+        """Draft ``counts[i]`` tokens for ``rows[i]``: first the tokens the draft has not seen, then one per step."""
+        runner, device = self.runner, self.runner.device
+        pending = [row.tokens[runner.seq_len(row.index) if row.index in runner.pool.manager else 0:]
+                   for row in rows]
+        width = max(counts)
+        drafted = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # [R, K]
+        live = [i for i, c in enumerate(counts) if c > 0]
+        if not live:
+            return _Drafts(drafted.to(self.target_device), counts, None)
+        draft_probs = []
+        logits = runner.forward([rows[i].index for i in live],
+                                torch.tensor([t for i in live for t in pending[i]], dtype=torch.long, device=device),
+                                [len(pending[i]) for i in live])
+        for step in range(width):
+            tokens, probs = self._draw(logits, sampler)
+            drafted[live, step] = tokens
+            if probs is not None:
+                draft_probs.append(self._scatter(probs, live, len(rows)))
+            live_next = [j for j, i in enumerate(live) if counts[i] > step + 1]
+            if not live_next:
+                break
+            live = [live[j] for j in live_next]
+            logits = runner.forward([rows[i].index for i in live], tokens[live_next], [1] * len(live))
+        probs = None
+        if draft_probs:
+            probs = torch.stack(draft_probs, 1).to(self.target_device)  # [R, K', V]
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
+        return _Drafts(drafted.to(self.target_device), counts, probs)
+
+    def _draw(self, logits: torch.Tensor, sampler: _Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not sampler.do_sample:
+            return logits.argmax(-1), None
+        probs = sampler.probs(logits)  # [R', V]
+        return sampler.draw(probs), probs
+
+    @staticmethod
+    def _scatter(probs: torch.Tensor, live: list[int], num_rows: int) -> torch.Tensor:
+        full = probs.new_zeros(num_rows, probs.shape[-1])
+        full[live] = probs
+        return full
+
+    def accept(self, row: _Row, kept: int) -> None:
+        """The row now holds ``kept`` tokens that the draft cache may still vouch for."""
+        if row.index in self.runner.pool.manager:
+            self.runner.crop(row.index, min(self.runner.seq_len(row.index), kept))
+
+    def free(self, row: _Row) -> None:
+        self.runner.free(row.index)
+
+
+class _NgramDrafter:
+    """Prompt lookup: propose what followed the most recent earlier occurrence of the row's last n-gram."""
+
+    def __init__(self, max_ngram: int, target_device: torch.device):
+        if max_ngram < 1:
+            raise ValueError(f"ngram_size must be >= 1; got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.target_device = target_device
+
+    def propose(self, rows: list[_Row], counts: list[int], sampler: _Sampler) -> _Drafts:
+        proposals = [lookup_continuation(row.tokens, self.max_ngram, count) for row, count in zip(rows, counts)]
+        width = max((len(p) for p in proposals), default=0)
+        padded = [p + [0] * (width - len(p)) for p in proposals]
+        tokens = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width).to(self.target_device)
+        return _Drafts(tokens, [len(p) for p in proposals], None)
+
+    def accept(self, row: _Row, kept: int) -> None:
+        return None
+
+    def free(self, row: _Row) -> None:
+        return None
+
+
+def lookup_continuation(tokens: Sequence[int], max_ngram: int, count: int) -> list[int]:
+    """Up to ``count`` tokens that followed the latest earlier occurrence of the longest suffix n-gram."""
+    if count <= 0:
+        return []
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = list(tokens[length - n:])
+        for start in range(length - n - 1, -1, -1):
+            if list(tokens[start:start + n]) == suffix:
+                return list(tokens[start + n:start + n + count])
+    return []
+
+
+def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler) -> tuple[list[int], list[int]]:
+    """Accept or reject each row's drafts against the target; returns (accepted count, next token) per row.
+
+    ``target_probs [R, K + 1, V]``: logits (greedy) or warped probabilities (sampling) at each drafted
+    position and one past the last.
+    """
+    rows, width = drafts.tokens.shape
+    device = target_probs.device
+    counts = torch.tensor(drafts.counts, device=device)  # [R]
+    valid = torch.arange(width, device=device) < counts[:, None]  # [R, K]
+    if not sampler.do_sample:
+        best = target_probs.argmax(-1)  # [R, K + 1]
+        accepted = _leading_true((best[:, :width] == drafts.tokens) & valid)  # [R]
+        nxt = best.gather(1, accepted[:, None])[:, 0]
+        return accepted.tolist(), nxt.tolist()
+    p_draft = target_probs[:, :width].gather(2, drafts.tokens[..., None])[..., 0]  # [R, K]
+    q_draft = (torch.ones_like(p_draft) if drafts.probs is None
+               else drafts.probs.gather(2, drafts.tokens[..., None])[..., 0])
+    uniform = sampler.uniform(rows, width, device=device)
+    accepted = _leading_true((uniform * q_draft <= p_draft) & valid)  # accept with probability min(1, p/q)
+    p_next = target_probs[torch.arange(rows, device=device), accepted]  # [R, V]
+    if width:
+        rejected = accepted < counts
+        q_next = _draft_probs_at(drafts, accepted, p_next.shape[-1])
+        p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
+    return accepted.tolist(), sampler.draw(p_next).tolist()
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``normalize(max(p - q, 0))`` per row of ``[R, V]`` (``p`` where the difference vanishes)."""
+    residual = (p - q).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
+
+
+def _draft_probs_at(drafts: _Drafts, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The drafter's distribution at each row's ``position`` (one-hot for deterministic drafts): ``[R, V]``."""
+    rows, width = drafts.tokens.shape
+    index = position.clamp_max(width - 1)
+    arange = torch.arange(rows, device=position.device)
+    if drafts.probs is not None:
+        return drafts.probs[arange, index]
+    return torch.nn.functional.one_hot(drafts.tokens[arange, index], vocab).float()
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of ``mask [R, K]``, how many leading entries are True -> ``[R]`` int64."""
+    return mask.long().cumprod(1).sum(1)
+
+
+def _check_stop_strings(stop_strings: str | Sequence[str] | None, tokenizer) -> list[str]:
+    strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
+    if strings and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer (tokenizer=...) to read the generated text")
+    if any(not isinstance(s, str) or not s for s in strings):
+        raise ValueError(f"stop_strings must be non-empty strings; got {strings!r}")
+    return strings
+
+
+def speculative_generate(
+    model,
+    draft_model=None,
+    input_ids: torch.Tensor | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    num_draft_tokens: int = 4,
+    max_new_tokens: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    draft: str = "model",
+    ngram_size: int = 3,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer=None,
+    seed: int | None = None,
+    block_size: int = 16,
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, SpeculativeStats]:
+    """Generate with speculative decoding; returns sequences shaped like ``model.generate``'s output.
+
+    Args:
+        model: the target causal LM (any model ``hfaccel.accelerate`` serves; it runs on hfaccel's paged
+            attention for the duration of the call if it was not accelerated).
+        draft_model: a smaller causal LM with the same vocabulary (any device and dtype), or None with
+            ``draft="ngram"``.
+        input_ids: ``[B, L]`` prompts, padded (left or right) where ``attention_mask`` is 0.
+        num_draft_tokens: tokens drafted per row per step (``k``); the target verifies ``k + 1`` at once.
+        max_new_tokens: per row (default: the model's generation config).
+        do_sample, temperature, top_p, top_k: as ``generate``; greedy when ``do_sample`` is False.
+        draft: ``"model"`` (``draft_model``) or ``"ngram"`` (prompt lookup over the prompt and output so
+            far, longest suffix match of at most ``ngram_size`` tokens).
+        eos_token_id, pad_token_id: default from the model's generation config; a row stops after EOS and
+            is padded with ``pad_token_id``.
+        stop_strings, tokenizer: a row also stops after the token that completes one of these strings.
+        seed: seeds the sampling generators (one per device) for a reproducible call.
+        return_stats: also return :class:`SpeculativeStats`.
+    """
+    config = model.generation_config
+    max_new_tokens = _max_new_tokens(config, max_new_tokens, input_ids)
+    rows = _rows(input_ids, attention_mask, max_new_tokens)
+    _check_arguments(model, draft_model, draft, num_draft_tokens, rows)
+    eos = token_ids(config.eos_token_id if eos_token_id is None else eos_token_id)
+    strings = _check_stop_strings(stop_strings, tokenizer)
+    for row in rows:
+        detokenizer = IncrementalDetokenizer(tokenizer, row.tokens, strings, False) if strings else None
+        row.stopper = StopChecker(eos, detokenizer, max_new_tokens)
+    sampler = _Sampler(do_sample, temperature, top_k, top_p, seed)
+    stats = SpeculativeStats(num_draft_tokens)
+    capacity = [row.prompt_len + row.budget + num_draft_tokens + 1 for row in rows]
+    num_blocks = sum(-(-c // block_size) for c in capacity) + 1
+    with hfaccel_attention(model):
+        target = ModelRunner(model, KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size))
+        if draft == "ngram":
+            drafter = _NgramDrafter(ngram_size, target.device)
+            clock = _Clock([target.device], exact=return_stats)
+            _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
+        else:
+            with hfaccel_attention(draft_model):
+                drafter = _ModelDrafter(draft_model, num_blocks, block_size, target.device)
+                clock = _Clock([target.device, drafter.runner.device], exact=return_stats)
+                _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
+    stats.per_row_acceptance = [row.accepted / row.proposed if row.proposed else 0.0 for row in rows]
+    pad = pad_token_id if pad_token_id is not None else config.pad_token_id
+    if pad is None and eos:
+        pad = min(eos)
+    sequences = _assemble(input_ids, rows, pad)
+    return (sequences, stats) if return_stats else sequences
+
+
+def _decode(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k: int,
+            stats: SpeculativeStats, clock: _Clock) -> None:
+    start = clock.now()
+    _prefill(rows, target)
+    stats.prefill_seconds = clock.now() - start
+    while active := [row for row in rows if not row.finished]:
+        start = clock.now()
+        counts = [max(0, min(k, row.remaining - 1)) for row in active]
+        drafts = drafter.propose(active, counts, sampler)
+        middle = clock.now()
+        target_probs = _verify_forward(target, active, drafts, sampler)  # [R, K + 1, V]
+        accepted, next_tokens = verify(target_probs, drafts, sampler)
+        stats.draft_seconds += middle - start
+        stats.verify_seconds += clock.now() - middle
+        drafted = drafts.tokens.tolist()
+        for row, count, taken, token, proposal in zip(active, drafts.counts, accepted, next_tokens, drafted):
+            before = len(row.tokens)
+            _emit(row, proposal[:taken] + [token])
+            row.proposed, row.accepted = row.proposed + count, row.accepted + taken
+            target.crop(row.index, before + taken)  # the target saw every draft; the accepted ones stay
+            drafter.accept(row, before + taken)
+            if row.finished:
+                target.free(row.index)
+                drafter.free(row)
+        stats.target_forwards += 1
+        stats.row_steps += len(active)
+        stats.proposed += sum(drafts.counts)
+        stats.accepted += sum(accepted)
+        stats.rejections += sum(taken < count for taken, count in zip(accepted, drafts.counts))
+        stats.emitted += sum(accepted) + len(active)
+
+
+def _prefill(rows: list[_Row], target: ModelRunner) -> None:
+    """Run every prompt but its last token through the target (packed); the first verification feeds the last
+    token with the first drafts, so every generated token goes through speculation."""
+    ready = [row for row in rows if row.prompt_len > 1]
+    if ready:
+        flat = torch.tensor([t for row in ready for t in row.tokens[:-1]], dtype=torch.long, device=target.device)
+        target.forward([row.index for row in ready], flat, [row.prompt_len - 1 for row in ready])
+
+
+def _verify_forward(target: ModelRunner, rows: list[_Row], drafts: _Drafts, sampler: _Sampler) -> torch.Tensor:
+    """Feed each row's last token and its drafts to the target; its distributions ``[R, K + 1, V]``."""
+    num_rows, width = drafts.tokens.shape
+    last = torch.tensor([row.tokens[-1] for row in rows], dtype=torch.long, device=drafts.tokens.device)
+    grid = torch.cat([last[:, None], drafts.tokens], 1).reshape(-1)  # [R * (K + 1)]
+    take = [r * (width + 1) + j for r, c in enumerate(drafts.counts) for j in range(c + 1)]
+    inputs = grid[torch.tensor(take, dtype=torch.long, device=grid.device)]  # [T] packed
+    logits = target.forward([row.index for row in rows], inputs, [c + 1 for c in drafts.counts],
+                            logits_for="all")  # [T, V]
+    starts = [0]
+    for c in drafts.counts:
+        starts.append(starts[-1] + c + 1)
+    spread = [starts[r] + min(j, c) for r, c in enumerate(drafts.counts) for j in range(width + 1)]
+    logits = logits[torch.tensor(spread, device=logits.device)].reshape(num_rows, width + 1, -1)
+    return sampler.probs(logits) if sampler.do_sample else logits
+
+
+def _emit(row: _Row, tokens: list[int]) -> None:
+    """Append tokens to a row until its budget, EOS or a stop string ends it."""
+    for token in tokens:
+        row.tokens.append(int(token))
+        if row.stopper.check(int(token), len(row.tokens) - row.prompt_len) is not None:
+            row.finished = True
+            return
+
+
+def _rows(input_ids, attention_mask, max_new_tokens: int) -> list[_Row]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must be a [batch, length] tensor of token ids; got "
+                         f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}; got "
+                         f"{tuple(attention_mask.shape)}")
+    ids = input_ids.tolist()
+    keep = attention_mask.bool().tolist() if attention_mask is not None else [[True] * len(r) for r in ids]
+    rows = [_Row(i, [t for t, k in zip(r, m) if k], 0, max_new_tokens) for i, (r, m) in enumerate(zip(ids, keep))]
+    for row in rows:
+        if not row.tokens:
+            raise ValueError(f"row {row.index} of input_ids has no tokens (attention_mask is all 0)")
+        row.prompt_len = len(row.tokens)
+    return rows
+
+
+def _check_arguments(model, draft_model, draft: str, k: int, rows: list[_Row]) -> None:
+    if draft not in ("model", "ngram"):
+        raise ValueError(f"draft must be 'model' or 'ngram'; got {draft!r}")
+    if draft == "model" and draft_model is None:
+        raise ValueError("speculative decoding needs a draft_model (or draft='ngram' to draft by prompt lookup)")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1; got {k!r}")
+    vocab = vocab_size(model)
+    if draft == "model" and vocab_size(draft_model) != vocab:
+        raise ValueError(f"the draft model's vocabulary ({vocab_size(draft_model)} tokens) differs from the "
+                         f"target's ({vocab}); speculative decoding needs the same tokenizer and vocabulary")
+    top = max(max(row.tokens) for row in rows)
+    if top >= vocab or min(min(row.tokens) for row in rows) < 0:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values up to {top}")
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's output head (what its logits cover)."""
+    config = model.config.get_text_config(decoder=True)
+    return int(config.vocab_size)
+
+
+def _max_new_tokens(config, max_new_tokens: int | None, input_ids) -> int:
+    if max_new_tokens is None:
+        max_new_tokens = config.max_new_tokens
+        if max_new_tokens is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            max_new_tokens = config.max_length - input_ids.shape[1]
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+    return max_new_tokens
+
+
+def _assemble(input_ids: torch.Tensor, rows: list[_Row], pad: int | None) -> torch.Tensor:
+    """``input_ids`` followed by each row's new tokens, padded to the longest with ``pad``."""
+    width = max(len(row.generated) for row in rows)
+    if pad is None and any(len(row.generated) < width for row in rows):
+        raise ValueError("rows finished at different lengths and there is no pad_token_id to pad them with")
+    new = [row.generated + [pad] * (width - len(row.generated)) for row in rows]
+    return torch.cat([input_ids, torch.tensor(new, dtype=input_ids.dtype, device=input_ids.device)], 1)
+
+
+class _Clock:
+    """Phase timings. Exact ones (statistics asked for) wait for the devices at each reading; otherwise the
+    host's clock is read without a sync, so timing never stalls the GPU's queue of work."""
+
+    def __init__(self, devices: list[torch.device], exact: bool):
+        self.devices = [d for d in dict.fromkeys(devices) if d.type == "cuda"] if exact else []
+
+    def now(self) -> float:
+        for device in self.devices:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()

@@ -1,0 +1,76 @@
+"""``hfaccel bench``: figures and ratios against the baselines a user would otherwise pick, one module per case.
+
+- attention: hfaccel's flash attention vs torch SDPA — causal prefill, TFLOP/s.
+- paged: decode attention over the paged KV pool vs SDPA on contiguous K/V, against the copy bandwidth.
+- memory: bytes a mixed-length batch holds in PagedCache vs DynamicCache vs StaticCache.
+- decode: ``generate`` tokens/s — transformers sdpa, static cache + torch.compile, hfaccel (paged / dense cache).
+- engine: serving N requests — sequential / static-batch ``generate``, ``generate_batch``, ``hfaccel.Engine``.
+- serve: the OpenAI-compatible server at concurrency 1, 8, 64 over loopback (not part of "all").
+- speculative: ``speculative_generate`` against the accelerated target alone, with acceptance and cost ratio.
+
+Benchmarks are not tests: nothing here asserts a speed. Results print as tables and are written as JSON.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from hfaccel.tools.bench.timing import environment
+
+# case -> module of hfaccel.tools.bench with ``run(options, console) -> dict`` (result sections)
+CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "serve")
+NOT_IN_ALL = ("serve",)  # it starts (or needs) a server
+
+
+@dataclass
+class BenchOptions:
+    """What the ``hfaccel bench`` flags chose, shared by every case."""
+
+    device: torch.device
+    dtypes: list[torch.dtype]
+    model: str | None = None
+    batches: list[int] | None = None
+    prompt_len: int | None = None
+    new_tokens: int | None = None
+    draft: str = "int4"
+    num_draft_tokens: int = 4
+    num_requests: int | None = None
+    url: str | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def run_bench(what: str | list[str] = "all", model: str | None = None, device: str = "auto",
+              dtypes: list[str] | None = None, batches: list[int] | None = None, prompt_len: int | None = None,
+              new_tokens: int | None = None, output: str | None = None, console: Console | None = None,
+              draft: str = "int4", num_draft_tokens: int = 4, num_requests: int | None = None,
+              url: str | None = None) -> dict:
+    """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
+    chosen = {what} if isinstance(what, str) else set(what)
+    unknown = sorted(chosen - set(CASES) - {"all"})
+    if unknown:
+        raise ValueError(f"unknown bench case(s) {unknown}; choose from {', '.join(('all',) + CASES)}")
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = dtypes or (["float16", "bfloat16"] if dev.type == "cuda" else ["float32"])
+    options = BenchOptions(dev, [getattr(torch, d) for d in names], model, batches, prompt_len, new_tokens, draft,
+                           num_draft_tokens, num_requests, url)
+    results = {"environment": environment(dev)}
+    for case in CASES:
+        if case in chosen or ("all" in chosen and case not in NOT_IN_ALL):
+            results.update(importlib.import_module(f"hfaccel.tools.bench.{case}").run(options, console))
+    path = Path(output or f"bench-results/bench-{datetime.now():%Y%m%d-%H%M%S}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {path}")
+    return results

@@ -1,0 +1,203 @@
+"""``hfaccel bench engine``: serving many requests — throughput and latency against what a user would use.
+
+N requests with seeded random prompt and output lengths (random token ids: speed does not depend on them),
+served by: sequential ``generate`` (transformers sdpa, on a subset, throughput extrapolated per token); padded
+static batches of ``generate``; transformers' continuous batching ``generate_batch`` (sized explicitly: same
+KV pool and token budget as the engine; it takes one output length for all requests, the mean, and its
+throughput counts what it generated); and ``hfaccel.Engine`` (on CUDA also with synchronous scheduling, to
+show what overlapping the host's work with the device's gives). Reported: output tokens/s, its ratio to
+``generate_batch``, and TTFT / inter-token latency percentiles where the path exposes them. A second table
+times the engine's decode step at batch 64 (the CUDA-graph replay the engine runs, or its eager forward
+without graphs) against reading the model's weights once at the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hfaccel import compat
+from hfaccel.engine import Engine
+from hfaccel.hf import accelerate, restore
+from hfaccel.sampling import SamplingParams
+from hfaccel.tools.bench.loadgen import percentiles_ms
+from hfaccel.tools.bench.timing import copy_bandwidth, sync, table
+from hfaccel.tools.models import build_model
+
+
+DECODE_BATCH = 64
+DECODE_CONTEXTS = (128, 1024)
+
+
+@dataclass
+class ServingRow:
+    path: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    vs_generate_batch: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+
+
+@dataclass
+class DecodeStepRow:
+    path: str  # "cuda graph" or "eager"
+    batch: int
+    context: int
+    step_ms: float
+    weight_read_ms: float  # weight bytes / measured copy bandwidth
+    ratio: float  # step / weight read (goal on a GPU: <= 1.5)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                  seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: int, block_size: int = 16,
+                 max_num_batched_tokens: int = 2048, static_batch: int = 32, sequential_subset: int = 8):
+    """Rows for each serving path, and the decode-step table."""
+    need = sum(-(-(len(p) + n) // block_size) for p, n in zip(work.prompts, work.output_lens))
+    num_blocks = max(need, DECODE_BATCH * -(-(max(DECODE_CONTEXTS) + 8) // block_size))  # + the decode table
+    rows = [_generate_batch(model, work, num_blocks, block_size, max_num_batched_tokens, device)]
+    rows.append(_sequential(model, work, sequential_subset, device))
+    rows.append(_static_batches(model, work, static_batch, device))
+    accelerate(model, paged=False)
+    settings = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "num_blocks": num_blocks, "block_size": block_size}
+    engine = Engine(model, **settings)
+    rows.append(_engine_run(engine, work, device, "hfaccel Engine"))
+    decode = [_decode_step(engine, DECODE_BATCH, context, device) for context in DECODE_CONTEXTS]
+    if engine.async_scheduling:
+        del engine  # its KV pool and graphs: room for the next one
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = Engine(model, async_scheduling=False, **settings)
+        rows.append(_engine_run(engine, work, device, "hfaccel Engine, synchronous scheduling"))
+    restore(model)
+    baseline = rows[0].tokens_per_s
+    for row in rows:
+        row.vs_generate_batch = row.tokens_per_s / baseline if baseline else None
+    return rows, decode
+
+
+def _generate_batch(model, work: Workload, num_blocks: int, block_size: int, max_tokens: int,
+                    device: torch.device) -> ServingRow:
+    from transformers import GenerationConfig
+
+    mean_len = round(statistics.mean(work.output_lens))
+    config = GenerationConfig(max_new_tokens=mean_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_config = compat.continuous_batching_config(num_blocks, block_size, max_tokens)
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=work.prompts, generation_config=config,
+                                   continuous_batching_config=cb_config, record_timestamps=True)
+    sync(device)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outputs.values())
+    ttft = [o.timestamps[0] - o.created_time for o in outputs.values() if o.timestamps]
+    itl = [b - a for o in outputs.values() if o.timestamps for a, b in zip(o.timestamps, o.timestamps[1:])]
+    return _row("transformers generate_batch", len(work.prompts), produced, seconds, ttft, itl)
+
+
+def _sequential(model, work: Workload, subset: int, device: torch.device) -> ServingRow:
+    tokens, seconds = 0, 0.0
+    for prompt, length in list(zip(work.prompts, work.output_lens))[:subset]:
+        ids = torch.tensor([prompt], device=device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
+        sync(device)
+        seconds += time.perf_counter() - start
+        tokens += length
+    return _row(f"sequential generate (first {subset})", subset, tokens, seconds, [], [])
+
+
+def _static_batches(model, work: Workload, size: int, device: torch.device) -> ServingRow:
+    tokens, start = 0, time.perf_counter()
+    for first in range(0, len(work.prompts), size):
+        prompts, lengths = work.prompts[first:first + size], work.output_lens[first:first + size]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
+                       do_sample=False, pad_token_id=0)
+        tokens += sum(lengths)  # what the requests asked for; the rest of each row is padding work
+    sync(device)
+    return _row(f"padded static batches of {size}", len(work.prompts), tokens, time.perf_counter() - start, [], [])
+
+
+def _engine_run(engine: Engine, work: Workload, device: torch.device, name: str) -> ServingRow:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens]
+    engine.generate(work.prompts[:4], params[:4])  # warm-up: kernels compile
+    start = time.perf_counter()
+    outputs = engine.generate(work.prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    itl = [gap for o in outputs for gap in o.metrics.inter_token_latencies]
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return _row(name, len(work.prompts), produced, seconds, ttft, itl)
+
+
+def _decode_step(engine: Engine, batch: int, context: int, device: torch.device) -> DecodeStepRow:
+    """Milliseconds of one decode step of ``batch`` sequences at ``context`` tokens each, as the engine runs
+    it (CUDA-graph replay, inputs filled from the host, when the engine has graphs)."""
+    runner, manager, graphs = engine.runner, engine.scheduler.manager, engine.runner.graphs
+    path = "cuda graph" if graphs is not None and graphs.capture else "eager"
+    ids = list(range(10**9, 10**9 + batch))
+    blocks = manager.blocks_needed(context + 4) * batch
+    if blocks > manager.num_free_blocks:
+        return DecodeStepRow(path, batch, context, float("nan"), float("nan"), float("nan"))
+    tokens = torch.randint(3, engine.vocab_size, (batch * context,), device=device)
+    runner.forward(ids, tokens, [context] * batch)
+    step = torch.randint(3, engine.vocab_size, (batch,), device=device)
+    runner.forward(ids, step, [1] * batch)  # the slot of position ``context``; warm-up
+    run = lambda: runner.forward(ids, step, [1] * batch, starts=[context] * batch)  # noqa: E731
+    run()  # graphs: capture
+    sync(device)
+    path = "cuda graph" if graphs is not None and graphs.capture and graphs.serves([1] * batch, "last") else "eager"
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        run()
+    sync(device)
+    step_ms = (time.perf_counter() - start) / reps * 1e3
+    for seq_id in ids:
+        runner.free(seq_id)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weight_ms = weight_bytes / (copy_bandwidth(device) / 2 * 1e9) * 1e3  # copy GB/s counts read + write
+    return DecodeStepRow(path, batch, context, step_ms, weight_ms, step_ms / weight_ms)
+
+
+def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> ServingRow:
+    return ServingRow(path, requests, tokens, seconds, tokens / seconds, None, *percentiles_ms(ttft),
+                      *percentiles_ms(itl))
+
+
+def run(options, console) -> dict:
+    spec = options.model or ("llama-3.2-1b" if options.cuda else "tiny-llama")
+    net = build_model(spec, options.device, options.dtypes[0])
+    count = options.num_requests or (256 if options.cuda else 32)
+    work = make_workload(count, (16, 512) if options.cuda else (8, 64), (16, 256) if options.cuda else (4, 32),
+                         net.config.vocab_size)
+    rows, decode = bench_engine(net, work, options.device, max_num_seqs=64 if options.cuda else 16,
+                                max_num_batched_tokens=4096 if options.cuda else 512)
+    serving, steps = [asdict(r) for r in rows], [asdict(r) for r in decode]
+    console.print(table(f"serving {count} requests, {spec}: output tokens/s and latency", serving))
+    console.print(table(f"engine decode step vs reading the weights once ({spec})", steps))
+    return {"engine": serving, "engine_decode_step": steps}

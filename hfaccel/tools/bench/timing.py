@@ -1,0 +1,70 @@
+"""What every benchmark case shares: timing, bandwidth, the run's environment, and result tables."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA, wall clock over ``reps`` runs elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), the practical roofline of a memory-bound kernel."""
+    numel = (256 << 20) if device.type == "cuda" else (16 << 20)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / time_ms(lambda: dst.copy_(src), device) / 1e6
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+    import triton
+
+    import hfaccel
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
+        "hfaccel": hfaccel.__version__, "commit": commit or None, "command": " ".join(sys.argv),
+    }
+
+
+def table(title: str, rows: list[dict]) -> Table:
+    """A rich table of result rows (dicts with the same keys)."""
+    result = Table(title=title)
+    for key in rows[0]:
+        result.add_column(key, justify="left" if isinstance(rows[0][key], str) else "right")
+    for row in rows:
+        result.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()))
+    return result

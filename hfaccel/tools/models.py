@@ -1,0 +1,82 @@
+"""Models and inputs for the ``hfaccel`` command: a device and dtype from flags, a model from a folder or hub id,
+random-weight models of named public configs (for benchmarks), and prompts as a left-padded batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from hfaccel.tools.assets import smollm2_path
+
+# Shapes of public checkpoints (their config.json values), for random-weight models of the real size.
+NAMED_CONFIGS: dict[str, dict] = {
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, max_position_embeddings=32768),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                       max_position_embeddings=2048),
+}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def load(model_name: str | None, device: torch.device, dtype: torch.dtype, console: Console):
+    """Model and tokenizer: ``model_name`` (a local folder or hub id), else the cached SmolLM2-135M."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_name or str(smollm2_path(console))
+    with console.status(f"loading {path} ({dtype}, {device})"):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def encode(tokenizer, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """Left-padded batch; chat-formatted when the tokenizer has a chat template."""
+    if tokenizer.chat_template:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    return tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+
+
+def build_model(spec: str, device: torch.device, dtype: torch.dtype):
+    """A random-weight model of a named config's shapes, or the model in a local folder / hub id."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec in NAMED_CONFIGS:
+        fields = dict(NAMED_CONFIGS[spec])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    elif Path(spec).exists() or "/" in spec:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa").to(device)
+    else:
+        raise ValueError(f"model must be one of {sorted(NAMED_CONFIGS)} or a model folder / hub id; got {spec!r}")
+    return model.eval()

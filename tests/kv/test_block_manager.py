@@ -1,0 +1,241 @@
+"""Block manager: property tests (hypothesis state machine) over a simulated pool, plus memory figures."""
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hfaccel.kv import BlockManager, CacheFullError
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+# A small alphabet and shared stems make identical prompt prefixes (prefix hits) common.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives the manager with random operations while simulating the device pool it describes.
+
+    The simulated pool stores, per slot, the token written there. Writes go only where the manager says a
+    sequence's tokens live, copies are applied as returned, so if the manager ever shares a block wrongly,
+    reuses a live block, or returns a prefix hit holding other tokens, some live sequence's slots stop
+    holding its own tokens — which the invariant checks after every step.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.next_id = 0
+        self.tokens: dict[int, list[int]] = {}  # what each live sequence holds
+        self.pool: dict[int, int] = {}  # slot -> token written there
+        self.uncomputed: dict[int, int] = {}  # sequence -> first token whose K/V is not written yet
+
+    @initialize(prefix_caching=st.booleans())
+    def setup(self, prefix_caching):
+        self.manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+
+    def _write(self, seq_id, start, tokens):
+        slots = self.manager.slots(seq_id, start, start + len(tokens))
+        for slot, token in zip(slots, tokens):
+            block = slot // BLOCK_SIZE
+            assert self.manager.ref_counts[block] == 1, f"write into block {block} shared by several sequences"
+            self.pool[slot] = token
+
+    def _copy(self, copies):
+        for copy in copies:
+            for offset in range(BLOCK_SIZE):
+                src = copy.src * BLOCK_SIZE + offset
+                if src in self.pool:
+                    self.pool[copy.dst * BLOCK_SIZE + offset] = self.pool[src]
+
+    def _computed(self):
+        return sorted(s for s in self.tokens if s not in self.uncomputed)
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(1, 9), max_size=9), computed=st.booleans())
+    def add(self, stem, tail, computed):
+        """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before."""
+        tokens, seq_id = stem + tail, self.next_id
+        free_before = self.manager.num_free_blocks
+        try:
+            cached = self.manager.add_sequence(seq_id, tokens, computed=computed)
+        except CacheFullError:
+            assert self.manager.num_free_blocks == free_before and seq_id not in self.manager
+            return
+        assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
+        for slot, token in zip(self.manager.slots(seq_id, 0, cached), tokens):
+            assert self.pool.get(slot) == token, "prefix hit returned a block holding other tokens"
+        if computed:
+            self._write(seq_id, cached, tokens[cached:])
+        else:
+            self.uncomputed[seq_id] = cached
+        self.tokens[seq_id] = tokens
+        self.next_id += 1
+
+    @precondition(lambda self: self.uncomputed)
+    @rule(data=st.data())
+    def compute(self, data):
+        """A prefill chunk of a sequence added with computed=False runs: its K/V are written."""
+        seq_id = data.draw(st.sampled_from(sorted(self.uncomputed)))
+        start, tokens = self.uncomputed[seq_id], self.tokens[seq_id]
+        end = data.draw(st.integers(start + 1, len(tokens)))
+        self._write(seq_id, start, tokens[start:end])
+        self.manager.mark_computed(seq_id, end)
+        if end == len(tokens):
+            del self.uncomputed[seq_id]
+        else:
+            self.uncomputed[seq_id] = end
+
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
+    @rule(data=st.data(), count=st.integers(0, 3))
+    def append_to_several(self, data, count):
+        """The exact block count of appending to several sequences at once (beam rows after a reorder)."""
+        ids = data.draw(st.lists(st.sampled_from(self._computed()), min_size=1, max_size=4, unique=True))
+        predicted, free_before = self.manager.blocks_to_append_many(ids, count), self.manager.num_free_blocks
+        if predicted > free_before:
+            return
+        for seq_id in ids:
+            new = [7] * count
+            self._copy(self.manager.append(seq_id, count, new))
+            self._write(seq_id, len(self.tokens[seq_id]), new)
+            self.tokens[seq_id] = self.tokens[seq_id] + new
+        assert free_before - self.manager.num_free_blocks == predicted
+
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
+    @rule(data=st.data(), new=st.lists(st.integers(1, 9), min_size=1, max_size=6))
+    def append(self, data, new):
+        seq_id = data.draw(st.sampled_from(self._computed()))
+        try:
+            copies = self.manager.append(seq_id, len(new), new)
+        except CacheFullError:
+            return
+        self._copy(copies)
+        self._write(seq_id, len(self.tokens[seq_id]), new)
+        self.tokens[seq_id] = self.tokens[seq_id] + new
+
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._computed()))
+        self.manager.fork(parent, self.next_id)
+        self.tokens[self.next_id] = list(self.tokens[parent])
+        self.next_id += 1
+
+    @precondition(lambda self: any(s not in self.uncomputed for s in self.tokens))
+    @rule(data=st.data())
+    def crop(self, data):
+        seq_id = data.draw(st.sampled_from(self._computed()))
+        length = data.draw(st.integers(0, len(self.tokens[seq_id])))
+        self.manager.crop(seq_id, length)
+        self.tokens[seq_id] = self.tokens[seq_id][:length]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.manager.free(seq_id)
+        del self.tokens[seq_id]
+        self.uncomputed.pop(seq_id, None)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "manager"):
+            return
+        self.manager.check_invariants()  # no leak, no double free, ref-counts match the tables
+        for seq_id, tokens in self.tokens.items():
+            assert self.manager.seq_len(seq_id) == len(tokens)
+            written = self.uncomputed.get(seq_id, len(tokens))
+            tokens = tokens[:written]
+            held = [self.pool.get(slot) for slot in self.manager.slots(seq_id, 0, written)]
+            assert held == tokens, f"sequence {seq_id} lost its tokens: holds {held}, expected {tokens}"
+
+    def teardown(self):
+        if hasattr(self, "manager"):
+            self.manager.reset()
+            assert self.manager.num_free_blocks == NUM_BLOCKS, "blocks leaked"
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_full_pool_raises_and_changes_nothing():
+    manager = BlockManager(4, 16)
+    manager.add_sequence("a", num_tokens=40)
+    with pytest.raises(CacheFullError, match="needs 2 free blocks"):
+        manager.add_sequence("b", num_tokens=20)
+    assert "b" not in manager and manager.num_free_blocks == 1
+    with pytest.raises(CacheFullError):
+        manager.append("a", 30)
+    assert manager.seq_len("a") == 40 and manager.num_free_blocks == 1
+    manager.append("a", 8)  # still usable
+    manager.check_invariants()
+
+
+def test_fork_copies_on_write_only_the_partial_last_block():
+    manager = BlockManager(8, 4)
+    manager.add_sequence("parent", num_tokens=6)  # blocks: one full, one partial
+    manager.fork("parent", "child")
+    full, partial = manager.block_table("parent")
+    copies = manager.append("child", 1)
+    assert [(c.src, c.dst) for c in copies] == [(partial, manager.block_table("child")[1])]
+    assert manager.block_table("child")[0] == full and manager.ref_counts[full] == 2
+    assert manager.append("parent", 1) == []  # parent now holds its partial block alone
+
+
+def test_common_system_prompt_is_allocated_once():
+    """N requests sharing a 1000-token system prompt hold its full blocks once."""
+    manager = BlockManager(2000, 16)
+    system = list(range(1000))
+    for request in range(10):
+        manager.add_sequence(request, system + [5000 + request] * 30)
+    shared_blocks = 1000 // 16
+    assert manager.num_used_blocks == shared_blocks + 10 * (manager.blocks_needed(1030) - shared_blocks)
+    for request in range(1, 10):
+        assert manager.block_table(request)[:shared_blocks] == manager.block_table(0)[:shared_blocks]
+
+
+def test_waste_under_four_percent_for_400_to_4000_tokens():
+    import random
+
+    rng = random.Random(0)
+    manager = BlockManager(20000, 16, enable_prefix_caching=False)
+    lengths = [rng.randint(400, 4000) for _ in range(64)]
+    for seq_id, length in enumerate(lengths):
+        manager.add_sequence(seq_id, num_tokens=length - 10)
+        manager.append(seq_id, 10)
+    allocated = manager.num_used_blocks * 16
+    waste = (allocated - sum(lengths)) / allocated
+    assert manager.num_tokens() == sum(lengths)
+    assert waste < 0.04, waste
+
+
+def test_a_cropped_sequence_never_rewrites_a_registered_block():
+    """Regression (found by the state machine): crop into a registered block that another sequence shares,
+    let the sharers go, append — the write must not change what the block's hash promises."""
+    manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    manager.add_sequence("a", tokens, computed=False)
+    manager.mark_computed("a", 8)  # registers both blocks
+    assert manager.add_sequence("b", tokens) == 4  # shares the first block
+    shared = manager.block_table("a")[0]
+    manager.crop("a", 1)  # "a" now ends inside the shared, registered block
+    manager.fork("a", "fork")
+    manager.free("fork")
+    manager.free("b")  # "a" holds the registered block alone
+    assert manager.append("a", 1, [1]) == []  # writes position 1 of that block: [1, 1, 3, 4]
+    assert manager.block_table("a")[0] == shared
+    manager.check_invariants()
+    assert manager.add_sequence("c", tokens) == 0  # no hit on a block whose content changed
+    assert manager.block_table("c")[0] != shared
+
+
+def test_a_cropped_sequence_copies_a_registered_block_it_shares():
+    manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    manager.add_sequence("a", tokens)
+    manager.add_sequence("b", tokens)
+    shared = manager.block_table("a")[0]
+    manager.crop("a", 2)
+    copies = manager.append("a", 1, [9])
+    assert [(c.src, c.dst) for c in copies] == [(shared, manager.block_table("a")[0])]
+    assert manager.add_sequence("c", tokens) == 4 and manager.block_table("c")[0] == shared  # still cached
+    manager.check_invariants()

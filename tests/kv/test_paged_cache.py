@@ -1,0 +1,207 @@
+"""PagedCache: same tokens as transformers' default cache, on accelerated and plain models; cache API."""
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import hfaccel
+from hfaccel import PagedCache
+from hfaccel.kv import PagedKV
+from tests.devices import DEVICE
+from tests.models import ARCHITECTURES, padded_batch, tiny_model
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _paged_cache(model, rows=3, length=64, **kwargs):
+    return PagedCache(model.config, max_batch_size=rows, max_cache_len=length, **kwargs)
+
+
+@pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_with_paged_cache_matches_default_cache(arch, accelerated):
+    model = tiny_model(arch)
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=24, **GREEDY)
+    if accelerated:
+        hfaccel.accelerate(model, attention="triton")
+    cache = _paged_cache(model, length=11 + 24)
+    got = model.generate(**batch, max_new_tokens=24, past_key_values=cache, **GREEDY)
+    assert torch.equal(got, expected)
+    stats = cache.memory_stats()
+    assert stats["blocks_used"] == 3 * 3  # 34 tokens per row in blocks of 16
+    assert stats["bytes_holding_tokens"] == 3 * 34 * cache.block_bytes() // 16
+
+
+def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
+    """Default generate() of an accelerated model: PagedCache, paged kernel for every decode step, no gather."""
+    import hfaccel.attention.functions as attention
+
+    model = tiny_model("llama")
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=10, **GREEDY)
+    hfaccel.accelerate(model, attention="triton")
+    calls, caches = [], []
+    real_paged = attention.paged_attention
+    monkeypatch.setattr(attention, "paged_attention", lambda *a, **k: calls.append(a[1]) or real_paged(*a, **k))
+    real_update = PagedCache.update
+    monkeypatch.setattr(PagedCache, "update", lambda self, *a, **k: caches.append(self) or real_update(self, *a, **k))
+    monkeypatch.setattr(PagedKV, "gather", lambda self: (_ for _ in ()).throw(AssertionError("gathered"))
+                        if self.dense is None else self.dense)
+    got = model.generate(**batch, max_new_tokens=10, **GREEDY)
+    assert torch.equal(got, expected)
+    assert len(calls) == 9 * model.config.num_hidden_layers  # every decode step of every layer
+    assert all(pool.data_ptr() in {c.kv[i, 0].data_ptr() for c in caches[:1] for i in range(2)} for pool in calls)
+
+
+@pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_beam_search_matches(arch, accelerated):
+    model = tiny_model(arch)
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=12, num_beams=3, **GREEDY)
+    expected = model.generate(**batch, **kwargs)
+    if accelerated:
+        hfaccel.accelerate(model)
+    got = model.generate(**batch, past_key_values=_paged_cache(model, rows=9, length=23), **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_beam_search_in_a_pool_sized_exactly_for_the_request():
+    """Beams that share a partial last block copy it on write; the default pool (rows x blocks per row) is
+    enough because the last sharer keeps the original (blocks_to_append_many counts exactly)."""
+    model = tiny_model("llama")
+    batch = padded_batch(lengths=(5,))
+    kwargs = dict(max_new_tokens=6, num_beams=2, **GREEDY)
+    expected = model.generate(**batch, **kwargs)
+    hfaccel.accelerate(model, attention="torch")  # generate() sizes the PagedCache: 2 rows x 1 block
+    assert torch.equal(model.generate(**batch, **kwargs), expected)
+
+
+@pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])
+def test_sampling_with_seed_matches(accelerated):
+    model = tiny_model("qwen2")
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=16, do_sample=True, top_k=20, temperature=0.8, pad_token_id=0, eos_token_id=None,
+                  num_return_sequences=2)
+    torch.manual_seed(7)
+    expected = model.generate(**batch, **kwargs)
+    if accelerated:
+        hfaccel.accelerate(model)
+    torch.manual_seed(7)
+    got = model.generate(**batch, past_key_values=_paged_cache(model, rows=6, length=27), **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_assisted_decoding_matches():
+    """Assisted generation: hfaccel's speculative decoding, and transformers' own (batch 1) when the caller
+    passes a PagedCache for the target (it crops the cache as drafts are rejected)."""
+    model, draft = tiny_model("llama"), tiny_model("llama", seed=5)
+    batch = {k: v[:1] for k, v in padded_batch().items()}
+    expected = model.generate(**batch, max_new_tokens=16, **GREEDY)
+    hfaccel.accelerate(model, attention="triton")
+    got = model.generate(**batch, max_new_tokens=16, assistant_model=draft, **GREEDY)
+    assert torch.equal(got, expected)
+    with pytest.warns(UserWarning, match="transformers' implementation.*past_key_values"):
+        got = model.generate(**batch, max_new_tokens=16, assistant_model=draft,
+                             past_key_values=_paged_cache(model, rows=1, length=40), **GREEDY)
+    assert torch.equal(got, expected)
+
+
+def test_request_beyond_max_cache_len_raises_before_any_forward():
+    model = hfaccel.accelerate(tiny_model("llama"))
+    batch = padded_batch()
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    cache = _paged_cache(model, length=20)
+    with pytest.raises(ValueError, match="max_cache_len is 20"):
+        model.generate(**batch, max_new_tokens=24, past_key_values=cache, **GREEDY)
+    with pytest.raises(ValueError, match="max_batch_size=3"):
+        model.generate(**batch, max_new_tokens=4, num_beams=2, past_key_values=cache, **GREEDY)
+    small = _paged_cache(model, length=64, num_blocks=4)
+    with pytest.raises(ValueError, match="the pool has 4 free"):
+        model.generate(**batch, max_new_tokens=24, past_key_values=small, **GREEDY)
+    assert forwards == []
+    # the cache is still usable
+    hfaccel.restore(model)
+    expected = model.generate(**batch, max_new_tokens=8, **GREEDY)
+    hfaccel.accelerate(model)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, past_key_values=cache, **GREEDY), expected)
+
+
+def test_plain_model_overflow_raises_clearly_and_keeps_cache_usable():
+    """Without accelerate there is no hook before the forward: the first layer's update refuses, unchanged."""
+    model = tiny_model("llama")
+    batch = padded_batch()
+    cache = _paged_cache(model, length=64, num_blocks=2)
+    with pytest.raises(ValueError, match="needs 3 more blocks"):
+        model.generate(**batch, max_new_tokens=4, past_key_values=cache, **GREEDY)
+    assert cache.manager.num_free_blocks == 2 and cache.rows == []
+
+
+def _feed(cache, reference, steps, batch=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for length in steps:
+        for layer in range(cache.num_layers):
+            k = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen).to(DEVICE)
+            v = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen).to(DEVICE)
+            reference.update(k, v, layer)
+            cache.update(k, v, layer)
+
+
+def _assert_same(cache, reference):
+    assert cache.get_seq_length() == reference.get_seq_length()
+    for layer in range(cache.num_layers):
+        empty = torch.zeros(len(cache.rows), cache.num_kv_heads, 0, cache.head_dim, device=DEVICE)
+        keys, values = cache.update(empty, empty, layer)
+        assert torch.equal(keys, reference.layers[layer].keys)
+        assert torch.equal(values, reference.layers[layer].values)
+
+
+def test_cache_operations_match_dynamic_cache():
+    """crop / reorder (beam) / repeat_interleave / select keep the same K/V as DynamicCache, sharing blocks."""
+    model = tiny_model("llama")
+    cache, reference = _paged_cache(model, rows=6, length=80, block_size=4), DynamicCache(config=model.config)
+    _feed(cache, reference, [7, 1, 1, 5])
+    _assert_same(cache, reference)
+    cache.crop(-3), reference.crop(-3)
+    _assert_same(cache, reference)
+    used = cache.manager.num_used_blocks
+    beam_idx = torch.tensor([2, 2, 0])
+    cache.reorder_cache(beam_idx), reference.reorder_cache(beam_idx)
+    _assert_same(cache, reference)
+    assert cache.manager.num_used_blocks < used  # rows 2 and 2' share blocks; row 1's were freed
+    _feed(cache, reference, [1, 3], seed=1)  # appends copy the shared partial block, not the full ones
+    _assert_same(cache, reference)
+    cache.batch_repeat_interleave(2), reference.batch_repeat_interleave(2)
+    _assert_same(cache, reference)
+    select = torch.tensor([5, 0, 3])
+    cache.batch_select_indices(select), reference.batch_select_indices(select)
+    _assert_same(cache, reference)
+    cache.manager.check_invariants()
+    cache.reset()
+    assert cache.manager.num_free_blocks == cache.manager.num_blocks and cache.get_seq_length() == 0
+
+
+def test_constructor_validation():
+    config = tiny_model("llama").config
+    with pytest.raises(ValueError, match="max_cache_len or num_blocks"):
+        PagedCache(config, max_batch_size=2)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        PagedCache(config, max_batch_size=0, max_cache_len=8)
+    cache = PagedCache(config, max_batch_size=2, max_cache_len=40, device="cpu", dtype=torch.float16)
+    assert cache.kv.shape == (2, 2, 2 * 3, 16, 2, 16) and cache.kv.dtype == torch.float16
+    assert cache.memory_stats()["blocks_free"] == 6
+
+
+def test_paged_false_keeps_transformers_cache():
+    model = hfaccel.accelerate(tiny_model("llama"), paged=False)
+    assert not model.hfaccel.paged and "generate" not in vars(model)
+    out = model.generate(**padded_batch(), max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    assert isinstance(out.past_key_values, transformers.DynamicCache)
+    hfaccel.accelerate(model)
+    out = model.generate(**padded_batch(), max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
+    assert isinstance(out.past_key_values, PagedCache)
+    hfaccel.restore(model)
+    assert "generate" not in vars(model)

@@ -1,0 +1,94 @@
+"""The hfaccel command: demo on a user's model folder, generate, and bench on CPU (small)."""
+
+import json
+
+import pytest
+import torch
+
+from hfaccel.tools.cli import build_parser, main
+from tests.models import tiny_model
+from tests.hf.test_accelerate import _tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    _tokenizer(path, model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def test_demo_on_a_local_model(model_dir, capsys):
+    assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--prompt", "d e",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "tokens/s" in out and "transformers (sdpa)" in out
+
+
+def test_generate_prints_text(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--max-new-tokens", "4", "a b c"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_bench_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
+    output = tmp_path / "bench.json"
+    assert main(["bench", "attention", "paged", "memory", "decode", "engine", "--model", "tiny-llama", "--batch", "1",
+                 "--batch", "2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "6",
+                 "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
+    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel paged=False"}
+    assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 for row in results["paged"])
+    memory = {row["cache"]: row["bytes"] for row in results["memory"]}
+    assert memory["tokens held (lower bound)"] <= memory["PagedCache"] < memory["DynamicCache"]
+    assert all(row["tokens_per_s"] > 0 for row in results["decode"])
+    assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 for row in results["attention"])
+    assert "prefill attention" in capsys.readouterr().out
+    paths = {row["path"]: row for row in results["engine"]}
+    assert paths["hfaccel Engine"]["output_tokens"] == paths["padded static batches of 32"]["output_tokens"]
+    assert all(row["tokens_per_s"] > 0 for row in results["engine"])
+    assert paths["hfaccel Engine"]["ttft_p50_ms"] > 0 and paths["transformers generate_batch"]["vs_generate_batch"] == 1
+    assert all(row["step_ms"] > 0 for row in results["engine_decode_step"])
+
+
+@pytest.mark.slow
+def test_bench_speculative(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "speculative", "--batch", "1", "--batch", "2", "--prompt-len", "16", "--new-tokens", "8",
+                 "--draft", "self", "--output", str(output)]) == 0
+    rows = json.loads(output.read_text())["speculative"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    assert all(row["alpha"] == 1.0 and row["acceptance_rate"] == 1.0 for row in rows)  # the target drafts itself
+    assert all(row["expected_speedup"] > 0 and row["efficiency"] > 0 for row in rows)
+
+
+def test_bad_arguments_exit_with_usage(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--attention", "cuda"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, fmt", [("rtn", "awq"), ("gptq", "gptq")])
+def test_quantize_command_writes_a_loadable_checkpoint(model_dir, tmp_path, method, fmt):
+    import hfaccel
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"w{i % 90 + 4}" for i in range(400)))
+    out = tmp_path / "q"
+    args = ["quantize", str(model_dir), "--method", method, "--out", str(out), "--group-size", "32",
+            "--samples", "4", "--seq-len", "16", "--calib", str(text), "--device", "cpu"]
+    assert main(args) == 0
+    model = hfaccel.load_quantized(out, dtype=torch.float16)
+    assert any(isinstance(m, hfaccel.Int4Linear) for m in model.modules())
+    assert (out / "tokenizer.json").exists() or (out / "tokenizer_config.json").exists()
+
+
+def test_bench_unknown_case_and_serve_without_extras_message():
+    with pytest.raises(SystemExit, match="unknown case\\(s\\) \\['nope'\\]"):
+        main(["bench", "nope"])
+    args = build_parser().parse_args(["serve", "folder", "--api-key", "k", "--max-queue", "3"])
+    assert (args.host, args.port, args.api_key, args.max_queue) == ("127.0.0.1", 8000, "k", 3)
