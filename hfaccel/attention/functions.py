@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from hfaccel import compat
-from hfaccel.kernels import flash_attention, flash_attention_reference
+from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.flash_attention import visibility_mask
-from hfaccel.kernels.paged_attention import paged_attention
+from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
 from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
 
 
@@ -99,12 +99,17 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
         _warn_fallback("attention dropout is active (model in training mode)")
         return _dense_attention(query, key, value, _to_dense(attention_mask, query, key), scaling, softcap,
                                 dropout), None
-    mask_args = dict(scale=scaling, causal=attention_mask.causal, q_offset=attention_mask.q_offset,
-                     kv_offset=attention_mask.kv_offset, key_mask=attention_mask.key_mask,
-                     sliding_window=attention_mask.sliding_window, softcap=softcap)
-    if _needs_autograd(query, key, value):
-        return flash_attention_reference(query, key, value, **mask_args), None  # differentiable
-    return flash_attention(query, key, value, backend=backend, **mask_args), None
+    mask = attention_mask
+    if _needs_autograd(query, key, value):  # differentiable
+        return flash_attention_reference(query, key, value, scale=scaling, causal=mask.causal,
+                                         q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
+                                         sliding_window=mask.sliding_window, softcap=softcap), None
+    return flash_attention_op(query, key, value, mask.key_mask, _scale(scaling, query), mask.causal, mask.q_offset,
+                              mask.kv_offset, mask.sliding_window, softcap, backend), None
+
+
+def _scale(scaling: float | None, query: torch.Tensor) -> float:
+    return query.shape[-1] ** -0.5 if scaling is None else float(scaling)
 
 
 def _needs_autograd(*tensors: torch.Tensor) -> bool:
@@ -119,9 +124,9 @@ def _paged_kernel_serves(mask, dropout: float, query: torch.Tensor) -> bool:
 def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,
            softcap: float | None) -> torch.Tensor:
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
-    return paged_attention(query, kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens, max_seqlen_k=kv.max_seq_len,
-                           scale=scaling, key_mask=mask.key_mask, sliding_window=mask.sliding_window,
-                           softcap=softcap, backend=backend)
+    return paged_attention_op(query, kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens, None, query.shape[2],
+                              kv.max_seq_len, _scale(scaling, query), mask.key_mask, mask.sliding_window, softcap,
+                              backend)
 
 
 def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
@@ -132,9 +137,9 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
             f"without dropout or autograd; got mask {type(mask).__name__}, dropout {dropout}, "
             f"grad {_needs_autograd(query)}")
-    out = paged_attention(query[0].transpose(0, 1), kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens,
-                          cu_seqlens_q=kv.cu_seqlens_q, max_seqlen_q=kv.max_seqlen_q, max_seqlen_k=kv.max_seq_len,
-                          scale=scaling, sliding_window=mask.sliding_window, softcap=softcap, backend=backend)
+    out = paged_attention_op(query[0].transpose(0, 1), kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens,
+                             kv.cu_seqlens_q, kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None,
+                             mask.sliding_window, softcap, backend)  # [T, Hq, D]
     return out[None]
 
 

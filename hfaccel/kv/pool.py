@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from hfaccel.device import model_device, to_device
-from hfaccel.kernels.write_kv import write_kv
+from hfaccel.kernels.ops import write_kv_op
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
 
 
@@ -103,7 +103,7 @@ class KVPool:
               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer; returns that layer's pools."""
         k_pool, v_pool = self.layer(layer)
-        write_kv(keys, values, k_pool, v_pool, slots, backend=backend)
+        write_kv_op(keys, values, k_pool, v_pool, slots, backend)
         return k_pool, v_pool
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:

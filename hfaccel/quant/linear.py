@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfaccel.kernels.w4a16 import w4a16_matmul
+from hfaccel.kernels.ops import w4a16_matmul_op
 from hfaccel.quant.formats import Int4Weight
 
 
@@ -59,7 +59,7 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
-        out = w4a16_matmul(flat, self.qweight, self.scales, self.zeros, self.group_size)
+        out = w4a16_matmul_op(flat, self.qweight, self.scales, self.zeros, self.group_size, "auto")
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

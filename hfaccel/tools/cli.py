@@ -1,4 +1,4 @@
-"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``, ``quantize``, ``serve``."""
+"""The ``hfaccel`` command: ``demo``, ``generate``, ``bench``, ``tune``, ``quantize``, ``serve``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
     bench.add_argument("--requests", type=int, default=None, help="engine: requests served (256 CUDA, 32 CPU)")
     bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
+    tune = sub.add_parser("tune", help="measure the kernels' configurations on this GPU and write its table")
+    tune.add_argument("--model", action="append", help="named config whose shapes to tune for (repeatable; default: "
+                                                       "llama-3.2-1b and llama-3.1-8b)")
+    tune.add_argument("--op", action="append", help="op to tune (repeatable; default: every tunable op)")
+    tune.add_argument("--device", default="cuda")
+    tune.add_argument("--output", default=None, help="table path (default: hfaccel/kernels/configs/<gpu>.json)")
     quantize = sub.add_parser("quantize", help="quantize a model to int4 and save an AWQ or GPTQ checkpoint")
     quantize.add_argument("model", help="model folder or hub id")
     quantize.add_argument("--method", default="awq", choices=("rtn", "awq", "gptq"))
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         _quantize(args)
     elif args.command == "serve":
         _serve(args)
+    elif args.command == "tune":
+        _tune(args)
     elif args.command == "bench":
         from hfaccel.tools.bench import run_bench
 
@@ -137,6 +145,15 @@ def _generate(args: argparse.Namespace) -> None:
                          pad_token_id=tokenizer.pad_token_id)
     for text in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True):
         console.print(text.strip())
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from hfaccel.tools.tune import DEFAULT_MODELS, tune
+
+    try:
+        tune(args.model or DEFAULT_MODELS, args.op, args.device, args.output)
+    except ValueError as error:
+        raise SystemExit(f"hfaccel tune: {error}") from None
 
 
 def _quantize(args: argparse.Namespace) -> None:

@@ -43,8 +43,8 @@ def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
     expected = model.generate(**batch, max_new_tokens=10, **GREEDY)
     hfaccel.accelerate(model, attention="triton")
     calls, caches = [], []
-    real_paged = attention.paged_attention
-    monkeypatch.setattr(attention, "paged_attention", lambda *a, **k: calls.append(a[1]) or real_paged(*a, **k))
+    real_paged = attention.paged_attention_op
+    monkeypatch.setattr(attention, "paged_attention_op", lambda *a, **k: calls.append(a[1]) or real_paged(*a, **k))
     real_update = PagedCache.update
     monkeypatch.setattr(PagedCache, "update", lambda self, *a, **k: caches.append(self) or real_update(self, *a, **k))
     monkeypatch.setattr(PagedKV, "gather", lambda self: (_ for _ in ()).throw(AssertionError("gathered"))

@@ -1,0 +1,82 @@
+"""hfaccel's kernels as torch custom ops (``torch.ops.hfaccel.*``): what the model's forward calls.
+
+An op is opaque to ``torch.compile``: dynamo records one call, inductor fuses the glue around it (norms, RoPE,
+SiLU·mul, residual adds — most of a decode step's kernels), and a fullgraph trace of an accelerated model has no
+graph break. ``torch.library.custom_op`` with ``register_fake`` is the registration chosen over ``triton_op``: each
+launcher picks its configuration on the host from shapes (heuristics or the tuned table) and runs the Triton
+kernel — compiled on CUDA, interpreted on the CPU under ``TRITON_INTERPRET=1`` — or the pure-torch reference; an
+opaque op keeps that host logic out of the trace, and inductor does not fuse user Triton kernels with its own
+anyway. Scalars have fixed schema types (``float`` reaches Triton as fp32), host ints that size a launch are
+plain ints, and no op reads a tensor's values on the host on CUDA. Outputs are fresh contiguous tensors, exactly
+as the fake implementations describe them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfaccel.kernels.flash_attention import flash_attention
+from hfaccel.kernels.paged_attention import paged_attention
+from hfaccel.kernels.w4a16 import w4a16_matmul
+from hfaccel.kernels.write_kv import write_kv
+
+
+@torch.library.custom_op("hfaccel::flash_attention", mutates_args=())
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                       scale: float, causal: bool, q_offset: int, kv_offset: int, sliding_window: int | None,
+                       softcap: float | None, backend: str) -> torch.Tensor:
+    """``q [B, Hq, Sq, D]`` over ``k, v [B, Hkv, Skv, D]`` -> ``[B, Sq, Hq, D]`` (``hfaccel.kernels.flash_attention``)."""
+    return flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset,
+                           key_mask=key_mask, sliding_window=sliding_window, softcap=softcap,
+                           backend=backend).contiguous()
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, key_mask, scale, causal, q_offset, kv_offset, sliding_window, softcap, backend):
+    batch, heads, seq, head_dim = q.shape
+    return q.new_empty(batch, seq, heads, head_dim)
+
+
+@torch.library.custom_op("hfaccel::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
+                       max_seqlen_k: int, scale: float, key_mask: torch.Tensor | None, sliding_window: int | None,
+                       softcap: float | None, backend: str) -> torch.Tensor:
+    """Attention over the paged pool (``hfaccel.kernels.paged_attention``): dense ``q [B, Hq, Sq, D]`` ->
+    ``[B, Sq, Hq, D]``, or packed ``q [T, Hq, D]`` with ``cu_seqlens_q`` -> ``[T, Hq, D]``."""
+    return paged_attention(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale, key_mask=key_mask,
+                           sliding_window=sliding_window, softcap=softcap, backend=backend).contiguous()
+
+
+@paged_attention_op.register_fake
+def _(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
+      sliding_window, softcap, backend):
+    if cu_seqlens_q is not None:
+        return torch.empty_like(q)
+    batch, heads, seq, head_dim = q.shape
+    return q.new_empty(batch, seq, heads, head_dim)
+
+
+@torch.library.custom_op("hfaccel::write_kv", mutates_args=("k_pool", "v_pool"))
+def write_kv_op(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                slot_mapping: torch.Tensor, backend: str) -> None:
+    """Store ``k, v [B, S, Hkv, D]`` into the pools at ``slot_mapping [B, S]`` (``hfaccel.kernels.write_kv``)."""
+    write_kv(k, v, k_pool, v_pool, slot_mapping, backend=backend)
+
+
+@write_kv_op.register_fake
+def _(k, v, k_pool, v_pool, slot_mapping, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("hfaccel::w4a16_matmul", mutates_args=())
+def w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, backend: str) -> torch.Tensor:
+    """``x [M, K]`` times the int4 weight ``[K, N]`` -> ``[M, N]`` (``hfaccel.kernels.w4a16``)."""
+    return w4a16_matmul(x, qweight, scales, zeros, group_size, backend=backend).contiguous()
+
+
+@w4a16_matmul_op.register_fake
+def _(x, qweight, scales, zeros, group_size, backend):
+    return x.new_empty(x.shape[0], qweight.shape[1])

@@ -1,0 +1,108 @@
+"""``hfaccel tune``: measure each kernel's candidate configurations on this GPU and write its table.
+
+The table (``hfaccel/kernels/configs/<gpu>.json``, see ``hfaccel.kernels.tuning``) holds, per op and shape
+bucket, the fastest configuration measured. Each tunable op has a module ``hfaccel/tools/tune/<op>.py`` with
+
+    OP: str                                      # the op's name in the table
+    def sweep(shapes: list[ModelShapes], device: torch.device, console) -> dict[str, dict]
+        # bucket key -> the winning config's fields plus "us" (median microseconds)
+
+``tune`` runs the sweeps of the ops asked for (default: every module here) over the named model configs and
+merges the results into the GPU's table, keeping entries of ops it did not run. A GPU session runs it once
+and commits the table; every other session builds on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from hfaccel.kernels import tuning
+from hfaccel.tools.models import NAMED_CONFIGS
+
+DEFAULT_MODELS = ("llama-3.2-1b", "llama-3.1-8b")
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The dimensions of a named model config that set kernel shapes."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def named(cls, name: str) -> ModelShapes:
+        if name not in NAMED_CONFIGS:
+            raise ValueError(f"model must be one of {sorted(NAMED_CONFIGS)}; got {name!r}")
+        c = NAMED_CONFIGS[name]
+        return cls(name, c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                   c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                   c["vocab_size"])
+
+
+def available_ops() -> list[str]:
+    """The ops with a sweep module in this package."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
+
+
+def tune(models: Sequence[str] = DEFAULT_MODELS, ops: Sequence[str] | None = None, device: str = "cuda",
+         output: str | Path | None = None, console: Console | None = None,
+         sweeps: dict[str, Callable] | None = None) -> Path:
+    """Sweep the ops' configurations for the models' shapes on ``device`` (a CUDA GPU) and write the table;
+    returns its path. ``sweeps`` (op -> sweep function) replaces the op modules (tests)."""
+    console = console or Console()
+    dev = torch.device(device)
+    gpu = tuning.gpu_name(dev)
+    if gpu is None:
+        raise ValueError(f"hfaccel tune measures kernels on a CUDA GPU; got device {dev} (no CUDA GPU here)")
+    shapes = [ModelShapes.named(name) for name in models]
+    sweeps = sweeps if sweeps is not None else _sweeps(ops)
+    path = Path(output) if output is not None else tuning.table_path(gpu)
+    table = _existing(path)
+    for op, sweep in sweeps.items():
+        console.print(f"tuning {op} for {', '.join(models)} on {gpu}")
+        table["ops"][op] = {**table["ops"].get(op, {}), **sweep(shapes, dev, console)}
+    import triton
+
+    table.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    tuning.load_table.cache_clear()
+    console.print(f"wrote {path}")
+    return path
+
+
+def _sweeps(ops: Sequence[str] | None) -> dict[str, Callable]:
+    known = available_ops()
+    unknown = sorted(set(ops or ()) - set(known))
+    if unknown:
+        raise ValueError(f"unknown op(s) {unknown}; tunable ops: {known}")
+    modules = [importlib.import_module(f"{__name__}.{op}") for op in (ops or known)]
+    return {module.OP: module.sweep for module in modules}
+
+
+def _existing(path: Path) -> dict:
+    """The table already at ``path`` (so ops not re-tuned keep their entries), or an empty one."""
+    try:
+        table = json.loads(path.read_text())
+        if isinstance(table, dict) and isinstance(table.get("ops"), dict):
+            return table
+    except (OSError, ValueError):
+        pass
+    return {"ops": {}}
