@@ -38,6 +38,15 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / time_ms(lambda: dst.copy_(src), device) / 1e6
 
 
+def read_bandwidth(device: torch.device) -> float:
+    """GB/s of a read-only kernel (a sum over a large buffer): the roofline of a kernel that reads its operands
+    once — a decode step's weights, a GEMV's packed weights, a paged kernel's K/V. (A copy also writes what it
+    reads, so its bytes over time undercount what reading alone reaches.)"""
+    numel = (256 << 20) if device.type == "cuda" else (16 << 20)
+    src = torch.randn(numel, device=device)
+    return src.numel() * src.element_size() / time_ms(lambda: src.sum(), device) / 1e6
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA)."""
     if device.type == "cuda":
