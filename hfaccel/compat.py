@@ -175,3 +175,17 @@ def active_generation_options(config, kwargs: dict, implemented: set[str] | froz
         if name not in implemented and value is not None and value != off:
             active.append(name)
     return sorted(active)
+
+
+def transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    """transformers' own greedy / multinomial decoding loop (``GenerationMixin._sample``), for calls hfaccel's loop
+    hands back from inside ``generate``."""
+    from transformers.generation.utils import GenerationMixin
+
+    return GenerationMixin._sample(model, input_ids, logits_processor=logits_processor,
+                                   stopping_criteria=stopping_criteria, generation_config=generation_config, **kwargs)
+
+
+def generation_pad_tensor(generation_config) -> torch.Tensor | None:
+    """The pad token ``generate`` prepared for finished rows (a tensor on the inputs' device, or None)."""
+    return generation_config._pad_token_tensor

@@ -10,7 +10,8 @@ from transformers import PreTrainedModel
 from hfaccel import compat
 from hfaccel.attention import ATTENTION_NAMES, set_hfaccel_attention, unsupported_reason
 from hfaccel.device import model_device
-from hfaccel.hf.generation import install_paged_generate, uninstall_paged_generate
+from hfaccel.hf.decode import DecodeInfo, DecodeSession
+from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
 
@@ -23,7 +24,14 @@ class Acceleration:
     attn_implementation: str  # the attention implementation the model now runs
     original_attn_implementation: str  # what restore() puts back
     fallback_reason: str | None = None  # set when the model was left on transformers' own attention
-    paged: bool = False  # generate() supplies a PagedCache sized for each request
+    paged: bool = False  # generate() runs hfaccel's decode loop / a PagedCache sized for each request
+    compile: bool | str = "auto"  # decode steps compiled with torch.compile: "auto" = on CUDA
+    session: DecodeSession | None = None  # the runner generate() keeps between calls
+
+    @property
+    def decode(self) -> DecodeInfo:
+        """Which decode loop served the last ``generate`` call, and why when it was transformers'."""
+        return self.session.info if self.session is not None else DecodeInfo("transformers", "paged=False")
 
     @property
     def active(self) -> bool:
@@ -35,11 +43,13 @@ class Acceleration:
             return (f"hfaccel: not accelerated, attention stays {self.original_attn_implementation!r} "
                     f"({self.fallback_reason})")
         return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
-                f"(backend {self.attention!r}), {'paged' if self.paged else 'default'} KV cache in generate()")
+                f"(backend {self.attention!r}); generate(): "
+                f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
+                f"; last call: {self.decode}")
 
 
 def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
-               calib_data=None, group_size: int = 128) -> PreTrainedModel:
+               calib_data=None, group_size: int = 128, compile: bool | str = "auto") -> PreTrainedModel:
     """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
 
     Args:
@@ -48,9 +58,14 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
             other devices, decided per call so the model may move between devices; ``"triton"`` — always
             the Triton kernels (a ``ValueError`` now if the model's device cannot run them); ``"torch"`` —
             the pure-torch reference kernels.
-        paged: ``generate()`` without a cache argument uses a :class:`hfaccel.PagedCache` sized for the
-            request, and decode steps read K/V straight from its blocks (``False``: transformers' default
-            cache, attention still through hfaccel's kernels).
+        paged: ``generate()`` runs hfaccel's decode loop — the prompt packed into hfaccel's paged KV pool (no
+            padding held), static decode steps that read K/V straight from its blocks, transformers' own logits
+            processors and stopping criteria; what the loop cannot serve (beam search, ...) runs transformers'
+            loop over a :class:`hfaccel.PagedCache` (``False``: transformers' loop and default cache, attention
+            still through hfaccel's kernels).
+        compile: compile the decode step with ``torch.compile`` (inductor fuses the glue between hfaccel's
+            kernels) — ``"auto"``: on CUDA; ``True``: on every device; ``False``: never (on CUDA the steps are
+            still captured as CUDA graphs). The first call per batch / context bucket compiles.
         quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
             ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
 
@@ -76,11 +91,15 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
         model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason)
         return model
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto'; got {compile!r}")
     set_hfaccel_attention(model, attention)
     name = ATTENTION_NAMES[attention]
+    session = None
     if paged:
-        install_paged_generate(model)
-    model.hfaccel = Acceleration(attention, name, original, paged=paged)
+        install_generate(model)
+        session = DecodeSession(model, compile=compile)
+    model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session)
     return model
 
 
@@ -91,7 +110,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if info.active:
         model.set_attn_implementation(info.original_attn_implementation)
-    uninstall_paged_generate(model)
+    uninstall_generate(model)
     del model.hfaccel
     return model
 

@@ -1,5 +1,11 @@
-"""``generate`` of an accelerated model: a PagedCache sized for each request unless the caller chose a cache;
-assisted generation (``assistant_model`` / ``prompt_lookup_num_tokens``) through hfaccel's speculative decoding."""
+"""``generate`` of an accelerated model.
+
+- Greedy and sampled decoding (every logits processor and stopping criterion transformers builds) run hfaccel's
+  decode loop (``hf/decode.py``): packed prefill, compiled and captured decode steps, no host sync per step.
+- Assisted generation (``assistant_model`` / ``prompt_lookup_num_tokens``) runs hfaccel's speculative decoding.
+- Anything else (beam search, a cache the caller chose, outputs beyond the token ids...) runs transformers' own
+  loop, with a :class:`PagedCache` sized for the request unless the caller chose a cache.
+"""
 
 from __future__ import annotations
 
@@ -10,35 +16,50 @@ from typing import Callable
 import torch
 
 from hfaccel import compat
+from hfaccel.hf.decode import DecodeInfo, hfaccel_sample
 from hfaccel.kv import PagedCache
 from hfaccel.sampling import token_ids
 
+# token-changing generate() options hfaccel's decode loop leaves to transformers (it serves every other one, with
+# transformers' own processors and criteria)
+_LOOP_LEAVES = frozenset({"num_beams", "num_beam_groups", "diversity_penalty", "constraints", "force_words_ids",
+                          "penalty_alpha", "dola_layers", "guidance_scale", "cache_implementation",
+                          "prompt_lookup_num_tokens", "return_dict_in_generate", "output_scores", "output_logits",
+                          "output_attentions", "output_hidden_states"})
+# generate() arguments that change how it runs and that the loop leaves to transformers
+_LOOP_LEAVES_ARGS = ("custom_generate", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask",
+                     "inputs_embeds")
 
-def install_paged_generate(model) -> None:
-    """Give this model instance a ``generate`` that supplies a PagedCache (``restore`` removes it)."""
+
+def install_generate(model) -> None:
+    """Give this model instance hfaccel's ``generate`` (``restore`` removes it)."""
     generate = type(model).generate.__get__(model)
 
     @functools.wraps(generate)
-    def paged_generate(*args, **kwargs):
-        return generate_with_paged_cache(model, generate, args, kwargs)
+    def accelerated_generate(*args, **kwargs):
+        return generate_accelerated(model, generate, args, kwargs)
 
-    model.generate = paged_generate
+    model.generate = accelerated_generate
 
 
-def uninstall_paged_generate(model) -> None:
+def uninstall_generate(model) -> None:
     model.__dict__.pop("generate", None)
 
 
-def generate_with_paged_cache(model, generate: Callable, args: tuple, kwargs: dict):
-    """Call ``generate`` with a fresh PagedCache for the request, or validate the caller's PagedCache first.
-
-    Left to transformers' own cache choice: an explicit ``past_key_values`` that is not a PagedCache, a
-    ``cache_implementation`` (argument or generation config), or a request whose size cannot be read.
-    """
+def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
+    """Route one ``generate`` call (module docstring). transformers' loop gets a fresh PagedCache sized for the
+    request, or the caller's PagedCache checked against the request first; it keeps its own cache choice for an
+    explicit ``past_key_values`` of another kind, a ``cache_implementation``, or a request whose size cannot be
+    read."""
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         return _assisted_generate(model, generate, args, kwargs)
+    session = model.hfaccel.session
     cache = kwargs.get("past_key_values")
     shape = request_shape(model, args, kwargs)
+    reason = _loop_leaves(model, kwargs, cache, shape)
+    if reason is None:
+        return generate(*args, custom_generate=hfaccel_sample, **kwargs)
+    session.info = DecodeInfo("transformers", reason)
     if isinstance(cache, PagedCache):
         if shape is not None:
             cache.check_request(*shape)  # before any forward pass; the cache stays usable
@@ -48,6 +69,21 @@ def generate_with_paged_cache(model, generate: Callable, args: tuple, kwargs: di
     rows, total_len = shape
     kwargs["past_key_values"] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len)
     return generate(*args, **kwargs)
+
+
+def _loop_leaves(model, kwargs: dict, cache, shape) -> str | None:
+    """Why hfaccel's decode loop leaves this call to transformers' loop, or None when it serves it."""
+    if cache is not None:
+        return "the caller's past_key_values"
+    if shape is None:
+        return "inputs other than a [batch, length] tensor of token ids"
+    given = sorted(name for name in _LOOP_LEAVES_ARGS if kwargs.get(name) is not None)
+    if given:
+        return f"generate() arguments {given}"
+    config = kwargs.get("generation_config") or model.generation_config
+    implemented = set(compat.generation_options()) - _LOOP_LEAVES
+    active = compat.active_generation_options(config, kwargs, implemented)
+    return f"generation options {active}" if active else None
 
 
 def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):

@@ -1,15 +1,28 @@
-"""The runner's decode mode: steps of one token per sequence, replayed from CUDA graphs per padded batch size.
+"""The runner's decode mode: steps of one token per sequence with static shapes — compiled, and replayed from
+CUDA graphs per padded batch size.
 
 A decode step's inputs live in static buffers sized for the largest batch: token ids, positions, slot mapping,
 block tables (one row per sequence, ``max_model_len / block_size`` wide), sequence lengths and
-``cu_seqlens_q``. A step of ``B`` sequences runs the graph of the smallest ladder size ``>= B``; the padding rows
+``cu_seqlens_q``. A step of ``B`` sequences runs the step of the smallest ladder size ``>= B``; the padding rows
 write nowhere (slot ``-1``, which ``write_kv`` skips) and see no keys (length 0, so the paged kernel returns
-zeros for them), and their logits are dropped. The model's forward runs once per size to warm up (Triton
-compiles), then is captured; later steps only copy their inputs into the buffers and replay.
+zeros for them), and their logits are dropped.
 
-The paged kernel's launch (grid, split-K factor) is fixed at capture from ``max_model_len``; per-sequence
-work still follows the device-side lengths. Without CUDA (or when capture fails) the same static-buffer step
-runs eagerly, which is what the CPU tests check.
+Two ways to feed a step:
+
+- :meth:`DecodeGraphs.run` (the engine): the host says which sequences decode at which positions each step; the
+  buffers are filled from the host metadata (one non-blocking copy per buffer), then the step runs.
+- :meth:`DecodeGraphs.begin` then :meth:`DecodeGraphs.advance` (``generate``, where every row advances by one
+  token per step): the buffers are filled once; each step then computes its slots on the device from the
+  positions and block tables, runs the model, and moves positions and lengths on by one for the next step — the
+  host only hands over the new tokens (a device-to-device copy). The rows' blocks must already be reserved for
+  every position the steps will reach.
+
+With ``compile=True`` the step (slot arithmetic, the model's forward, the increments) is one
+``torch.compile(fullgraph=True, dynamic=False)`` function: inductor fuses the glue between hfaccel's kernels
+(custom ops). With ``capture`` (CUDA) each (size, mode) is captured as a CUDA graph after one warm-up run (Triton
+and inductor compile there), so a step costs one graph launch. The paged kernel's launch is fixed at capture
+from ``max_model_len``; per-sequence work follows the device-side lengths. Without CUDA (or when capture fails)
+the same static step runs eagerly, which is what the CPU tests check.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hfaccel.kv import PackedStep
+from hfaccel.kv import PackedStep, slot_mapping
 
 if TYPE_CHECKING:
     from hfaccel.runner.runner import ModelRunner
@@ -33,10 +46,13 @@ class DecodeGraphs:
     ``max_model_len`` tokens (made by ``runner.enable_decode_graphs``)."""
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, *, capture: bool | None = None,
-                 ladder: Sequence[int] = DEFAULT_LADDER):
+                 compile: bool = False, ladder: Sequence[int] = DEFAULT_LADDER):
+        if max_batch < 1 or max_model_len < 1:
+            raise ValueError(f"max_batch and max_model_len must be >= 1; got {max_batch}, {max_model_len}")
         self.runner = runner
         self.device = runner.device
         self.capture = self.device.type == "cuda" if capture is None else capture
+        self.compiled = compile
         self.sizes = sorted({size for size in ladder if size < max_batch} | {max_batch})
         self.max_batch, self.max_model_len = max_batch, max_model_len
         width = -(-max_model_len // runner.pool.block_size)
@@ -48,8 +64,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on)
         self.keep = torch.arange(max_batch, dtype=torch.long, **on)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
+        self._size: int | None = None  # the size begun by ``begin`` (advance mode)
 
     def serves(self, num_new: Sequence[int], logits_for: str | Sequence[int]) -> bool:
         """Whether a forward is a decode step this mode runs: one token per sequence, logits for each of them."""
@@ -57,57 +75,119 @@ class DecodeGraphs:
             return False
         return isinstance(logits_for, str) or list(logits_for) == list(range(len(num_new)))
 
+    def size_for(self, batch: int) -> int:
+        """The padded batch size a step of ``batch`` sequences runs at."""
+        if not 0 < batch <= self.max_batch:
+            raise ValueError(f"a decode step holds 1 to {self.max_batch} sequences; got {batch}")
+        return next(s for s in self.sizes if s >= batch)
+
+    # ---------------------------------------------------------------------------------- host-fed steps
     def run(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
         """Logits ``[B, V]`` of one decode token per sequence (``input_ids[i]`` at position ``starts[i]``)."""
         batch = len(seq_ids)
-        size = next(s for s in self.sizes if s >= batch)
-        self._fill(seq_ids, input_ids, starts, size)
-        if not self.capture:
-            return self._forward(size)[:batch]
-        if size not in self._graphs:
-            self._capture(size)
-            if not self.capture:  # capture failed: eager from now on
-                return self._forward(size)[:batch]
-        graph, logits = self._graphs[size]
-        graph.replay()
-        return logits[:batch]
+        size = self.size_for(batch)
+        self._fill(seq_ids, starts, size)
+        self.input_ids[:batch].copy_(input_ids)
+        self._size = None
+        return self._replay(size, advance=False)[:batch]
+
+    # ------------------------------------------------------------------------------- device-fed steps
+    def begin(self, seq_ids: Sequence[Hashable], starts: Sequence[int]) -> None:
+        """Set up steps in which sequence ``seq_ids[i]`` decodes positions ``starts[i]``, ``starts[i] + 1``, ...
+        (:meth:`advance` runs them). Their blocks must already cover every position those steps will reach."""
+        size = self.size_for(len(seq_ids))
+        self._fill(seq_ids, starts, size, whole_tables=True)
+        self._size = size
+
+    def advance(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` of the next step begun by :meth:`begin` (``input_ids [B]``, on the device)."""
+        if self._size is None:
+            raise RuntimeError("DecodeGraphs.advance needs begin() first (and no run() in between)")
+        batch = input_ids.shape[0]
+        self.input_ids[:batch].copy_(input_ids)
+        return self._replay(self._size, advance=True)[:batch]
 
     # --------------------------------------------------------------------------------------- internals
-    def _fill(self, seq_ids, input_ids: torch.Tensor, starts, size: int) -> None:
-        """Copy a step's inputs into the static buffers (one non-blocking copy per buffer; of the block tables,
-        only the columns these sequences use: the kernel never reads a table past a sequence's length)."""
+    def _fill(self, seq_ids, starts, size: int, whole_tables: bool = False) -> None:
+        """Copy a step's metadata into the static buffers (one non-blocking copy per buffer; of the block tables,
+        only the columns these sequences use unless ``whole_tables``: the kernel never reads a table past a
+        sequence's length, but device-fed steps read ahead)."""
         batch = len(seq_ids)
         host = self.runner.pool.packed_step(seq_ids, starts, [1] * batch, num_rows=size)
         pinned = self.device.type == "cuda"
         for static, values in ((self.positions, host.positions), (self.seq_lens, host.seq_lens),
                                (self.slot_mapping[0], host.slot_mapping[0])):
             static[:size].copy_(values.pin_memory() if pinned else values, non_blocking=True)
-        tables = host.block_tables
+        tables = self.runner.pool.block_tables(seq_ids, num_rows=size) if whole_tables else host.block_tables
+        if tables.shape[1] > self.block_tables.shape[1]:
+            raise ValueError(f"sequences of {tables.shape[1]} blocks exceed the decode steps' max_model_len="
+                             f"{self.max_model_len}")
         self.block_tables[:size, :tables.shape[1]].copy_(tables.pin_memory() if pinned else tables,
                                                          non_blocking=True)
-        self.input_ids[:batch].copy_(input_ids)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _step(self, size: int, advance: bool) -> torch.Tensor:
+        """One static step: (device-fed) this step's slots from positions and tables, the model's forward,
+        (device-fed) positions and lengths moved on for the next step."""
+        positions, seq_lens = self.positions[:size], self.seq_lens[:size]
+        if advance:
+            rows = torch.arange(size, device=positions.device)
+            slots = slot_mapping(self.block_tables[:size], rows, positions, self.runner.pool.block_size)
+            self.slot_mapping[0, :size].copy_(torch.where(seq_lens > 0, slots, -1))
         step = PackedStep(slot_mapping=self.slot_mapping[:, :size], block_tables=self.block_tables[:size],
-                          seq_lens=self.seq_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-                          positions=self.positions[:size], max_seq_len=self.max_model_len, max_q_len=1)
-        return self.runner.run_model(self.input_ids[:size], step, self.keep[:size])
+                          seq_lens=seq_lens, cu_seqlens_q=self.cu_seqlens_q[:size + 1], positions=positions,
+                          max_seq_len=self.max_model_len, max_q_len=1)
+        logits = self.runner.run_model(self.input_ids[:size], step, self.keep[:size])
+        if advance:
+            live = (seq_lens > 0).to(seq_lens.dtype)
+            positions.add_(live)
+            seq_lens.add_(live)
+        return logits
 
-    def _capture(self, size: int) -> None:
+    def _replay(self, size: int, advance: bool) -> torch.Tensor:
+        if not self.capture:
+            return self._step_fn(size, advance)
+        key = (size, advance)
+        if key not in self._graphs:
+            logits = self._capture(size, advance)
+            if key not in self._graphs:  # capture failed: eager from now on (this step already ran)
+                return logits
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
+
+    def _capture(self, size: int, advance: bool) -> torch.Tensor:
+        """Run the step once (Triton and inductor compile there), then capture it; returns this step's logits.
+        The capture records the step without running it; the replay after it runs it again — the same slots, the
+        same values — so a device-fed step's counters are put back to where the first run found them."""
+        before = self._counters() if advance else None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(size)  # warm-up: Triton compiles, allocator settles
+            logits = self._step_fn(size, advance)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        after = self._counters() if advance else None
+        if advance:
+            self._restore(before)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
-                logits = self._forward(size)
+                captured = self._step_fn(size, advance)
         except Exception as error:  # a model whose forward cannot be captured: stay eager, say why
             warnings.warn(f"hfaccel: CUDA graph capture failed ({error!r}); decode steps run eagerly",
-                          stacklevel=3)
+                          stacklevel=4)
             self.capture = False
             torch.cuda.synchronize(self.device)
-            return
+            if advance:
+                self._restore(after)
+            return logits
         self._memory_pool = graph.pool()
-        self._graphs[size] = (graph, logits)
+        self._graphs[(size, advance)] = (graph, captured)
+        graph.replay()
+        return captured
+
+    def _counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.positions.clone(), self.seq_lens.clone()
+
+    def _restore(self, counters: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.positions.copy_(counters[0])
+        self.seq_lens.copy_(counters[1])

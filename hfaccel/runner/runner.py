@@ -42,11 +42,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, capture: bool | None = None,
-                             ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
+                             compile: bool = False, ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
         """Run forwards of one token per sequence (up to ``max_batch`` sequences of up to ``max_model_len``
-        tokens) as static-shape steps, captured as CUDA graphs per padded batch size (``capture``: default on
-        CUDA; without capture the same static step runs eagerly)."""
-        self.graphs = DecodeGraphs(self, max_batch, max_model_len, capture=capture, ladder=ladder)
+        tokens) as static-shape steps — compiled with ``torch.compile`` when ``compile``, captured as CUDA graphs
+        per padded batch size when ``capture`` (default: on CUDA); otherwise the same static step runs eagerly."""
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, capture=capture, compile=compile, ladder=ladder)
         return self.graphs
 
     @torch.inference_mode()

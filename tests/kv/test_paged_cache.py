@@ -35,7 +35,8 @@ def test_greedy_with_paged_cache_matches_default_cache(arch, accelerated):
 
 
 def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
-    """Default generate() of an accelerated model: PagedCache, paged kernel for every decode step, no gather."""
+    """Default generate() of an accelerated model: hfaccel's decode loop over the model's KV pool — the paged kernel
+    for the packed prefill and every decode step of every layer, reading that pool, no gather, no PagedCache."""
     import hfaccel.attention.functions as attention
 
     model = tiny_model("llama")
@@ -51,8 +52,30 @@ def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
                         if self.dense is None else self.dense)
     got = model.generate(**batch, max_new_tokens=10, **GREEDY)
     assert torch.equal(got, expected)
-    assert len(calls) == 9 * model.config.num_hidden_layers  # every decode step of every layer
-    assert all(pool.data_ptr() in {c.kv[i, 0].data_ptr() for c in caches[:1] for i in range(2)} for pool in calls)
+    assert len(calls) == 10 * model.config.num_hidden_layers  # the prefill and 9 decode steps, every layer
+    pool = model.hfaccel.session.runner.pool.kv
+    assert all(k.data_ptr() in {pool[i, 0].data_ptr() for i in range(2)} for k in calls) and not caches
+    assert str(model.hfaccel.decode) == "hfaccel"
+
+
+def test_transformers_loop_reads_a_paged_cache_without_gathering(monkeypatch):
+    """What hfaccel's loop leaves to transformers' (beam search) runs over a PagedCache, read in place."""
+    import hfaccel.attention.functions as attention
+
+    model = tiny_model("llama")
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=6, num_beams=2, **GREEDY)
+    expected = model.generate(**batch, **kwargs)
+    hfaccel.accelerate(model, attention="triton")
+    calls, caches = [], []
+    real_paged = attention.paged_attention_op
+    monkeypatch.setattr(attention, "paged_attention_op", lambda *a, **k: calls.append(a[1]) or real_paged(*a, **k))
+    real_update = PagedCache.update
+    monkeypatch.setattr(PagedCache, "update", lambda self, *a, **k: caches.append(self) or real_update(self, *a, **k))
+    assert torch.equal(model.generate(**batch, **kwargs), expected)
+    assert len(calls) == 5 * model.config.num_hidden_layers  # every decode step of every layer
+    assert all(pool.data_ptr() in {caches[0].kv[i, 0].data_ptr() for i in range(2)} for pool in calls)
+    assert str(model.hfaccel.decode) == "transformers (generation options ['num_beams'])"
 
 
 @pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])

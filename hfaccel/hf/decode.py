@@ -1,0 +1,224 @@
+"""hfaccel's decode loop behind ``model.generate``: the runner's packed prefill and static decode steps (compiled
+and CUDA-graph captured on CUDA), with transformers' own logits processors and stopping criteria.
+
+``generate`` hands this loop (as ``custom_generate``) everything it prepared — the left-padded ``input_ids``, the
+attention mask, the ``LogitsProcessorList`` and ``StoppingCriteriaList`` built from the call's options — so every
+processor and criterion is transformers' own and the tokens are exactly those of its greedy / sampling loop
+(``_sample``): the same processors on the same fp32 logits, ``argmax`` or ``multinomial`` on the same device and
+generator, finished rows padded with ``pad_token_id``. What changes is how the model runs:
+
+- the prompt is packed: each row's real tokens only (left padding takes no KV memory), one forward for all rows;
+- every decode step is one static step of the runner's decode mode (``runner/graphs.py``): slots and lengths
+  advance on the device, the host only hands over the new tokens;
+- nothing waits for the device inside the loop on CUDA: whether every row has finished is read one step late
+  (a non-blocking copy), and the step computed past the end is undone — its token dropped, the random generator
+  put back — so the output and the generator's state are those of transformers' loop.
+
+A request the loop cannot serve (a mask that is not left padding, ``inputs_embeds``, outputs beyond the token
+ids, several processes) runs transformers' own ``_sample`` with the same arguments; ``model.hfaccel.decode``
+says which loop served the last call and why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hfaccel import compat
+from hfaccel.device import model_device
+from hfaccel.kv import KVPool
+from hfaccel.runner import ModelRunner
+
+_log = logging.getLogger("hfaccel")
+MIN_CONTEXT_BUCKET = 256  # decode steps are built for contexts of powers of two from here
+POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
+# model inputs the loop understands; any other (images, token types...) goes to transformers' loop
+_KNOWN_INPUTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position",
+                 "output_attentions", "output_hidden_states", "return_dict"}
+
+
+@dataclass
+class DecodeInfo:
+    """Which loop served a model's last ``generate`` call (``model.hfaccel.decode``)."""
+
+    path: str = "none yet"  # "hfaccel" or "transformers"
+    reason: str | None = None  # why transformers' loop served it
+
+    def __str__(self) -> str:
+        return self.path if self.reason is None else f"{self.path} ({self.reason})"
+
+
+class DecodeSession:
+    """The runner (KV pool and decode steps) one model's ``generate`` calls share; it grows to the largest request
+    seen (a bigger pool or batch rebuilds the decode steps, a bounded number of times: sizes are bucketed).
+    ``compile``: ``"auto"`` (on CUDA), True or False."""
+
+    def __init__(self, model, *, compile: bool | str, block_size: int = 16):
+        self.model = model
+        self.compile = compile
+        self.block_size = block_size
+        self.runner: ModelRunner | None = None
+        self.info = DecodeInfo()
+
+    def runner_for(self, rows: int, capacities: list[int]) -> ModelRunner:
+        """A runner whose pool holds ``rows`` sequences of ``capacities[i]`` tokens and whose decode steps serve
+        them; the pool is empty when it is returned."""
+        size = self.block_size
+        needed = sum(-(-c // size) for c in capacities)
+        context = max(MIN_CONTEXT_BUCKET, 1 << (max(capacities) - 1).bit_length())
+        runner = self.runner
+        if runner is None or runner.pool.num_blocks < needed or runner.pool.kv.dtype != self.model.dtype \
+                or runner.pool.device != model_device(self.model):
+            blocks = -(-max(needed, 2 * runner.pool.num_blocks if runner else 0) // POOL_GRANULE) * POOL_GRANULE
+            runner = self.runner = ModelRunner(self.model, KVPool.for_model(self.model, num_blocks=blocks,
+                                                                             block_size=size))
+        graphs = runner.graphs
+        if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
+            rows, context = max(rows, graphs.max_batch if graphs else 1), max(context, graphs.max_model_len if graphs else 0)
+            compile = self.compile is True or (self.compile == "auto" and runner.device.type == "cuda")
+            if compile:
+                _log.warning("hfaccel: compiling the decode step for batches up to %d and contexts up to %d tokens "
+                             "(once per size bucket; this takes a while)", rows, context)
+            runner.enable_decode_graphs(rows, context, compile=compile)
+        return runner
+
+
+def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                   synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """``generate``'s decoding method for an accelerated model (module docstring): the ids ``[B, L + new]``."""
+    session: DecodeSession = model.hfaccel.session
+    mask = model_kwargs.get("attention_mask")
+    reason = _unsupported(input_ids, generation_config, synced_gpus, model_kwargs)
+    host_mask = None
+    if reason is None and mask is not None:
+        host_mask = mask.bool().cpu()  # one read of the mask per call
+        if not bool((host_mask[:, 1:] >= host_mask[:, :-1]).all()):
+            reason = "an attention mask that is not left padding"
+    if reason is not None:
+        session.info = DecodeInfo("transformers", reason)
+        return compat.transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                          synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+    session.info = DecodeInfo("hfaccel")
+    lengths = host_mask.sum(1).tolist() if host_mask is not None else [input_ids.shape[1]] * input_ids.shape[0]
+    packed = input_ids[mask.bool()] if host_mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
+    return _Loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer).run(lengths,
+                                                                                                         packed)
+
+
+def _unsupported(input_ids: torch.Tensor, config, synced_gpus: bool, model_kwargs: dict) -> str | None:
+    """Why this call needs transformers' loop (before looking at the mask's values), or None."""
+    if synced_gpus:
+        return "synced_gpus"
+    if config.return_dict_in_generate:
+        return "return_dict_in_generate"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_INPUTS and v is not None)
+    if extra:
+        return f"model inputs {extra}"
+    if model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states"):
+        return "attention or hidden-state outputs"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or mask.shape != input_ids.shape):
+        return f"an attention mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}"
+    return None
+
+
+class _Loop:
+    """One ``generate`` call's decode loop (module docstring)."""
+
+    def __init__(self, session: DecodeSession, input_ids: torch.Tensor, processors, criteria, config, streamer):
+        self.session, self.processors, self.criteria, self.streamer = session, processors, criteria, streamer
+        self.do_sample = bool(config.do_sample)
+        self.pad = compat.generation_pad_tensor(config)
+        self.pad_finished = any(hasattr(criterion, "eos_token_id") for criterion in criteria)
+        batch, self.prompt_len = input_ids.shape
+        self.max_length = int(config.max_length)
+        self.ids = input_ids.new_empty(batch, self.max_length)  # [B, max_length]
+        self.ids[:, :self.prompt_len] = input_ids
+        self.unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+        self.deferred = input_ids.device.type == "cuda"
+
+    def run(self, lengths: list[int], packed: torch.Tensor) -> torch.Tensor:
+        """Prefill the rows' real tokens (``lengths[i]`` of them for row ``i``, ``packed [T]``), then decode."""
+        batch, new_tokens = len(lengths), self.max_length - self.prompt_len
+        capacities = [n + new_tokens for n in lengths]
+        runner = self.session.runner_for(batch, capacities)
+        seq_ids = list(range(batch))
+        runner.pool.reserve(seq_ids, capacities)
+        try:
+            logits = runner.forward(seq_ids, packed, lengths, starts=[0] * batch)  # [B, V]
+            runner.graphs.begin(seq_ids, lengths)
+            return self._decode(runner, logits)
+        finally:
+            for seq_id in seq_ids:
+                runner.free(seq_id)
+
+    def _decode(self, runner: ModelRunner, logits: torch.Tensor) -> torch.Tensor:
+        cur, previous = self.prompt_len, None
+        while True:
+            rng = _rng_state(self.ids.device) if self.deferred and self.do_sample else None
+            tokens = self._select(logits, cur)  # [B]
+            self.ids[:, cur] = tokens
+            cur += 1
+            self.unfinished &= ~self.criteria(self.ids[:, :cur], None)
+            if not self.deferred:
+                self._stream(tokens)
+                if cur >= self.max_length or int(self.unfinished.max()) == 0:
+                    break
+            else:
+                if previous is not None:  # the step before's verdict, arrived while this one was queued
+                    finished_before = previous.done()
+                    self._stream(previous.tokens)
+                    if finished_before:  # transformers' loop ended there: undo this step
+                        cur -= 1
+                        if rng is not None:
+                            _set_rng_state(self.ids.device, rng)
+                        break
+                if cur >= self.max_length:
+                    self._stream(tokens)
+                    break
+                previous = _StepFlag(self.unfinished, tokens if self.streamer is not None else None)
+            logits = runner.graphs.advance(tokens)
+        if self.streamer is not None:
+            self.streamer.end()
+        return self.ids[:, :cur]
+
+    def _select(self, logits: torch.Tensor, cur: int) -> torch.Tensor:
+        """The next token of every row, as transformers' ``_sample`` picks it."""
+        scores = self.processors(self.ids[:, :cur], logits.to(torch.float32))
+        if self.do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if self.pad_finished:
+            tokens = tokens * self.unfinished + self.pad * (1 - self.unfinished)
+        return tokens
+
+    def _stream(self, tokens: torch.Tensor | None) -> None:
+        if self.streamer is not None and tokens is not None:
+            self.streamer.put(tokens.cpu())
+
+
+class _StepFlag:
+    """Whether every row had finished after a step (and its tokens, for a streamer), copied to the host without
+    waiting, read a step later."""
+
+    def __init__(self, unfinished: torch.Tensor, tokens: torch.Tensor | None):
+        self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self.flag.copy_(unfinished.max() == 0, non_blocking=True)
+        self.tokens = tokens.to("cpu", non_blocking=True) if tokens is not None else None
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def done(self) -> bool:
+        self.event.synchronize()
+        return bool(self.flag)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device)
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    torch.cuda.set_rng_state(state, device)
