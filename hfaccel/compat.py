@@ -99,8 +99,11 @@ def _and_mask_parts(mask_function: Callable) -> tuple[Callable, ...] | None:
     return tuple(parts) if isinstance(parts, tuple) else None
 
 
+_NO_CODE = object()
+
+
 def _same_code(fn: Callable, other: Callable) -> bool:
-    return getattr(fn, "__code__", None) is getattr(other, "__code__", object())
+    return getattr(fn, "__code__", None) is getattr(other, "__code__", _NO_CODE)
 
 
 def _closure_value(fn: Callable, name: str):
@@ -175,6 +178,28 @@ def active_generation_options(config, kwargs: dict, implemented: set[str] | froz
         if name not in implemented and value is not None and value != off:
             active.append(name)
     return sorted(active)
+
+
+def custom_generate_kwargs(kwargs: dict, config) -> tuple[dict, object]:
+    """``(kwargs, streamer)``: a ``generate()`` call's keyword arguments for a *callable* ``custom_generate``, keeping
+    what transformers (5.17 to 5.2x) drops on that route — ``_extract_generation_mode_kwargs`` then forwards only
+    the callable's own extra parameters, so neither the streamer nor the tokenizer (which the stop-string
+    criterion needs) arrives. The streamer is taken out and returned, for the callable to bind (it puts the
+    prompt, as generate would have); stop strings become transformers' own ``StopStringCriteria`` in
+    ``stopping_criteria``. Without a tokenizer, stop strings stay, and generate raises its own error."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    kwargs = dict(kwargs)
+    streamer = kwargs.pop("streamer", None)
+    stop_strings = kwargs.get("stop_strings")
+    if stop_strings is None:
+        stop_strings = getattr(config, "stop_strings", None)
+    tokenizer = kwargs.get("tokenizer")
+    if stop_strings and tokenizer is not None:
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs.update(stopping_criteria=criteria, stop_strings=None)
+    return kwargs, streamer
 
 
 def transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):

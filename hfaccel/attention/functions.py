@@ -42,6 +42,13 @@ class KernelMask:
         return replace(self, key_mask=self.key_mask.contiguous())
 
 
+# What the runner passes as ``attention_mask``: each packed sequence attends causally to its own blocks, each layer
+# with the sliding window its module passes (``sliding_window``, as transformers' varlen flash path reads it). A
+# given KernelMask is final, so the model's mask functions are never introspected inside a compiled step (dynamo
+# cannot read a closure built in the graph) and a decode forward builds no mask at all.
+PACKED_MASK = KernelMask(key_mask=None, q_offset=0, kv_offset=0, causal=True, sliding_window=None)
+
+
 def kernel_mask(
     batch_size: int,
     q_length: int,
@@ -86,7 +93,7 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
                                   "hfaccel.accelerate leaves such models on transformers' attention")
     softcap = kwargs.get("softcap")
     if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
-        return _packed(backend, query, key, attention_mask, scaling, softcap, dropout), None
+        return _packed(backend, query, key, attention_mask, scaling, softcap, dropout, kwargs.get("sliding_window")), None
     if isinstance(key, PagedKV):
         if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
             return _paged(backend, query, key, attention_mask, scaling, softcap), None
@@ -130,7 +137,7 @@ def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, sca
 
 
 def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
-            dropout: float) -> torch.Tensor:
+            dropout: float, sliding_window: int | None) -> torch.Tensor:
     # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]
     if not _paged_kernel_serves(mask, dropout, query):
         raise NotImplementedError(
@@ -139,7 +146,7 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             f"grad {_needs_autograd(query)}")
     out = paged_attention_op(query[0].transpose(0, 1), kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens,
                              kv.cu_seqlens_q, kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None,
-                             mask.sliding_window, softcap, backend)  # [T, Hq, D]
+                             sliding_window, softcap, backend)  # [T, Hq, D]
     return out[None]
 
 

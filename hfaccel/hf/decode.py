@@ -89,6 +89,8 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
                    synced_gpus: bool = False, streamer=None, **model_kwargs):
     """``generate``'s decoding method for an accelerated model (module docstring): the ids ``[B, L + new]``."""
     session: DecodeSession = model.hfaccel.session
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # generate() puts the prompt itself only when it holds the streamer
     mask = model_kwargs.get("attention_mask")
     reason = _unsupported(input_ids, generation_config, synced_gpus, model_kwargs)
     host_mask = None
@@ -137,7 +139,7 @@ class _Loop:
         self.ids = input_ids.new_empty(batch, self.max_length)  # [B, max_length]
         self.ids[:, :self.prompt_len] = input_ids
         self.unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
-        self.deferred = input_ids.device.type == "cuda"
+        self.deferred = defers_stop_checks(input_ids.device)
 
     def run(self, lengths: list[int], packed: torch.Tensor) -> torch.Tensor:
         """Prefill the rows' real tokens (``lengths[i]`` of them for row ``i``, ``packed [T]``), then decode."""
@@ -200,25 +202,37 @@ class _Loop:
             self.streamer.put(tokens.cpu())
 
 
+def defers_stop_checks(device: torch.device) -> bool:
+    """Whether the loop reads "every row finished" a step late (on CUDA, where reading it at once would make the
+    host wait for the device every step)."""
+    return device.type == "cuda"
+
+
 class _StepFlag:
     """Whether every row had finished after a step (and its tokens, for a streamer), copied to the host without
     waiting, read a step later."""
 
     def __init__(self, unfinished: torch.Tensor, tokens: torch.Tensor | None):
-        self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        cuda = unfinished.device.type == "cuda"
+        self.flag = torch.empty((), dtype=torch.bool, pin_memory=cuda)
         self.flag.copy_(unfinished.max() == 0, non_blocking=True)
         self.tokens = tokens.to("cpu", non_blocking=True) if tokens is not None else None
-        self.event = torch.cuda.Event()
-        self.event.record()
+        self.event = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
 
     def done(self) -> bool:
-        self.event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return bool(self.flag)
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device)
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    torch.cuda.set_rng_state(state, device)
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

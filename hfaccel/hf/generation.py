@@ -58,7 +58,9 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     shape = request_shape(model, args, kwargs)
     reason = _loop_leaves(model, kwargs, cache, shape)
     if reason is None:
-        return generate(*args, custom_generate=hfaccel_sample, **kwargs)
+        config = kwargs.get("generation_config") or model.generation_config
+        kwargs, streamer = compat.custom_generate_kwargs(kwargs, config)
+        return generate(*args, custom_generate=functools.partial(hfaccel_sample, streamer=streamer), **kwargs)
     session.info = DecodeInfo("transformers", reason)
     if isinstance(cache, PagedCache):
         if shape is not None:

@@ -346,7 +346,7 @@ class SequenceKVCache(PoolCache):
 
     The runner sets ``step`` (a device :class:`PackedStep`) before the model's forward; the model's layers then
     call ``update`` with their packed K/V ``[1, Hkv, T, D]``. The model's attention must read the pool
-    (hfaccel's attention).
+    (hfaccel's attention: the runner checks it before each forward).
     """
 
     def __init__(self, config, pool: KVPool):
@@ -358,9 +358,6 @@ class SequenceKVCache(PoolCache):
         step = self.step
         if step is None:
             raise RuntimeError("SequenceKVCache.step must be set (by the runner) before the model's forward")
-        if paged_reader_backend(self.config) is None:
-            raise RuntimeError("SequenceKVCache needs the model's attention to be hfaccel's (got "
-                               f"{compat.attn_implementation(self.config)!r}); see hfaccel.runner")
         k_pool, v_pool = self.pool.layer(layer_idx)
         paged = PagedKV(k_pool, v_pool, step.block_tables, step.seq_lens, step.max_seq_len,
                         cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_q_len)

@@ -68,6 +68,7 @@ class KVPool:
         self.block_size = block_size
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (k_pool, v_pool) views
         if device is not None and dtype is not None:
             self.allocate(torch.device(device), dtype)
 
@@ -89,10 +90,11 @@ class KVPool:
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_pool, v_pool)`` of one layer, each ``[num_blocks, block_size, Hkv, D]``."""
-        return self.kv[index, 0], self.kv[index, 1]
+        """``(k_pool, v_pool)`` of one layer, each ``[num_blocks, block_size, Hkv, D]`` (views made once)."""
+        return self._layers[index]
 
     def block_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of one block across all layers, K and V (in ``dtype``, default the pool's, else 2-byte)."""

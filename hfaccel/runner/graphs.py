@@ -64,6 +64,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on)
         self.keep = torch.arange(max_batch, dtype=torch.long, **on)
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
         self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
@@ -125,18 +126,24 @@ class DecodeGraphs:
         self.block_tables[:size, :tables.shape[1]].copy_(tables.pin_memory() if pinned else tables,
                                                          non_blocking=True)
 
+    def _rows(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The static buffers' views for a step of ``size`` rows."""
+        if size not in self._views:
+            self._views[size] = (self.input_ids[:size], self.positions[:size], self.seq_lens[:size],
+                                 self.slot_mapping[:, :size], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
+                                 self.keep[:size], torch.arange(size, device=self.device))
+        return self._views[size]
+
     def _step(self, size: int, advance: bool) -> torch.Tensor:
         """One static step: (device-fed) this step's slots from positions and tables, the model's forward,
         (device-fed) positions and lengths moved on for the next step."""
-        positions, seq_lens = self.positions[:size], self.seq_lens[:size]
+        input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, rows = self._rows(size)
         if advance:
-            rows = torch.arange(size, device=positions.device)
-            slots = slot_mapping(self.block_tables[:size], rows, positions, self.runner.pool.block_size)
-            self.slot_mapping[0, :size].copy_(torch.where(seq_lens > 0, slots, -1))
-        step = PackedStep(slot_mapping=self.slot_mapping[:, :size], block_tables=self.block_tables[:size],
-                          seq_lens=seq_lens, cu_seqlens_q=self.cu_seqlens_q[:size + 1], positions=positions,
-                          max_seq_len=self.max_model_len, max_q_len=1)
-        logits = self.runner.run_model(self.input_ids[:size], step, self.keep[:size])
+            computed = slot_mapping(tables, rows, positions, self.runner.pool.block_size)
+            slots[0].copy_(torch.where(seq_lens > 0, computed, -1))
+        step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
+                          positions=positions, max_seq_len=self.max_model_len, max_q_len=1)
+        logits = self.runner.run_model(input_ids, step, keep)
         if advance:
             live = (seq_lens > 0).to(seq_lens.dtype)
             positions.add_(live)

@@ -22,8 +22,11 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from hfaccel import compat
+from hfaccel.attention.functions import PACKED_MASK
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
+from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
 
 
@@ -81,10 +84,14 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int) -> torch.Tensor:
         """The model's forward on packed ``input_ids [T]`` with the step's metadata; logits of the ``keep``
         positions (``0``: all)."""
+        if paged_reader_backend(self.model.config) is None:
+            raise RuntimeError("ModelRunner needs the model's attention to be hfaccel's (got "
+                               f"{compat.attn_implementation(self.model.config)!r}): hfaccel.accelerate(model), "
+                               "or hfaccel.attention.hfaccel_attention(model) for the duration of a call")
         self.cache.step = step
         try:
-            out = self.model(input_ids=input_ids[None], position_ids=step.positions[None], past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=keep)
+            out = self.model(input_ids=input_ids[None], attention_mask=PACKED_MASK, position_ids=step.positions[None],
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         finally:
             self.cache.step = None
         return out.logits[0]

@@ -1,0 +1,251 @@
+"""hfaccel's decode loop behind generate(): transformers' tokens (and random-generator state), no padding held,
+static decode steps that never wait for the device, compiled steps equal to eager ones.
+
+Models run the torch reference kernels (the loop is what is under test; the kernels have their own tests) except
+where a test says otherwise.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+import hfaccel
+import hfaccel.hf.decode as decode
+import hfaccel.runner.graphs as graphs
+from tests.devices import DEVICE
+from tests.models import char_tokenizer, padded_batch, tiny_model
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+def _pair(arch: str = "llama", **accelerate_kwargs):
+    model = tiny_model(arch)
+    return model, lambda: hfaccel.accelerate(model, attention="torch", **accelerate_kwargs)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+def test_rows_stopping_at_different_steps_give_transformers_tokens(monkeypatch, defer):
+    """EOS ends rows at different steps; finished rows are padded; the loop ends when the last row ends. With the
+    stop check deferred (how CUDA runs it) the step computed past the end is undone."""
+    monkeypatch.setattr(decode, "defers_stop_checks", lambda device: defer)
+    model, accelerate = _pair()
+    batch = padded_batch(seed=2)
+    eos = _token_every_row_makes_at_different_steps(model, batch, 30)
+    kwargs = dict(max_new_tokens=30, eos_token_id=eos, **GREEDY)
+    expected = model.generate(**batch, **kwargs)
+    accelerate()
+    got = model.generate(**batch, **kwargs)
+    assert torch.equal(got, expected) and got.shape[1] < batch["input_ids"].shape[1] + 30
+    assert str(model.hfaccel.decode) == "hfaccel"
+
+
+def _token_every_row_makes_at_different_steps(model, batch: dict, steps: int) -> int:
+    """A token each row's greedy continuation contains, first made at different steps (an EOS that ends the rows at
+    different steps, all before the budget)."""
+    made = model.generate(**batch, max_new_tokens=steps, eos_token_id=None, **GREEDY)[:, batch["input_ids"].shape[1]:]
+    for token in made[0].tolist():
+        firsts = [row.tolist().index(token) for row in made if token in row.tolist()]
+        if len(firsts) == len(made) and len(set(firsts)) > 1:
+            return token
+    raise AssertionError("the probe found no token every row makes at different steps; choose another batch")
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])
+def test_sampling_draws_the_same_tokens_and_leaves_the_generator_as_transformers_does(monkeypatch, defer):
+    monkeypatch.setattr(decode, "defers_stop_checks", lambda device: defer)
+    model, accelerate = _pair("qwen2")
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=20, do_sample=True, top_p=0.9, temperature=0.7, pad_token_id=0, eos_token_id=7)
+    torch.manual_seed(5)
+    expected = model.generate(**batch, **kwargs)
+    expected_state = torch.get_rng_state()
+    accelerate()
+    torch.manual_seed(5)
+    got = model.generate(**batch, **kwargs)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), expected_state)  # an undone step's draws are put back
+
+
+def test_processors_criteria_and_streamer_are_transformers_own():
+    """Repetition penalty, min_new_tokens, bad words, a stop string, several return sequences and a streamer:
+    all through the loop, as transformers' loop gives them."""
+    model, accelerate = _pair("mistral")
+    batch = padded_batch()
+
+    class Collect:
+        def __init__(self):
+            self.parts = []
+
+        def put(self, value):
+            self.parts.append(value.tolist())
+
+        def end(self):
+            self.parts.append("end")
+
+    kwargs = dict(max_new_tokens=9, min_new_tokens=4, repetition_penalty=1.3, bad_words_ids=[[5], [6, 7]],
+                  num_return_sequences=2, do_sample=True, top_k=8, pad_token_id=0, eos_token_id=3)
+    torch.manual_seed(2)
+    expected_stream = Collect()
+    expected = model.generate(**batch, streamer=None, **kwargs)
+    accelerate()
+    torch.manual_seed(2)
+    assert torch.equal(model.generate(**batch, **kwargs), expected)
+    hfaccel.restore(model)
+    prompt = batch["input_ids"][:1, -4:]
+    model.generate(prompt, max_new_tokens=5, streamer=expected_stream, **GREEDY)
+    accelerate()
+    stream = Collect()
+    model.generate(prompt, max_new_tokens=5, streamer=stream, **GREEDY)
+    assert stream.parts == expected_stream.parts and str(model.hfaccel.decode) == "hfaccel"
+
+
+def test_stop_strings_need_the_tokenizer_generate_was_given():
+    """transformers hands a callable custom_generate neither the tokenizer nor the streamer; stop strings still end
+    rows where transformers' loop ends them, and without a tokenizer the call fails as transformers' does."""
+    model, accelerate = _pair("qwen3")
+    batch, tokenizer = padded_batch(), char_tokenizer()
+    probe = model.generate(**batch, max_new_tokens=20, eos_token_id=None, **GREEDY)
+    stop = tokenizer.decode(probe[0, -14:-12])  # two characters row 0 makes after 6 tokens: a string across tokens
+    kwargs = dict(max_new_tokens=20, eos_token_id=None, stop_strings=[stop], **GREEDY)
+    expected = model.generate(**batch, tokenizer=tokenizer, **kwargs)
+    accelerate()
+    got = model.generate(**batch, tokenizer=tokenizer, **kwargs)
+    assert torch.equal(got, expected) and str(model.hfaccel.decode) == "hfaccel"
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate(**batch, **kwargs)
+
+
+def test_what_the_loop_leaves_to_transformers_says_why():
+    model, accelerate = _pair()
+    accelerate()
+    batch = padded_batch()
+    model.generate(**batch, max_new_tokens=2, return_dict_in_generate=True, **GREEDY)
+    assert str(model.hfaccel.decode) == "transformers (generation options ['return_dict_in_generate'])"
+    holes = batch["attention_mask"].clone()
+    holes[0, -3] = 0
+    model.generate(batch["input_ids"], attention_mask=holes, max_new_tokens=2, **GREEDY)
+    assert str(model.hfaccel.decode) == "transformers (an attention mask that is not left padding)"
+    model.generate(**batch, max_new_tokens=2, past_key_values=DynamicCache(config=model.config), **GREEDY)
+    assert str(model.hfaccel.decode) == "transformers (the caller's past_key_values)"
+    model.generate(**batch, max_new_tokens=2, **GREEDY)
+    assert str(model.hfaccel.decode) == "hfaccel"
+
+
+def test_left_padding_takes_no_kv_memory():
+    """Rows of 11, 7 and 4 real tokens in a batch padded to 11: the pool holds 22 prompt tokens, not 33."""
+    model, accelerate = _pair()
+    accelerate()
+    batch = padded_batch((11, 7, 4))
+    held = []
+    real_forward = hfaccel.runner.ModelRunner.forward
+
+    def watch(runner, seq_ids, input_ids, num_new, **kwargs):
+        held.append(sum(num_new))
+        return real_forward(runner, seq_ids, input_ids, num_new, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hfaccel.runner.ModelRunner, "forward", watch)
+        model.generate(**batch, max_new_tokens=3, **GREEDY)
+    assert held == [22]  # the prefill computed (and stored) the real tokens only; decode steps are static
+    pool = model.hfaccel.session.runner.pool
+    assert pool.manager.num_used_blocks == 0  # every block is back after the call
+
+
+class _FailOnHostReads(TorchDispatchMode):
+    """Fails on any op that makes the host wait for a tensor's value."""
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.equal", "aten.is_nonzero")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.READS):
+            raise AssertionError(f"the decode step reads a tensor's value on the host: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _watch_steps(monkeypatch, mode_factory) -> list:
+    modes, real = [], graphs.DecodeGraphs._step
+
+    def step(self, size, advance):
+        with mode_factory() as mode:
+            modes.append(mode)
+            return real(self, size, advance)
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "_step", step)
+    return modes
+
+
+def test_a_decode_step_never_reads_a_tensor_on_the_host(monkeypatch):
+    model, accelerate = _pair("gemma2")
+    accelerate()
+    modes = _watch_steps(monkeypatch, _FailOnHostReads)
+    model.generate(**padded_batch(), max_new_tokens=4, **GREEDY)
+    assert len(modes) == 3
+
+
+def test_an_eager_decode_step_runs_no_more_ops_than_sdpa(monkeypatch):
+    """Where compile cannot serve, the eager step is what users get: it must not cost more ops than transformers'
+    sdpa decode forward with its DynamicCache."""
+    model = tiny_model("llama")
+    batch = padded_batch()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache, use_cache=True).logits
+        mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(3, 1)], 1)
+        with _Count() as sdpa:
+            model(input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
+                  position_ids=mask.cumsum(1)[:, -1:] - 1, past_key_values=cache, use_cache=True)
+    hfaccel.accelerate(model, attention="torch")
+    modes = _watch_steps(monkeypatch, _Count)
+    model.generate(**batch, max_new_tokens=4, **GREEDY)
+    assert modes[-1].ops <= sdpa.ops, (modes[-1].ops, sdpa.ops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compiled_decode_steps_equal_eager_ones(arch):
+    """accelerate(compile=True): the decode step compiled with torch.compile (fullgraph: any graph break fails),
+    the same tokens as the eager step and as transformers."""
+    model = tiny_model(arch)
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=8, eos_token_id=None, **GREEDY)
+    expected = model.generate(**batch, **kwargs)
+    hfaccel.accelerate(model, attention="torch", compile=True)
+    assert torch.equal(model.generate(**batch, **kwargs), expected)
+    assert model.hfaccel.session.runner.graphs.compiled and str(model.hfaccel.decode) == "hfaccel"
+
+
+def test_compile_argument_is_checked():
+    with pytest.raises(ValueError, match="compile must be True, False or 'auto'; got 'yes'"):
+        hfaccel.accelerate(tiny_model("llama"), compile="yes")
+    assert "compile='auto'" in str(hfaccel.accelerate(tiny_model("llama")).hfaccel)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronization exists only on a GPU")
+def test_steady_decode_steps_never_synchronize_on_cuda():
+    model = tiny_model("llama")
+    hfaccel.accelerate(model)
+    batch = padded_batch()
+    model.generate(**batch, max_new_tokens=4, **GREEDY)  # capture and warm up
+    session = model.hfaccel.session
+    real_advance = session.runner.graphs.advance
+
+    def strict(input_ids):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_advance(input_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    session.runner.graphs.advance = strict
+    model.generate(**batch, max_new_tokens=6, eos_token_id=None, **GREEDY)
