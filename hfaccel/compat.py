@@ -70,16 +70,19 @@ class MaskPattern:
     sliding_window: int | None = None
 
 
-def describe_mask_function(mask_function: Callable, local_size: int | None) -> MaskPattern | None:
+def describe_mask_function(mask_function: Callable, local_size: int | None, config=None) -> MaskPattern | None:
     """Recognise transformers' causal / bidirectional / sliding-window mask functions; None for anything else.
 
     Anything unrecognised (chunked attention, packed sequences, image-token overlays, user functions) returns
-    None and is served from a dense mask, so a new pattern costs speed, never correctness.
+    None and is served from a dense mask, so a new pattern costs speed, never correctness. ``config`` (the model
+    config transformers' mask creators pass) is read only while dynamo traces (see :func:`_describe_traced`).
     """
     if mask_function is masking_utils.causal_mask_function:
         return MaskPattern(causal=True)
     if mask_function is masking_utils.bidirectional_mask_function:
         return MaskPattern(causal=False)
+    if torch.compiler.is_compiling():
+        return _describe_traced(mask_function, local_size, config)
     parts = _and_mask_parts(mask_function)
     if parts is None or len(parts) != 2 or local_size is None:
         return None
@@ -90,6 +93,23 @@ def describe_mask_function(mask_function: Callable, local_size: int | None) -> M
     if base is masking_utils.causal_mask_function and _same_code(overlay, masking_utils.sliding_window_overlay(1)):
         return MaskPattern(causal=True, sliding_window=int(window))
     return None
+
+
+def _describe_traced(mask_function: Callable, local_size: int | None, config) -> MaskPattern | None:
+    """The pattern of a mask function built inside a graph dynamo traces, whose closure cannot be read there.
+
+    transformers builds the causal sliding-window function as ``and_masks(sliding_window_overlay(w),
+    causal_mask_function)`` and passes ``local_size=config.sliding_window``; the one other ``and_masks`` pattern
+    given a ``local_size``, chunked attention, passes ``config.attention_chunk_size`` (a config with both set to
+    the same size is left to the dense path), and non-causal configs build bidirectional windows.
+    """
+    if local_size is None or config is None or not _same_code(mask_function, masking_utils.and_masks()):
+        return None
+    if local_size != getattr(config, "sliding_window", None) or not getattr(config, "is_causal", True):
+        return None
+    if getattr(config, "attention_chunk_size", None) == local_size:
+        return None
+    return MaskPattern(causal=True, sliding_window=int(local_size))
 
 
 def _and_mask_parts(mask_function: Callable) -> tuple[Callable, ...] | None:

@@ -65,7 +65,7 @@ def kernel_mask(
     pattern the kernels do not implement natively."""
     if isinstance(attention_mask, KernelMask):
         return attention_mask
-    pattern = None if use_vmap else compat.describe_mask_function(mask_function, local_size)
+    pattern = None if use_vmap else compat.describe_mask_function(mask_function, local_size, kwargs.get("config"))
     if pattern is None:
         return compat.dense_bool_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -131,7 +131,7 @@ def _paged_kernel_serves(mask, dropout: float, query: torch.Tensor) -> bool:
 def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,
            softcap: float | None) -> torch.Tensor:
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
-    return paged_attention_op(query, kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens, None, query.shape[2],
+    return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, None, query.shape[2],
                               kv.max_seq_len, _scale(scaling, query), mask.key_mask, mask.sliding_window, softcap,
                               backend)
 
@@ -144,7 +144,7 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
             f"without dropout or autograd; got mask {type(mask).__name__}, dropout {dropout}, "
             f"grad {_needs_autograd(query)}")
-    out = paged_attention_op(query[0].transpose(0, 1), kv.k_pool, kv.v_pool, kv.block_tables, kv.seq_lens,
+    out = paged_attention_op(query[0].transpose(0, 1), kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens,
                              kv.cu_seqlens_q, kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None,
                              sliding_window, softcap, backend)  # [T, Hq, D]
     return out[None]

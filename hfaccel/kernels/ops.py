@@ -8,7 +8,9 @@ kernel — compiled on CUDA, interpreted on the CPU under ``TRITON_INTERPRET=1``
 opaque op keeps that host logic out of the trace, and inductor does not fuse user Triton kernels with its own
 anyway. Scalars have fixed schema types (``float`` reaches Triton as fp32), host ints that size a launch are
 plain ints, and no op reads a tensor's values on the host on CUDA. Outputs are fresh contiguous tensors, exactly
-as the fake implementations describe them.
+as the fake implementations describe them. The paged ops take the whole pool tensor and a layer index, never a
+layer's views: torch.compile(dynamic=True) miscompiles a custom op that mutates a view made outside the op (torch
+2.13: the writes land elsewhere; tests/runner/test_runner.py checks compiled steps against eager ones).
 """
 
 from __future__ import annotations
@@ -38,19 +40,21 @@ def _(q, k, v, key_mask, scale, causal, q_offset, kv_offset, sliding_window, sof
 
 
 @torch.library.custom_op("hfaccel::paged_attention", mutates_args=())
-def paged_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
                        max_seqlen_k: int, scale: float, key_mask: torch.Tensor | None, sliding_window: int | None,
                        softcap: float | None, backend: str) -> torch.Tensor:
-    """Attention over the paged pool (``hfaccel.kernels.paged_attention``): dense ``q [B, Hq, Sq, D]`` ->
-    ``[B, Sq, Hq, D]``, or packed ``q [T, Hq, D]`` with ``cu_seqlens_q`` -> ``[T, Hq, D]``."""
-    return paged_attention(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale, key_mask=key_mask,
-                           sliding_window=sliding_window, softcap=softcap, backend=backend).contiguous()
+    """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``
+    (``hfaccel.kernels.paged_attention``): dense ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, or packed
+    ``q [T, Hq, D]`` with ``cu_seqlens_q`` -> ``[T, Hq, D]``."""
+    return paged_attention(q, kv_cache[layer, 0], kv_cache[layer, 1], block_tables, seq_lens,
+                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           scale=scale, key_mask=key_mask, sliding_window=sliding_window, softcap=softcap,
+                           backend=backend).contiguous()
 
 
 @paged_attention_op.register_fake
-def _(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
+def _(q, kv_cache, layer, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
       sliding_window, softcap, backend):
     if cu_seqlens_q is not None:
         return torch.empty_like(q)
@@ -58,15 +62,16 @@ def _(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max
     return q.new_empty(batch, seq, heads, head_dim)
 
 
-@torch.library.custom_op("hfaccel::write_kv", mutates_args=("k_pool", "v_pool"))
-def write_kv_op(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                slot_mapping: torch.Tensor, backend: str) -> None:
-    """Store ``k, v [B, S, Hkv, D]`` into the pools at ``slot_mapping [B, S]`` (``hfaccel.kernels.write_kv``)."""
-    write_kv(k, v, k_pool, v_pool, slot_mapping, backend=backend)
+@torch.library.custom_op("hfaccel::write_kv", mutates_args=("kv_cache",))
+def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+                backend: str) -> None:
+    """Store ``k, v [B, S, Hkv, D]`` into layer ``layer`` of the pool ``kv_cache [L, 2, num_blocks, block_size,
+    Hkv, D]`` at ``slot_mapping [B, S]`` (``hfaccel.kernels.write_kv``)."""
+    write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, backend=backend)
 
 
 @write_kv_op.register_fake
-def _(k, v, k_pool, v_pool, slot_mapping, backend) -> None:
+def _(k, v, kv_cache, layer, slot_mapping, backend) -> None:
     return None
 
 

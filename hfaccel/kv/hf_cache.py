@@ -39,8 +39,8 @@ def paged_reader_backend(config) -> str | None:
 class PagedKV:
     """One layer's view of the pool, handed to hfaccel's attention instead of K/V tensors."""
 
-    k_pool: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    v_pool: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]: the whole pool (the kernels index the layer)
+    layer: int
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32 (tokens held, including this forward's)
     max_seq_len: int  # host copy of seq_lens.max()
@@ -56,10 +56,11 @@ class PagedKV:
         """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous)."""
         if self.dense is not None:
             return self.dense
-        length, size = self.max_seq_len, self.k_pool.shape[1]
+        length, size = self.max_seq_len, self.kv_cache.shape[3]
         blocks = self.block_tables[:, : -(-length // size)].long()  # [B, n_blocks]
-        keys = self.k_pool[blocks].flatten(1, 2)[:, :length]  # [B, S, Hkv, D]
-        values = self.v_pool[blocks].flatten(1, 2)[:, :length]
+        pools = self.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
+        keys = pools[0, blocks].flatten(1, 2)[:, :length]  # [B, S, Hkv, D]
+        values = pools[1, blocks].flatten(1, 2)[:, :length]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
 
@@ -180,9 +181,8 @@ class PagedCache(PoolCache):
         if layer_idx <= self._last_layer or self._step is None:
             self._begin_forward(key_states.shape[0], key_states.shape[2], key_states)
         self._last_layer = layer_idx
-        k_pool, v_pool = self.pool.layer(layer_idx)
         first_fill = key_states.shape[2] == self.seq_len
-        paged = PagedKV(k_pool, v_pool, self._step["block_tables"], self._step["seq_lens"], self.seq_len,
+        paged = PagedKV(self.pool.kv, layer_idx, self._step["block_tables"], self._step["seq_lens"], self.seq_len,
                         (key_states, value_states) if first_fill else None)
         return paged, self._step["slot_mapping"]
 
@@ -358,8 +358,7 @@ class SequenceKVCache(PoolCache):
         step = self.step
         if step is None:
             raise RuntimeError("SequenceKVCache.step must be set (by the runner) before the model's forward")
-        k_pool, v_pool = self.pool.layer(layer_idx)
-        paged = PagedKV(k_pool, v_pool, step.block_tables, step.seq_lens, step.max_seq_len,
+        paged = PagedKV(self.pool.kv, layer_idx, step.block_tables, step.seq_lens, step.max_seq_len,
                         cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_q_len)
         return paged, step.slot_mapping
 

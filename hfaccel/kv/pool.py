@@ -68,7 +68,6 @@ class KVPool:
         self.block_size = block_size
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # each layer's (k_pool, v_pool) views
         if device is not None and dtype is not None:
             self.allocate(torch.device(device), dtype)
 
@@ -90,11 +89,6 @@ class KVPool:
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.num_layers)]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_pool, v_pool)`` of one layer, each ``[num_blocks, block_size, Hkv, D]`` (views made once)."""
-        return self._layers[index]
 
     def block_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of one block across all layers, K and V (in ``dtype``, default the pool's, else 2-byte)."""
@@ -102,11 +96,9 @@ class KVPool:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer; returns that layer's pools."""
-        k_pool, v_pool = self.layer(layer)
-        write_kv_op(keys, values, k_pool, v_pool, slots, backend)
-        return k_pool, v_pool
+              backend: str = "auto") -> None:
+        """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer."""
+        write_kv_op(keys, values, self.kv, layer, slots, backend)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Perform the block manager's copy-on-write copies (every layer, K and V)."""

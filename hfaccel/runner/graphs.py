@@ -27,6 +27,7 @@ the same static step runs eagerly, which is what the CPU tests check.
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
@@ -65,7 +66,10 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on)
         self.keep = torch.arange(max_batch, dtype=torch.long, **on)
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
-        self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        # dynamic=True: one graph serves every batch size (sizes 0 and 1 are specialised), so a runner compiles
+        # at most a few variants — each size is then captured as its own CUDA graph
+        self._step_fn = torch.compile(_own_code(static_step), fullgraph=True, dynamic=True) if compile \
+            else static_step
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
@@ -135,24 +139,12 @@ class DecodeGraphs:
         return self._views[size]
 
     def _step(self, size: int, advance: bool) -> torch.Tensor:
-        """One static step: (device-fed) this step's slots from positions and tables, the model's forward,
-        (device-fed) positions and lengths moved on for the next step."""
-        input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, rows = self._rows(size)
-        if advance:
-            computed = slot_mapping(tables, rows, positions, self.runner.pool.block_size)
-            slots[0].copy_(torch.where(seq_lens > 0, computed, -1))
-        step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
-                          positions=positions, max_seq_len=self.max_model_len, max_q_len=1)
-        logits = self.runner.run_model(input_ids, step, keep)
-        if advance:
-            live = (seq_lens > 0).to(seq_lens.dtype)
-            positions.add_(live)
-            seq_lens.add_(live)
-        return logits
+        """One static step of ``size`` rows (:func:`static_step` on the buffers' leading rows)."""
+        return self._step_fn(self.runner, self._rows(size), advance, self.max_model_len)
 
     def _replay(self, size: int, advance: bool) -> torch.Tensor:
         if not self.capture:
-            return self._step_fn(size, advance)
+            return self._step(size, advance)
         key = (size, advance)
         if key not in self._graphs:
             logits = self._capture(size, advance)
@@ -170,7 +162,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            logits = self._step_fn(size, advance)
+            logits = self._step(size, advance)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         after = self._counters() if advance else None
         if advance:
@@ -178,7 +170,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
-                captured = self._step_fn(size, advance)
+                captured = self._step(size, advance)
         except Exception as error:  # a model whose forward cannot be captured: stay eager, say why
             warnings.warn(f"hfaccel: CUDA graph capture failed ({error!r}); decode steps run eagerly",
                           stacklevel=4)
@@ -198,3 +190,28 @@ class DecodeGraphs:
     def _restore(self, counters: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.positions.copy_(counters[0])
         self.seq_lens.copy_(counters[1])
+
+
+def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bool, max_model_len: int) -> torch.Tensor:
+    """One static decode step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with
+    ``advance``, this step's slots from positions and block tables first (device-fed), and positions and lengths
+    moved on after the forward. Returns the logits ``[size, V]``."""
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index = rows
+    if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
+        slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
+    step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
+                      positions=positions, max_seq_len=max_model_len, max_q_len=1)
+    logits = runner.run_model(input_ids, step, keep)
+    if advance:
+        live = (seq_lens > 0).to(seq_lens.dtype)
+        positions.add_(live)
+        seq_lens.add_(live)
+    return logits
+
+
+def _own_code(function):
+    """A copy of ``function`` with a code object of its own. Dynamo keeps compiled variants per code object and
+    counts them against one recompile limit (8): each DecodeGraphs compiles its own copy, so the runners of a
+    process (several models, engines, a pool that grew) never share it."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
