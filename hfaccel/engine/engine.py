@@ -28,7 +28,7 @@ from hfaccel.device import model_device, to_device
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
-from hfaccel.runner import ModelRunner
+from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
     IncrementalDetokenizer, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenLogprob, eos_token_ids, sample,
 )
@@ -53,6 +53,9 @@ class Engine:
         kv_cache_fraction: on CUDA, the share of free memory the default pool takes.
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
+        compile: decode-only steps compiled with ``torch.compile`` (inductor fuses the glue between hfaccel's
+            kernels): True, False or ``"auto"`` (on CUDA, with ``cuda_graphs``). The first steps compile (once:
+            one graph serves every batch size).
         async_scheduling: schedule and launch each step before the previous step's tokens reach the host, so
             the host's work overlaps the device's (default: on CUDA). The outputs are the same; ``step()``
             then returns what the step before it produced.
@@ -61,7 +64,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  num_blocks: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, kv_cache_fraction: float = 0.8, cuda_graphs: bool | None = None,
-                 async_scheduling: bool | None = None):
+                 compile: bool | str = "auto", async_scheduling: bool | None = None):
+        compiles(compile, model_device(model))  # a bad setting raises before anything changes
         _use_hfaccel_attention(model)
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
@@ -78,7 +82,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
         on_cuda = self.runner.device.type == "cuda"
         if cuda_graphs if cuda_graphs is not None else on_cuda:
-            self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len)
+            self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
+                                             compile=compiles(compile, self.runner.device))
         self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
         self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
         self.requests: dict[str, Request] = {}

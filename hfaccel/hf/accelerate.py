@@ -14,6 +14,7 @@ from hfaccel.hf.decode import DecodeInfo, DecodeSession
 from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
+from hfaccel.runner import compiles
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
         model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason)
         return model
-    if compile not in (True, False, "auto"):
-        raise ValueError(f"compile must be True, False or 'auto'; got {compile!r}")
+    compiles(compile, model_device(model))  # a bad setting raises before anything changes
     set_hfaccel_attention(model, attention)
     name = ATTENTION_NAMES[attention]
     session = None

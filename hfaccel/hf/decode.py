@@ -29,7 +29,7 @@ import torch
 from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.kv import KVPool
-from hfaccel.runner import ModelRunner
+from hfaccel.runner import ModelRunner, compiles
 
 _log = logging.getLogger("hfaccel")
 MIN_CONTEXT_BUCKET = 256  # decode steps are built for contexts of powers of two from here
@@ -77,7 +77,7 @@ class DecodeSession:
         graphs = runner.graphs
         if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
             rows, context = max(rows, graphs.max_batch if graphs else 1), max(context, graphs.max_model_len if graphs else 0)
-            compile = self.compile is True or (self.compile == "auto" and runner.device.type == "cuda")
+            compile = compiles(self.compile, runner.device)
             if compile:
                 _log.warning("hfaccel: compiling the decode step for batches up to %d and contexts up to %d tokens "
                              "(once per size bucket; this takes a while)", rows, context)

@@ -98,7 +98,7 @@ def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
         warnings.warn(f"hfaccel: assisted generation runs on transformers' implementation (batch size 1 only) "
                       f"because of {arguments}", stacklevel=3)
         return generate(*args, **kwargs)
-    return speculative_generate(model, **arguments)
+    return speculative_generate(model, compile=model.hfaccel.compile, **arguments)
 
 
 def request_shape(model, args: tuple, kwargs: dict) -> tuple[int, int] | None:

@@ -42,6 +42,14 @@ if TYPE_CHECKING:
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def compiles(setting: bool | str, device: torch.device) -> bool:
+    """Whether decode steps on ``device`` are compiled for a ``compile`` setting: True, False or ``"auto"`` (on
+    CUDA, where the glue between kernels is worth fusing). Any other value is a ``ValueError``."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto'; got {setting!r}")
+    return setting is True or (setting == "auto" and device.type == "cuda")
+
+
 class DecodeGraphs:
     """Static-shape decode steps of a :class:`ModelRunner` for up to ``max_batch`` sequences of up to
     ``max_model_len`` tokens (made by ``runner.enable_decode_graphs``)."""

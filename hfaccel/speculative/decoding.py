@@ -23,7 +23,8 @@ import torch
 
 from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
-from hfaccel.runner import ModelRunner
+from hfaccel.device import model_device
+from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
     IncrementalDetokenizer, SamplingParams, StopChecker, Warping, inverse_cdf, probabilities, token_ids,
 )
@@ -306,6 +307,7 @@ def speculative_generate(
     tokenizer=None,
     seed: int | None = None,
     block_size: int = 16,
+    compile: bool | str = "auto",
     return_stats: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, SpeculativeStats]:
     """Generate with speculative decoding; returns sequences shaped like ``model.generate``'s output.
@@ -325,6 +327,8 @@ def speculative_generate(
             is padded with ``pad_token_id``.
         stop_strings, tokenizer: a row also stops after the token that completes one of these strings.
         seed: seeds the sampling generators (one per device) for a reproducible call.
+        compile: the draft model's one-token steps run as the runner's static decode steps (CUDA graphs on
+            CUDA), compiled with ``torch.compile`` when True or ``"auto"`` on CUDA.
         return_stats: also return :class:`SpeculativeStats`.
     """
     config = model.generation_config
@@ -340,6 +344,7 @@ def speculative_generate(
     stats = SpeculativeStats(num_draft_tokens)
     capacity = [row.prompt_len + row.budget + num_draft_tokens + 1 for row in rows]
     num_blocks = sum(-(-c // block_size) for c in capacity) + 1
+    compiles(compile, model_device(model))  # a bad setting raises before any work
     with hfaccel_attention(model):
         target = ModelRunner(model, KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size))
         if draft == "ngram":
@@ -349,6 +354,8 @@ def speculative_generate(
         else:
             with hfaccel_attention(draft_model):
                 drafter = _ModelDrafter(draft_model, num_blocks, block_size, target.device)
+                drafter.runner.enable_decode_graphs(len(rows), max(capacity),
+                                                    compile=compiles(compile, drafter.runner.device))
                 clock = _Clock([target.device, drafter.runner.device], exact=return_stats)
                 _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
     stats.per_row_acceptance = [row.accepted / row.proposed if row.proposed else 0.0 for row in rows]

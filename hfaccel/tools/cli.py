@@ -93,6 +93,8 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from CUDA graphs (default: on CUDA)")
+    serve.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="compile decode steps with torch.compile (default: on CUDA)")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap each step's host work with the device's (default: on CUDA)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
@@ -196,6 +198,7 @@ def _serve(args: argparse.Namespace) -> None:
     engine = hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                             max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
+                            compile="auto" if args.compile is None else args.compile,
                             async_scheduling=args.async_scheduling)
     config = ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
                           request_timeout=args.request_timeout)
