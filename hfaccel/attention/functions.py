@@ -132,8 +132,8 @@ def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, sca
            softcap: float | None) -> torch.Tensor:
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
     return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, None, query.shape[2],
-                              kv.max_seq_len, _scale(scaling, query), mask.key_mask, mask.sliding_window, softcap,
-                              backend)
+                              kv.max_seq_len, _scale(scaling, query), mask.key_mask if kv.padding is None else None,
+                              mask.sliding_window, softcap, backend)
 
 
 def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,

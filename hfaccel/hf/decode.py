@@ -93,20 +93,29 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
         streamer.put(input_ids.cpu())  # generate() puts the prompt itself only when it holds the streamer
     mask = model_kwargs.get("attention_mask")
     reason = _unsupported(input_ids, generation_config, synced_gpus, model_kwargs)
-    host_mask = None
+    pads = [0] * input_ids.shape[0]
     if reason is None and mask is not None:
-        host_mask = mask.bool().cpu()  # one read of the mask per call
-        if not bool((host_mask[:, 1:] >= host_mask[:, :-1]).all()):
+        pads = left_padding(mask)  # one read of the mask per call
+        if pads is None:
             reason = "an attention mask that is not left padding"
     if reason is not None:
         session.info = DecodeInfo("transformers", reason)
         return compat.transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                           synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
     session.info = DecodeInfo("hfaccel")
-    lengths = host_mask.sum(1).tolist() if host_mask is not None else [input_ids.shape[1]] * input_ids.shape[0]
-    packed = input_ids[mask.bool()] if host_mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
+    lengths = [input_ids.shape[1] - pad for pad in pads]
+    packed = input_ids[mask.bool()] if mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
     return _Loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer).run(lengths,
                                                                                                          packed)
+
+
+def left_padding(mask: torch.Tensor) -> list[int] | None:
+    """Each row's left padding of a 2-D attention mask ``[B, L]``, or None when some row is not left padding
+    (zeros then ones) — reads the mask on the host."""
+    host = mask.bool().cpu()
+    if not bool((host[:, 1:] >= host[:, :-1]).all()):
+        return None
+    return (~host).sum(1).tolist()
 
 
 def _unsupported(input_ids: torch.Tensor, config, synced_gpus: bool, model_kwargs: dict) -> str | None:

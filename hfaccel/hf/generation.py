@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from hfaccel import compat
-from hfaccel.hf.decode import DecodeInfo, hfaccel_sample
+from hfaccel.hf.decode import DecodeInfo, hfaccel_sample, left_padding
 from hfaccel.kv import PagedCache
 from hfaccel.sampling import token_ids
 
@@ -69,8 +69,18 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     if cache is not None or shape is None or _cache_implementation(model, kwargs) is not None:
         return generate(*args, **kwargs)
     rows, total_len = shape
-    kwargs["past_key_values"] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len)
+    kwargs["past_key_values"] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
+                                           left_padding=_left_padding(kwargs.get("attention_mask"), rows))
     return generate(*args, **kwargs)
+
+
+def _left_padding(mask: torch.Tensor | None, rows: int) -> list[int] | None:
+    """Each cache row's left padding (prompt rows repeated as generate expands them for beams or return
+    sequences), or None when the mask is not plain left padding."""
+    pads = left_padding(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    if pads is None or rows % len(pads):
+        return None
+    return [pad for pad in pads for _ in range(rows // len(pads))]
 
 
 def _loop_leaves(model, kwargs: dict, cache, shape) -> str | None:

@@ -75,6 +75,7 @@ class BlockManager:
         self._seqs: dict[Hashable, _Sequence] = {}
         self._hash_to_block: dict[int, int] = {}
         self._block_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
+        self.peak_used_blocks = 0  # the most blocks in use at once (set back with ``peak_used_blocks = 0``)
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -273,11 +274,13 @@ class BlockManager:
         block, _ = self._free.popitem(last=False)
         self._unregister(block)  # its old content is about to be overwritten
         self.ref_counts[block] = 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self._free[block]
+            self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         self.ref_counts[block] += 1
 
     def _unref(self, block: int) -> None:

@@ -15,6 +15,7 @@ ordinary ``[B, Hkv, S, D]`` tensors gathered from the pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +52,25 @@ class PagedKV:
     # rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]. None: one sequence per batch row.
     cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32
     max_seqlen_q: int = 0
+    # Left padding the pool does not hold (a PagedCache told the rows' padding): row b's token at cache position
+    # c is its held token c - padding[b], every held key is real, and the rows span ``padded_len`` positions.
+    padding: torch.Tensor | None = None  # [B] int64
+    padded_len: int = 0
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous)."""
         if self.dense is not None:
             return self.dense
-        length, size = self.max_seq_len, self.kv_cache.shape[3]
-        blocks = self.block_tables[:, : -(-length // size)].long()  # [B, n_blocks]
         pools = self.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
+        size = pools.shape[2]
+        if self.padding is not None:  # transformers' layout: cache position c of row b, zeros for its padding
+            held = torch.arange(self.padded_len, device=self.padding.device)[None] - self.padding[:, None]  # [B, S]
+            rows = torch.arange(held.shape[0], device=held.device)[:, None]
+            slots = slot_mapping(self.block_tables, rows, held.clamp(min=0), size)  # [B, S]
+            flat = pools.flatten(1, 2)[:, slots] * (held >= 0)[None, :, :, None, None]  # [2, B, S, Hkv, D]
+            return flat[0].transpose(1, 2), flat[1].transpose(1, 2)
+        length = self.max_seq_len
+        blocks = self.block_tables[:, : -(-length // size)].long()  # [B, n_blocks]
         keys = pools[0, blocks].flatten(1, 2)[:, :length]  # [B, S, Hkv, D]
         values = pools[1, blocks].flatten(1, 2)[:, :length]
         return keys.transpose(1, 2), values.transpose(1, 2)
@@ -152,11 +164,15 @@ class PagedCache(PoolCache):
         num_blocks: pool size in blocks; default ``max_batch_size * ceil(max_cache_len / block_size)``.
         block_size: token slots per block.
         device, dtype: of the pool; default: those of the first keys written (the pool is then created lazily).
+        left_padding: tokens of left padding of each row of the first forward (``generate`` of an accelerated
+            model passes them): when the model's attention is hfaccel's, padding gets no slot and no block, and
+            :meth:`memory_stats` counts real tokens only. Without it (or for another attention, which reads K/V
+            gathered in transformers' padded layout) rows hold their padding, as transformers' caches do.
     """
 
     def __init__(self, config, *, max_batch_size: int, max_cache_len: int | None = None,
                  num_blocks: int | None = None, block_size: int = 16, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, left_padding: Sequence[int] | None = None):
         if max_cache_len is None and num_blocks is None:
             raise ValueError("PagedCache needs max_cache_len or num_blocks")
         if max_batch_size < 1 or block_size < 1:
@@ -166,8 +182,13 @@ class PagedCache(PoolCache):
         num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
         super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
                                         dtype=dtype))
+        if left_padding is not None and any(not 0 <= int(p) for p in left_padding):
+            raise ValueError(f"left_padding must be token counts >= 0; got {list(left_padding)}")
+        self._left_padding = None if left_padding is None else [int(p) for p in left_padding]
         self.rows: list[int] = []  # the block manager's sequence id of each batch row
-        self.seq_len = 0  # tokens per row (rows of a generate() batch advance together)
+        self.padding: list[int] = []  # each row's left padding that the pool does not hold
+        self._pads: torch.Tensor | None = None  # [B] int64 device copy of ``padding`` (None: no row has any)
+        self.seq_len = 0  # tokens per row (rows of a generate() batch advance together), padding included
         self._next_id = 0
         self._last_layer = -1
         self._step: dict | None = None  # per-forward tensors shared by all layers
@@ -182,8 +203,9 @@ class PagedCache(PoolCache):
             self._begin_forward(key_states.shape[0], key_states.shape[2], key_states)
         self._last_layer = layer_idx
         first_fill = key_states.shape[2] == self.seq_len
-        paged = PagedKV(self.pool.kv, layer_idx, self._step["block_tables"], self._step["seq_lens"], self.seq_len,
-                        (key_states, value_states) if first_fill else None)
+        paged = PagedKV(self.pool.kv, layer_idx, self._step["block_tables"], self._step["seq_lens"],
+                        self.seq_len - min(self.padding, default=0), (key_states, value_states) if first_fill else None,
+                        padding=self._pads, padded_len=self.seq_len)
         return paged, self._step["slot_mapping"]
 
     # transformers 5.17's Cache defines both as read-only (deprecated) properties; these take their place
@@ -220,15 +242,15 @@ class PagedCache(PoolCache):
     def reset(self) -> None:
         """Free every row (the pool memory stays allocated for reuse)."""
         self.manager.reset()
-        self.rows, self.seq_len, self._step, self._last_layer = [], 0, None, -1
+        self.rows, self.padding, self._pads, self.seq_len, self._step, self._last_layer = [], [], None, 0, None, -1
         self._tables_dirty = True
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop tokens: a negative value removes that many from the end; a positive one is the length to keep."""
         length = self.seq_len + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self.seq_len)
         length = max(length, 0)
-        for seq_id in self.rows:
-            self.manager.crop(seq_id, length)
+        for seq_id, pad in zip(self.rows, self.padding):
+            self.manager.crop(seq_id, max(length - pad, 0))
         self.seq_len, self._step, self._tables_dirty = length, None, True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -243,7 +265,8 @@ class PagedCache(PoolCache):
 
     # ------------------------------------------------------------------------------------------ memory
     def memory_stats(self) -> dict[str, float]:
-        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding tokens, waste."""
+        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding tokens (the tokens the
+        pool holds: real tokens when the cache was told the rows' left padding, see ``left_padding``), waste."""
         per_block = self.block_bytes()
         used_tokens = self.manager.num_tokens()
         allocated = self.manager.num_used_blocks * per_block
@@ -270,7 +293,8 @@ class PagedCache(PoolCache):
         if total_len > self.max_cache_len:
             raise ValueError(f"the request needs {total_len} tokens per row (prompt + max new tokens) but "
                              f"PagedCache max_cache_len is {self.max_cache_len}")
-        needed = batch_size * self.manager.blocks_needed(total_len)
+        padding = self._left_padding if self._left_padding is not None and not self.rows else [0] * batch_size
+        needed = sum(self.manager.blocks_needed(max(total_len - pad, 0)) for pad in padding)
         if self.rows:
             needed -= sum(len(self.manager.block_table(s)) for s in self.rows)
         if needed > self.manager.num_free_blocks:
@@ -289,18 +313,33 @@ class PagedCache(PoolCache):
                                  f"{self.max_cache_len}")
         if not self.rows:
             self.check_request(batch, new_tokens)
-            self.rows = [self._new_row(new_tokens) for _ in range(batch)]
+            self.padding = self._first_padding(batch)
+            self.rows = [self._new_row(max(new_tokens - pad, 0)) for pad in self.padding]
         else:
             self._append_to_rows(new_tokens)
         start, self.seq_len = self.seq_len, self.seq_len + new_tokens
         tables = self._block_tables()
-        positions = torch.arange(start, self.seq_len, device=tables.device)  # [S_new]
+        positions = torch.arange(start, self.seq_len, device=tables.device)[None]  # [1, S_new]: cache positions
         rows = torch.arange(batch, device=tables.device)[:, None]  # [B, 1]
-        self._step = {
-            "slot_mapping": slot_mapping(tables, rows, positions[None], self.block_size),  # [B, S_new]
-            "block_tables": tables,
-            "seq_lens": torch.full((batch,), self.seq_len, dtype=torch.int32, device=tables.device),
-        }
+        seq_lens = torch.full((batch,), self.seq_len, dtype=torch.int32, device=tables.device)
+        if self._pads is None and any(self.padding):
+            self._pads = torch.tensor(self.padding, dtype=torch.int64).to(tables.device)
+        if self._pads is None:
+            slots = slot_mapping(tables, rows, positions, self.block_size)  # [B, S_new]
+        else:  # a row's token at cache position c is its token c - pad; padding writes nowhere
+            held = positions - self._pads[:, None]  # [B, S_new]
+            slots = torch.where(held >= 0, slot_mapping(tables, rows, held.clamp(min=0), self.block_size), -1)
+            seq_lens = seq_lens - self._pads.to(torch.int32)
+        self._step = {"slot_mapping": slots, "block_tables": tables, "seq_lens": seq_lens}
+
+    def _first_padding(self, batch: int) -> list[int]:
+        """Each row's left padding the pool will not hold (zeros unless given and read by hfaccel's attention)."""
+        if self._left_padding is None or paged_reader_backend(self.config) is None:
+            return [0] * batch
+        if len(self._left_padding) != batch:
+            raise ValueError(f"PagedCache was given left_padding for {len(self._left_padding)} rows; the first "
+                             f"forward has {batch}")
+        return list(self._left_padding)
 
     def _block_tables(self) -> torch.Tensor:
         """Device block tables ``[B, max_blocks]`` int32, rebuilt only when some row's table changed."""
@@ -338,7 +377,8 @@ class PagedCache(PoolCache):
             new.append(seq_id)
         for seq_id in old:
             self.manager.free(seq_id)
-        self.rows, self._step, self._tables_dirty = new, None, True
+        self.padding = [self.padding[source] for source in sources]
+        self.rows, self._step, self._tables_dirty, self._pads = new, None, True, None
 
 
 class SequenceKVCache(PoolCache):

@@ -79,6 +79,41 @@ def test_transformers_loop_reads_a_paged_cache_without_gathering(monkeypatch):
 
 
 @pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])
+def test_left_padding_takes_no_slots(accelerated):
+    """Told the rows' left padding, a PagedCache read by hfaccel's attention gives padding no slot and no block,
+    and memory_stats counts real tokens; another attention reads transformers' padded layout, so it keeps it."""
+    model = tiny_model("mistral")  # sliding window 8, shorter than the longest row
+    batch = padded_batch((11, 7, 4))
+    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    if accelerated:
+        hfaccel.accelerate(model, attention="torch")
+    cache = _paged_cache(model, length=17, block_size=4, left_padding=[0, 4, 7])
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, past_key_values=cache, **GREEDY), expected)
+    stats = cache.memory_stats()  # the cache holds the prompts and 5 generated tokens per row
+    tokens = [11 + 5, 7 + 5, 4 + 5] if accelerated else [16, 16, 16]
+    assert stats["blocks_used"] == sum(-(-n // 4) for n in tokens)
+    assert stats["bytes_holding_tokens"] == sum(tokens) * cache.block_bytes() // 4
+
+
+def test_gathering_a_cache_without_padding_gives_transformers_layout():
+    """The exact fallbacks that read gathered K/V see cache positions, padding as zeros."""
+    model = tiny_model("llama")
+    hfaccel.accelerate(model, attention="torch")
+    batch = padded_batch((6, 3))
+    held, padded = (_paged_cache(model, rows=2, length=8, block_size=4, left_padding=pad) for pad in ([0, 3], None))
+    with torch.no_grad():
+        for cache in (held, padded):
+            model(**batch, past_key_values=cache, use_cache=True)
+    k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)  # [B, Hkv, 1, D]: one more token, layer 0
+    got, expected = held.update(k, v, 0)[0].gather(), padded.update(k, v, 0)[0].gather()
+    real = torch.cat([batch["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1).bool()  # [B, S]
+    for have, want in zip(got, expected):  # keys, values [B, Hkv, S, D]
+        assert have.shape == want.shape
+        torch.testing.assert_close(have.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=0, atol=0)
+        assert not have.transpose(1, 2)[~real].any()
+
+
+@pytest.mark.parametrize("accelerated", [False, True], ids=["plain", "accelerated"])
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_beam_search_matches(arch, accelerated):
     model = tiny_model(arch)

@@ -1,82 +1,124 @@
-"""``hfaccel bench decode``: ``generate`` tokens/s — transformers sdpa (eager), transformers static cache +
-torch.compile (CUDA only), ``hfaccel.accelerate`` with its paged cache, and with transformers' dense cache
-(``paged=False``) — on a model built from a named real config with random weights (speed does not depend on the
-weights' values), or a local model folder."""
+"""``hfaccel bench decode``: ``generate`` decode speed of each path a user could pick, on a model built from a named
+real config with random weights (speed does not depend on the weights' values) or a local model folder:
+
+- transformers sdpa (its eager loop and DynamicCache),
+- transformers static cache + torch.compile (its own fast path; CUDA only),
+- ``hfaccel.accelerate(model)`` (the default: hfaccel's decode loop, compiled and captured steps on CUDA),
+- ``hfaccel.accelerate(model, compile=False)``.
+
+Each path is warmed up on the exact call it is then timed on (compiles and captures happen there). A decode
+step's time is ``(t(N new tokens) - t(1 new token)) / (N - 1)``: the prompt's prefill cancels out. The roofline of
+a decode step is one read of the weights it touches (:func:`timing.weight_read_bytes`) at the bandwidth a
+read-only kernel reaches (:func:`timing.read_bandwidth`).
+"""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from hfaccel.hf import accelerate, restore
-from hfaccel.tools.bench.timing import sync, table
+from hfaccel.tools.bench.timing import read_bandwidth, sync, table, weight_read_bytes
 from hfaccel.tools.models import build_model
+
+BASELINE = "transformers static+compile"  # what the ratio column divides by (sdpa where it cannot run)
 
 
 @dataclass
 class DecodeRow:
     model: str
+    dtype: str
     path: str
     batch: int
     prompt_len: int
     new_tokens: int
-    seconds: float
-    tokens_per_s: float
-    speedup: float  # vs transformers sdpa at the same batch
-
-
-def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -> float:
-    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                pad_token_id=0, **kwargs)
-    model.generate(input_ids, **{**args, "max_new_tokens": min(new_tokens, 8),
-                                 "min_new_tokens": min(new_tokens, 8)})  # warm-up (and compile)
-    if input_ids.is_cuda:
-        model.generate(input_ids, **args)  # second warm-up: static-cache compile settles here
-    sync(input_ids.device)
-    start = time.perf_counter()
-    model.generate(input_ids, **args)
-    sync(input_ids.device)
-    return time.perf_counter() - start
+    tokens_per_s: float  # decode tokens per second: batch / step
+    ms_per_step: float
+    vs_baseline: float  # tokens_per_s / that of the baseline path (static+compile on CUDA, sdpa elsewhere)
+    pct_roofline: float  # one weight read at the read bandwidth / the step
 
 
 def decode_paths(device: torch.device) -> list[str]:
     paths = ["transformers sdpa"]
     if device.type == "cuda":
-        paths.append("transformers static+compile")
-    return paths + ["hfaccel", "hfaccel paged=False"]
+        paths.append(BASELINE)
+    return paths + ["hfaccel", "hfaccel compile=False"]
 
 
-def bench_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
-                 dtype: torch.dtype) -> list[DecodeRow]:
-    """generate() tokens/s of each path at each batch size (greedy, fixed length, random prompts)."""
+def _prepare(model, path: str) -> dict:
+    """Put the model on ``path``; the generate() arguments that path needs."""
     from transformers import CompileConfig
 
+    restore(model)
+    if path == "hfaccel":
+        accelerate(model)
+    elif path == "hfaccel compile=False":
+        accelerate(model, compile=False)
+    elif path == BASELINE:
+        return dict(cache_implementation="static", compile_config=CompileConfig())
+    return {}
+
+
+def _seconds(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps: int) -> float:
+    """Median wall seconds of a greedy generate() of exactly ``new_tokens`` tokens (after one untimed call)."""
+    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    model.generate(input_ids, **args)  # warm-up on this exact call (compiles, captures)
+    samples = []
+    for _ in range(reps):
+        sync(input_ids.device)
+        start = time.perf_counter()
+        model.generate(input_ids, **args)
+        sync(input_ids.device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def step_ms(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps: int = 3) -> float:
+    """Milliseconds of one decode step of ``generate`` (the prefill cancels out)."""
+    full = _seconds(model, input_ids, new_tokens, kwargs, reps)
+    prefill = _seconds(model, input_ids, 1, kwargs, reps)
+    return max(full - prefill, 1e-9) / (new_tokens - 1) * 1e3
+
+
+def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int, device: torch.device,
+                 dtype: torch.dtype) -> list[DecodeRow]:
+    """Decode speed of each path at each batch size (greedy, fixed length, random prompts)."""
+    if new_tokens < 2:
+        raise ValueError(f"bench decode times decode steps: new_tokens must be >= 2; got {new_tokens}")
     model = build_model(spec, device, dtype)
+    weight_ms = weight_read_bytes(model) / (read_bandwidth(device) * 1e9) * 1e3
     rows = []
     for batch in batches:
         input_ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
-        baseline = None
+        measured = {}
         for path in decode_paths(device):
-            kwargs = {}
-            if path.startswith("hfaccel"):
-                accelerate(model, paged=path == "hfaccel")
-            if path == "transformers static+compile":
-                kwargs = dict(cache_implementation="static", compile_config=CompileConfig())
-            seconds = _timed_generate(model, input_ids, new_tokens, **kwargs)
-            restore(model)
-            tokens_per_s = batch * new_tokens / seconds
-            baseline = baseline or tokens_per_s
-            rows.append(DecodeRow(spec, path, batch, prompt_len, new_tokens, seconds, tokens_per_s,
-                                  tokens_per_s / baseline))
+            measured[path] = step_ms(model, input_ids, new_tokens, _prepare(model, path))
+        restore(model)
+        base = measured.get(BASELINE, measured["transformers sdpa"])
+        rows += [DecodeRow(spec, str(dtype).removeprefix("torch."), path, batch, prompt_len, new_tokens,
+                           batch / ms * 1e3, ms, base / ms, weight_ms / ms * 100) for path, ms in measured.items()]
     return rows
 
 
+def plan(options) -> list[tuple[str, torch.dtype]]:
+    """(model, dtype) pairs to measure: the named model in the first dtype, or the issue's two models on CUDA."""
+    if options.model:
+        return [(options.model, options.dtypes[0])]
+    if options.cuda:
+        return [("llama-3.2-1b", torch.float16), ("llama-3.1-8b", torch.bfloat16)]
+    return [("tiny-llama", options.dtypes[0])]
+
+
 def run(options, console) -> dict:
-    rows = bench_decode(options.model or ("llama-3.2-1b" if options.cuda else "tiny-llama"), options.batches or [1, 16],
-                        options.prompt_len or (128 if options.cuda else 32),
-                        options.new_tokens or (128 if options.cuda else 16), options.device, options.dtypes[0])
+    rows = []
+    for spec, dtype in plan(options):
+        rows += bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
+                             options.prompt_len or (128 if options.cuda else 32),
+                             options.new_tokens or (128 if options.cuda else 16), options.device, dtype)
     rows = [asdict(r) for r in rows]
-    console.print(table("decode: generate() tokens/s", rows))
+    console.print(table("decode: generate() decode steps (vs_baseline: static+compile on CUDA, sdpa elsewhere; "
+                        "pct_roofline: one weight read at the read bandwidth / the step)", rows))
     return {"decode": rows}

@@ -8,7 +8,7 @@ throughput counts what it generated); and ``hfaccel.Engine`` (on CUDA also with 
 show what overlapping the host's work with the device's gives). Reported: output tokens/s, its ratio to
 ``generate_batch``, and TTFT / inter-token latency percentiles where the path exposes them. A second table
 times the engine's decode step at batch 64 (the CUDA-graph replay the engine runs, or its eager forward
-without graphs) against reading the model's weights once at the measured copy bandwidth.
+without graphs) against reading the weights it touches once at the measured read bandwidth (a read-only kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hfaccel.engine import Engine
 from hfaccel.hf import accelerate, restore
 from hfaccel.sampling import SamplingParams
 from hfaccel.tools.bench.loadgen import percentiles_ms
-from hfaccel.tools.bench.timing import copy_bandwidth, sync, table
+from hfaccel.tools.bench.timing import read_bandwidth, sync, table, weight_read_bytes
 from hfaccel.tools.models import build_model
 
 
@@ -54,7 +54,7 @@ class DecodeStepRow:
     batch: int
     context: int
     step_ms: float
-    weight_read_ms: float  # weight bytes / measured copy bandwidth
+    weight_read_ms: float  # weight bytes a step reads / measured read bandwidth
     ratio: float  # step / weight read (goal on a GPU: <= 1.5)
 
 
@@ -179,8 +179,7 @@ def _decode_step(engine: Engine, batch: int, context: int, device: torch.device)
     step_ms = (time.perf_counter() - start) / reps * 1e3
     for seq_id in ids:
         runner.free(seq_id)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    weight_ms = weight_bytes / (copy_bandwidth(device) / 2 * 1e9) * 1e3  # copy GB/s counts read + write
+    weight_ms = weight_read_bytes(engine.model) / (read_bandwidth(device) * 1e9) * 1e3
     return DecodeStepRow(path, batch, context, step_ms, weight_ms, step_ms / weight_ms)
 
 

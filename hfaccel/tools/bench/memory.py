@@ -1,5 +1,7 @@
-"""``hfaccel bench memory``: bytes a batch of mixed-length sequences holds in PagedCache vs DynamicCache vs
-StaticCache."""
+"""``hfaccel bench memory``: the KV memory ``generate()`` actually allocates for a left-padded batch of prompts of
+mixed lengths — transformers' DynamicCache and StaticCache (the caches its generate returns) against an
+accelerated model (the pool of hfaccel's decode loop: bytes allocated, and the most it held at once) — next to
+the bytes the real tokens need. Accounting of what was allocated, not a timing."""
 
 from __future__ import annotations
 
@@ -7,41 +9,73 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hfaccel.kv import BlockManager
+from hfaccel.hf import accelerate, restore
 from hfaccel.tools.bench.timing import table
-from hfaccel.tools.models import NAMED_CONFIGS
+from hfaccel.tools.models import build_model
 
-LENGTHS = [400, 650, 900, 1300, 1800, 2400, 3100, 4000]  # a mixed batch of prompts + generations
+LENGTHS = [400, 650, 900, 1300, 1800, 2400, 3100, 4000]  # prompt lengths of the batch (CUDA)
+CPU_LENGTHS = [40, 65, 90, 130, 180, 240, 310, 400]  # the same mix, smaller, for a CPU run
+NEW_TOKENS = 16
 
 
 @dataclass
 class MemoryRow:
     cache: str
     bytes: int
-    vs_paged: float
+    vs_real_tokens: float  # bytes / the bytes the real tokens (prompts + outputs, no padding) need
 
 
-def memory_comparison(spec: str, lengths: list[int], dtype: torch.dtype, block_size: int = 16) -> list[MemoryRow]:
-    """Bytes each cache holds for sequences of ``lengths`` (K and V, all layers), from the caches' layouts.
+def kv_bytes_per_token(model) -> int:
+    """K and V bytes of one token across all layers."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
 
-    DynamicCache pads every row to the longest; StaticCache preallocates every row to ``max_cache_len``
-    (here the longest length); PagedCache allocates whole blocks per sequence (block manager accounting).
-    """
-    fields = NAMED_CONFIGS[spec]
-    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
-    per_token = 2 * fields["num_hidden_layers"] * fields["num_key_value_heads"] * head_dim * dtype.itemsize
-    manager = BlockManager(sum(-(-n // block_size) for n in lengths), block_size, enable_prefix_caching=False)
-    for seq_id, length in enumerate(lengths):
-        manager.add_sequence(seq_id, num_tokens=length)
-    paged = manager.num_used_blocks * block_size * per_token
-    dynamic = len(lengths) * max(lengths) * per_token
-    return [MemoryRow("PagedCache", paged, 1.0), MemoryRow("DynamicCache", dynamic, dynamic / paged),
-            MemoryRow("StaticCache", dynamic, dynamic / paged),
-            MemoryRow("tokens held (lower bound)", sum(lengths) * per_token, sum(lengths) / (paged / per_token))]
+
+def _cache_bytes(cache) -> int:
+    """Bytes of the K/V tensors a transformers cache allocated."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor))
+
+
+def _padded_batch(lengths: list[int], vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    width = max(lengths)
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)
+    ids = torch.randint(3, vocab, (len(lengths), width), device=device) * mask
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def memory_comparison(model, lengths: list[int], new_tokens: int = NEW_TOKENS) -> list[MemoryRow]:
+    """Bytes of KV memory each generate() path allocates for prompts of ``lengths`` and ``new_tokens`` each."""
+    batch = _padded_batch(lengths, model.config.vocab_size, model.device)
+    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    real = (sum(lengths) + len(lengths) * new_tokens) * kv_bytes_per_token(model)
+    rows = [MemoryRow("real tokens (no padding)", real, 1.0)]
+    restore(model)
+    for name, extra in (("transformers DynamicCache", {}), ("transformers StaticCache",
+                                                            {"cache_implementation": "static"})):
+        out = model.generate(**batch, return_dict_in_generate=True, **args, **extra)
+        rows.append(MemoryRow(name, _cache_bytes(out.past_key_values), 0.0))
+        del out
+    accelerate(model)
+    model.generate(**batch, **args)
+    pool = model.hfaccel.session.runner.pool
+    peak = pool.manager.peak_used_blocks * pool.block_bytes()
+    rows += [MemoryRow("hfaccel pool allocated", pool.kv.numel() * pool.kv.element_size(), 0.0),
+             MemoryRow("hfaccel pool held at most", peak, 0.0)]
+    restore(model)
+    for row in rows:
+        row.vs_real_tokens = row.bytes / real
+    return rows
 
 
 def run(options, console) -> dict:
-    spec = options.model if options.model in NAMED_CONFIGS else "llama-3.2-1b"
-    rows = [asdict(r) for r in memory_comparison(spec, LENGTHS, torch.float16)]
-    console.print(table(f"KV cache bytes, {spec} fp16, lengths {LENGTHS}", rows))
+    spec = options.model or ("llama-3.2-1b" if options.cuda else "tiny-llama")
+    model = build_model(spec, options.device, options.dtypes[0])
+    lengths = LENGTHS if options.cuda else CPU_LENGTHS
+    if options.prompt_len:  # the same mix, its longest prompt this long
+        lengths = [max(1, n * options.prompt_len // max(lengths)) for n in lengths]
+    rows = [asdict(r) for r in memory_comparison(model, lengths)]
+    console.print(table(f"KV memory generate() allocates, {spec} {options.dtypes[0]}, prompts {lengths} + "
+                        f"{NEW_TOKENS} new tokens each", rows))
     return {"memory": rows}

@@ -47,6 +47,17 @@ def read_bandwidth(device: torch.device) -> float:
     return src.numel() * src.element_size() / time_ms(lambda: src.sum(), device) / 1e6
 
 
+def weight_read_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step reads from the model's weights: every parameter and buffer once (tied or shared
+    tensors once; int4 layers count their packed weights, scales and zeros), except the input embedding table
+    when it is not also the output projection — a decode step reads only its batch's rows of it."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    embed, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if output is None or output.weight.data_ptr() != embed.weight.data_ptr():
+        tensors.pop(embed.weight.data_ptr(), None)
+    return sum(tensors.values())
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA)."""
     if device.type == "cuda":
