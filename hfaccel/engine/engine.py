@@ -299,8 +299,8 @@ class Engine:
         """Next tokens of ``seqs`` (``seqs[i]`` samples from ``logits[rows[i]]``), queued on the device."""
         if rows != list(range(logits.shape[0])):
             logits = logits[to_device(rows, torch.long, logits.device)]
-        sample_rows = [SampleRow(seq.request.params, seq.generator, seq.request.prompt_token_ids,
-                                 seq.output.token_ids) for seq in seqs]
+        sample_rows = [SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
+                                 counter=len(seq.output.token_ids) + seq.num_pending) for seq in seqs]
         pending = None  # the penalties count a token still in flight
         if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
             previous = self._in_flight[-1]
@@ -388,12 +388,9 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)  # or the context ends it
         stopper = StopChecker(stop_ids, detokenizer, budget)
-        generator = None
-        if params.seed is not None:
-            seed = (params.seed + 7919 * index) % (1 << 63)  # any int seed; a distinct stream per completion
-            generator = torch.Generator(self.runner.device).manual_seed(seed)
+        seed = None if params.seed is None else (params.seed + 7919 * index) % (1 << 63)  # a stream per completion
         output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, generator)
+        return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, seed)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

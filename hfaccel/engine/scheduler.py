@@ -18,8 +18,6 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
 from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
@@ -49,7 +47,7 @@ class Sequence:
     token_ids: list[int]
     output: CompletionOutput
     stopper: StopChecker | None  # None: the scheduler's own tests, which never sample
-    generator: torch.Generator | None
+    seed: int | None  # the completion's random stream (SampleRow.seed)
     num_computed: int = 0
     status: Status = Status.WAITING
     num_pending: int = 0

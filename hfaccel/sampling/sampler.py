@@ -2,9 +2,10 @@
 
 Order per row (as vLLM / transformers): repetition, frequency and presence penalties on the logits; greedy
 rows take the argmax; the others draw from the distribution of ``hfaccel.sampling.warpers`` (temperature,
-top-k, top-p, min-p) by inverse CDF with one uniform number per row. A seeded row draws its number from its
-own generator, so its tokens do not depend on what else is in the batch. Log-probabilities are those of the
-model's distribution after penalties.
+top-k, top-p, min-p) by inverse CDF with one uniform number per row. A seeded row's number is a counter-based
+hash of (seed, index of the token in its output) computed on the device (:func:`seeded_uniforms`): its tokens do
+not depend on what else is in the batch, on preemption or on scheduling, and no generator state exists to
+break a CUDA graph capture. Log-probabilities are those of the model's distribution after penalties.
 
 ``sample`` only queues work: host lists reach the device by non-blocking copies and the result stays on the
 device (``SampledTokens``) until the engine asks for it, so the engine can queue the next step first. A row
@@ -25,12 +26,13 @@ from hfaccel.sampling.warpers import Warping, inverse_cdf, sorted_distribution
 
 @dataclass
 class SampleRow:
-    """One row to sample: its params, generator and the tokens the penalties look at."""
+    """One row to sample: its params, random stream and the tokens the penalties look at."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # the row's stream (0 <= seed < 2**63); None: the global generator
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # the output tokens the host knows (see ``pending`` for one more)
+    counter: int = 0  # index in the output of the token drawn now (keys a seeded row's number)
 
 
 @dataclass
@@ -132,12 +134,36 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 
 
 def _uniforms(rows: Sequence[SampleRow], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) number per row: from the row's own generator when seeded, else from the global one."""
+    """One U[0, 1) number per row: keyed by (seed, counter) when seeded, else from the global generator."""
     values = torch.rand(len(rows), device=device)
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            values[i] = torch.rand(1, device=device, generator=row.generator)[0]
+    seeded = [i for i, row in enumerate(rows) if row.seed is not None]
+    if seeded:
+        keys = to_device([[rows[i].seed for i in seeded], [rows[i].counter for i in seeded], seeded], torch.long,
+                         device)  # [3, S]: seeds, counters, rows
+        values[keys[2]] = seeded_uniforms(keys[0], keys[1])
     return values
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds, constants < 2**31 so int64 products never overflow) of
+    ``x`` in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) float32 numbers, one per (seed, counter) pair (int64 tensors, seeds in [0, 2**63), counters >= 0):
+    a counter-based generator — the same pair gives the same number on any device, in any batch."""
+    x = _mix32((seeds >> 32) & _M32)
+    x = _mix32(x ^ (seeds & _M32))
+    x = _mix32(x ^ (counters & _M32))
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 random bits: every float32 in [0, 1) step
 
 
 def _with_logprobs(result: SampledTokens, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledTokens:

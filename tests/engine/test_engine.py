@@ -272,6 +272,23 @@ def test_static_shape_decode_steps_are_exact(attention):
     assert set(served) - {1, 2, 4, 7}, f"some decode step should have been padded to a ladder size: {served}"
 
 
+def test_seeded_requests_keep_the_decode_graphs():
+    """Seeded sampling draws no generator state: decode steps with seeded requests in the batch still take the
+    static-shape (CUDA-graph) path — captured on a GPU — and give the eager path's tokens."""
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    prompts, _ = mixed_prompts(5, seed=7)
+    params = [SamplingParams(max_tokens=6 + i, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(5)]
+    settings = dict(max_num_seqs=8, num_blocks=60, block_size=4)
+    eager = Engine(model, cuda_graphs=False, **settings).generate(prompts, params)
+    engine = Engine(model, cuda_graphs=True, **settings)
+    served, replay = [], engine.runner.graphs.run
+    engine.runner.graphs.run = lambda seq_ids, *args: served.append(len(seq_ids)) or replay(seq_ids, *args)
+    graphed = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+    assert served and engine.runner.graphs.capture == (DEVICE.type == "cuda")  # still capturing on a GPU
+
+
 def test_n_beyond_max_num_seqs_and_any_seed():
     engine = Engine(hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=2, num_blocks=32,
                     block_size=4)

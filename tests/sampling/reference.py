@@ -1,4 +1,5 @@
-"""transformers' own warpers, the reference hfaccel's sampling distribution is checked against."""
+"""transformers' own warpers, the reference hfaccel's sampling distribution is checked against, and a goodness-of-fit
+test for samples."""
 
 from __future__ import annotations
 
@@ -22,3 +23,15 @@ def transformers_probabilities(logits: torch.Tensor, temperature: float = 1.0, t
         chain.append(MinPLogitsWarper(min_p=float(min_p)))
     flat = logits.reshape(-1, logits.shape[-1]).float()  # [N, V]
     return torch.softmax(chain(None, flat) if chain else flat, dim=-1).reshape(logits.shape)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit of ``counts`` to ``probs``; cells expecting < 5 samples are pooled."""
+    counts, expected = counts.flatten().double(), probs.flatten().double().cpu() * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, stat / 2).item()

@@ -16,7 +16,7 @@ from hfaccel.speculative import decoding as speculative
 from hfaccel.speculative import lookup_continuation, speculative_generate
 from tests.devices import DEVICE
 from tests.models import ARCHITECTURES, padded_batch, tiny_model
-from tests.sampling.reference import transformers_probabilities
+from tests.sampling.reference import chi_square_p_value, transformers_probabilities
 
 NEW_TOKENS = 24
 GREEDY = {"do_sample": False, "pad_token_id": 0, "eos_token_id": []}
@@ -192,18 +192,6 @@ def _exact_two_token_distribution(model, prompt: torch.Tensor) -> torch.Tensor:
     return first[:, None] * torch.stack(second)
 
 
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells expecting < 5 samples are pooled into one."""
-    counts, expected = counts.flatten().double(), probs.flatten().double().cpu() * counts.sum()
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = expected > 0
-    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64)
-    return torch.special.gammaincc(dof, stat / 2).item()
-
-
 def _sampled_pairs(target, draft) -> torch.Tensor:
     prompt = torch.tensor([[1, 2, 3, 4]], device=DEVICE)
     out, stats = speculative_generate(target, draft, prompt.repeat(SAMPLES, 1), max_new_tokens=3, num_draft_tokens=2,
@@ -224,7 +212,7 @@ def sampling_setup():
 
 def test_sampled_distribution_is_the_targets(sampling_setup):
     target, draft, exact = sampling_setup
-    p_value = _chi_square_p_value(_sampled_pairs(target, draft), exact)
+    p_value = chi_square_p_value(_sampled_pairs(target, draft), exact)
     assert p_value > 0.001, f"speculative samples do not follow the target's distribution (p = {p_value:.2e})"
 
 
@@ -232,7 +220,7 @@ def test_a_biased_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatc
     """The test has power: resampling from p (not from max(p - q, 0)) after a rejection is caught."""
     target, draft, exact = sampling_setup
     monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
-    p_value = _chi_square_p_value(_sampled_pairs(target, draft), exact)
+    p_value = chi_square_p_value(_sampled_pairs(target, draft), exact)
     assert p_value < 1e-6, f"a biased rule went unnoticed (p = {p_value:.2e})"
 
 
