@@ -2,8 +2,8 @@
 
 from hfaccel.engine.async_engine import AsyncEngine
 from hfaccel.engine.engine import Engine
-from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from hfaccel.sampling import SamplingParams, TokenLogprob
+from hfaccel.engine.outputs import CompletionOutput, RequestFailed, RequestMetrics, RequestOutput
+from hfaccel.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "TokenLogprob"]
+__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "InvalidSamplingParams", "RequestFailed", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "TokenLogprob"]

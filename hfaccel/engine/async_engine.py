@@ -4,6 +4,10 @@ The thread owns the :class:`Engine`: requests and aborts from the event loop are
 before the next step, so the model never runs concurrently with a change to the queues. Each request's
 outputs travel back through its own ``asyncio.Queue``. A consumer that stops iterating (a client that went
 away, a cancelled task) aborts its request, which frees its KV blocks at the next step.
+
+A request the engine fails alone (its part of a step raised) raises :class:`RequestFailed` in its stream; a
+step that fails as a whole (out of memory) raises its error in the streams of the requests it ran; those
+still waiting go on. Either way the thread goes on serving.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from hfaccel.engine.engine import DeltaTracker, Engine, Prompt
-from hfaccel.engine.outputs import RequestOutput
+from hfaccel.engine.outputs import RequestFailed, RequestOutput
 from hfaccel.engine.scheduler import Request
 from hfaccel.sampling import SamplingParams
 
@@ -50,7 +54,8 @@ class AsyncEngine:
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's new text and tokens as they come; the last output has ``finished=True``.
 
-        A bad prompt or parameter raises ValueError before anything is yielded.
+        A bad prompt or parameter raises ValueError before anything is yielded; a request the engine failed
+        raises :class:`RequestFailed`.
         """
         pending = self._submit(prompt, params or SamplingParams(), request_id)
         finished = False
@@ -59,6 +64,8 @@ class AsyncEngine:
                 item = await pending.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise RequestFailed(item.error)
                 finished = item.finished
                 yield item
         finally:
@@ -116,7 +123,7 @@ class AsyncEngine:
             while True:
                 self._apply_queued(trackers)
                 if self._stopping and self._abort_all:
-                    self._fail_all(RuntimeError("the engine is shutting down"), trackers)
+                    self._fail_in_flight(RuntimeError("the engine is shutting down"), trackers)
                 if self._stopping and not self.engine.has_unfinished_requests():
                     break
                 if not self.engine.has_unfinished_requests():
@@ -125,22 +132,27 @@ class AsyncEngine:
                     continue
                 try:
                     changed = self.engine.step_requests()
-                except Exception as error:  # e.g. out of memory: fail what is in flight, keep serving
-                    self._fail_all(error, trackers)
+                except Exception as error:  # e.g. out of memory: fail the step's requests, keep serving
+                    self._fail_in_flight(error, trackers, running_only=True)
                     continue
                 for request in changed:
                     self._deliver(request, trackers)
         except BaseException as error:  # the thread itself is going down: nobody may wait forever
             self._error = error
-            self._fail_all(error, trackers)
+            self._fail_in_flight(error, trackers)
             with self._lock:
                 adds, self._adds = self._adds, []
             for pending in adds:
                 _send(pending, error)
 
-    def _fail_all(self, error: BaseException, trackers: dict[str, DeltaTracker]) -> None:
-        """Abort every request in flight; each stream gets ``error``."""
-        for request_id, pending in list(self._streams.items()):
+    def _fail_in_flight(self, error: BaseException, trackers: dict[str, DeltaTracker], running_only: bool = False) -> None:
+        """Abort every request in flight (``running_only``: those the failed step ran — the requests with a
+        running sequence — or all if none has); each stream gets ``error``."""
+        failing = list(self._streams.items())
+        if running_only:
+            running = {seq.request.request_id for seq in self.engine.scheduler.running}
+            failing = [(request_id, pending) for request_id, pending in failing if request_id in running] or failing
+        for request_id, pending in failing:
             self.engine.abort(request_id)
             self.engine.release(request_id)
             _send(pending, error)
@@ -154,7 +166,7 @@ class AsyncEngine:
         for pending in adds:
             try:
                 self.engine.add_request(pending.prompt, pending.params, pending.request_id)
-            except ValueError as error:
+            except Exception as error:  # a bad request fails alone, whatever raised
                 _send(pending, error)
                 continue
             self._streams[pending.request_id] = pending
@@ -207,5 +219,5 @@ class OutputAccumulator:
                 target.logprobs = (target.logprobs or []) + out.logprobs
             target.finish_reason, target.stop_reason = out.finish_reason, out.stop_reason
         self.full.outputs.sort(key=lambda out: out.index)
-        self.full.finished, self.full.metrics = delta.finished, delta.metrics
+        self.full.finished, self.full.error, self.full.metrics = delta.finished, delta.error, delta.metrics
         return self.full

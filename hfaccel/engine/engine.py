@@ -11,6 +11,9 @@ handles the previous step's tokens — stop checks, detokenization, freeing — 
 next step is scheduled before those tokens reach the host: each sequence that sampled one holds a ``PENDING``
 slot for it, and the forward reads the token from the previous step's device tensor. A sequence that turns
 out to have stopped drops the one token computed past its end. Outputs are the same as without it.
+
+One bad request never fails another: parameters are checked against the model before a request joins a batch
+(``check_params``), and a request whose part of a step raises anyway is failed alone (``_launch_isolating``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
-    IncrementalDetokenizer, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenLogprob, eos_token_ids, sample,
+    IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenLogprob,
+    eos_token_ids, sample,
 )
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -109,15 +113,21 @@ class Engine:
 
     def prepare_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a prompt, or ValueError saying why it cannot be served."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be hfaccel.SamplingParams; got {type(params).__name__}")
-        params.validate()
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} completions cannot run at once: the engine runs at most max_num_seqs="
-                             f"{self.scheduler.max_num_seqs} sequences")
+        self.check_params(params)
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         return text, prompt_ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise :class:`~hfaccel.sampling.InvalidSamplingParams` (a ValueError) if this engine cannot serve
+        ``params``: every value within what this model's vocabulary and the engine's limits hold. A request is
+        checked here before it can join a batch, so a bad value never fails a step."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be hfaccel.SamplingParams; got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        if params.n > self.scheduler.max_num_seqs:
+            raise InvalidSamplingParams("n", f"n={params.n} completions cannot run at once: the engine runs at "
+                                             f"most max_num_seqs={self.scheduler.max_num_seqs} sequences")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -156,11 +166,14 @@ class Engine:
             else:
                 self._finish(seq, "length")
                 touched[seq.request.request_id] = seq.request
+        launched = None
         if plan.chunks:
             self.runner.pool.copy_blocks(plan.copies)
-            self._in_flight.append(self._launch(plan.chunks))
+            launched = self._launch_isolating(plan.chunks, touched)
+        if launched is not None:
+            self._in_flight.append(launched)
         # asynchronous: the previous step is collected while the device computes the one just launched
-        self._collect_all_but(1 if self.async_scheduling and plan.chunks else 0, touched)
+        self._collect_all_but(1 if self.async_scheduling and launched is not None else 0, touched)
         if not self.has_unfinished_requests():
             self._collect_all_but(0, touched)  # its sequences have all finished: nothing to wait for
         return list(touched.values())
@@ -169,26 +182,29 @@ class Engine:
                  None = None) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order.
 
-        A prompt that cannot be served (empty, too long, bad token ids) gets an output with ``error`` set and
-        ``finish_reason="error"``; the others run normally.
+        A prompt that cannot be served (empty, too long, bad token ids, parameters beyond the model), or whose
+        part of a step fails, gets an output with ``error`` set and ``finish_reason="error"``; the others run
+        normally. A step that fails as a whole (out of memory) raises, with this call's requests taken out.
         """
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids: list[str | RequestOutput] = []
-        for prompt, param in zip(prompts, params):
-            try:
-                ids.append(self.add_request(prompt, param))
-            except ValueError as error:
-                ids.append(_error_output(prompt, error))
-        while self.has_unfinished_requests():
-            self.step_requests()
-        outputs = [self.snapshot(self.requests[i]) if isinstance(i, str) else i for i in ids]
-        for i in ids:
-            if isinstance(i, str):
-                self.release(i)
-        return outputs
+        try:
+            for prompt, param in zip(prompts, params):
+                try:
+                    ids.append(self.add_request(prompt, param))
+                except ValueError as error:
+                    ids.append(_error_output(prompt, error))
+            while self.has_unfinished_requests():
+                self.step_requests()
+            return [self.snapshot(self.requests[i]) if isinstance(i, str) else i for i in ids]
+        finally:  # also when a step raised: this call's requests leave the engine, which goes on serving
+            for i in ids:
+                if isinstance(i, str):
+                    self.abort(i)
+                    self.release(i)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield what is new for this request after each step (other queued requests advance too).
@@ -224,7 +240,7 @@ class Engine:
                                             None if out.logprobs is None else list(out.logprobs),
                                             out.finish_reason, out.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, metrics=request.metrics)
+                             request.finished, request.error, request.metrics)
 
     def stats(self) -> dict[str, int]:
         manager = self.scheduler.manager
@@ -233,6 +249,49 @@ class Engine:
                 "blocks_free": manager.num_free_blocks}
 
     # --------------------------------------------------------------------------------------- internals
+    def _launch_isolating(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> _Launched | None:
+        """Launch the step. If it raises, run each request's part alone (committing nothing) to find the
+        requests whose part fails by itself: those are failed alone and the others launched again without them.
+        A failure that is not theirs — every part fails alone, or none does (out of memory) — is raised, and the
+        step changes nothing."""
+        try:
+            return self._launch(chunks)
+        except Exception:
+            requests = {chunk.seq.request for chunk in chunks}
+            failures = self._failing_alone(chunks) if len(requests) > 1 else {}
+            if not 0 < len(failures) < len(requests):
+                raise
+        for request, error in failures.items():
+            self._fail(request, error)
+            touched[request.request_id] = request
+        rest = [chunk for chunk in chunks if chunk.seq.request not in failures]
+        return self._launch(rest)
+
+    def _failing_alone(self, chunks: list[ScheduledChunk]) -> dict[Request, Exception]:
+        """The requests whose chunks' forward and sampling raise when run alone, and their errors. Nothing is
+        committed: the K/V the forwards write are written again by the step that counts, and a seeded row's
+        number depends only on (seed, token index), so a trial draw changes nothing."""
+        by_request: dict[Request, list[ScheduledChunk]] = {}
+        for chunk in chunks:
+            by_request.setdefault(chunk.seq.request, []).append(chunk)
+        failures = {}
+        for request, own in by_request.items():
+            try:
+                logits = self._forward(own)
+                completing = [chunk.seq for chunk in own if chunk.completes]
+                if completing:
+                    self._sample(logits, list(range(len(completing))), completing)
+            except Exception as error:
+                failures[request] = error
+        return failures
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """End a request whose part of a step raised: its completions finish with "error", blocks freed."""
+        request.error = f"the engine failed this request: {type(error).__name__}: {error}"
+        for seq in request.seqs:
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, "error")
+
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         """Queue one packed forward of the chunks and the sampling of every sequence whose last token it
         computes; the step counts (computed tokens, forks, pending tokens) only once nothing can fail."""
@@ -339,13 +398,17 @@ class Engine:
             if chunk.seq.status is Status.RUNNING:  # not preempted, finished or aborted since
                 manager.mark_computed(chunk.seq.seq_id, chunk.start + chunk.length)
         for seq, token, logprob in zip(launched.targets, tokens, logprobs):
-            if seq.status is Status.FINISHED:  # stopped or aborted while this token was in flight
+            if seq.status is Status.FINISHED:  # stopped, aborted or failed while this token was in flight
                 continue
-            self._fill_pending(seq, token)
-            self._accept_token(seq, token, logprob)
+            touched[seq.request.request_id] = seq.request
+            try:
+                self._fill_pending(seq, token)
+                self._accept_token(seq, token, logprob)  # stop checks and detokenization
+            except Exception as error:  # this request's tokenizer or stop strings: it fails alone
+                self._fail(seq.request, error)
+                continue
             if seq.finishing and not seq.num_pending and seq.status is not Status.FINISHED:
                 self._finish(seq, "length")
-            touched[seq.request.request_id] = seq.request
 
     def _fill_pending(self, seq: Seq, token: int) -> None:
         position = seq.num_known_tokens
@@ -373,7 +436,7 @@ class Engine:
         if seq.num_pending:  # tokens sampled past the end: dropped when they arrive
             del seq.token_ids[-seq.num_pending:]
             seq.num_pending = 0
-        if seq.detokenizer is not None and not isinstance(stop_reason, str):
+        if seq.detokenizer is not None and not isinstance(stop_reason, str) and reason != "error":
             seq.detokenizer.flush()  # a stop string already cut the text
         self.scheduler.finish(seq)
         if seq.request.finished:
@@ -395,9 +458,14 @@ class Engine:
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             self._need_tokenizer("text prompts")
+            _check_text(prompt, "the prompt")
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             self._need_tokenizer("chat messages")
+            for i, message in enumerate(prompt):
+                for key, value in message.items():
+                    if isinstance(value, str):
+                        _check_text(value, f"message {i}'s {key!r}")
             try:
                 ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             except Exception as error:  # jinja2 template errors ("roles must alternate", ...)
@@ -468,7 +536,7 @@ class DeltaTracker:
         if not outputs and not request.finished:
             return None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, metrics=request.metrics)
+                             request.finished, request.error, request.metrics)
 
     def _completion_delta(self, seq: Seq) -> CompletionOutput | None:
         out = seq.output
@@ -516,6 +584,15 @@ def _is_single_prompt(prompts) -> bool:
         first = prompts[0]
         return isinstance(first, int) or isinstance(first, dict)
     return False
+
+
+def _check_text(text: str, what: str) -> None:
+    """ValueError if ``text`` is not valid Unicode (a lone surrogate, as JSON's "\\ud800" escapes can make)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid Unicode text: {error.reason} {text[error.start:error.end]!r} at "
+                         f"character {error.start}") from None
 
 
 def _error_output(prompt, error: Exception) -> RequestOutput:

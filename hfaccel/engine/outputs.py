@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from hfaccel.sampling import TokenLogprob
 
 
+class RequestFailed(RuntimeError):
+    """A request the engine failed alone (its part of a step raised); the other requests went on."""
+
+
 @dataclass
 class CompletionOutput:
     """One of the ``n`` completions of a request, as far as it got."""
@@ -32,7 +36,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    error: str | None = None
+    error: str | None = None  # why it could not be served, or why it failed (its finish_reason is "error")
     metrics: RequestMetrics | None = None
 
 

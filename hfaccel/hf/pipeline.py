@@ -46,7 +46,8 @@ class EngineTextGenerationPipeline(TextGenerationPipeline):
         config, max_new_tokens = plan
         model_inputs = [self.preprocess(item, **preprocess_params) for item in items]
         prompts = [inputs["input_ids"][0].tolist() for inputs in model_inputs]
-        params = [_sampling_params(config, max_new_tokens or config.max_length - len(p)) for p in prompts]
+        params = [_sampling_params(config, max_new_tokens or config.max_length - len(p), self.engine.vocab_size)
+                  for p in prompts]
         outputs = self.engine.generate(prompts, params)
         results = []
         for inputs, prompt, output in zip(model_inputs, prompts, outputs):
@@ -75,12 +76,13 @@ class EngineTextGenerationPipeline(TextGenerationPipeline):
         return config, config.max_new_tokens
 
 
-def _sampling_params(config, max_new_tokens: int) -> SamplingParams:
+def _sampling_params(config, max_new_tokens: int, vocab_size: int) -> SamplingParams:
     eos = token_ids(config.eos_token_id)
     sampling = bool(config.do_sample)
+    top_k = min(config.top_k, vocab_size) if sampling and config.top_k else None  # transformers' top-k clamps too
     return SamplingParams(
         max_tokens=max(1, int(max_new_tokens)), temperature=float(config.temperature or 1.0) if sampling else 0.0,
-        top_p=float(config.top_p or 1.0) if sampling else 1.0, top_k=(config.top_k or None) if sampling else None,
+        top_p=float(config.top_p or 1.0) if sampling else 1.0, top_k=top_k,
         min_p=float(config.min_p or 0.0) if sampling else 0.0,
         repetition_penalty=float(config.repetition_penalty or 1.0), n=int(config.num_return_sequences or 1),
         ignore_eos=True, stop_token_ids=eos, skip_special_tokens=False)

@@ -5,21 +5,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # each one is searched for after every token (TGI allows 4, OpenAI 4)
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as vLLM does (far below, logits / t overflow)
+INT64_MAX = (1 << 63) - 1
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter out of range; ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
     """How to decode one request (names and meanings as in OpenAI's API and vLLM).
 
+    Every value is checked here, once, for the Python API and the server alike (``validate``): at construction
+    without the model, and again with the model's vocabulary size when a request reaches an engine.
+
     Args:
         max_tokens: new tokens at most (also cut by the model's context length).
-        temperature: 0 means greedy; otherwise logits are divided by it before sampling.
-        top_p, top_k, min_p: nucleus, top-k (0 or None: off) and min-p (relative to the top token) filters.
+        temperature: 0 (or below 1e-5) means greedy; otherwise logits are divided by it before sampling.
+        top_p, top_k, min_p: nucleus, top-k (0, -1 or None: off; at most the vocabulary size) and min-p
+            (relative to the top token) filters.
         repetition_penalty: > 1 discourages tokens already in the prompt or output (CTRL-style, as transformers).
         presence_penalty, frequency_penalty: OpenAI's additive penalties on tokens already generated.
-        stop: strings that end the output when they appear (cut from the text, even across token boundaries).
+        stop: up to 16 strings that end the output when they appear (cut from the text, even across token
+            boundaries).
         stop_token_ids: token ids that end the output (the model's EOS tokens always do unless ``ignore_eos``).
-        seed: makes this request's sampling reproducible whatever else runs in the same batch.
+        seed: makes this request's sampling reproducible whatever else runs in the same batch (any int).
         n: completions per prompt; they share the prompt's KV blocks.
         logprobs: return the chosen token's log-probability and this many top alternatives (None: none).
         skip_special_tokens: leave special tokens out of the text.
@@ -42,36 +58,51 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        self.stop_token_ids = self.stop_token_ids or []
+        _check(isinstance(self.stop, (list, tuple)), "stop", "a string or a list of strings", self.stop)
+        _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "a list of token ids",
+               self.stop_token_ids)
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         self.validate()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first parameter out of range."""
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an int >= 1",
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidSamplingParams` (a ValueError) naming the first parameter out of range.
+
+        Without ``vocab_size`` the bounds are those any model shares (every integer fits an int64 tensor); an
+        engine passes its model's vocabulary size, which bounds ``top_k``, ``logprobs`` and ``stop_token_ids``.
+        """
+        vocab = INT64_MAX if vocab_size is None else vocab_size
+        ids = "int64 token ids >= 0" if vocab_size is None else f"token ids in [0, {vocab_size}) (the vocabulary)"
+        _check(_integer(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens", "an int64 >= 1",
                self.max_tokens)
         _check(_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a number in [0, 100]",
                self.temperature)
         _check(_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= -1), "top_k",
-               "None, -1, 0 (off) or a positive int", self.top_k)
+        _check(self.top_k is None or (_integer(self.top_k) and -1 <= self.top_k <= vocab), "top_k",
+               "None, -1 or 0 (off), or " + ("an int64 >= 1" if vocab_size is None else
+                                             f"an int in [1, {vocab_size}] (the vocabulary size)"), self.top_k)
         _check(_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]", self.min_p)
         _check(_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
                "a number in (0, 100]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_number(value) and -2 <= value <= 2, name, "a number in [-2, 2]", value)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "token ids >= 0", self.stop_token_ids)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an int or None", self.seed)
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an int in [1, 128]", self.n)
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop), "stop",
+               f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
+        _check(all(_integer(t) and 0 <= t < vocab for t in self.stop_token_ids), "stop_token_ids", ids,
+               self.stop_token_ids)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _check(self.seed is None or _integer(self.seed), "seed", "an int or None", self.seed)
+        _check(_integer(self.n) and 1 <= self.n <= 128, "n", "an int in [1, 128]", self.n)
+        most = min(MAX_LOGPROBS, vocab)
+        _check(self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= most), "logprobs",
+               f"None or an int in [0, {most}]", self.logprobs)
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool", self.skip_special_tokens)
 
     @property
     def uses_top_k(self) -> bool:
@@ -82,13 +113,17 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _check(ok: bool, name: str, expected: str, got) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}; got {got!r}")
+        raise InvalidSamplingParams(name, f"SamplingParams.{name} must be {expected}; got {got!r:.200}")
 
 
 @dataclass

@@ -1,8 +1,14 @@
 """OpenAI API request bodies (pydantic) and their translation to :class:`SamplingParams`.
 
-Fields OpenAI defines are typed and range-checked (a wrong type or value is a 400 with OpenAI's error shape);
-fields it does not define are accepted and ignored, as OpenAI's own server does with new client fields.
-hfaccel extensions (``top_k``, ``min_p``, ``repetition_penalty``) follow vLLM's names.
+Fields OpenAI defines are typed strictly, as OpenAI's API does (``true`` is not a number, ``"yes"`` not a bool):
+a wrong type is a 400 with OpenAI's error shape. Values are checked where the Python API's are, by
+:class:`SamplingParams` and :meth:`Engine.check_params`; only the limits OpenAI's API sets below the engine's
+are checked here (``temperature`` ≤ 2, completions ``logprobs`` ≤ 5). Fields OpenAI does not define are
+accepted and ignored, as OpenAI's own server does with new client fields. hfaccel extensions (``top_k``,
+``min_p``, ``repetition_penalty``) follow vLLM's names.
+
+``max_tokens`` defaults as OpenAI's: 16 for completions (also when given as null), the rest of the context for
+chat.
 """
 
 from __future__ import annotations
@@ -13,33 +19,38 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hfaccel.sampling import SamplingParams
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16)
+    temperature: float = Field(1.0, le=2)  # OpenAI's limit; the engine's rules are SamplingParams'
+    top_p: float = 1.0
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     user: str | None = None
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters (``SamplingParams`` checks every value; InvalidSamplingParams names it)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k if self.top_k and self.top_k > 0 else None, min_p=self.min_p,
+                              top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, stop=stop, seed=self.seed, n=self.n,
                               logprobs=logprobs)
@@ -47,15 +58,19 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = COMPLETION_MAX_TOKENS
+    logprobs: int | None = Field(None, le=5)  # OpenAI's limit for completions
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
@@ -63,11 +78,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     tools: list[dict] | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """None: the rest of the context."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:

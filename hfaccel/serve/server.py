@@ -5,50 +5,69 @@ events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models
 ``GET /metrics`` (Prometheus text format, from a registry of this app's own).
 
 Every failure is an OpenAI-style JSON error (``{"error": {"message", "type", "param", "code"}}``): malformed
-JSON or UTF-8 and wrongly typed or out-of-range fields → 400, a missing or wrong bearer token → 401, an
-unknown model → 404, a body over the size limit → 413, more requests in flight than ``max_queue`` → 429 at
-once, a request over ``request_timeout`` → 408 (or, mid-stream, an error event) with the request aborted. A
-client that disconnects mid-stream cancels its response task, which aborts its request and frees its KV
-blocks. One bad request never affects the others.
+JSON or UTF-8 (nesting too deep, numbers too long included), wrongly typed fields (strictly: ``true`` is not a
+number, ``"yes"`` not a bool) and values :meth:`Engine.check_params` refuses → 400, a missing or wrong bearer
+token → 401, an unknown model or route → 404, a wrong method → 405, a body slower than ``read_timeout`` → 408,
+a body over the size limit → 413 (from ``Content-Length`` before reading, else as soon as the chunks read add
+up to more), more requests in flight than ``max_queue`` → 429 at once, a request the engine failed → 500, a
+request over ``request_timeout`` → 408, the end of shutdown's grace period → 503 (mid-stream: a final error
+event, then ``[DONE]``), each with the request aborted. A client that disconnects, streamed or not, has its
+request aborted and its KV blocks freed (counted in ``/metrics`` as status 499). Headers that do not arrive
+within ``read_timeout`` close the connection (``hfaccel.serve.http``). One bad request never affects the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import reprlib
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from hfaccel.engine import AsyncEngine, RequestOutput
+from hfaccel.engine import AsyncEngine, RequestFailed, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
-from hfaccel.sampling import SamplingParams, TokenLogprob
+from hfaccel.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
 from hfaccel.serve.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 
 MAX_BODY_BYTES = 8 << 20
+REQUEST_TIMEOUT_S = 600.0  # the openai client's own default timeout: no one waits for a longer answer
+READ_TIMEOUT_S = 30.0  # for a request's headers, then for its body
+FINAL_WRITE_S = 5.0  # after shutdown's grace period: time to write the final events before uvicorn cancels
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ERROR_TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error"}
+_short = reprlib.Repr()  # client input quoted in an error message: bounded in length and depth
+_short.maxstring = _short.maxother = 200
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's format."""
+    """An error answered in OpenAI's format (type by status unless given)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+    def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.type = type_ or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        # json.dumps escapes non-ASCII, so any text (a lone surrogate from a client's JSON) can be sent
+        return Response(json.dumps(self.body()), self.status, self.headers, media_type="application/json")
 
 
 class Metrics:
@@ -92,7 +111,8 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_queue: int = 256  # requests (prompts) in flight at most; more get 429
-    request_timeout: float | None = None  # seconds; None: no limit
+    request_timeout: float | None = REQUEST_TIMEOUT_S  # seconds a request may run; None: no limit
+    read_timeout: float = READ_TIMEOUT_S  # seconds a client gets to send a request's headers, then its body
     max_body_bytes: int = MAX_BODY_BYTES
 
 
@@ -103,6 +123,14 @@ class _State:
     metrics: Metrics
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # shutdown began: new requests get 503
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # its grace period is over: end the rest
+
+    def drain(self, grace_s: float) -> None:
+        """Shutdown began (in the event loop): refuse new requests; ``grace_s`` seconds from now, end those in
+        flight cleanly."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace_s, self.stopping.set)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -116,27 +144,29 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="hfaccel", lifespan=lifespan)
     app.state.hfaccel = state
+    app.add_middleware(_AuthorizeAndCount, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         return error.response()
 
-    @app.middleware("http")
-    async def count_and_authorize(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") and config.api_key is not None and \
-                request.headers.get("authorization") != f"Bearer {config.api_key}":
-            response = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                "authentication_error", code="invalid_api_key").response()
-        else:
-            response = await call_next(request)
-        if path.startswith("/v1/"):
-            endpoint = path if path in ROUTES else "other"  # a fixed label set, whatever clients send
-            state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # unknown routes (404), wrong methods (405)
+        message = f"{error.detail}: {request.method} {request.url.path}"
+        return APIError(error.status_code, message, headers=error.headers).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        return APIError(400, f"invalid request: {_short.repr(error.errors())}").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):  # a bug: still an OpenAI-shaped answer
+        return APIError(500, f"internal server error: {type(error).__name__}").response()
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "shutting_down", **engine.stats()}, status_code=503)
         if not engine.healthy:
             return JSONResponse({"status": "unavailable", **engine.stats()}, status_code=503)
         return {"status": "ok", **engine.stats()}
@@ -154,39 +184,108 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = _parse(CompletionRequest, await _json_body(request, config))
-        return await _completions(state, body)
+        return await _completions(state, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = _parse(ChatCompletionRequest, await _json_body(request, config))
-        return await _chat(state, body)
+        return await _chat(state, body, request)
 
     return app
 
 
+class _AuthorizeAndCount:
+    """ASGI middleware for ``/v1/*``: the bearer token checked before anything else runs (401), and every
+    answer counted by endpoint and status. (Pure ASGI: the request body and disconnects reach the app as they
+    come.)"""
+
+    def __init__(self, app, state: _State):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500  # unless a response starts
+
+        async def counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, counted)
+            else:
+                error = APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+                await error.response()(scope, receive, counted)
+        finally:
+            endpoint = path if path in ROUTES else "other"  # a fixed label set, whatever clients send
+            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _authorized(self, scope) -> bool:
+        key = self.state.config.api_key
+        if key is None:
+            return True
+        given = Headers(scope=scope).get("authorization", "").encode("utf-8", "replace")
+        return secrets.compare_digest(given, f"Bearer {key}".encode())
+
+
 # ----------------------------------------------------------------------------------------- request checks
 async def _json_body(request: Request, config: ServerConfig) -> dict:
-    raw = await request.body()
-    if len(raw) > config.max_body_bytes:
-        raise APIError(413, f"request body of {len(raw)} bytes is over the limit of {config.max_body_bytes}")
+    raw = await _read_body(request, config)
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as error:
         raise APIError(400, f"the request body is not valid UTF-8: {error}") from None
-    except json.JSONDecodeError as error:
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as error:  # malformed, or an integer of more digits than Python converts
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object; got {type(body).__name__}")
     return body
 
 
+async def _read_body(request: Request, config: ServerConfig) -> bytes:
+    """The request body, refused (413) as soon as it is known to be too large — from ``Content-Length`` before
+    reading anything, else once the chunks read so far add up to more — or (408) when it takes longer than
+    ``read_timeout`` to arrive. At most the limit plus one chunk is ever held."""
+    limit = config.max_body_bytes
+    declared = request.headers.get("content-length", "").lstrip("0")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise _too_large(f"of {declared:.30} bytes", limit)
+    deadline = time.monotonic() + config.read_timeout
+    chunks, size, stream = [], 0, request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {config.read_timeout} s ({size} bytes "
+                                f"came)", code="timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise APIError(499, "the client closed the connection while sending the request",
+                           code="client_closed") from None
+        size += len(chunk)
+        if size > limit:
+            raise _too_large("over", limit)
+        chunks.append(chunk)
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body {size} is over the limit of {limit} bytes", code="body_too_large")
+
+
 def _parse(model: type[BaseModel], body: dict):
     try:
-        return model.model_validate(body)
+        return model.model_validate(body)  # strict types: the models say so
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"])
-        raise APIError(400, f"{param}: {first['msg']} (got {first.get('input')!r:.200})", param=param) from None
+        raise APIError(400, f"{param}: {first['msg']} (got {_short.repr(first.get('input'))})", param=param) from None
 
 
 def _check_model(state: _State, name: str) -> None:
@@ -195,14 +294,16 @@ def _check_model(state: _State, name: str) -> None:
                        code="model_not_found", param="model")
 
 
-def _prepare(state: _State, prompt, max_tokens: int | None, params_for) -> tuple[list[int], SamplingParams]:
-    """Token ids and sampling parameters of one prompt, or a 400 saying what is wrong."""
+def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt"
+             ) -> tuple[list[int], SamplingParams]:
+    """Token ids and sampling parameters of one prompt (``max_tokens`` None: the rest of the context), checked
+    by the engine's own rules, or a 400 saying what is wrong."""
     engine = state.engine.engine
     try:
         _, ids = engine.prepare_prompt(prompt, SamplingParams())
     except ValueError as error:
         code = "context_length_exceeded" if "context" in str(error) else None
-        raise APIError(400, str(error), param="prompt", code=code) from None
+        raise APIError(400, str(error), param=param, code=code) from None
     room = engine.max_model_len - len(ids)
     max_tokens = room if max_tokens is None else max_tokens
     if max_tokens > room:
@@ -210,19 +311,27 @@ def _prepare(state: _State, prompt, max_tokens: int | None, params_for) -> tuple
                             f"context is {engine.max_model_len}", param="max_tokens",
                        code="context_length_exceeded")
     try:
-        return ids, params_for(max_tokens)
-    except ValueError as error:
-        raise APIError(400, str(error)) from None
+        params = params_for(max_tokens)
+        engine.check_params(params)
+    except InvalidSamplingParams as error:
+        raise APIError(400, str(error), param=error.param) from None
+    return ids, params
 
 
 class _Admission:
-    """Counts prompts in flight; beyond the limit a request is refused with 429 before any work."""
+    """Counts prompts in flight; beyond the limit a request is refused with 429 before any work (400 if it
+    could never be admitted, 503 once shutdown began)."""
 
     def __init__(self, state: _State, count: int):
-        if state.in_flight + count > state.config.max_queue:
+        limit = state.config.max_queue
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if count > limit:
+            raise APIError(400, f"a request of {count} prompts can never be admitted: the server holds at most "
+                                f"{limit} in flight (--max-queue)", param="prompt")
+        if state.in_flight + count > limit:
             raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight, limit "
-                                f"{state.config.max_queue}); retry later", "rate_limit_error",
-                           code="overloaded", headers={"Retry-After": "1"})
+                                f"{limit}); retry later", code="overloaded", headers={"Retry-After": "1"})
         self.state, self.count = state, count
         state.in_flight += count
 
@@ -233,17 +342,16 @@ class _Admission:
 
 
 # -------------------------------------------------------------------------------------------- handlers
-async def _completions(state: _State, req: CompletionRequest):
+async def _completions(state: _State, req: CompletionRequest, request: Request):
     _check_model(state, req.model)
     if req.echo or req.suffix:
         raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
-    prompts = _prompt_list(req.prompt)
-    prepared = [_prepare(state, p, req.max_tokens, lambda m: req.sampling_params(m, req.logprobs))
-                for p in prompts]
+    prepared = [_prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs))
+                for p in _prompt_list(req.prompt)]
     ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False)
-    outputs = await _run(ctx, req, prepared)
+    outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
         return outputs
     choices = [{"index": i * req.n + o.index, "text": o.text, "finish_reason": _finish(o.finish_reason),
@@ -251,7 +359,7 @@ async def _completions(state: _State, req: CompletionRequest):
     return ctx.body(choices, _usage(outputs))
 
 
-async def _chat(state: _State, req: ChatCompletionRequest):
+async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
     _check_model(state, req.model)
     if req.tools:
         raise APIError(400, "tools (function calling) are not supported", param="tools")
@@ -260,10 +368,10 @@ async def _chat(state: _State, req: ChatCompletionRequest):
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    prepared = [_prepare(state, messages, max_tokens, lambda m: req.sampling_params(m, logprobs))]
+    prepared = [_prepare(state, messages, req.max_new_tokens, lambda m: req.sampling_params(m, logprobs),
+                         param="messages")]
     ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True)
-    outputs = await _run(ctx, req, prepared)
+    outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
         return outputs
     choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
@@ -272,14 +380,14 @@ async def _chat(state: _State, req: ChatCompletionRequest):
     return ctx.body(choices, _usage(outputs))
 
 
-async def _run(ctx: _Call, req, prepared) -> StreamingResponse | list[RequestOutput]:
+async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse | list[RequestOutput]:
     """Admit the call's prompts, then stream them, or run them to completion and return their outputs."""
     admission = _Admission(ctx.state, len(prepared))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _EventStream(ctx.stream(prepared, admission, include_usage), admission)
     try:
-        return await ctx.run_all(prepared)
+        return await ctx.run_all(prepared, request)
     finally:
         admission.release()
 
@@ -294,26 +402,27 @@ class _Call:
         self.tokenizer = state.engine.engine.tokenizer
         self._counts = {"prompt": 0, "completion": 0}  # usage of a streamed call
 
-    async def run_all(self, prepared) -> list[RequestOutput]:
-        timeout = self.state.config.request_timeout
-        jobs = asyncio.gather(*(self.state.engine.generate(ids, params) for ids, params in prepared))
+    async def run_all(self, prepared, request: Request) -> list[RequestOutput]:
+        """The outputs of every prompt; the requests are aborted when the client goes away, the timeout passes
+        or shutdown's grace period ends first (an APIError says which)."""
+        work = asyncio.ensure_future(_all(self.state.engine.generate(ids, params) for ids, params in prepared))
+        ended = await _first_end(self.state, [work, _disconnected(request)], self._deadline())
+        if ended is not None:
+            raise ended
         try:
-            outputs = await asyncio.wait_for(jobs, timeout)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request took longer than the server's limit of {timeout} s and was "
-                                f"aborted", "timeout_error", code="timeout") from None
-        except Exception as error:  # the engine failed (e.g. out of memory) or is shutting down
-            raise APIError(503, f"the engine could not serve the request: {error}", "server_error") from None
+            outputs = work.result()
+        except Exception as error:
+            raise _engine_error(error) from None
         for output in outputs:
             self.state.metrics.observe(output)
         return outputs
 
     async def stream(self, prepared, admission: _Admission, include_usage: bool) -> AsyncIterator[str]:
-        """SSE lines: every prompt's deltas as they come (merged), then usage if asked, then [DONE]."""
+        """SSE lines: every prompt's deltas as they come (merged), then usage if asked, then [DONE] — also after
+        an error event (a timeout, an engine failure, the end of shutdown's grace period)."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, ids, params, queue)) for i, (ids, params) in enumerate(prepared)]
-        deadline = None if self.state.config.request_timeout is None else \
-            time.monotonic() + self.state.config.request_timeout
+        deadline = self._deadline()
         finals: list[RequestOutput | None] = [None] * len(prepared)
         try:
             if self.chat:
@@ -321,16 +430,14 @@ class _Call:
                                           "logprobs": None, "finish_reason": None} for i in range(self.n)]))
             pending = len(tasks)
             while pending:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    item = await asyncio.wait_for(queue.get(), remaining)
-                except asyncio.TimeoutError:
-                    yield _event({"error": {"message": "the request took longer than the server's limit and was "
-                                            "aborted", "type": "timeout_error", "param": None, "code": "timeout"}})
+                get = asyncio.ensure_future(queue.get())
+                ended = await _first_end(self.state, [get], deadline)
+                if ended is not None:
+                    yield _event(ended.body())
                     break
+                item = get.result()
                 if isinstance(item, BaseException):
-                    yield _event({"error": {"message": str(item), "type": "server_error", "param": None,
-                                            "code": None}})
+                    yield _event(_engine_error(item).body())
                     break
                 prompt_index, delta = item
                 if delta is None:
@@ -348,6 +455,10 @@ class _Call:
             for task in tasks:
                 task.cancel()  # a disconnect or timeout: each request's stream closes and aborts it
             admission.release()
+
+    def _deadline(self) -> float | None:
+        timeout = self.state.config.request_timeout
+        return None if timeout is None else time.monotonic() + timeout
 
     async def _pump(self, prompt_index: int, ids, params, queue: asyncio.Queue) -> None:
         self._counts["prompt"] += len(ids)
@@ -425,6 +536,55 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
+async def _all(jobs: Iterable[Awaitable]) -> list:
+    """``asyncio.gather`` of the jobs that cancels the others when one fails (gather lets them run on)."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (call once the body is read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first_end(state: _State, waits: list[Awaitable], deadline: float | None) -> APIError | None:
+    """Wait for ``waits[0]``; None once it is done. If first the deadline (``time.monotonic``) passes (408),
+    shutdown's grace period ends (503) or another wait returns (the client went away: 499), ``waits[0]`` is
+    cancelled — its requests are aborted — and the error is returned. The other waits are cancelled anyway."""
+    futures = [asyncio.ensure_future(w) for w in waits]
+    stop = asyncio.ensure_future(state.stopping.wait())
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        done, _ = await asyncio.wait([*futures, stop], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in [*futures[1:], stop]:
+            future.cancel()
+    if futures[0] in done:
+        return None
+    futures[0].cancel()
+    if stop in done:
+        return APIError(503, "the server is shutting down; the request was aborted", code="shutting_down")
+    if done:  # 499, nginx's "client closed request": nobody reads it, but /metrics counts it
+        return APIError(499, "the client closed the connection; the request was aborted", code="client_closed")
+    return APIError(408, f"the request took longer than the server's limit of {state.config.request_timeout} s "
+                         f"and was aborted", code="timeout")
+
+
+def _engine_error(error: BaseException) -> APIError:
+    """What the client is told when the engine did not serve its request."""
+    if isinstance(error, ValueError):  # refused on submission
+        return APIError(400, str(error))
+    if isinstance(error, RequestFailed):  # the engine failed this request alone
+        return APIError(500, str(error))
+    # a step failed as a whole (e.g. out of memory), or the engine is stopping
+    return APIError(503, f"the engine could not serve the request: {error}")
+
+
 def _finish(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
@@ -462,17 +622,27 @@ class _EventStream(StreamingResponse):
 
 def serve(engine: AsyncEngine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
           graceful_shutdown_s: float = 30.0, log_level: str = "info") -> None:
-    """Run the server until SIGINT / SIGTERM: new connections stop, in-flight requests get
-    ``graceful_shutdown_s`` to finish, the rest are cancelled (aborted), then the engine stops."""
+    """Run the server until SIGINT / SIGTERM: new connections stop and new requests get 503, in-flight requests
+    get ``graceful_shutdown_s`` to finish, the rest end cleanly (streams with an error event and ``[DONE]``,
+    others with a JSON 503) and are aborted, then the engine stops."""
     import signal
 
     import uvicorn
 
+    from hfaccel.serve.http import DrainingServer, h11_with_header_deadline
+
     app = create_app(engine, config)
+    server = DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                       http=h11_with_header_deadline(config.read_timeout),
+                       timeout_graceful_shutdown=graceful_shutdown_s + FINAL_WRITE_S),
+        on_shutdown=lambda: app.state.hfaccel.drain(graceful_shutdown_s))
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the previous handler: make that
     # an exit with status 0, so process supervisors see a clean stop
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s)
+    server.run()
+    if not server.started:
+        raise SystemExit(f"hfaccel serve: the server could not start on {host}:{port} (see the log above)")
 
 
 def _exit_cleanly(signum, frame) -> None:

@@ -98,7 +98,10 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="overlap each step's host work with the device's (default: on CUDA)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
-    serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    serve.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds a request may run before it is aborted (default 600; 0: no limit)")
+    serve.add_argument("--read-timeout", type=float, default=30.0,
+                       help="seconds a client gets to send a request's headers, then its body (default 30)")
     serve.add_argument("--graceful-shutdown", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM")
 
@@ -201,7 +204,7 @@ def _serve(args: argparse.Namespace) -> None:
                             compile="auto" if args.compile is None else args.compile,
                             async_scheduling=args.async_scheduling)
     config = ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
-                          request_timeout=args.request_timeout)
+                          request_timeout=args.request_timeout or None, read_timeout=args.read_timeout)
     serve(hfaccel.AsyncEngine(engine), config, host=args.host, port=args.port,
           graceful_shutdown_s=args.graceful_shutdown)
 

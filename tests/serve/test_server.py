@@ -6,15 +6,19 @@ hfaccel's torch kernels, so every request is cheap and stop strings always span 
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.models import char_tokenizer, tiny_model
@@ -151,6 +155,17 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny", "prompt": "a", "stream": True, "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps(["not", "an", "object"]).encode(), 400, None),
     (b'{"model": "tiny", "prompt": "' + b"a" * (9 << 20) + b'"}', 413, None),
+    (json.dumps({"model": "tiny", "prompt": "a\ud800b"}).encode(), 400, "prompt"),  # a lone surrogate
+    (b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),  # nested too deeply
+    (b'{"model": "tiny", "prompt": "a", "seed": ' + b"9" * 5000 + b"}", 400, None),  # too many digits to convert
+    (json.dumps({"model": "tiny", "prompt": "a", "max_tokens": True}).encode(), 400, "max_tokens"),  # strict types
+    (json.dumps({"model": "tiny", "prompt": "a", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"model": "tiny", "prompt": "a", "top_k": 2**70}).encode(), 400, "top_k"),  # no int64 holds it
+    (json.dumps({"model": "tiny", "prompt": "a", "top_k": 97}).encode(), 400, "top_k"),  # beyond the vocabulary
+    (json.dumps({"model": "tiny", "prompt": "a", "stop_token_ids": [96]}).encode(), 200, None),  # not an API field
+    (json.dumps({"model": "tiny", "prompt": "a", "n": 65}).encode(), 400, "n"),  # beyond --max-num-seqs
+    (json.dumps({"model": "tiny", "prompt": "a", "top_p": float("nan")}).encode(), 400, "top_p"),
+    (json.dumps({"model": "tiny", "prompt": "a", "stop": ["x"] * 17}).encode(), 400, "stop"),
 ]
 
 
@@ -159,10 +174,11 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, body, sta
     response = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
                           headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["message"] and error["type"]
-    if param is not None:
-        assert error["param"] is not None and error["param"].startswith(param), error
+    if status != 200:
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
+        if param is not None:
+            assert error["param"] is not None and error["param"].startswith(param), error
     ok = server.client().completions.create(prompt="still here", max_tokens=3, **_greedy())
     assert len(ok.choices[0].text) == 3
 
@@ -171,9 +187,102 @@ def test_bad_chat_input(server):
     for body, status in [({"model": "tiny", "messages": []}, 400),
                          ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400),
                          ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
-                         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400)]:
-        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+                         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400),
+                         ({"model": "tiny", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400)]:
+        response = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=30)
         assert response.status_code == status and "error" in response.json(), response.text
+
+
+def test_unknown_routes_and_methods_get_openai_errors(server):
+    for method, path, status in [("GET", "/v1/nope", 404), ("POST", "/nope", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)]:
+        response = httpx.request(method, f"{server.url}{path}", timeout=10)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert path in error["message"] and error["type"] == "invalid_request_error", error
+
+
+def test_max_tokens_defaults(server):
+    client = server.client()
+    assert client.completions.create(prompt="a", max_tokens=None, **_greedy()).usage.completion_tokens == 16
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], **_greedy())
+    room = 256 - chat.usage.prompt_tokens  # the rest of the context, unless the model stops first
+    assert chat.usage.completion_tokens == room or chat.choices[0].finish_reason == "stop"
+
+
+def test_a_bad_request_fails_alone_among_concurrent_streams(server):
+    client = server.client()
+    prompts = ["the cat sat", "hello", "a b c", "xyz"]
+    expected = [client.completions.create(prompt=p, max_tokens=40, **_greedy()).choices[0].text for p in prompts]
+
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(prompt=prompt, max_tokens=40, stream=True, **_greedy())
+        return "".join(c.choices[0].text for c in chunks)
+
+    def huge_top_k(streamed: bool) -> int:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(prompt="x", max_tokens=40, stream=streamed, extra_body={"top_k": 2**70},
+                                      **_greedy())
+        return raised.value.body["param"]
+
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream, p) for p in prompts]
+        bad = [pool.submit(huge_top_k, streamed) for streamed in (False, True)]
+        assert [f.result(60) for f in bad] == ["top_k", "top_k"]
+        assert [f.result(60) for f in streams] == expected
+    assert server.wait_idle()["blocks_used"] == 0
+
+
+def _send_chunked_until_answered(port: int, total: int) -> tuple[int, bytes]:
+    """POST a chunked body of up to ``total`` bytes, 1 MiB a chunk, stopping as soon as the server answers:
+    (bytes sent, the start of the answer)."""
+    chunk = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        try:
+            while sent < total and not select.select([sock], [], [], 0)[0]:
+                sock.sendall(chunk)
+                sent += 1 << 20
+        except OSError:  # the server closed the connection
+            pass
+        return sent, sock.recv(1024)
+
+
+def test_the_body_limit_holds_while_reading(server):
+    """Two 400 MiB chunked bodies are refused once 8 MiB have come, with the server's memory barely moving;
+    a Content-Length over the limit is refused before any of the body is sent."""
+    process = psutil.Process(server.process.pid)
+    before = peak = process.memory_info().rss
+    with ThreadPoolExecutor(2) as pool:
+        bodies = [pool.submit(_send_chunked_until_answered, server.port, 400 << 20) for _ in range(2)]
+        while not all(f.done() for f in bodies):
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(0.005)
+    for sent, answer in (f.result() for f in bodies):
+        assert answer.startswith(b"HTTP/1.1 413") and sent < 100 << 20, (sent, answer)
+    assert peak - before < 64 << 20, f"the server's RSS grew by {(peak - before) >> 20} MiB"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Length: 1000000000\r\n\r\n")
+        assert sock.recv(1024).startswith(b"HTTP/1.1 413")
+    ok = server.client().completions.create(prompt="still here", max_tokens=3, **_greedy())
+    assert len(ok.choices[0].text) == 3
+
+
+def test_a_disconnected_non_streamed_request_is_aborted(server):
+    server.wait_idle()
+    body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 240, "n": 8, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 10
+        while server.health()["running"] < 8:  # its prompt computed, its 8 completions decoding
+            assert time.monotonic() < deadline, server.health()
+            time.sleep(0.01)
+    assert server.wait_idle(timeout=1.0)["blocks_used"] == 0  # freed within a second of the disconnect
+    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+    assert 'hfaccel_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics  # aborted, not done
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
@@ -220,7 +329,8 @@ def test_200_concurrent_streams_from_another_process(server, tmp_path):
 
 @pytest.fixture(scope="module")
 def guarded(model_dir):
-    running = Server(model_dir, "--api-key", "sesame", "--max-queue", "2", "--request-timeout", "0.3")
+    running = Server(model_dir, "--api-key", "sesame", "--max-queue", "2", "--request-timeout", "0.3",
+                     "--read-timeout", "1")
     yield running
     assert running.stop() == 0
 
@@ -248,6 +358,48 @@ def test_overload_gets_429_at_once(guarded):
     guarded.wait_idle()
 
 
+def test_a_request_that_can_never_be_admitted_is_a_400(guarded):
+    response = httpx.post(f"{guarded.url}/v1/completions", headers={"Authorization": "Bearer sesame"}, timeout=10,
+                          json={"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+
+
+def _trickle(port: int, head: bytes, drip: bytes, give_up_s: float = 10.0) -> tuple[float, bytes]:
+    """Send ``head``, then ``drip`` one byte every 0.1 s, until the server answers or closes the connection:
+    (seconds it took, the answer)."""
+    start, answer = time.monotonic(), b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        try:
+            sock.sendall(head)
+            for byte in drip:
+                if time.monotonic() - start > give_up_s:
+                    break
+                if select.select([sock], [], [], 0.1)[0]:
+                    while data := sock.recv(65536):
+                        answer += data
+                    break
+                sock.sendall(bytes([byte]))
+        except OSError:  # reset by the server
+            pass
+    return time.monotonic() - start, answer
+
+
+def test_slow_clients_are_cut_off(guarded):
+    """slowloris: headers or a body trickling in are cut off after --read-timeout (1 s); others are served."""
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sesame\r\n"
+    with ThreadPoolExecutor(5) as pool:
+        headers = [pool.submit(_trickle, guarded.port, request, b"X-Slow: " + b"a" * 200) for _ in range(3)]
+        bodies = [pool.submit(_trickle, guarded.port, request + b"Content-Length: 500\r\n\r\n", b" " * 500)
+                  for _ in range(2)]
+        time.sleep(0.3)
+        ok = guarded.client("sesame").completions.create(prompt="a", max_tokens=2, **_greedy())
+        assert len(ok.choices[0].text) == 2
+        for seconds, answer in (f.result() for f in headers):
+            assert seconds < 5 and answer == b"", (seconds, answer)  # closed without an answer
+        for seconds, answer in (f.result() for f in bodies):
+            assert seconds < 5 and answer.startswith(b"HTTP/1.1 408") and b'"timeout_error"' in answer, answer
+
+
 def test_request_timeout_aborts(guarded):
     client = guarded.client("sesame")
     with pytest.raises(openai.APIStatusError) as raised:
@@ -268,6 +420,43 @@ def test_sigterm_shuts_down_cleanly_with_a_request_in_flight(model_dir):
     assert running.process.wait(30) == 0
     running.log.close()
     assert all(line.startswith("data: ") or not line for line in rest)
+
+
+def test_sigterm_ends_each_request_cleanly_after_the_grace_period(model_dir):
+    """Requests still running when the grace period ends: streams get an error event and [DONE], the others a
+    JSON 503 (--max-num-seqs 4 runs one n=4 request at a time, so most of them are still running)."""
+    running = Server(model_dir, "--graceful-shutdown", "0.2", "--max-num-seqs", "4")
+    body = {"model": "tiny", "prompt": "bye", "max_tokens": 240, "temperature": 0, "n": 4}
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", f"{running.url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            return [line for line in r.iter_lines() if line]
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream) for _ in range(3)]
+        plain = pool.submit(httpx.post, f"{running.url}/v1/completions", json=body, timeout=30)
+        deadline = time.monotonic() + 20
+        while sum(running.health()[k] for k in ("running", "waiting", "queued")) < 4 + 3:  # all four admitted
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        running.process.send_signal(signal.SIGTERM)
+        results = [f.result(30) for f in streams]
+        answer = plain.result(30)
+    assert running.process.wait(30) == 0
+    running.log.close()
+    ended = 0
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        if "error" in events[-1]:
+            assert events[-1]["error"]["code"] == "shutting_down"
+            ended += 1
+        else:
+            assert all(c["finish_reason"] == "length" for c in events[-1]["choices"])
+    if answer.status_code != 200:
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down", answer.text
+        ended += 1
+    assert ended >= 3
 
 
 def test_serve_loads_quantized_models(model_dir, tmp_path):
