@@ -19,6 +19,7 @@ One bad request never fails another: parameters are checked against the model be
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from hfaccel.attention import set_hfaccel_attention, unsupported_reason, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
+from hfaccel.engine.kv_budget import plan_kv_cache
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
@@ -38,7 +40,7 @@ from hfaccel.sampling import (
 )
 
 Prompt = str | Sequence[int] | Sequence[dict]
-CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
+_log = logging.getLogger("hfaccel")
 
 
 class Engine:
@@ -49,12 +51,15 @@ class Engine:
         tokenizer: its tokenizer (needed for text prompts, chat messages, stop strings and output text).
         max_num_seqs: sequences decoded together at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
-        num_blocks: KV pool size in blocks (default: ``kv_cache_fraction`` of free GPU memory, or on the CPU
-            room for ``max_num_seqs`` sequences of up to 2048 tokens within 1 GiB).
+        num_blocks: KV pool size in blocks. Default (``hfaccel.engine.kv_budget``): room for ``max_num_seqs``
+            sequences of ``max_model_len`` tokens, capped on CUDA by ``kv_cache_fraction`` of the device's total
+            memory and by its free memory less the engine's activations, on the CPU by 1 GiB. ``stats()`` and
+            the log at start-up say what was reserved and why.
+        kv_cache_memory: KV pool size in bytes instead (not with ``num_blocks``).
         block_size: token slots per block.
         enable_prefix_caching: requests sharing a prompt prefix share its KV blocks.
         max_model_len: longest sequence (prompt + output); default the model's ``max_position_embeddings``.
-        kv_cache_fraction: on CUDA, the share of free memory the default pool takes.
+        kv_cache_fraction: on CUDA, the most of the device's total memory the default pool takes.
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
         compile: decode-only steps compiled with ``torch.compile`` (inductor fuses the glue between hfaccel's
@@ -66,9 +71,9 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
-                 num_blocks: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, kv_cache_fraction: float = 0.8, cuda_graphs: bool | None = None,
-                 compile: bool | str = "auto", async_scheduling: bool | None = None):
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None, kv_cache_fraction: float = 0.5,
+                 cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None):
         compiles(compile, model_device(model))  # a bad setting raises before anything changes
         _use_hfaccel_attention(model)
         self.model, self.tokenizer = model, tokenizer
@@ -76,9 +81,12 @@ class Engine:
         limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(max_model_len or limit, limit)
         self.vocab_size = int(text_config.vocab_size)
-        num_blocks = num_blocks or _default_num_blocks(model, block_size, max_num_seqs, self.max_model_len,
-                                                       kv_cache_fraction)
-        pool = KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size,
+        self.kv_budget = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                                       max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                                       num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                                       kv_cache_fraction=kv_cache_fraction)
+        _log.info("hfaccel Engine: %s", self.kv_budget)
+        pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
                                 enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(model, pool)
         self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
@@ -246,7 +254,8 @@ class Engine:
         manager = self.scheduler.manager
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
-                "blocks_free": manager.num_free_blocks}
+                "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
+                "kv_cache_bytes": self.kv_budget.bytes}
 
     # --------------------------------------------------------------------------------------- internals
     def _launch_isolating(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> _Launched | None:
@@ -565,16 +574,6 @@ def _use_hfaccel_attention(model) -> None:
         raise ValueError(f"hfaccel.Engine cannot serve {type(model).__name__}: {reason}")
     if not uses_hfaccel_attention(model):
         set_hfaccel_attention(model)
-
-
-def _default_num_blocks(model, block_size: int, max_num_seqs: int, max_model_len: int, fraction: float) -> int:
-    block_bytes = KVPool(model.config, num_blocks=1, block_size=block_size).block_bytes(model.dtype)
-    device = model_device(model)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * fraction) // block_bytes)
-    wanted = max_num_seqs * -(-min(max_model_len, 2048) // block_size)
-    return max(1, min(wanted, CPU_POOL_BYTES // block_bytes))
 
 
 def _is_single_prompt(prompts) -> bool:

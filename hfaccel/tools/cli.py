@@ -89,7 +89,12 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--attention", default="auto", choices=BACKENDS)
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    serve.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: from free memory)")
+    serve.add_argument("--num-blocks", type=int, default=None,
+                       help="KV pool blocks (default: room for max-num-seqs sequences of max-model-len tokens, "
+                            "capped by --kv-cache-fraction of the GPU's memory and by its free memory)")
+    serve.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB (instead of blocks)")
+    serve.add_argument("--kv-cache-fraction", type=float, default=0.5,
+                       help="the most of the GPU's total memory the default KV pool takes")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from CUDA graphs (default: on CUDA)")
@@ -200,6 +205,8 @@ def _serve(args: argparse.Namespace) -> None:
     hfaccel.accelerate(model, attention=args.attention, paged=False)
     engine = hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                            kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
+                            kv_cache_fraction=args.kv_cache_fraction,
                             max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
                             compile="auto" if args.compile is None else args.compile,
                             async_scheduling=args.async_scheduling)

@@ -1,0 +1,105 @@
+"""How much KV memory an Engine reserves: what it is configured to serve, never what another engine needs.
+
+The rule (:func:`plan_kv_cache`):
+
+1. ``num_blocks`` when given; else ``kv_cache_memory`` bytes when given;
+2. else room for what the engine is configured to serve — ``max_num_seqs`` sequences of ``max_model_len``
+   tokens — capped on CUDA by ``kv_cache_fraction`` of the device's *total* memory and by its *free* memory less
+   a reserve for the engine's own activations (:func:`activation_reserve`), and on the CPU by 1 GiB.
+
+So an engine for a small model or short contexts takes only what it can use, and a second engine (another
+model, a pipeline beside a server, a test worker) still finds memory; a server that wants more asks for it
+(``kv_cache_memory``, ``num_blocks`` or a larger ``kv_cache_fraction``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hfaccel.device import model_device
+from hfaccel.kv import KVPool
+
+CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
+GRAPHS_RESERVE = 1 << 30  # CUDA graph pools, compiled kernels' workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The pool an engine reserves, and why that size."""
+
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # one block, every layer, K and V
+    reason: str
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def __str__(self) -> str:
+        return (f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "
+                f"of {self.block_size}): {self.reason}")
+
+
+def activation_reserve(config, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Bytes an engine's own forward and sampling may need beside the pool (an estimate, with margin): twice a
+    full-budget forward's hidden states, MLP and q/k/v activations, the fp32 logits and sampling buffers of
+    ``max_num_seqs`` rows, and :data:`GRAPHS_RESERVE`."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    per_token = (4 * text.hidden_size + 3 * text.intermediate_size + (heads + 2 * kv_heads) * head_dim)
+    logits = max_num_seqs * text.vocab_size * (4 + 4 + 8)  # logits, sorted probabilities, int64 order
+    return 2 * max_num_batched_tokens * per_token * dtype.itemsize + logits + GRAPHS_RESERVE
+
+
+def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                  kv_cache_fraction: float = 0.5) -> KVBudget:
+    """The pool an engine over ``model`` reserves (module docstring). ``ValueError`` for settings that cannot
+    hold one block, or that contradict each other."""
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise ValueError(f"give num_blocks or kv_cache_memory, not both; got {num_blocks} and {kv_cache_memory}")
+    if not 0 < kv_cache_fraction <= 1:
+        raise ValueError(f"kv_cache_fraction must be in (0, 1]; got {kv_cache_fraction}")
+    block_bytes = KVPool(model.config, num_blocks=1, block_size=block_size).block_bytes(model.dtype)
+    budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason)  # noqa: E731
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
+        return budget(num_blocks, "num_blocks given")
+    if kv_cache_memory is not None:
+        if kv_cache_memory < block_bytes:
+            raise ValueError(f"kv_cache_memory must hold at least one block ({block_bytes} bytes); got "
+                             f"{kv_cache_memory}")
+        return budget(kv_cache_memory // block_bytes, f"kv_cache_memory={kv_cache_memory} bytes given")
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
+    device = model_device(model)
+    if device.type != "cuda":
+        cap = CPU_POOL_BYTES // block_bytes
+        if wanted <= cap:
+            return budget(wanted, f"room for {served}")
+        return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = activation_reserve(model.config, model.dtype, max_num_batched_tokens, max_num_seqs)
+    by_fraction = int(total * kv_cache_fraction) // block_bytes
+    by_free = max(free - reserve, 0) // block_bytes
+    if wanted <= min(by_fraction, by_free):
+        return budget(wanted, f"room for {served}")
+    if by_fraction <= by_free:
+        return budget(max(1, by_fraction), f"{served} need {wanted:,} blocks; capped at kv_cache_fraction="
+                                           f"{kv_cache_fraction} of the device's {total / (1 << 30):.1f} GiB")
+    if by_free < 1:
+        raise RuntimeError(f"no device memory is left for a KV cache: {free / (1 << 30):.2f} GiB free, "
+                           f"{reserve / (1 << 30):.2f} GiB kept for the engine's activations; free memory or give "
+                           "num_blocks / kv_cache_memory")
+    return budget(by_free, f"{served} need {wanted:,} blocks; capped at the free "
+                                   f"{free / (1 << 30):.1f} GiB less {reserve / (1 << 30):.1f} GiB for activations")

@@ -1,0 +1,68 @@
+"""The engine's default KV pool: what it is configured to serve, capped so that another engine still fits."""
+
+import pytest
+import torch
+
+import hfaccel
+import hfaccel.engine.kv_budget as kv_budget
+from hfaccel import Engine, SamplingParams
+from hfaccel.engine.kv_budget import CPU_POOL_BYTES, activation_reserve, plan_kv_cache
+from tests.models import tiny_model
+
+GIB = 1 << 30
+
+
+def _plan(model, **kwargs):
+    settings = dict(block_size=16, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=512)
+    return plan_kv_cache(model, **{**settings, **kwargs})
+
+
+def test_two_default_engines_in_one_process_both_serve():
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    first, second = Engine(model), Engine(model)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for engine in (first, second):
+        assert len(engine.generate([5, 6, 7], params)[0].outputs[0].token_ids) == 4
+        stats = engine.stats()
+        assert stats["kv_cache_tokens"] == 64 * 256  # max_num_seqs x max_model_len (max_position_embeddings)
+        assert stats["kv_cache_bytes"] == stats["blocks_total"] * engine.runner.pool.block_bytes()
+
+
+def test_the_pool_holds_what_the_engine_serves_and_is_capped_on_the_cpu():
+    model = tiny_model("llama")
+    budget = _plan(model)
+    assert budget.num_blocks == 8 * 16 and "room for max_num_seqs=8 sequences of max_model_len=256" in str(budget)
+    huge = _plan(model, max_num_seqs=4096, max_model_len=1 << 20)
+    assert huge.bytes <= CPU_POOL_BYTES < huge.bytes + huge.block_bytes and "capped at 1 GiB" in huge.reason
+    assert _plan(model, num_blocks=7).num_blocks == 7
+    assert _plan(model, kv_cache_memory=100 * budget.block_bytes + 1).num_blocks == 100
+
+
+@pytest.mark.parametrize("free, fraction, expected", [
+    (70 * GIB, 0.5, "fraction"),  # a first engine: half of the device at most
+    (30 * GIB, 0.5, "free"),  # a second one: what is free, less its activations
+    (80 * GIB, 1.0, "free"),
+])
+def test_on_cuda_the_pool_is_capped_by_total_and_free_memory(monkeypatch, free, fraction, expected):
+    model = tiny_model("llama")
+    monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
+    budget = _plan(model, max_num_seqs=10**6, max_model_len=1 << 20, kv_cache_fraction=fraction)
+    reserve = activation_reserve(model.config, model.dtype, 512, 10**6)
+    limit = {"fraction": int(80 * GIB * fraction), "free": free - reserve}[expected]
+    assert budget.num_blocks == limit // budget.block_bytes
+    assert ("kv_cache_fraction" if expected == "fraction" else "free") in budget.reason
+
+
+def test_bad_settings_are_refused(monkeypatch):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="num_blocks or kv_cache_memory, not both"):
+        _plan(model, num_blocks=4, kv_cache_memory=GIB)
+    with pytest.raises(ValueError, match=r"kv_cache_fraction must be in \(0, 1\]; got 1.5"):
+        _plan(model, kv_cache_fraction=1.5)
+    with pytest.raises(ValueError, match="kv_cache_memory must hold at least one block"):
+        _plan(model, kv_cache_memory=10)
+    monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB // 2, 80 * GIB))
+    with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
+        _plan(model, max_model_len=1 << 20)
