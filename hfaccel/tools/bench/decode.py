@@ -27,7 +27,8 @@ class DecodeRow:
     speedup: float  # vs transformers sdpa at the same batch
 
 
-def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -> float:
+def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -> float:
+    """Seconds of one greedy ``generate`` of exactly ``new_tokens`` tokens, after warm-up runs."""
     args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                 pad_token_id=0, **kwargs)
     model.generate(input_ids, **{**args, "max_new_tokens": min(new_tokens, 8),
@@ -64,7 +65,7 @@ def bench_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: t
                 accelerate(model, paged=path == "hfaccel")
             if path == "transformers static+compile":
                 kwargs = dict(cache_implementation="static", compile_config=CompileConfig())
-            seconds = _timed_generate(model, input_ids, new_tokens, **kwargs)
+            seconds = timed_generate(model, input_ids, new_tokens, **kwargs)
             restore(model)
             tokens_per_s = batch * new_tokens / seconds
             baseline = baseline or tokens_per_s
