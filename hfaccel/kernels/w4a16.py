@@ -92,6 +92,9 @@ def _gemv_kernel(
     offs_r = tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    # Scales, zeros and outputs are read and written 4 columns per thread, as the words are (16-bit values would
+    # otherwise be loaded 8 per thread and moved between threads every iteration).
+    offs_4 = tl.max_contiguous(offs_n, 4)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     x_row = X + pid_m * stride_xm
@@ -100,14 +103,16 @@ def _gemv_kernel(
         words = tl.load(QW + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :],
                         mask=n_ok[None, :], other=0)  # [ROWS, BLOCK_N]: rows k0 + 8r .. k0 + 8r + 7
         group = k0 // group_size  # the whole tile: BLOCK_K divides group_size
-        zeros = _load_group_row(ZEROS, group, stride_zg, offs_n, n_ok)
+        zeros = _load_group_row(ZEROS, group, stride_zg, offs_4, n_ok)
         tile = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(8):
             xj = tl.load(x_row + k0 + offs_r * 8 + j).to(tl.float32)  # [ROWS]: x[k0 + 8r + j]
             tile += xj[:, None] * _q_minus_z(words, j, zeros[None, :])
-        acc += tl.sum(tile, 0) * _load_group_row(SCALES, group, stride_sg, offs_n, n_ok)
-    _store_tile(OUT, acc[None, :], pid_k, tl.full([1], 0, tl.int32) + pid_m, offs_n, n_ok[None, :],
-                stride_os, stride_om, SPLIT)
+        acc += tl.sum(tile, 0) * _load_group_row(SCALES, group, stride_sg, offs_4, n_ok)
+    if SPLIT:
+        tl.store(OUT + pid_k * stride_os + pid_m * stride_om + offs_4, acc, mask=n_ok)
+    else:
+        tl.store(OUT + pid_m * stride_om + offs_4, acc.to(OUT.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
