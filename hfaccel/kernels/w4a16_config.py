@@ -73,6 +73,14 @@ class W4A16Config:
     def entry(self) -> dict:
         return asdict(self)
 
+    @property
+    def label(self) -> str:
+        """Short form for tables and logs: ``gemv 1x256x128 split 8, 2 warps, 1 stage``."""
+        if self.path == "dequant":
+            return "dequant + cuBLAS"
+        return (f"{self.path} {self.block_m if self.path == 'gemm' else 1}x{self.block_n}x{self.block_k} "
+                f"split {self.split_k}, {self.num_warps} warps, {self.num_stages} stages")
+
 
 def bucket_m(m: int) -> int:
     """M rounded up to a power of two, capped at the largest bucket."""

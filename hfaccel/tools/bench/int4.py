@@ -80,11 +80,8 @@ def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device
     int4 = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE), device) * 1e3
     cublas = time_ms(lambda: F.linear(x, dense), device) * 1e3
     dequant = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE, config=W4A16Config("dequant")), device) * 1e3
-    if resolve_backend("auto", device) == "triton":
-        cfg = pick_w4a16_config(m, n, k, dtype, GROUP_SIZE, device)
-        path = f"{cfg.path} split {cfg.split_k}" if cfg.path != "dequant" else "dequant"
-    else:
-        path = "torch reference"
+    triton = resolve_backend("auto", device) == "triton"
+    path = pick_w4a16_config(m, n, k, dtype, GROUP_SIZE, device).label if triton else "torch reference"
     weight_bytes = sum(t.numel() * t.element_size() for t in weight)
     gb_per_s = weight_bytes / int4 / 1e3
     return Int4KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, int4, cublas, dequant, cublas / int4,

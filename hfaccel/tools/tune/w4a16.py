@@ -52,7 +52,7 @@ def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M
                                         device, reps, console)
                     entries[table_key(m, n, k, dtype, group_size)] = {**best.entry(), "us": round(us, 2)}
                     console.print(f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
-                                  f"{best} {us:.1f} us")
+                                  f"{best.label}, {us:.1f} us")
     return entries
 
 
@@ -68,7 +68,7 @@ def _fastest(x: torch.Tensor, weight, group_size: int, candidates: list[W4A16Con
         except Exception as error:  # noqa: BLE001 - a config this GPU cannot run is not a candidate
             if device.type != "cuda":
                 raise
-            console.print(f"  skipped {cfg}: {type(error).__name__}: {str(error)[:120]}")
+            console.print(f"  skipped {cfg.label}: {type(error).__name__}: {str(error)[:120]}")
     if not timed:
         raise RuntimeError(f"no w4a16 candidate ran for x {tuple(x.shape)}")
     us, cfg = min(timed, key=lambda pair: pair[0])
