@@ -67,16 +67,6 @@ def _load_group_row(PTR, group, stride_g, offs_n, n_ok):
 
 
 @triton.jit
-def _store_tile(OUT, acc, pid_k, offs_m, offs_n, mask, stride_os, stride_om, SPLIT: tl.constexpr):
-    """The fp32 partial of split ``pid_k`` (``SPLIT``), or the output in OUT's dtype."""
-    ptrs = OUT + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT:
-        tl.store(ptrs + pid_k * stride_os, acc, mask=mask)
-    else:
-        tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _gemv_kernel(
     X, QW, SCALES, ZEROS, OUT,
     N, K, group_size, k_per_split,
@@ -109,7 +99,7 @@ def _gemv_kernel(
             xj = tl.load(x_row + k0 + offs_r * 8 + j).to(tl.float32)  # [ROWS]: x[k0 + 8r + j]
             tile += xj[:, None] * _q_minus_z(words, j, zeros[None, :])
         acc += tl.sum(tile, 0) * _load_group_row(SCALES, group, stride_sg, offs_4, n_ok)
-    if SPLIT:
+    if SPLIT:  # this split's fp32 partial
         tl.store(OUT + pid_k * stride_os + pid_m * stride_om + offs_4, acc, mask=n_ok)
     else:
         tl.store(OUT + pid_m * stride_om + offs_4, acc.to(OUT.dtype.element_ty), mask=n_ok)
@@ -162,7 +152,11 @@ def _gemm_kernel(
             acc += _dot(x, q, F32_DOT) * scales[None, :]
         else:
             acc += _dot(x, q * scales[None, :], F32_DOT)
-    _store_tile(OUT, acc, pid_k, offs_m, offs_n, m_ok[:, None] & n_ok[None, :], stride_os, stride_om, SPLIT)
+    out_ptrs = OUT + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT:  # this split's fp32 partial
+        tl.store(out_ptrs + pid_k * stride_os, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
