@@ -52,6 +52,9 @@ def load_table(gpu: str) -> dict:
         ops = table["ops"]
         if not isinstance(ops, dict):
             raise ValueError(f"'ops' must be an object; got {type(ops).__name__}")
+        bad = sorted(op for op, entries in ops.items() if not isinstance(entries, dict))
+        if bad:
+            raise ValueError(f"the entries of op(s) {bad} must be an object of bucket -> config")
         return ops
     except FileNotFoundError:
         warnings.warn(f"hfaccel: no tuned kernel table for {gpu} ({path.name}); kernels use their heuristics. "

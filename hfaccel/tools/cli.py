@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
     bench.add_argument("what", nargs="*", metavar="CASE",
-                       help=f"benchmarks to run: {', '.join(BENCH_CASES)} (default: all, which leaves out serve)")
+                       help=f"benchmarks to run: {', '.join(BENCH_CASES)} "
+                            "(default: all, which leaves out int4 and serve)")
     bench.add_argument("--serve", action="store_true", help="also benchmark the HTTP server (same as 'serve')")
     bench.add_argument("--url", default=None, help="serve: a running server's base URL (…/v1); default: start one")
     bench.add_argument("--model", default=None,

@@ -46,7 +46,9 @@ def compile_sm90(jobs: list[dict]) -> list[dict]:
     """Compile @triton.jit kernels to sm_90 cubins with triton's bundled ptxas: no GPU, no driver.
 
     Each job: ``{"module", "kernel", "signature": {arg: triton type}, "constexprs": {...}, "num_warps",
-    "num_stages"}``. Returns per job ``{"ok": True, "shared": bytes}`` or ``{"ok": False, "error": text}``;
+    "num_stages"}``, optionally ``"aligned": [arg, ...]`` (compiled as 16-divisible, as the JIT specialises
+    aligned pointers and multiples of 16) and ``"ptx_patterns": [text, ...]``. Returns per job ``{"ok": True,
+    "shared": bytes, "ptx_counts": {pattern: occurrences in the PTX}}`` or ``{"ok": False, "error": text}``;
     an error is what the GPU compiler rejects (e.g. a tl.dot with K < 16 on 16-bit inputs). Runs in a child
     process because the kernels of this (interpreted) process are not compilable.
     """

@@ -7,33 +7,25 @@ import pytest
 from hfaccel.kernels import tuning
 
 
-@pytest.fixture
-def gpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA Test GPU 80GB")
-    tuning.load_table.cache_clear()
-    yield tmp_path / "nvidia-test-gpu-80gb.json"
-    tuning.load_table.cache_clear()
-
-
 def test_table_path_is_the_gpu_name_as_a_file_name():
     assert tuning.table_path("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.json"
     assert tuning.bucket_key(m=16, n=4096, dtype="torch.bfloat16") == "m16_n4096_dtypebfloat16"
 
 
-def test_lookup_reads_the_table_once(gpu):
-    gpu.write_text(json.dumps({"gpu": "NVIDIA Test GPU 80GB", "ops": {"w4a16": {"m1_n7": {"block_n": 64, "us": 3.5}}}}))
+def test_lookup_reads_the_table_once(gpu_table):
+    gpu_table.write_text(json.dumps({"gpu": "NVIDIA Test GPU 80GB", "ops": {"w4a16": {"m1_n7": {"block_n": 64, "us": 3.5}}}}))
     assert tuning.lookup("w4a16", "m1_n7", "cuda") == {"block_n": 64, "us": 3.5}
     assert tuning.lookup("w4a16", "m2_n7", "cuda") is None and tuning.lookup("paged", "m1_n7", "cuda") is None
-    gpu.unlink()
+    gpu_table.unlink()
     assert tuning.lookup("w4a16", "m1_n7", "cuda") == {"block_n": 64, "us": 3.5}  # cached per process
 
 
 @pytest.mark.parametrize("content, message", [(None, "no tuned kernel table"), ("{not json", "unreadable"),
-                                              ('{"ops": [1, 2]}', "unreadable"), ('{"gpu": "x"}', "unreadable")])
-def test_missing_or_corrupt_table_warns_and_falls_back(gpu, content, message):
+                                              ('{"ops": [1, 2]}', "unreadable"), ('{"gpu": "x"}', "unreadable"),
+                                              ('{"ops": {"w4a16": [1]}}', "unreadable")])
+def test_missing_or_corrupt_table_warns_and_falls_back(gpu_table, content, message):
     if content is not None:
-        gpu.write_text(content)
+        gpu_table.write_text(content)
     with pytest.warns(UserWarning, match=message):
         assert tuning.lookup("w4a16", "m1_n7", "cuda") is None
 

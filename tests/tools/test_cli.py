@@ -67,6 +67,21 @@ def test_bench_speculative(tmp_path, monkeypatch):
     assert all(row["expected_speedup"] > 0 and row["efficiency"] > 0 for row in rows)
 
 
+def test_bench_int4(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
+    output = tmp_path / "bench.json"
+    assert main(["bench", "int4", "--batch", "1", "--batch", "2", "--prompt-len", "8", "--new-tokens", "3",
+                 "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    kernels, decode = results["int4_kernels"], results["int4_decode"]
+    assert [(row["k"], row["n"], row["m"]) for row in kernels] == [(256, 384, 1), (256, 384, 16)]
+    assert all(row["int4_us"] > 0 and row["cublas_us"] > 0 and row["int4_gb_per_s"] > 0 for row in kernels)
+    assert [(row["weights"], row["batch"]) for row in decode] == [
+        ("float32", 1), ("float32", 2), ("int4 rtn g128", 1), ("int4 rtn g128", 2)]
+    assert all(row["tokens_per_s"] > 0 and row["weight_gb"] > 0 for row in decode)
+    assert decode[2]["weight_gb"] < decode[0]["weight_gb"] / 3  # int4 layers hold ~1/7 of the fp32 bytes
+
+
 def test_bad_arguments_exit_with_usage(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--attention", "cuda"])

@@ -7,6 +7,8 @@
 - engine: serving N requests — sequential / static-batch ``generate``, ``generate_batch``, ``hfaccel.Engine``.
 - serve: the OpenAI-compatible server at concurrency 1, 8, 64 over loopback (not part of "all").
 - speculative: ``speculative_generate`` against the accelerated target alone, with acceptance and cost ratio.
+- int4: the W4A16 op vs cuBLAS (and dequantize + cuBLAS) at Llama-3.1-8B shapes, and int4 vs dense decode
+  tokens/s of an accelerated model (not part of "all": it builds a Llama-3.1-8B-shaped model on CUDA).
 
 Benchmarks are not tests: nothing here asserts a speed. Results print as tables and are written as JSON.
 """
@@ -26,8 +28,8 @@ from rich.console import Console
 from hfaccel.tools.bench.timing import environment
 
 # case -> module of hfaccel.tools.bench with ``run(options, console) -> dict`` (result sections)
-CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "serve")
-NOT_IN_ALL = ("serve",)  # it starts (or needs) a server
+CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "int4", "serve")
+NOT_IN_ALL = ("int4", "serve")  # int4 builds an 8B-shaped model; serve starts (or needs) a server
 
 
 @dataclass

@@ -15,12 +15,13 @@ import torch
 from rich.table import Table
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
-    """Median milliseconds of ``fn``: triton's do_bench on CUDA, wall clock over ``reps`` runs elsewhere."""
+def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA (``warmup`` and ``rep`` milliseconds; the L2 cache
+    is flushed before each call), wall clock over ``reps`` runs elsewhere."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     fn()
     samples = []
     for _ in range(reps):

@@ -1,0 +1,126 @@
+"""``hfaccel bench int4``: int4 weights (W4A16) against the same product in fp16/bf16.
+
+- Kernel: the routed ``w4a16_matmul`` against cuBLAS (``F.linear`` on the dense weight) and against the
+  dequantize + cuBLAS path, at Llama-3.1-8B Linear shapes (K x N = 4096 x 4096, 4096 x 14336, 14336 x 4096,
+  4096 x 128256) for M = 1, 4, 16, 64, 256, 1024: microseconds, ratios, GB/s of int4 weights (packed words,
+  scales, zeros) read and their share of the measured read bandwidth. do_bench flushes the L2 cache before
+  each call, so weights come from HBM as in a decode step.
+- End to end: greedy ``generate`` decode steps of a random-weight model (Llama-3.1-8B config on CUDA) accelerated
+  in fp16 (or the first ``--dtype``), then the same model RTN-quantized to int4 (g=128) and accelerated, at batch
+  1 and 16 (``bench decode``'s step timing); with the weight bytes one step reads and the share of the read
+  bandwidth that rate implies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hfaccel.hf import accelerate, restore
+from hfaccel.kernels import resolve_backend
+from hfaccel.kernels.w4a16 import w4a16_matmul
+from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
+from hfaccel.quant import quantize
+from hfaccel.tools.bench.decode import step_ms
+from hfaccel.tools.bench.timing import read_bandwidth, table, time_ms, weight_read_bytes
+from hfaccel.tools.models import build_model
+
+CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
+CPU_SHAPES = [(256, 384)]
+CUDA_MS = [1, 4, 16, 64, 256, 1024]
+CPU_MS = [1, 16]
+GROUP_SIZE = 128
+
+
+@dataclass
+class Int4KernelRow:
+    k: int
+    n: int
+    m: int
+    dtype: str
+    path: str  # what the router picked (or the torch reference off CUDA)
+    int4_us: float
+    cublas_us: float
+    dequant_cublas_us: float
+    speedup: float  # cublas_us / int4_us
+    int4_gb_per_s: float  # int4 weight bytes (packed words + scales + zeros) / int4_us
+    read_bw_pct: float  # int4_gb_per_s against the measured read bandwidth
+
+
+@dataclass
+class Int4DecodeRow:
+    model: str
+    weights: str
+    batch: int
+    new_tokens: int
+    tokens_per_s: float  # decode tokens per second: batch / step
+    ms_per_step: float
+    speedup: float  # vs the dense weights at the same batch
+    weight_gb: float  # bytes one decode step reads from the weights
+    pct_roofline: float  # one read of those bytes at the read bandwidth / the step
+
+
+def random_int4_weight(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device):
+    """``(qweight [K/8, N], scales, zeros [K/g, N])`` with random values, in the kernel layout."""
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device)
+    scales = (torch.rand(k // group_size, n, device=device) * 0.02 + 0.005).to(dtype)
+    zeros = torch.randint(0, 16, (k // group_size, n), device=device).to(dtype)
+    return qweight, scales, zeros
+
+
+def bench_int4_kernels(shapes, ms, dtypes, device: torch.device) -> list[Int4KernelRow]:
+    bandwidth = read_bandwidth(device)
+    return [_kernel_row(k, n, m, dtype, device, bandwidth) for k, n in shapes for dtype in dtypes for m in ms]
+
+
+def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device, bandwidth: float) -> Int4KernelRow:
+    weight = random_int4_weight(n, k, GROUP_SIZE, dtype, device)
+    dense = torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    int4 = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE), device) * 1e3
+    cublas = time_ms(lambda: F.linear(x, dense), device) * 1e3
+    dequant = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE, config=W4A16Config("dequant")), device) * 1e3
+    triton = resolve_backend("auto", device) == "triton"
+    path = pick_w4a16_config(m, n, k, dtype, GROUP_SIZE, device).label if triton else "torch reference"
+    weight_bytes = sum(t.numel() * t.element_size() for t in weight)
+    gb_per_s = weight_bytes / int4 / 1e3
+    return Int4KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, int4, cublas, dequant, cublas / int4,
+                         gb_per_s, 100 * gb_per_s / bandwidth)
+
+
+def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
+                      dtype: torch.dtype) -> list[Int4DecodeRow]:
+    """Accelerated generate() tokens/s with dense weights, then with the same model quantized in place (so the
+    dense run always comes first)."""
+    model = build_model(spec, device, dtype)
+    bandwidth = read_bandwidth(device)
+    inputs = {b: torch.randint(3, model.config.vocab_size, (b, prompt_len), device=device) for b in batches}
+    rows: list[Int4DecodeRow] = []
+    for weights in (str(dtype).removeprefix("torch."), f"int4 rtn g{GROUP_SIZE}"):
+        if weights.startswith("int4"):
+            quantize(model, "rtn", group_size=GROUP_SIZE)
+        accelerate(model)
+        step_bytes = weight_read_bytes(model)
+        for batch in batches:
+            ms = step_ms(model, inputs[batch], new_tokens, {})
+            dense = next((r.ms_per_step for r in rows if r.batch == batch), None)
+            rows.append(Int4DecodeRow(spec, weights, batch, new_tokens, batch / ms * 1e3, ms,
+                                      dense / ms if dense else 1.0, step_bytes / 1e9,
+                                      100 * step_bytes / (bandwidth * 1e9) / (ms / 1e3)))
+        restore(model)
+    return rows
+
+
+def run(options, console) -> dict:
+    kernels = [asdict(r) for r in bench_int4_kernels(CUDA_SHAPES if options.cuda else CPU_SHAPES,
+                                                     CUDA_MS if options.cuda else CPU_MS, options.dtypes,
+                                                     options.device)]
+    console.print(table(f"int4 W4A16 (g={GROUP_SIZE}) vs cuBLAS: x [M, K] @ W [K, N]", kernels))
+    decode = [asdict(r) for r in bench_int4_decode(
+        options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"), options.batches or [1, 16],
+        options.prompt_len or (128 if options.cuda else 16), options.new_tokens or (128 if options.cuda else 8),
+        options.device, options.dtypes[0])]
+    console.print(table("int4 vs dense weights: accelerated generate() tokens/s", decode))
+    return {"int4_kernels": kernels, "int4_decode": decode}

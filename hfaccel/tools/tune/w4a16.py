@@ -1,0 +1,75 @@
+"""``hfaccel tune --op w4a16``: the fastest W4A16 configuration per bucket (M, N, K, dtype, group size).
+
+For each Linear shape of the named models (q, k/v, o, gate/up, down projections and the LM head), each M bucket
+and each dtype, every candidate of ``hfaccel.kernels.w4a16_config.candidate_configs`` — GEMV tilings and splits,
+split-K and full tensor-core GEMMs, dequantize + cuBLAS — runs on random weights and the fastest wins. Times are
+``triton.testing.do_bench`` medians with the L2 cache flushed before each call: a decode step reads its weights
+from HBM, not from the L2 a repeated call would leave them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hfaccel.kernels.w4a16 import w4a16_matmul
+from hfaccel.kernels.w4a16_config import M_BUCKETS, OP, W4A16Config, candidate_configs, table_key
+from hfaccel.tools.bench.int4 import random_int4_weight
+from hfaccel.tools.bench.timing import time_ms
+
+DTYPES = (torch.float16, torch.bfloat16)
+GROUP_SIZES = (128,)
+
+__all__ = ["OP", "linear_shapes", "sweep"]
+
+
+def linear_shapes(shapes) -> list[tuple[int, int]]:
+    """``(N, K)`` = (out, in) features of every distinct Linear of the models (``ModelShapes``), LM head included."""
+    found = []
+    for s in shapes:
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        found += [(q, s.hidden_size), (kv, s.hidden_size), (s.hidden_size, q), (s.intermediate_size, s.hidden_size),
+                  (s.hidden_size, s.intermediate_size), (s.vocab_size, s.hidden_size)]
+    return list(dict.fromkeys(found))
+
+
+def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M_BUCKETS,
+          dtypes: Sequence[torch.dtype] = DTYPES, group_sizes: Sequence[int] = GROUP_SIZES,
+          reps: int = 5) -> dict[str, dict]:
+    """Table entries ``{bucket key: {config fields..., "us": median microseconds}}`` for the models' shapes.
+    ``reps`` counts timed runs off CUDA (tests); on CUDA do_bench decides."""
+    entries = {}
+    for n, k in linear_shapes(shapes):
+        for dtype in dtypes:
+            for group_size in group_sizes:
+                if k % group_size:
+                    continue
+                weight = random_int4_weight(n, k, group_size, dtype, device)
+                x = torch.randn(max(m_buckets), k, device=device, dtype=dtype)
+                for m in m_buckets:
+                    best, us = _fastest(x[:m], weight, group_size, candidate_configs(m, n, k, dtype, group_size),
+                                        device, reps, console)
+                    entries[table_key(m, n, k, dtype, group_size)] = {**best.entry(), "us": round(us, 2)}
+                    console.print(f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
+                                  f"{best.label}, {us:.1f} us")
+    return entries
+
+
+def _fastest(x: torch.Tensor, weight, group_size: int, candidates: list[W4A16Config], device: torch.device,
+             reps: int, console) -> tuple[W4A16Config, float]:
+    """The candidate with the smallest median time (ties: the first), and that time in microseconds. A
+    candidate that fails to compile or launch (e.g. out of shared memory on this GPU) is skipped."""
+    timed = []
+    for cfg in candidates:
+        try:
+            timed.append((time_ms(lambda: w4a16_matmul(x, *weight, group_size, config=cfg), device, reps=reps,
+                                  warmup=5, rep=15) * 1e3, cfg))
+        except Exception as error:  # noqa: BLE001 - a config this GPU cannot run is not a candidate
+            if device.type != "cuda":
+                raise
+            console.print(f"  skipped {cfg.label}: {type(error).__name__}: {str(error)[:120]}")
+    if not timed:
+        raise RuntimeError(f"no w4a16 candidate ran for x {tuple(x.shape)}")
+    us, cfg = min(timed, key=lambda pair: pair[0])
+    return cfg, us
