@@ -129,7 +129,7 @@ def test_n_stop_max_tokens_and_logprobs(server):
         assert len(choice.logprobs.tokens) >= len(choice.text)
         assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
         assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
-    sampled = client.completions.create(model="tiny", prompt="abc", max_tokens=5, n=3, temperature=1.0, seed=3)
+    sampled = client.completions.create(model="tiny", prompt="abc", max_tokens=5, n=3, temperature=1.0, seed=4)
     assert [len(c.text) for c in sampled.choices] == [5, 5, 5]
     multi = client.completions.create(prompt=["ab", "cd"], max_tokens=3, n=2, **_greedy())
     assert [c.index for c in multi.choices] == [0, 1, 2, 3]
