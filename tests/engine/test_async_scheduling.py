@@ -77,8 +77,8 @@ def test_each_step_is_launched_before_the_previous_tokens_are_read(model, monkey
         forward = e.runner.forward
         e.runner.forward = lambda *args, **kwargs: events.append("launch") or forward(*args, **kwargs)
         e.generate("abc", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        if async_scheduling:  # launch 1, launch 2, read 1, launch 3, read 2, ..., read 6
-            assert events == ["launch"] + ["launch", "read"] * 5 + ["read"]
+        if async_scheduling:  # the prompt's step is read at once; then launch 3 before reading 2, ..., read 6
+            assert events == ["launch", "read", "launch"] + ["launch", "read"] * 4 + ["read"]
         else:
             assert events == ["launch", "read"] * 6
         # max_tokens is known ahead: no forward runs past the last token
@@ -119,11 +119,29 @@ def test_abort_while_a_token_is_in_flight(model):
 
 
 def test_step_reports_the_previous_steps_tokens(model):
+    """A step with prefill work reads its own tokens (the next admissions see them); in the decode steady state a
+    step reports the tokens of the step before it."""
     e = engine(model, True)
-    request_id = e.add_request("abc", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert e.step() == []  # the prompt's forward is queued; its token is not read yet
-    first = e.step()
+    request_id = e.add_request("abc", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    first = e.step()  # the prompt's step
     assert [len(out.outputs[0].token_ids) for out in first] == [1] and first[0].request_id == request_id
+    assert e.step() == []  # decode: launched, its token not read yet
+    assert [len(out.outputs[0].token_ids) for out in e.step()] == [2]
+
+
+def test_steps_with_prefill_work_do_not_overlap(model):
+    """Overlap only in the decode steady state: while a request waits or a prompt is being computed, each step
+    reads its tokens before the next is scheduled."""
+    events = []
+    e = engine(model, True, cuda_graphs=False, max_num_batched_tokens=4)  # a 9-token prompt runs in 3 chunks
+    forward, collect = e.runner.forward, e._collect_all_but
+    e.runner.forward = lambda *args, **kwargs: events.append("launch") or forward(*args, **kwargs)
+    e._collect_all_but = lambda keep, touched: events.append(f"in flight {len(e._in_flight)}, keep {keep}") \
+        or collect(keep, touched)
+    e.add_request("123456789", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    assert events == ["in flight 0, keep 0", "launch", "in flight 1, keep 0"] * 3
 
 
 def test_generated_blocks_are_cached_for_a_follow_up(model):
