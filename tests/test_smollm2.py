@@ -7,8 +7,8 @@ import torch
 import transformers
 
 import hfaccel
-from hfaccel.tools.assets import smollm2_path
 from hfaccel.quant.rtn import quantize_rtn
+from tests.assets import smollm2_or_skip
 from tests.devices import DEVICE
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = smollm2_path()
+    path = smollm2_or_skip()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                               attn_implementation="sdpa").eval().to(DEVICE)

