@@ -234,3 +234,11 @@ def transformers_sample(model, input_ids, logits_processor, stopping_criteria, g
 def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     """The pad token ``generate`` prepared for finished rows (a tensor on the inputs' device, or None)."""
     return generation_config._pad_token_tensor
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions ``torch.compile`` raises when it cannot compile a function (dynamo's; inductor's failures
+    reach the caller wrapped in one of them), as opposed to errors of the function itself."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return (TorchDynamoException,)

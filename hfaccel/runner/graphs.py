@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hfaccel import compat
 from hfaccel.kv import PackedStep, slot_mapping
 
 if TYPE_CHECKING:
@@ -147,8 +148,17 @@ class DecodeGraphs:
         return self._views[size]
 
     def _step(self, size: int, advance: bool) -> torch.Tensor:
-        """One static step of ``size`` rows (:func:`static_step` on the buffers' leading rows)."""
-        return self._step_fn(self.runner, self._rows(size), advance, self.max_model_len)
+        """One static step of ``size`` rows (:func:`static_step` on the buffers' leading rows). If torch.compile
+        cannot compile it (before anything ran), the step says why once and runs uncompiled from then on."""
+        try:
+            return self._step_fn(self.runner, self._rows(size), advance, self.max_model_len)
+        except compat.compile_errors() as error:
+            if self._step_fn is static_step:
+                raise
+            warnings.warn(f"hfaccel: torch.compile could not compile the decode step ({type(error).__name__}: "
+                          f"{str(error)[:300]}); decode steps run uncompiled", stacklevel=4)
+            self._step_fn, self.compiled = static_step, False
+            return static_step(self.runner, self._rows(size), advance, self.max_model_len)
 
     def _replay(self, size: int, advance: bool) -> torch.Tensor:
         if not self.capture:

@@ -225,6 +225,26 @@ def test_compiled_decode_steps_equal_eager_ones(arch):
     assert model.hfaccel.session.runner.graphs.compiled and str(model.hfaccel.decode) == "hfaccel"
 
 
+def test_a_step_that_cannot_be_compiled_runs_uncompiled(monkeypatch):
+    """torch.compile failing on the decode step (a model dynamo cannot trace) costs speed, not the call."""
+    from torch._dynamo.exc import Unsupported
+
+    model = tiny_model("llama")
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=5, **GREEDY)
+
+    def uncompilable(function, **kwargs):
+        def compiled(*args):
+            raise Unsupported("a graph break in the model")
+        return compiled
+
+    monkeypatch.setattr(graphs.torch, "compile", uncompilable)
+    hfaccel.accelerate(model, attention="torch", compile=True)
+    with pytest.warns(UserWarning, match="could not compile the decode step .*Unsupported"):
+        assert torch.equal(model.generate(**batch, max_new_tokens=5, **GREEDY), expected)
+    assert not model.hfaccel.session.runner.graphs.compiled and str(model.hfaccel.decode) == "hfaccel"
+
+
 def test_compile_argument_is_checked():
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'; got 'yes'"):
         hfaccel.accelerate(tiny_model("llama"), compile="yes")
