@@ -140,28 +140,34 @@ class KVPool:
                             dtype=torch.int32).view(-1, width)
 
     def packed_step(self, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int], *,
-                    num_rows: int | None = None, table_width: int | None = None) -> PackedStep:
+                    num_rows: int | None = None, table_width: int | None = None,
+                    tokens_per_seq: int | None = None) -> PackedStep:
         """Host metadata of a forward computing tokens ``[starts[i], starts[i] + num_new[i])`` of ``seq_ids[i]``,
-        whose slots the sequences already hold. ``num_rows`` pads to that many sequences (one token each, writing
-        nowhere, seeing nothing); ``table_width`` fixes the block tables' width. Built with host tensor ops (a
-        Python loop per token would cost ~1 ms per 4096-token prefill chunk)."""
+        whose slots the sequences already hold. ``num_rows`` pads to that many sequences (writing nowhere, seeing
+        nothing); ``table_width`` fixes the block tables' width; ``tokens_per_seq`` pads every sequence's tokens to
+        that many (padding tokens write nowhere; the sequence's length counts them, so each real query keeps its
+        position and sees exactly its keys). Built with host tensor ops (a Python loop per token would cost ~1 ms
+        per 4096-token prefill chunk)."""
         for seq_id, start, n in zip(seq_ids, starts, num_new):
             if start < 0 or start + n > self.manager.seq_len(seq_id):
                 raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; cannot compute "
                                  f"tokens {start}..{start + n}")
+        if tokens_per_seq is not None and any(not 1 <= n <= tokens_per_seq for n in num_new):
+            raise ValueError(f"tokens_per_seq={tokens_per_seq} holds 1 to {tokens_per_seq} new tokens per sequence; "
+                             f"got {list(num_new)}")
         pad = (num_rows or len(seq_ids)) - len(seq_ids)
         table = self.block_tables(seq_ids, num_rows=len(seq_ids) + pad, width=table_width)  # [S, W]
         start = torch.tensor(list(starts) + [0] * pad, dtype=torch.int64)  # [S]
-        new = torch.tensor(list(num_new) + [1] * pad, dtype=torch.int64)  # [S]
-        cu = torch.zeros(len(new) + 1, dtype=torch.int64)
-        torch.cumsum(new, 0, out=cu[1:])  # [S + 1]
-        owner = torch.repeat_interleave(torch.arange(len(new)), new)  # [T]: sequence of each new token
-        positions = start[owner] + torch.arange(int(cu[-1])) - cu[owner]  # [T]
-        slots = slot_mapping(table, owner, positions, self.block_size)  # [T]
-        lens = start + new
-        if pad:
-            real = int(cu[len(seq_ids)])
-            slots[real:], lens[len(seq_ids):] = -1, 0
+        real = torch.tensor(list(num_new) + [0] * pad, dtype=torch.int64)  # [S]: tokens that count
+        width = torch.full_like(real, tokens_per_seq) if tokens_per_seq else real.clamp(min=1)  # [S]: in the row
+        cu = torch.zeros(len(width) + 1, dtype=torch.int64)
+        torch.cumsum(width, 0, out=cu[1:])  # [S + 1]
+        owner = torch.repeat_interleave(torch.arange(len(width)), width)  # [T]: sequence of each token
+        offset = torch.arange(int(cu[-1])) - cu[owner]  # [T]: index among its sequence's tokens
+        positions = start[owner] + offset  # [T]
+        counts = offset < real[owner]  # [T]: a real token (padding writes nowhere)
+        slots = torch.where(counts, slot_mapping(table, owner, torch.where(counts, positions, 0), self.block_size), -1)
+        lens = torch.where(real > 0, start + width, 0)
         return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
                           cu_seqlens_q=cu.to(torch.int32), positions=positions,
-                          max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=max(num_new, default=0))
+                          max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=int(width.max()) if len(width) else 0)

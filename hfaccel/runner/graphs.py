@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hfaccel import compat
+from hfaccel.device import to_device
 from hfaccel.kv import PackedStep, slot_mapping
 
 if TYPE_CHECKING:
@@ -52,28 +53,30 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
 
 
 class DecodeGraphs:
-    """Static-shape decode steps of a :class:`ModelRunner` for up to ``max_batch`` sequences of up to
-    ``max_model_len`` tokens (made by ``runner.enable_decode_graphs``)."""
+    """Static-shape steps of a :class:`ModelRunner` for up to ``max_batch`` sequences of up to ``max_model_len``
+    tokens (made by ``runner.enable_decode_graphs``): one token per sequence (decode), or up to
+    ``tokens_per_seq`` (speculative verification: the last token and the drafts), padded to that many."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, *, capture: bool | None = None,
-                 compile: bool = False, ladder: Sequence[int] = DEFAULT_LADDER):
-        if max_batch < 1 or max_model_len < 1:
-            raise ValueError(f"max_batch and max_model_len must be >= 1; got {max_batch}, {max_model_len}")
+    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
+                 capture: bool | None = None, compile: bool = False, ladder: Sequence[int] = DEFAULT_LADDER):
+        if max_batch < 1 or max_model_len < 1 or tokens_per_seq < 1:
+            raise ValueError(f"max_batch, max_model_len and tokens_per_seq must be >= 1; got {max_batch}, "
+                             f"{max_model_len}, {tokens_per_seq}")
         self.runner = runner
         self.device = runner.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.compiled = compile
         self.sizes = sorted({size for size in ladder if size < max_batch} | {max_batch})
-        self.max_batch, self.max_model_len = max_batch, max_model_len
-        width = -(-max_model_len // runner.pool.block_size)
+        self.max_batch, self.max_model_len, self.tokens_per_seq = max_batch, max_model_len, tokens_per_seq
+        width, tokens = -(-max_model_len // runner.pool.block_size), max_batch * tokens_per_seq
         on = {"device": self.device}
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, **on)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, **on)
-        self.slot_mapping = torch.full((1, max_batch), -1, dtype=torch.long, **on)
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, **on)
+        self.positions = torch.zeros(tokens, dtype=torch.long, **on)
+        self.slot_mapping = torch.full((1, tokens), -1, dtype=torch.long, **on)
         self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, **on)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
-        self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on)
-        self.keep = torch.arange(max_batch, dtype=torch.long, **on)
+        self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
+        self.keep = torch.arange(tokens, dtype=torch.long, **on)  # every token's logits
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
         # dynamic=True: one graph serves every batch size (sizes 0 and 1 are specialised), so a runner compiles
         # at most a few variants — each size is then captured as its own CUDA graph
@@ -84,8 +87,13 @@ class DecodeGraphs:
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
 
     def serves(self, num_new: Sequence[int], logits_for: str | Sequence[int]) -> bool:
-        """Whether a forward is a decode step this mode runs: one token per sequence, logits for each of them."""
-        if not 0 < len(num_new) <= self.max_batch or any(n != 1 for n in num_new):
+        """Whether a forward is a step this mode runs: one token per sequence with logits for each of them, or
+        (``tokens_per_seq > 1``) up to ``tokens_per_seq`` per sequence with logits for every token."""
+        if not 0 < len(num_new) <= self.max_batch:
+            return False
+        if self.tokens_per_seq > 1:
+            return logits_for == "all" and all(1 <= n <= self.tokens_per_seq for n in num_new)
+        if any(n != 1 for n in num_new):
             return False
         return isinstance(logits_for, str) or list(logits_for) == list(range(len(num_new)))
 
@@ -96,21 +104,31 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     # ---------------------------------------------------------------------------------- host-fed steps
-    def run(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
-        """Logits ``[B, V]`` of one decode token per sequence (``input_ids[i]`` at position ``starts[i]``)."""
+    def run(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, starts: Sequence[int],
+            num_new: Sequence[int] | None = None) -> torch.Tensor:
+        """Logits of the new tokens, packed as ``input_ids [T]`` is: ``num_new[i]`` tokens of sequence
+        ``seq_ids[i]`` from position ``starts[i]`` (default one each: ``[B, V]``)."""
         batch = len(seq_ids)
         size = self.size_for(batch)
-        self._fill(seq_ids, starts, size)
-        self.input_ids[:batch].copy_(input_ids)
+        num_new = [1] * batch if num_new is None else list(num_new)
+        self._fill(seq_ids, starts, size, num_new)
         self._size = None
-        return self._replay(size, advance=False)[:batch]
+        if self.tokens_per_seq == 1:
+            self.input_ids[:batch].copy_(input_ids)
+            return self._replay(size, advance=False)[:batch]
+        q = self.tokens_per_seq
+        where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
+        self.input_ids[:size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
+        return self._replay(size, advance=False)[where]
 
     # ------------------------------------------------------------------------------- device-fed steps
     def begin(self, seq_ids: Sequence[Hashable], starts: Sequence[int]) -> None:
         """Set up steps in which sequence ``seq_ids[i]`` decodes positions ``starts[i]``, ``starts[i] + 1``, ...
         (:meth:`advance` runs them). Their blocks must already cover every position those steps will reach."""
+        if self.tokens_per_seq != 1:
+            raise RuntimeError(f"device-fed steps run one token per sequence; these steps take {self.tokens_per_seq}")
         size = self.size_for(len(seq_ids))
-        self._fill(seq_ids, starts, size, whole_tables=True)
+        self._fill(seq_ids, starts, size, [1] * len(seq_ids), whole_tables=True)
         self._size = size
 
     def advance(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -122,16 +140,15 @@ class DecodeGraphs:
         return self._replay(self._size, advance=True)[:batch]
 
     # --------------------------------------------------------------------------------------- internals
-    def _fill(self, seq_ids, starts, size: int, whole_tables: bool = False) -> None:
+    def _fill(self, seq_ids, starts, size: int, num_new: list[int], whole_tables: bool = False) -> None:
         """Copy a step's metadata into the static buffers (one non-blocking copy per buffer; of the block tables,
         only the columns these sequences use unless ``whole_tables``: the kernel never reads a table past a
         sequence's length, but device-fed steps read ahead)."""
-        batch = len(seq_ids)
-        host = self.runner.pool.packed_step(seq_ids, starts, [1] * batch, num_rows=size)
+        host = self.runner.pool.packed_step(seq_ids, starts, num_new, num_rows=size, tokens_per_seq=self.tokens_per_seq)
         pinned = self.device.type == "cuda"
         for static, values in ((self.positions, host.positions), (self.seq_lens, host.seq_lens),
                                (self.slot_mapping[0], host.slot_mapping[0])):
-            static[:size].copy_(values.pin_memory() if pinned else values, non_blocking=True)
+            static[:len(values)].copy_(values.pin_memory() if pinned else values, non_blocking=True)
         tables = self.runner.pool.block_tables(seq_ids, num_rows=size) if whole_tables else host.block_tables
         if tables.shape[1] > self.block_tables.shape[1]:
             raise ValueError(f"sequences of {tables.shape[1]} blocks exceed the decode steps' max_model_len="
@@ -140,25 +157,26 @@ class DecodeGraphs:
                                                          non_blocking=True)
 
     def _rows(self, size: int) -> tuple[torch.Tensor, ...]:
-        """The static buffers' views for a step of ``size`` rows."""
+        """The static buffers' views for a step of ``size`` sequences (``size * tokens_per_seq`` tokens)."""
         if size not in self._views:
-            self._views[size] = (self.input_ids[:size], self.positions[:size], self.seq_lens[:size],
-                                 self.slot_mapping[:, :size], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
-                                 self.keep[:size], torch.arange(size, device=self.device))
+            tokens = size * self.tokens_per_seq
+            self._views[size] = (self.input_ids[:tokens], self.positions[:tokens], self.seq_lens[:size],
+                                 self.slot_mapping[:, :tokens], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
+                                 self.keep[:tokens], torch.arange(size, device=self.device))
         return self._views[size]
 
     def _step(self, size: int, advance: bool) -> torch.Tensor:
-        """One static step of ``size`` rows (:func:`static_step` on the buffers' leading rows). If torch.compile
-        cannot compile it (before anything ran), the step says why once and runs uncompiled from then on."""
+        """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows). If
+        torch.compile cannot compile it (before anything ran), the step says why once and runs uncompiled."""
         try:
-            return self._step_fn(self.runner, self._rows(size), advance, self.max_model_len)
+            return self._step_fn(self.runner, self._rows(size), advance, self.max_model_len, self.tokens_per_seq)
         except compat.compile_errors() as error:
             if self._step_fn is static_step:
                 raise
             warnings.warn(f"hfaccel: torch.compile could not compile the decode step ({type(error).__name__}: "
                           f"{str(error)[:300]}); decode steps run uncompiled", stacklevel=4)
             self._step_fn, self.compiled = static_step, False
-            return static_step(self.runner, self._rows(size), advance, self.max_model_len)
+            return static_step(self.runner, self._rows(size), advance, self.max_model_len, self.tokens_per_seq)
 
     def _replay(self, size: int, advance: bool) -> torch.Tensor:
         if not self.capture:
@@ -210,15 +228,16 @@ class DecodeGraphs:
         self.seq_lens.copy_(counters[1])
 
 
-def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bool, max_model_len: int) -> torch.Tensor:
-    """One static decode step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with
-    ``advance``, this step's slots from positions and block tables first (device-fed), and positions and lengths
-    moved on after the forward. Returns the logits ``[size, V]``."""
+def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bool, max_model_len: int,
+                tokens_per_seq: int = 1) -> torch.Tensor:
+    """One static step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with ``advance``
+    (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
+    and lengths moved on after the forward. Returns the logits ``[size * tokens_per_seq, V]``."""
     input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index = rows
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
         slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
     step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
-                      positions=positions, max_seq_len=max_model_len, max_q_len=1)
+                      positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq)
     logits = runner.run_model(input_ids, step, keep)
     if advance:
         live = (seq_lens > 0).to(seq_lens.dtype)

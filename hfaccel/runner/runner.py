@@ -44,12 +44,16 @@ class ModelRunner:
         self.cache = SequenceKVCache(model.config, pool)
         self.graphs: DecodeGraphs | None = None
 
-    def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, capture: bool | None = None,
-                             compile: bool = False, ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
-        """Run forwards of one token per sequence (up to ``max_batch`` sequences of up to ``max_model_len``
-        tokens) as static-shape steps — compiled with ``torch.compile`` when ``compile``, captured as CUDA graphs
-        per padded batch size when ``capture`` (default: on CUDA); otherwise the same static step runs eagerly."""
-        self.graphs = DecodeGraphs(self, max_batch, max_model_len, capture=capture, compile=compile, ladder=ladder)
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
+                             capture: bool | None = None, compile: bool = False,
+                             ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
+        """Run forwards of one token per sequence — or, with ``tokens_per_seq > 1``, of up to that many per
+        sequence with logits for all of them (speculative verification) — for up to ``max_batch`` sequences of
+        up to ``max_model_len`` tokens as static-shape steps: compiled with ``torch.compile`` when ``compile``,
+        captured as CUDA graphs per padded batch size when ``capture`` (default: on CUDA); otherwise the same
+        static step runs eagerly."""
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq, capture=capture,
+                                   compile=compile, ladder=ladder)
         return self.graphs
 
     @torch.inference_mode()
@@ -77,7 +81,7 @@ class ModelRunner:
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         input_ids = input_ids.to(self.device)
         if self.graphs is not None and self.graphs.serves(num_new, logits_for):
-            return self.graphs.run(seq_ids, input_ids, starts)
+            return self.graphs.run(seq_ids, input_ids, starts, num_new)
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
         return self.run_model(input_ids, step, self._logits_index(step, num_new, logits_for))
 

@@ -327,8 +327,8 @@ def speculative_generate(
             is padded with ``pad_token_id``.
         stop_strings, tokenizer: a row also stops after the token that completes one of these strings.
         seed: seeds the sampling generators (one per device) for a reproducible call.
-        compile: the draft model's one-token steps run as the runner's static decode steps (CUDA graphs on
-            CUDA), compiled with ``torch.compile`` when True or ``"auto"`` on CUDA.
+        compile: the target's verification steps and the draft model's one-token steps run as the runners'
+            static steps (CUDA graphs on CUDA), compiled with ``torch.compile`` when True or ``"auto"`` on CUDA.
         return_stats: also return :class:`SpeculativeStats`.
     """
     config = model.generation_config
@@ -347,6 +347,8 @@ def speculative_generate(
     compiles(compile, model_device(model))  # a bad setting raises before any work
     with hfaccel_attention(model):
         target = ModelRunner(model, KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size))
+        target.enable_decode_graphs(len(rows), max(capacity), tokens_per_seq=num_draft_tokens + 1,
+                                    compile=compiles(compile, target.device))  # the verification steps
         if draft == "ngram":
             drafter = _NgramDrafter(ngram_size, target.device)
             clock = _Clock([target.device], exact=return_stats)

@@ -57,6 +57,41 @@ def _arch_of(model) -> str:
     return next(a for a, (_, cls, _) in ARCHITECTURES.items() if type(model).__name__ == cls)
 
 
+def test_verification_and_drafting_run_the_runners_static_steps(monkeypatch):
+    """The target verifies every row's last token and drafts in one static step of k + 1 tokens per row (rows
+    with fewer drafts padded), the draft model drafts in one-token static steps: CUDA graphs on a GPU."""
+    from hfaccel.runner import DecodeGraphs
+
+    served, real = [], DecodeGraphs.run
+
+    def run(self, seq_ids, input_ids, starts, num_new=None):
+        served.append((self.tokens_per_seq, list(num_new)))
+        return real(self, seq_ids, input_ids, starts, num_new)
+
+    monkeypatch.setattr(DecodeGraphs, "run", run)
+    model = tiny_model("qwen2")
+    batch = _batch()
+    expected = _target_greedy(model, batch, eos=[])
+    draft = perturbed_copy(model)
+    torch_kernels(model, draft)
+    got = speculative_generate(model, draft, **batch, max_new_tokens=NEW_TOKENS, num_draft_tokens=3, **GREEDY)
+    assert torch.equal(got, expected)
+    verify = [counts for q, counts in served if q == 4]
+    assert verify and any(len(set(c)) > 1 for c in verify)  # rows with fewer drafts than others, padded
+    assert any(q == 1 for q, _ in served)
+
+
+@pytest.mark.slow
+def test_compiled_steps_give_the_targets_tokens():
+    model = tiny_model("llama")
+    batch = _batch()
+    expected = _target_greedy(model, batch, eos=[])
+    draft = perturbed_copy(model)
+    torch_kernels(model, draft)
+    got = speculative_generate(model, draft, **batch, max_new_tokens=NEW_TOKENS, compile=True, **GREEDY)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("kind", ["perturbed", "self", "unrelated", "ngram"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_greedy_equals_target_generate(arch, kind):
