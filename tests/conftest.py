@@ -11,6 +11,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -36,3 +38,24 @@ def pytest_report_header(config):
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return (f"hfaccel tests: torch {torch.__version__}, transformers {transformers.__version__}, "
             f"triton {triton.__version__}, device {device}")
+
+
+@pytest.fixture
+def tuned_table(monkeypatch, tmp_path):
+    """Make every CUDA device look like one GPU with a tuned table: ``tuned_table(ops)`` writes the table's ``ops``
+    (op -> bucket key -> entry) and returns its path. Off CUDA devices ("cpu") still have no table."""
+    from hfaccel.kernels import tuning
+
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA Test GPU 80GB"
+                        if torch.device(device or "cuda").type == "cuda" else None)
+    tuning.load_table.cache_clear()
+
+    def write(ops: dict):
+        path = tmp_path / "nvidia-test-gpu-80gb.json"
+        path.write_text(json.dumps({"gpu": "NVIDIA Test GPU 80GB", "ops": ops}))
+        tuning.load_table.cache_clear()
+        return path
+
+    yield write
+    tuning.load_table.cache_clear()

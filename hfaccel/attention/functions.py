@@ -4,11 +4,18 @@ The mask function turns transformers' mask request into a :class:`KernelMask` (o
 padding, causal / sliding window) instead of a ``[B, 1, Sq, Skv]`` tensor; the attention function hands it
 to :func:`hfaccel.kernels.flash_attention`. Whatever the kernels do not implement (an unrecognised mask
 pattern, dropout while training, autograd) is served by an exact torch path instead, never approximated.
+
+Routing: a plain causal prefill (queries aligned to the keys, no padding, no window that hides a key, no
+softcap) is exactly what torch SDPA computes; the ``auto`` backend sends it to SDPA (cuDNN / flash) on CUDA
+when the GPU's tuned table measured SDPA faster for the shape (:func:`prefill_route`). Everything SDPA cannot
+express stays on hfaccel's kernels. Which path served each eager call is counted in the model's
+:class:`AttentionPaths` (``model.hfaccel.attention_paths``): a host-side decision, no device sync.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,9 +23,38 @@ import torch.nn.functional as F
 
 from hfaccel import compat
 from hfaccel.kernels import flash_attention_reference
-from hfaccel.kernels.flash_attention import visibility_mask
+from hfaccel.kernels.flash_attention import sdpa_preferred, visibility_mask
 from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
+from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
+
+# What served a call, as AttentionPaths counts it.
+SDPA, FLASH, PAGED, TORCH = "sdpa", "hfaccel flash", "hfaccel paged", "torch"
+PATHS_ATTRIBUTE = "hfaccel_attention_paths"  # where a tracked model's attention modules keep their AttentionPaths
+
+
+class AttentionPaths:
+    """How many eager attention calls of one model each path served (``sdpa``; hfaccel's ``flash`` or ``paged``
+    kernel, with the backend that ran it: ``triton`` or the ``torch`` reference; ``torch`` for the exact fallbacks),
+    and the last one. Calls inside a ``torch.compile``d step are not counted: their path was fixed when the step
+    was traced (decode steps: the paged kernel)."""
+
+    def __init__(self):
+        self.counts: Counter[str] = Counter()
+        self.last: str | None = None
+
+    def record(self, path: str) -> None:
+        self.counts[path] += 1
+        self.last = path
+
+    def __str__(self) -> str:
+        if not self.counts:
+            return "no eager attention call yet"
+        calls = ", ".join(f"{path} {count}" for path, count in self.counts.most_common())
+        return f"{calls} (last: {self.last})"
+
+    def __repr__(self) -> str:
+        return f"AttentionPaths({dict(self.counts)}, last={self.last!r})"
 
 
 @dataclass(frozen=True)
@@ -93,26 +129,80 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
                                   "hfaccel.accelerate leaves such models on transformers' attention")
     softcap = kwargs.get("softcap")
     if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
-        return _packed(backend, query, key, attention_mask, scaling, softcap, dropout, kwargs.get("sliding_window")), None
+        if key.dense is None or not _paged_kernel_serves(attention_mask, dropout, query):
+            _record(module, PAGED, backend, query)
+            return _packed(backend, query, key, attention_mask, scaling, softcap, dropout,
+                           kwargs.get("sliding_window")), None
+        # one sequence's whole prompt: causal attention over its own new K/V, as any dense prefill
+        attention_mask = replace(PACKED_MASK, sliding_window=kwargs.get("sliding_window"))
     if isinstance(key, PagedKV):
         if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
+            _record(module, PAGED, backend, query)
             return _paged(backend, query, key, attention_mask, scaling, softcap), None
         key, value = key.gather()  # a prefill's own K/V, or a gather for what the paged kernel lacks
     if attention_mask is None:
         attention_mask = _implicit_mask(module, query, key, kwargs)
     if not isinstance(attention_mask, KernelMask):
+        _record(module, TORCH)
         return _dense_attention(query, key, value, attention_mask, scaling, softcap, dropout), None
     if dropout > 0.0:
         _warn_fallback("attention dropout is active (model in training mode)")
+        _record(module, TORCH)
         return _dense_attention(query, key, value, _to_dense(attention_mask, query, key), scaling, softcap,
                                 dropout), None
     mask = attention_mask
     if _needs_autograd(query, key, value):  # differentiable
+        _record(module, TORCH)
         return flash_attention_reference(query, key, value, scale=scaling, causal=mask.causal,
                                          q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
                                          sliding_window=mask.sliding_window, softcap=softcap), None
+    if prefill_route(backend, query, key, mask, softcap) == SDPA:
+        _record(module, SDPA)
+        return sdpa_causal(query, key, value, scaling), None
+    _record(module, FLASH, backend, query)
     return flash_attention_op(query, key, value, mask.key_mask, _scale(scaling, query), mask.causal, mask.q_offset,
                               mask.kv_offset, mask.sliding_window, softcap, backend), None
+
+
+def sdpa_computes(query: torch.Tensor, key: torch.Tensor, mask: KernelMask, softcap: float | None) -> bool:
+    """Whether ``F.scaled_dot_product_attention(..., is_causal=True)`` computes exactly this call: causal with the
+    queries aligned to the keys (same count, same offset: SDPA's causal mask is top-left aligned), no key padding,
+    no sliding window that hides a key, no softcap."""
+    window = mask.sliding_window
+    return (mask.causal and mask.key_mask is None and softcap is None and (window is None or window >= key.shape[2])
+            and query.shape[2] == key.shape[2] and mask.q_offset == mask.kv_offset)
+
+
+def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: KernelMask,
+                  softcap: float | None) -> str:
+    """``"sdpa"`` or ``"hfaccel flash"``: the path of a dense call of the ``backend`` attention. Only ``auto`` routes,
+    only 16-bit calls on CUDA, only what SDPA computes exactly, and only where the GPU's tuned table says SDPA is
+    the faster (or has no measurement: ``hfaccel.kernels.flash_attention.sdpa_preferred``). Host-side: shapes,
+    dtype and one table lookup."""
+    if (backend == "auto" and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and sdpa_computes(query, key, mask, softcap)
+            and sdpa_preferred(query.shape[-1], query.shape[1] // key.shape[1], query.shape[2], query.dtype,
+                               query.device)):
+        return SDPA
+    return FLASH
+
+
+def sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """The SDPA route: ``query [B, Hq, S, D]`` over ``key, value [B, Hkv, S, D]`` (aligned, causal) ->
+    ``[B, S, Hq, D]``, GQA without repeating K/V."""
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=_scale(scaling, query),
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def _record(module: torch.nn.Module, path: str, backend: str | None = None, query: torch.Tensor | None = None) -> None:
+    """Count the path in the module's AttentionPaths (a model that ``accelerate`` tracks; eager calls only).
+    hfaccel's kernels are named with the backend that runs them (``hfaccel flash (triton)``)."""
+    if torch.compiler.is_compiling():
+        return
+    paths = getattr(module, PATHS_ATTRIBUTE, None)
+    if paths is not None:
+        paths.record(path if backend is None else f"{path} ({resolve_backend(backend, query.device)})")
 
 
 def _scale(scaling: float | None, query: torch.Tensor) -> float:

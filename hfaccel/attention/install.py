@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from transformers import PreTrainedModel
 
 from hfaccel import compat
-from hfaccel.attention.functions import ATTENTION_FUNCTIONS, kernel_mask
+from hfaccel.attention.functions import ATTENTION_FUNCTIONS, PATHS_ATTRIBUTE, AttentionPaths, kernel_mask
 from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
 
 # hfaccel's attention implementations, by kernel backend
@@ -32,6 +32,23 @@ def set_hfaccel_attention(model: PreTrainedModel, backend: str = "auto") -> None
         raise ValueError(f"{type(model).__name__} cannot run on hfaccel's paged attention: {reason}")
     register()
     model.set_attn_implementation(ATTENTION_NAMES[backend])
+
+
+def track_paths(model: PreTrainedModel) -> AttentionPaths:
+    """Count which path serves the model's attention calls from now on: one :class:`AttentionPaths` shared by its
+    attention modules (the modules that own a KV-cache layer: they carry ``layer_idx``)."""
+    paths = AttentionPaths()
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            setattr(module, PATHS_ATTRIBUTE, paths)
+    return paths
+
+
+def untrack_paths(model: PreTrainedModel) -> None:
+    """Stop counting (undoes :func:`track_paths`)."""
+    for module in model.modules():
+        if PATHS_ATTRIBUTE in vars(module):
+            delattr(module, PATHS_ATTRIBUTE)
 
 
 @contextmanager

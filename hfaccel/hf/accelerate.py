@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from hfaccel import compat
-from hfaccel.attention import ATTENTION_NAMES, set_hfaccel_attention, unsupported_reason
+from hfaccel.attention import (
+    ATTENTION_NAMES, AttentionPaths, set_hfaccel_attention, track_paths, unsupported_reason, untrack_paths,
+)
 from hfaccel.device import model_device
 from hfaccel.hf.decode import DecodeInfo, DecodeSession
 from hfaccel.hf.generation import install_generate, uninstall_generate
@@ -28,6 +30,7 @@ class Acceleration:
     paged: bool = False  # generate() runs hfaccel's decode loop / a PagedCache sized for each request
     compile: bool | str = "auto"  # decode steps compiled with torch.compile: "auto" = on CUDA
     session: DecodeSession | None = None  # the runner generate() keeps between calls
+    attention_paths: AttentionPaths | None = None  # which path (SDPA, hfaccel's kernels, torch) served each call
 
     @property
     def decode(self) -> DecodeInfo:
@@ -46,7 +49,7 @@ class Acceleration:
         return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
                 f"(backend {self.attention!r}); generate(): "
                 f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
-                f"; last call: {self.decode}")
+                f"; last call: {self.decode}; attention calls: {self.attention_paths}")
 
 
 def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
@@ -99,7 +102,8 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if paged:
         install_generate(model)
         session = DecodeSession(model, compile=compile)
-    model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session)
+    model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
+                                 attention_paths=track_paths(model))
     return model
 
 
@@ -110,6 +114,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if info.active:
         model.set_attn_implementation(info.original_attn_implementation)
+        untrack_paths(model)
     uninstall_generate(model)
     del model.hfaccel
     return model

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hfaccel.kernels.runtime import interpreting, resolve_backend
+from hfaccel.kernels import tuning
+from hfaccel.kernels.runtime import interpreting, resolve_backend, tma_descriptor, tma_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -34,12 +35,12 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr, IEEE_FP32: tl.constexpr):
-    """``q [M, D] @ k [D, N]`` scaled into the log2 domain (``c * tanh(s / c)`` first when softcapped)."""
+def _scores(q, k_t, score_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr, IEEE_FP32: tl.constexpr):
+    """``q [M, D] @ k_t [D, N]`` scaled into the log2 domain (``c * tanh(s / c)`` first when softcapped)."""
     if IEEE_FP32:
-        s = tl.dot(q, k, input_precision="ieee")
+        s = tl.dot(q, k_t, input_precision="ieee")
     else:
-        s = tl.dot(q, k)
+        s = tl.dot(q, k_t)
     if HAS_SOFTCAP:
         s = softcap_log2 * _tanh(s * score_scale)
     else:
@@ -48,19 +49,134 @@ def _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr, IEEE_FP3
 
 
 @triton.jit
-def _online_softmax_update(s, v, m_i, l_i, acc, IEEE_FP32: tl.constexpr):
-    """Fold masked log2 scores ``s [M, N]`` (-inf = hidden) and values ``v [N, D]`` into the running row max
-    ``m_i``, row sum ``l_i`` and unnormalised output ``acc``; rows that have seen no key stay at zero."""
+def _softmax_step(s, v, m_i, l_i, acc, GUARD: tl.constexpr, IEEE_FP32: tl.constexpr):
+    """Fold log2 scores ``s [M, N]`` and values ``v [N, D]`` into the running row max ``m_i``, row sum ``l_i`` and
+    unnormalised output ``acc``. ``GUARD``: some scores may be -inf (hidden keys), so a row may have seen no key
+    yet; its max stays -inf and it adds zeros instead of NaN. Without it (a block every row sees whole) the
+    rescaling needs no check."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE_FP32:
-        pv = tl.dot(p, v, input_precision="ieee")
+    if GUARD:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+        m_ref = m_new
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE_FP32:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _visible(k_pos, q_pos, key_ok, row_ok, n_ok, window,
+             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+    """Bool ``[M, N]``: which keys of a block each row may attend (bounds, causal, window, key mask)."""
+    visible = n_ok[None, :] & row_ok[:, None]
+    if IS_CAUSAL:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    if HAS_KEY_MASK:
+        visible = visible & key_ok[None, :]
+    return visible
+
+
+@triton.jit
+def _whole_blocks(lo, hi, seen_below, seen_from, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    """Split a tile's key range ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``) at ``b <= c``: ``[b, c)`` are whole
+    ``BLOCK_N`` blocks that every row of the tile sees (key indices below ``seen_below`` under causality, from
+    ``seen_from`` on under the window), so only ``[lo, b)`` and ``[c, hi)`` need masks. Divisions see only
+    values >= 0 (Triton's integer division truncates)."""
+    full_hi = hi
+    if IS_CAUSAL:
+        full_hi = tl.minimum(full_hi, seen_below)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    full_lo = lo
+    if HAS_WINDOW:
+        full_lo = tl.maximum(lo, ((tl.maximum(seen_from, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    b = tl.minimum(full_lo, hi)
+    c = tl.minimum(tl.maximum(full_hi, b), hi)
+    return b, c
+
+
+@triton.jit
+def _phase_bounds(phase: tl.constexpr, lo, b, c, hi):
+    """The keys of one of a tile's three loop phases (``phase != 1`` masked): [lo, b), [b, c), [c, hi)."""
+    if phase == 0:
+        start, stop = lo, b
+    elif phase == 1:
+        start, stop = b, c
+    else:
+        start, stop = c, hi
+    return start, stop
+
+
+@triton.jit
+def _load_rows(base, rows, offs_d, stride_d, rows_ok, head_dim, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """``[N, BLOCK_D]`` from ``base + rows[n] + d * stride_d``, masked only where rows may be out of range
+    (``MASK_ROWS``) or the head dim is padded."""
+    ptrs = base + rows[:, None] + offs_d[None, :] * stride_d
+    if MASK_ROWS or not EVEN_D:
+        tile = tl.load(ptrs, mask=rows_ok[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, key_mask_row, stride_ms, window,
+                  score_scale, softcap_log2,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                  IEEE_FP32: tl.constexpr):
+    """One key block ``k, v [BLOCK_N, BLOCK_D]`` folded into the tile's softmax state. ``MASKED``: the whole
+    visibility rule applies; otherwise every row sees every key of the block and only the key mask can hide."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = _scores(q, tl.trans(k), score_scale, softcap_log2, HAS_SOFTCAP, IEEE_FP32)  # [BLOCK_M, BLOCK_N]
+    key_ok = n_ok
+    if HAS_KEY_MASK:
+        key_ok = tl.load(key_mask_row + offs_n * stride_ms, mask=n_ok, other=0) != 0
+    if MASKED:
+        s = tl.where(_visible(k_pos, q_pos, key_ok, row_ok, n_ok, window, IS_CAUSAL, HAS_WINDOW, HAS_KEY_MASK),
+                     s, float("-inf"))
+    elif HAS_KEY_MASK:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, MASKED or HAS_KEY_MASK, IEEE_FP32)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _flash_range(
+    acc, m_i, l_i, q, q_pos, row_ok, K, V, key_mask_row, batch, kv_head, k_base, v_base,
+    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
+    seq_kv, head_dim, kv_offset, window, start, stop, score_scale, softcap_log2,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+):
+    """Attend the tile's rows to the dense keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``), read
+    through TMA descriptors (zeros past the ends) or pointers."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(start, stop, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_kv
+        if TMA:
+            k = K.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = V.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k = _load_rows(k_base, offs_n * stride_ks, offs_d, stride_kd, n_ok, head_dim, MASKED, EVEN_D)
+            v = _load_rows(v_base, offs_n * stride_vs, offs_d, stride_vd, n_ok, head_dim, MASKED, EVEN_D)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, offs_n, kv_offset + offs_n, q_pos, row_ok, n_ok,
+                                      key_mask_row, stride_ms, window, score_scale, softcap_log2, MASKED,
+                                      IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -75,16 +191,19 @@ def _flash_attention_kernel(
     q_offset, kv_offset, window,
     score_scale, softcap_log2,
     GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # One program: BLOCK_M rows of the flattened (query, head-in-group) axis of one (batch, KV head).
     # Row r is query r // GROUP of query head kv_head * GROUP + r % GROUP, so the GROUP query heads
-    # sharing a KV head read each K/V tile once.
+    # sharing a KV head read each K/V tile once. K and V are pointers, or TMA descriptors of the
+    # [B, Hkv, Skv, D] tensors when TMA.
     pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the longest rows first, so the last wave is made of short ones
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    batch = (pid_bh // num_kv_heads).to(tl.int64)
+    batch = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,85 +213,137 @@ def _flash_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
 
-    q_ptrs = Q + batch * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qs
+              + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = q_offset + q_idx  # [BLOCK_M]
 
-    # Key range this block can see at all: [lo, hi).
+    # Key indices this tile can see at all, [lo, hi), and the whole blocks all its rows see, [b, c).
     first_pos = q_offset + (pid_m * BLOCK_M) // GROUP
     last_pos = q_offset + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seq_q - 1)
     hi = seq_kv
     if IS_CAUSAL:
-        hi = tl.minimum(seq_kv, last_pos - kv_offset + 1)
+        hi = tl.minimum(seq_kv, tl.maximum(last_pos - kv_offset + 1, 0))
     lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(0, first_pos - window - kv_offset + 1)
+        lo = tl.minimum(tl.maximum(0, first_pos - window - kv_offset + 1), hi)
         lo = (lo // BLOCK_N) * BLOCK_N
+    b, c = _whole_blocks(lo, hi, first_pos - kv_offset + 1, last_pos - window - kv_offset + 1, BLOCK_N,
+                         IS_CAUSAL, HAS_WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seq_kv
-        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP, IEEE_FP32)  # [BLOCK_M, BLOCK_N]
-
-        visible = n_ok[None, :] & row_ok[:, None]
-        k_pos = kv_offset + offs_n
-        if IS_CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        if HAS_KEY_MASK:
-            key_ok = tl.load(KEY_MASK + batch * stride_mb + offs_n * stride_ms, mask=n_ok, other=0)
-            visible = visible & (key_ok != 0)[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, IEEE_FP32)
+    k_base = K
+    v_base = V
+    if not TMA:
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+    key_mask_row = KEY_MASK + batch.to(tl.int64) * stride_mb
+    for phase in tl.static_range(3):
+        start, stop = _phase_bounds(phase, lo, b, c, hi)
+        acc, m_i, l_i = _flash_range(
+            acc, m_i, l_i, q, q_pos, row_ok, K, V, key_mask_row, batch, kv_head, k_base, v_base,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms, seq_kv, head_dim, kv_offset, window,
+            start, stop, score_scale, softcap_log2,
+            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK,
+            UPCAST, IEEE_FP32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    o_ptrs = O + batch * stride_ob + q_idx[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    o_ptrs = (O + batch.to(tl.int64) * stride_ob + q_idx[:, None] * stride_os + head[:, None] * stride_oh
+              + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @dataclass(frozen=True)
 class FlashConfig:
-    """Tile sizes and launch parameters of one kernel configuration."""
+    """Tile sizes and launch parameters of one kernel configuration (``tma``: K/V through TMA descriptors where
+    the GPU, the Triton and the tensors allow it; pointers otherwise)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, rows: int) -> FlashConfig:
-    """Tiles for a call with ``rows = Sq * (Hq // Hkv)`` rows per (batch, KV head).
+OP = "flash_attention"  # this kernel's name in the tuned tables (hfaccel.kernels.tuning)
+SEQ_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)  # query lengths the tables are tuned at
+MIN_TUNED_ROWS = 512  # calls with fewer rows per (batch, KV head) (decode, short chunks) use the heuristics
 
-    Sized for sm_80/sm_90 shared memory (at most ~100 KB per stage set) and kept at the minimum tile of 16
-    that ``tl.dot`` accepts on the GPU for short (decode) calls.
+# The configurations ``hfaccel tune`` measures per head-dim class (16-bit inputs), (block_m, block_n, warps,
+# stages), each with and without TMA; the first is the heuristic default. Every one compiles for sm_90
+# (tests/kernels/test_flash_attention.py).
+CANDIDATES = {
+    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+    256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
+}
+
+
+def _head_dim_class(head_dim: int) -> int:
+    return min(c for c in CANDIDATES if c >= triton.next_power_of_2(head_dim))
+
+
+def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[FlashConfig]:
+    """What ``hfaccel tune`` measures for this head dim and dtype (fp32 is not tuned: its one heuristic)."""
+    if dtype == torch.float32:
+        return [default_config(head_dim, dtype, MIN_TUNED_ROWS)]
+    return [FlashConfig(*shape, tma=tma) for shape in CANDIDATES[_head_dim_class(head_dim)] for tma in (False, True)]
+
+
+def default_config(head_dim: int, dtype: torch.dtype, rows: int) -> FlashConfig:
+    """The heuristic tiles for ``rows = Sq * (Hq // Hkv)`` rows per (batch, KV head).
+
+    Sized for sm_80/sm_90 shared memory and kept at the minimum tile of 16 that ``tl.dot`` accepts on the GPU
+    for short (decode) calls. 16-bit inputs start from the head-dim class's first candidate.
     """
     block_d = triton.next_power_of_2(head_dim)
-    wide = dtype == torch.float32
-    if block_d <= 64:
-        cfg = FlashConfig(128, 32 if wide else 64, 4, 3)
+    if dtype != torch.float32:
+        cfg = FlashConfig(*CANDIDATES[_head_dim_class(head_dim)][0])
     elif block_d <= 128:
-        cfg = FlashConfig(128, 32 if wide else 64, 8, 2 if wide else 3)
+        cfg = FlashConfig(128, 32, 4 if block_d <= 64 else 8, 3 if block_d <= 64 else 2)
     else:
-        cfg = FlashConfig(64, 16 if wide else 32, 8, 2)
+        cfg = FlashConfig(64, 16, 8, 2)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
     return FlashConfig(block_m, cfg.block_n, cfg.num_warps if block_m > 32 else 4, cfg.num_stages)
+
+
+def seq_bucket(seq: int) -> int:
+    """The tuned query length a call of ``seq`` queries reads its table entry at."""
+    return next((b for b in SEQ_BUCKETS if b >= seq), SEQ_BUCKETS[-1])
+
+
+def table_key(head_dim: int, group: int, seq: int, dtype: torch.dtype) -> str:
+    """The tuned table's bucket of a call: head dim, query heads per KV head, query-length bucket, dtype."""
+    return tuning.bucket_key(d=head_dim, g=group, s=seq_bucket(seq), dtype=dtype)
+
+
+def pick_config(head_dim: int, dtype: torch.dtype, seq_q: int, group: int,
+                device: torch.device | str | None = None) -> FlashConfig:
+    """The configuration of a call: the GPU's tuned table for long 16-bit calls when it has their bucket, else
+    :func:`default_config`."""
+    rows = seq_q * group
+    if rows >= MIN_TUNED_ROWS and dtype != torch.float32:
+        entry = tuning.lookup(OP, table_key(head_dim, group, seq_q, dtype), device)
+        if entry is not None:
+            return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
+                               bool(entry.get("tma", False)))
+    return default_config(head_dim, dtype, rows)
+
+
+def sdpa_preferred(head_dim: int, group: int, seq: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether torch SDPA should serve a plain causal prefill (no padding, window or softcap) of this shape on
+    ``device``: the tuned table's measurement of both (``sdpa_us`` against ``us``) when it has the bucket;
+    without one, True — on the one GPU measured (H100, notes/gpu-measured-2026-11-23.md) SDPA was the faster at
+    every prefill shape."""
+    entry = tuning.lookup(OP, table_key(head_dim, group, seq, dtype), device)
+    if entry is None or "sdpa_us" not in entry:
+        return True
+    return entry["sdpa_us"] <= entry["us"]
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -221,11 +392,13 @@ def flash_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     backend: str = "auto",
+    config: FlashConfig | None = None,
 ) -> torch.Tensor:
     """Attention of ``q: [B, Hq, Sq, D]`` over ``k, v: [B, Hkv, Skv, D]``; returns ``[B, Sq, Hq, D]``.
 
     See the module docstring for the exact semantics. ``backend``: ``"auto"`` (Triton where it can run,
-    else the torch reference), ``"triton"`` or ``"torch"``.
+    else the torch reference), ``"triton"`` or ``"torch"``. ``config``: the kernel's tiles (default:
+    :func:`pick_config`; ``hfaccel tune`` and the tests pass their own).
     """
     _check_inputs(q, k, v, key_mask, sliding_window, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -233,34 +406,47 @@ def flash_attention(
         return flash_attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset,
                                          kv_offset=kv_offset, key_mask=key_mask,
                                          sliding_window=sliding_window, softcap=softcap)
-    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, softcap)
+    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, softcap, config)
 
 
-def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, softcap) -> torch.Tensor:
+def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, softcap, config) -> torch.Tensor:
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     out = torch.empty(batch, seq_q, heads_q, head_dim, dtype=q.dtype, device=q.device)
     if seq_q == 0 or batch == 0:
         return out
-    cfg = pick_config(head_dim, q.dtype, seq_q * group)
+    cfg = config or pick_config(head_dim, q.dtype, seq_q, group, q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    k_arg, v_arg = _kv_arguments(k, v, cfg, block_d)
     mask = key_mask if key_mask is not None else q  # placeholder pointer, never read
     mask_strides = key_mask.stride() if key_mask is not None else (0, 0)
     grid = (triton.cdiv(seq_q * group, cfg.block_m), batch * heads_kv)
     _flash_attention_kernel[grid](
-        q, k, v, out, mask,
+        q, k_arg, v_arg, out, mask,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
         heads_kv, seq_q, seq_kv, head_dim,
         q_offset, kv_offset, sliding_window or 0,
         *_score_scales(scale, softcap),
-        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IS_CAUSAL=causal, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_KEY_MASK=key_mask is not None,
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        TMA=k_arg is not k, IS_CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_KEY_MASK=key_mask is not None,
         UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
         IEEE_FP32=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _kv_arguments(k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, block_d: int):
+    """What the kernel reads K and V through: TMA descriptors when the config asks for them and the device and
+    both tensors allow it (16-bit, aligned), else the tensors themselves (pointers)."""
+    if cfg.tma and k.dtype != torch.float32 and tma_supported(k.device):
+        box = [1, 1, cfg.block_n, block_d]
+        k_desc, v_desc = tma_descriptor(k, box), tma_descriptor(v, box)
+        if k_desc is not None and v_desc is not None:
+            return k_desc, v_desc
+    return k, v
 
 
 def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
@@ -332,5 +518,5 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: i
     return flops
 
 
-__all__ = ["FlashConfig", "attention_flops", "flash_attention", "flash_attention_reference", "pick_config",
-           "visibility_mask"]
+__all__ = ["FlashConfig", "attention_flops", "candidate_configs", "default_config", "flash_attention",
+           "flash_attention_reference", "pick_config", "sdpa_preferred", "visibility_mask"]

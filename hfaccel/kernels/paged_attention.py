@@ -18,18 +18,24 @@ Split-K: with few (sequence, KV head) programs and long contexts, each program's
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
 
+from hfaccel.kernels import tuning
 from hfaccel.kernels.flash_attention import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, _online_softmax_update, _score_scales, _scores, flash_attention_reference,
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, _attend_block, _load_rows, _phase_bounds, _score_scales, _whole_blocks,
+    flash_attention_reference,
 )
-from hfaccel.kernels.runtime import interpreting, resolve_backend
+from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
 
-TARGET_PROGRAMS = 256  # enough (sequence, KV head, split) programs to fill an H100's 132 SMs twice
-MIN_KEYS_PER_SPLIT = 256
+OP = "paged_attention"  # this kernel's name in the tuned tables (hfaccel.kernels.tuning)
+MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 32
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes and contexts the tables are keyed by
+CONTEXT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 @triton.jit
@@ -45,6 +51,38 @@ def _query_span(CU_SEQLENS_Q, seq_id, uniform_q_len, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _paged_range(
+    acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
+    stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_mask_col, head_dim, block_size, window, key_end, start, stop, score_scale, softcap_log2,
+    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    """Attend the tile's rows to the sequence's keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``; none at
+    or past ``key_end``), gathered from the pool through the block table."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(start, stop, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < key_end
+        if MASKED:
+            block = tl.load(table + (offs_n // block_size) * stride_bt_col, mask=n_ok, other=0)
+        else:
+            block = tl.load(table + (offs_n // block_size) * stride_bt_col)
+        block = block.to(tl.int64)
+        in_block = offs_n % block_size
+        k = _load_rows(K_POOL + kv_head * stride_kh, block * stride_kb + in_block * stride_ks, offs_d, stride_kd,
+                       n_ok, head_dim, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        v = _load_rows(V_POOL + kv_head * stride_vh, block * stride_vb + in_block * stride_vs, offs_d, stride_vd,
+                       n_ok, head_dim, MASKED, EVEN_D)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, offs_n, offs_n, q_pos, row_ok, n_ok, key_mask_row,
+                                      stride_mask_col, window, score_scale, softcap_log2, MASKED, True, HAS_WINDOW,
+                                      HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, PART_O, PART_LSE,
     stride_q_seq, stride_qt, stride_qh, stride_qd,
@@ -55,7 +93,7 @@ def _paged_attention_kernel(
     stride_ps, stride_pseq, stride_pt, stride_ph,
     num_kv_heads, head_dim, block_size, uniform_q_len, window, keys_per_split,
     score_scale, softcap_log2,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
@@ -83,6 +121,8 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
     q_pos = seq_len - q_len + q_idx
 
+    # Keys this program reads, [lo, hi) (its split of the tile's visible range), and the whole blocks every row
+    # of the tile sees, [b, c).
     first_pos = seq_len - q_len + (pid_m * BLOCK_M) // GROUP
     last_pos = seq_len - q_len + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     hi = tl.minimum(seq_len, last_pos + 1)
@@ -93,32 +133,20 @@ def _paged_attention_kernel(
     if SPLIT:
         lo = lo + pid_split * keys_per_split
         hi = tl.minimum(hi, lo + keys_per_split)
+    b, c = _whole_blocks(lo, hi, first_pos + 1, last_pos - window + 1, BLOCK_N, True, HAS_WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BLOCK_TABLES + seq_id.to(tl.int64) * stride_bt
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        block = tl.load(table + (offs_n // block_size) * stride_bt_col, mask=n_ok, other=0).to(tl.int64)
-        in_block = offs_n % block_size
-        k = tl.load(K_POOL + block[None, :] * stride_kb + in_block[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
-        v = tl.load(V_POOL + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :] * stride_vd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = _scores(q, k, score_scale, softcap_log2, HAS_SOFTCAP, IEEE_FP32)  # [BLOCK_M, BLOCK_N]
-        visible = n_ok[None, :] & row_ok[:, None] & (offs_n[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        if HAS_KEY_MASK:
-            key_ok = tl.load(KEY_MASK + seq_id.to(tl.int64) * stride_mask + offs_n * stride_mask_col, mask=n_ok, other=0)
-            visible = visible & (key_ok != 0)[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, IEEE_FP32)
+    key_mask_row = KEY_MASK + seq_id.to(tl.int64) * stride_mask
+    for phase in tl.static_range(3):
+        start, stop = _phase_bounds(phase, lo, b, c, hi)
+        acc, m_i, l_i = _paged_range(
+            acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
+            stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_mask_col, head_dim, block_size, window, hi, start, stop, score_scale, softcap_log2,
+            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -141,9 +169,10 @@ def _combine_splits_kernel(
     stride_o_seq, stride_ot, stride_oh, stride_od,
     stride_ps, stride_pseq, stride_pt, stride_ph,
     max_q_len, uniform_q_len, head_dim, num_splits,
-    BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    # Program: one (sequence, query) row, one query head; merges the splits by their log-sum-exps.
+    # Program: one (sequence, query) row, one query head; merges every split at once by their log-sum-exps
+    # ([BLOCK_S] weights, a [BLOCK_S, BLOCK_D] tile of partials: one pass, a fixed reduction order).
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq_id = pid // max_q_len
@@ -152,37 +181,111 @@ def _combine_splits_kernel(
     if q_idx < q_len:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
-        row = seq_id.to(tl.int64) * stride_pseq + q_idx * stride_pt + head * stride_ph
-        m = tl.full([], float("-inf"), tl.float32)
-        for split in range(num_splits):
-            m = tl.maximum(m, tl.load(PART_LSE + (row + split * stride_ps) // head_dim))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for split in range(num_splits):
-            weight = tl.math.exp2(tl.load(PART_LSE + (row + split * stride_ps) // head_dim) - m_safe)
-            acc += weight * tl.load(PART_O + row + split * stride_ps + offs_d, mask=d_ok, other=0.0)
-            total += weight
-        out = acc / tl.where(total > 0.0, total, 1.0)
+        splits = tl.arange(0, BLOCK_S)
+        s_ok = splits < num_splits
+        row = seq_id.to(tl.int64) * stride_pseq + q_idx * stride_pt + head * stride_ph + splits * stride_ps
+        lse = tl.load(PART_LSE + row // head_dim, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+        m = tl.max(lse, 0)
+        weight = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+        parts = tl.load(PART_O + row[:, None] + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        total = tl.sum(weight, 0)
+        out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
         o_ptr = O + seq_id.to(tl.int64) * stride_o_seq + (q_start + q_idx) * stride_ot + head * stride_oh
         tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=d_ok)
 
 
-def pick_paged_config(head_dim: int, dtype: torch.dtype, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_q_len * (Hq // Hkv)`` per program."""
-    block_d = triton.next_power_of_2(head_dim)
-    wide = dtype == torch.float32
-    block_m = min(64 if block_d > 128 else 128, max(16, triton.next_power_of_2(rows)))
-    block_n = (16 if wide else 32) if block_d > 128 else (32 if wide else 64)
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tiles and launch parameters of one paged launch, and its split count (0: :func:`choose_num_splits`)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 0
+
+
+# Decode tiles ``hfaccel tune`` measures per head-dim class (16-bit inputs): (block_n, warps, stages); the first
+# is the heuristic default. BLOCK_M follows the rows (query heads per KV head). Each compiles for sm_90.
+DECODE_CANDIDATES = {
+    128: [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)],
+    256: [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)],
+}
+
+
+def _tile_rows(head_dim: int, rows: int) -> int:
+    return min(64 if triton.next_power_of_2(head_dim) > 128 else 128, max(16, triton.next_power_of_2(rows)))
+
+
+def default_paged_config(head_dim: int, dtype: torch.dtype, rows: int) -> PagedConfig:
+    """The heuristic tiles for ``rows = max_q_len * (Hq // Hkv)`` per program; splits chosen per launch."""
+    block_m = _tile_rows(head_dim, rows)
     num_warps = 4 if block_m <= 32 else 8
-    return block_m, block_n, num_warps, 2
+    if dtype != torch.float32:
+        return PagedConfig(block_m, DECODE_CANDIDATES[_head_dim_class(head_dim)][0][0], num_warps, 2)
+    return PagedConfig(block_m, 16 if triton.next_power_of_2(head_dim) > 128 else 32, num_warps, 2)
 
 
-def choose_num_splits(num_programs: int, max_seqlen_k: int) -> int:
-    """Split the key range when (sequence, KV head, query-tile) programs cannot fill the GPU on their own."""
-    if num_programs >= TARGET_PROGRAMS or max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
+def candidate_paged_configs(head_dim: int, dtype: torch.dtype, rows: int) -> list[PagedConfig]:
+    """The decode tiles ``hfaccel tune`` measures (their split counts are swept separately)."""
+    if dtype == torch.float32:
+        return [default_paged_config(head_dim, dtype, rows)]
+    block_m = _tile_rows(head_dim, rows)
+    return [PagedConfig(block_m, *tile) for tile in DECODE_CANDIDATES[_head_dim_class(head_dim)]]
+
+
+def _head_dim_class(head_dim: int) -> int:
+    return 128 if triton.next_power_of_2(head_dim) <= 128 else 256
+
+
+def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int, num_sms: int) -> int:
+    """Split each program's key range so that the (sequence, KV head, query tile) programs times the splits fill
+    the GPU's ``num_sms`` SMs once (at batch 1, 8 KV heads: 17 splits on an H100's 132), with at least
+    ``MIN_KEYS_PER_SPLIT`` keys per split, at most ``MAX_SPLITS``, and no split left empty by the rounding of
+    its key range to whole ``block_n`` blocks. Depends on host ints only (the launch is fixed in a CUDA graph)."""
+    if num_programs >= num_sms or max_seqlen_k < 2 * MIN_KEYS_PER_SPLIT:
         return 1
-    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // num_programs), max_seqlen_k // MIN_KEYS_PER_SPLIT))
+    splits = min(MAX_SPLITS, -(-num_sms // num_programs), max_seqlen_k // MIN_KEYS_PER_SPLIT)
+    return -(-max_seqlen_k // _keys_per_split(max_seqlen_k, splits, block_n))
+
+
+def combine_warps(num_splits: int, head_dim: int) -> int:
+    """Warps of the combine kernel: one per 1024 partial values it loads at once ([splits, head_dim] fp32)."""
+    return min(8, max(1, triton.next_power_of_2(num_splits) * triton.next_power_of_2(head_dim) // 1024))
+
+
+def _keys_per_split(max_seqlen_k: int, num_splits: int, block_n: int) -> int:
+    return triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), num_splits), block_n) * block_n
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if b >= value), buckets[-1])
+
+
+def table_key(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: torch.dtype) -> str:
+    """The tuned table's bucket of a decode launch: head dim, query heads per KV head, batch and context buckets,
+    dtype."""
+    return tuning.bucket_key(d=head_dim, g=group, b=_bucket(batch, BATCH_BUCKETS),
+                             ctx=_bucket(max_seqlen_k, CONTEXT_BUCKETS), dtype=dtype)
+
+
+def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device | str, config: PagedConfig | None = None) -> PagedConfig:
+    """The configuration a launch runs with, its split count resolved: ``config`` (whose ``num_splits`` 0 means
+    chosen), else the GPU's tuned table for 16-bit decode (one query per sequence), else the heuristics."""
+    rows = max_q * group
+    if config is None:
+        config = default_paged_config(head_dim, dtype, rows)
+        entry = None
+        if max_q == 1 and dtype != torch.float32:
+            entry = tuning.lookup(OP, table_key(head_dim, group, num_seqs, max_k, dtype), device)
+        if entry is not None:
+            config = PagedConfig(config.block_m, entry["block_n"], entry["num_warps"], entry["num_stages"],
+                                 entry["num_splits"])
+    if config.num_splits:
+        return config
+    programs = num_seqs * heads_kv * triton.cdiv(rows, config.block_m)
+    return replace(config, num_splits=choose_num_splits(programs, max_k, config.block_n, num_sms(device)))
 
 
 def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap):
@@ -237,11 +340,13 @@ def paged_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     backend: str = "auto",
+    config: PagedConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of (dense or packed) queries over the paged pool; see the module docstring.
 
     ``max_seqlen_q`` (packed form) and ``max_seqlen_k`` are host-side bounds that size the launch without a
-    device sync; ``num_splits`` forces the split-K factor (default: chosen from the launch size).
+    device sync; ``num_splits`` forces the split-K factor and ``config`` the tiles (default:
+    :func:`plan_launch`, from the tuned table or the launch size).
     """
     _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -250,11 +355,11 @@ def paged_attention(
                                          scale=scale, key_mask=key_mask, sliding_window=sliding_window,
                                          softcap=softcap)
     return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-                   key_mask, sliding_window, softcap, num_splits)
+                   key_mask, sliding_window, softcap, num_splits, config)
 
 
 def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-            sliding_window, softcap, num_splits):
+            sliding_window, softcap, num_splits, config):
     packed = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[1], q.shape[-1]
     heads_kv = k_pool.shape[2]
@@ -272,11 +377,11 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
         o_strides = out.stride()
     if num_seqs == 0 or max_q == 0:
         return out
-    block_m, block_n, num_warps, num_stages = pick_paged_config(head_dim, q.dtype, max_q * group)
-    programs = num_seqs * heads_kv * triton.cdiv(max_q * group, block_m)
     max_k = int(max_seqlen_k) if max_seqlen_k is not None else int(seq_lens.max())
-    num_splits = choose_num_splits(programs, max_k) if num_splits is None else num_splits
-    keys_per_split = triton.cdiv(triton.cdiv(max(max_k, 1), num_splits), block_n) * block_n
+    if num_splits is not None:
+        config = replace(config or default_paged_config(head_dim, q.dtype, max_q * group), num_splits=num_splits)
+    cfg = plan_launch(num_seqs, heads_kv, group, max_q, max_k, head_dim, q.dtype, q.device, config)
+    num_splits = cfg.num_splits
     split = num_splits > 1
     if split:
         part_o = torch.empty(num_splits, num_seqs, max_q, heads_q, head_dim, dtype=torch.float32, device=q.device)
@@ -286,26 +391,28 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
         part_o = part_lse = out  # never touched
         part_strides = (0, 0, 0, 0)
     mask = key_mask if key_mask is not None else seq_lens
+    block_d = max(16, triton.next_power_of_2(head_dim))
     score_scale, softcap_log2 = _score_scales(scale, softcap)
     flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
                  HAS_KEY_MASK=key_mask is not None, SPLIT=split,
                  UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
                  IEEE_FP32=q.dtype == torch.float32)
-    grid = (triton.cdiv(max_q * group, block_m), num_seqs * heads_kv, num_splits)
+    grid = (triton.cdiv(max_q * group, cfg.block_m), num_seqs * heads_kv, num_splits)
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out, block_tables, seq_lens, cu_seqlens_q if packed else seq_lens, mask, part_o, part_lse,
         *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
         *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
-        heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0, keys_per_split,
-        score_scale, softcap_log2,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        num_warps=num_warps, num_stages=num_stages, **flags,
+        heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0,
+        _keys_per_split(max_k, num_splits, cfg.block_n), score_scale, softcap_log2,
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
     if split:
         _combine_splits_kernel[(num_seqs * max_q, heads_q)](
             out, part_o, part_lse, cu_seqlens_q if packed else seq_lens, *o_strides, *part_strides,
             max_q, max_q, head_dim, num_splits,
-            BLOCK_D=triton.next_power_of_2(head_dim), VARLEN=packed, num_warps=1 if head_dim <= 128 else 2,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), VARLEN=packed,
+            num_warps=combine_warps(num_splits, head_dim),
         )
     return out
 

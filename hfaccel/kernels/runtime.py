@@ -1,11 +1,18 @@
-"""Which path a kernel call takes: the Triton kernel (compiled or interpreted) or the torch reference."""
+"""Which path a kernel call takes: the Triton kernel (compiled or interpreted) or the torch reference; what the
+installed Triton and the device offer (TMA descriptors, SM count)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Literal
 
 import torch
+
+try:  # host-side TMA descriptors: triton >= 3.3 (3.6 on the GPU machines, 3.9 here), same API in both
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older triton: kernels take their pointer path
+    TensorDescriptor = None
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -42,3 +49,41 @@ def resolve_backend(backend: str, device: torch.device | str) -> Literal["triton
             f"got tensors on {torch.device(device)}. Use backend='auto' or 'torch' to run the torch reference."
         )
     return "torch"
+
+
+def tma_supported(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` can read through TMA tensor descriptors: a Hopper-or-newer GPU (or the
+    interpreter, which emulates them) under a Triton that has host-side descriptors."""
+    device = torch.device(device)
+    if TensorDescriptor is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu" and interpreting()
+
+
+def tma_descriptor(t: torch.Tensor, block_shape: list[int]):
+    """A TMA descriptor of ``t`` (its own shape and strides) read in ``block_shape`` boxes — reads past the
+    tensor's ends return zeros — or None where TMA cannot read ``t``: its last dim not contiguous, its base or a
+    stride not 16-byte aligned, or an empty dim."""
+    size = t.element_size()
+    if (TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16 or 0 in t.shape
+            or any(stride * size % 16 for stride in t.stride()[:-1])):
+        return None
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))
+
+
+DEFAULT_NUM_SMS = 132  # an H100 SXM: what launches sized for the GPU assume off CUDA (the interpreter)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device); :data:`DEFAULT_NUM_SMS` elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -45,8 +45,8 @@ class PagedKV:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32 (tokens held, including this forward's)
     max_seq_len: int  # host copy of seq_lens.max()
-    # On a forward that fills empty rows (a prompt's prefill) the new K/V are the whole cache: attention can
-    # read these dense [B, Hkv, S, D] tensors directly instead of the pool.
+    # On a forward that fills empty rows (a prompt's prefill; packed: one sequence's whole prompt) the new K/V are
+    # the whole cache: attention can read these dense [B, Hkv, S, D] tensors directly instead of the pool.
     dense: tuple[torch.Tensor, torch.Tensor] | None = None
     # Packed queries (the runner): the forward's new tokens of all sequences in one row; sequence s owns query
     # rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]. None: one sequence per batch row.
@@ -398,8 +398,11 @@ class SequenceKVCache(PoolCache):
         step = self.step
         if step is None:
             raise RuntimeError("SequenceKVCache.step must be set (by the runner) before the model's forward")
+        # one sequence computing its whole prompt: its new K/V are all its keys (attention may read them densely)
+        fresh = step.cu_seqlens_q.shape[0] == 2 and step.max_seq_len == step.max_q_len
         paged = PagedKV(self.pool.kv, layer_idx, step.block_tables, step.seq_lens, step.max_seq_len,
-                        cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_q_len)
+                        (key_states, value_states) if fresh else None, cu_seqlens_q=step.cu_seqlens_q,
+                        max_seqlen_q=step.max_q_len)
         return paged, step.slot_mapping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

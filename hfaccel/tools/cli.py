@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--serve", action="store_true", help="also benchmark the HTTP server (same as 'serve')")
     bench.add_argument("--url", default=None, help="serve: a running server's base URL (…/v1); default: start one")
     bench.add_argument("--model", default=None,
-                       help="named config (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m, tiny-llama) "
+                       help="named config (llama-3.2-1b, llama-3.1-8b, gemma-2-2b, qwen2.5-0.5b, smollm2-135m, "
+                            "tiny-llama) "
                             "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
                             "on CPU; speculative: the target, a model folder, default SmolLM2-135M-Instruct)")
     bench.add_argument("--device", default="auto")

@@ -46,8 +46,10 @@ def compile_sm90(jobs: list[dict]) -> list[dict]:
     """Compile @triton.jit kernels to sm_90 cubins with triton's bundled ptxas: no GPU, no driver.
 
     Each job: ``{"module", "kernel", "signature": {arg: triton type}, "constexprs": {...}, "num_warps",
-    "num_stages"}``, optionally ``"aligned": [arg, ...]`` (compiled as 16-divisible, as the JIT specialises
-    aligned pointers and multiples of 16) and ``"ptx_patterns": [text, ...]``. Returns per job ``{"ok": True,
+    "num_stages"}``, optionally ``"divisible": [arg names]`` and ``"ptx_patterns": [text, ...]``. A launch
+    specialises as :func:`launch_like` says (integer arguments equal to 1 become constants, pointers and integers
+    divisible by 16 are marked so), and only then does Triton vectorise and pipeline the loads (cp.async / TMA)
+    and use the shared memory it will on the GPU; jobs should do the same. Returns per job ``{"ok": True,
     "shared": bytes, "ptx_counts": {pattern: occurrences in the PTX}}`` or ``{"ok": False, "error": text}``;
     an error is what the GPU compiler rejects (e.g. a tl.dot with K < 16 on 16-bit inputs). Runs in a child
     process because the kernels of this (interpreted) process are not compilable.
@@ -58,3 +60,12 @@ def compile_sm90(jobs: list[dict]) -> list[dict]:
     if done.returncode != 0:
         raise RuntimeError(f"sm_90 compile worker failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout)
+
+
+def launch_like(kernel, signature: dict, constexprs: dict, unit: tuple[str, ...] = ()) -> dict:
+    """The fields of a compile job specialised as a typical launch is: the ``unit`` arguments (last-dim
+    strides) become the constant 1, every pointer and every other ``stride_*`` argument is divisible by 16."""
+    constexprs = {**constexprs, **{name: 1 for name in unit}}
+    divisible = [name for name in kernel.arg_names if name not in constexprs
+                 and (signature.get(name, "").startswith("*") or name.startswith("stride_"))]
+    return dict(signature=signature, constexprs=constexprs, divisible=divisible)

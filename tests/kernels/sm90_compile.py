@@ -16,13 +16,13 @@ from triton.compiler import ASTSource
 def compile_job(job: dict) -> dict:
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
     constexprs = job["constexprs"]
-    signature = {name: job["signature"].get(name, "constexpr") for name in kernel.arg_names}
+    signature = {name: "constexpr" if name in constexprs else job["signature"].get(name, "constexpr")
+                 for name in kernel.arg_names}
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
     if missing:
         return {"ok": False, "error": f"no type or constexpr value given for {missing}"}
-    # Arguments the JIT would see 16-divisible (aligned pointers, sizes and strides that are multiples of 16):
-    # specialised as such, loads can be vectorised exactly as in a real launch.
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in job.get("aligned", ())}
+    # what a launch tells the compiler about arguments divisible by 16 (pointers, strides): it pipelines with it
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in job.get("divisible", ())}
     try:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32),

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from hfaccel.kernels import flash_attention, flash_attention_reference
-from hfaccel.kernels.flash_attention import pick_config, visibility_mask
+from hfaccel.kernels.flash_attention import (
+    FlashConfig, candidate_configs, default_config, pick_config, sdpa_preferred, visibility_mask,
+)
 from tests.devices import on_device
-from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90
+from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
 
 flash_module = importlib.import_module("hfaccel.kernels.flash_attention")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -41,8 +43,8 @@ def _left_padding(batch, seq_kv, pads):
     return mask
 
 
-def _check(q, k, v, **kwargs):
-    out = on_device(flash_attention, q, k, v, backend="triton", **kwargs)
+def _check(q, k, v, config=None, **kwargs):
+    out = on_device(flash_attention, q, k, v, backend="triton", config=config, **kwargs)
     ref = flash_attention_reference(q, k, v, **kwargs)
     assert out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     assert out.dtype == q.dtype
@@ -156,38 +158,126 @@ def test_triton_backend_without_gpu_or_interpreter_raises(monkeypatch):
     assert_close(flash_attention(q, k, v), flash_attention_reference(q, k, v))  # auto -> reference
 
 
-# Every configuration pick_config can launch: each dtype and supported head dim, at every tile height
-# (rows per (batch, KV head) of 1, 24, 48 and thousands select BLOCK_M 16, 32, 64 and the maximum).
-SM90_CASES = [(dtype, head_dim, rows) for dtype in DTYPES for head_dim in (64, 80, 96, 128, 256)
-              for rows in (1, 24, 48, 4096)]
+# The loop over a tile's keys runs in three parts: masked blocks where a window starts, whole blocks that every
+# row sees (no masks), masked blocks on the diagonal and at the end of the keys. Tiles of 16 make each part
+# long: GQA groups that do not divide the tile, windows and offsets that cut blocks, a key mask (the one mask the
+# whole blocks still apply), non-causal windows.
+SMALL_TILES = FlashConfig(16, 16, 4, 1)
+LOOP_CASES = [
+    dict(shape=(2, 6, 2, 77, 77, 64, 0)),
+    dict(shape=(1, 4, 1, 45, 150, 80, 110), kv_offset=5, sliding_window=33),
+    dict(shape=(2, 8, 2, 50, 97, 64, 47), key_mask=(0, 40), softcap=10.0),
+    dict(shape=(1, 3, 3, 60, 60, 32, 0), causal=False, sliding_window=20),
+    dict(shape=(1, 4, 2, 9, 40, 64, 0), kv_offset=20),  # queries before the keys: some rows see no key
+]
 
 
-def _sm90_job(dtype, head_dim, rows, all_features=True):
-    cfg = pick_config(head_dim, dtype, rows)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LOOP_CASES, ids=lambda c: "x".join(map(str, c["shape"])))
+def test_whole_block_loop_with_small_tiles(case, dtype):
+    kwargs = {key: value for key, value in case.items() if key != "shape"}
+    q, k, v = _inputs(case["shape"], dtype)
+    if "key_mask" in kwargs:
+        kwargs["key_mask"] = _left_padding(q.shape[0], k.shape[2], kwargs["key_mask"])
+    _check(q, k, v, q_offset=case["shape"][6], config=SMALL_TILES, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_tma_descriptors_match_reference(dtype):
+    """K/V through TMA descriptors (emulated by the interpreter): transformers' layout ([B, S, H, D] storage seen as
+    [B, H, S, D]), head dim 80 under a 128-wide box (zeros past the end), keys past the sequence end (zeros)."""
+    config = FlashConfig(32, 16, 4, 2, tma=True)
+    q = torch.randn(2, 37, 6, 80).to(dtype).transpose(1, 2)
+    k = torch.randn(2, 53, 2, 80).to(dtype).transpose(1, 2)
+    v = torch.randn(2, 53, 2, 80).to(dtype).transpose(1, 2)
+    k_arg, v_arg = flash_module._kv_arguments(k, v, config, 128)
+    assert not isinstance(k_arg, torch.Tensor) and not isinstance(v_arg, torch.Tensor)
+    _check(q, k, v, q_offset=16, config=config, key_mask=_left_padding(2, 53, (0, 9)), sliding_window=21)
+
+
+def test_tma_falls_back_to_pointers_where_descriptors_cannot_read():
+    config = FlashConfig(32, 16, 4, 2, tma=True)
+    storage = torch.randn(2 * 2 * 40 * 64 + 1).half()
+    k = storage[1:].view(2, 2, 40, 64)  # base 2 bytes past 16-byte alignment
+    v = torch.randn(2, 2, 40, 64).half()
+    assert flash_module._kv_arguments(k, v, config, 64) == (k, v)
+    assert flash_module._kv_arguments(v.float(), v.float(), config, 64)[0] is not None  # fp32: pointers
+    assert isinstance(flash_module._kv_arguments(v.float(), v.float(), config, 64)[0], torch.Tensor)
+    q = torch.randn(2, 4, 40, 64).half()
+    _check(q, k, v, config=config)
+
+
+@pytest.mark.parametrize("config", [c for d in (64, 128, 256) for c in candidate_configs(d, torch.float16)],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}{'tma' if c.tma else ''}")
+def test_every_tunable_config_matches_reference(config):
+    """Each configuration a tuned table may pick, at the largest head dim of its class (fp16, GQA, padding)."""
+    head_dim = next(d for d in (64, 128, 256) if config in candidate_configs(d, torch.float16))
+    q, k, v = _inputs((1, 4, 2, 150, 150, head_dim, 0), torch.float16)
+    _check(q, k, v, key_mask=_left_padding(1, 150, (3,)), config=config)
+
+
+def test_tuned_table_picks_long_calls_configs(tuned_table):
+    key = flash_module.table_key(128, 4, 2048, torch.float16)
+    tuned_table({"flash_attention": {key: dict(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True,
+                                               us=10.0, sdpa_us=12.0)}})
+    assert key == "d128_g4_s2048_dtypefloat16"
+    assert pick_config(128, torch.float16, 2000, 4, "cuda") == FlashConfig(64, 128, 4, 3, tma=True)
+    assert pick_config(128, torch.float16, 2000, 4, "cpu") == default_config(128, torch.float16, 8000)
+    assert pick_config(128, torch.float16, 16, 4, "cuda") == default_config(128, torch.float16, 64)  # short
+    assert pick_config(128, torch.float32, 2000, 4, "cuda") == default_config(128, torch.float32, 8000)
+    assert pick_config(128, torch.float16, 9000, 4, "cuda") == default_config(128, torch.float16, 36000)
+
+
+def test_sdpa_preference_follows_the_tuned_measurements(tuned_table):
+    fast = flash_module.table_key(64, 4, 4096, torch.bfloat16)
+    slow = flash_module.table_key(64, 4, 1024, torch.bfloat16)
+    entry = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    tuned_table({"flash_attention": {fast: dict(entry, us=80.0, sdpa_us=100.0),
+                                     slow: dict(entry, us=30.0, sdpa_us=20.0)}})
+    assert not sdpa_preferred(64, 4, 3000, torch.bfloat16, "cuda")  # hfaccel measured faster
+    assert sdpa_preferred(64, 4, 1000, torch.bfloat16, "cuda")  # SDPA measured faster
+    assert sdpa_preferred(64, 4, 3000, torch.float16, "cuda")  # not measured: SDPA
+
+
+# Every configuration a call can launch with: what default_config gives each dtype and supported head dim at
+# every tile height (rows per (batch, KV head) of 1, 24, 48 and thousands select BLOCK_M 16, 32, 64 and the
+# maximum), and every candidate a tuned table can hold (per head-dim class, with and without TMA).
+SM90_CASES = [(dtype, head_dim, default_config(head_dim, dtype, rows), True) for dtype in DTYPES
+              for head_dim in (64, 80, 96, 128, 256) for rows in (1, 24, 48, 4096)]
+SM90_CASES += [(torch.float16, 128, default_config(128, torch.float16, 4096), False)]  # no optional features
+SM90_CASES += [(torch.float16, head_dim, cfg, True) for head_dim in (64, 128, 256)
+               for cfg in candidate_configs(head_dim, torch.float16)]
+SM90_CASES += [(torch.bfloat16, 80, FlashConfig(128, 64, 8, 3, tma=True), True)]
+
+
+def _sm90_job(dtype, head_dim, cfg, all_features):
     ptr = "*" + TRITON_TYPES[dtype]
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    kv = f"tensordesc<{TRITON_TYPES[dtype]}[1,1,{cfg.block_n},{block_d}]>" if cfg.tma else ptr
     signature = {name: "i32" for name in ("num_kv_heads", "seq_q", "seq_kv", "head_dim", "q_offset",
                                           "kv_offset", "window")}
     signature.update({name: "i32" for name in flash_module._flash_attention_kernel.arg_names
                       if name.startswith("stride_")})
-    signature.update(Q=ptr, K=ptr, V=ptr, O=ptr, KEY_MASK="*i1", score_scale="fp32", softcap_log2="fp32")
-    constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), IS_CAUSAL=True,
+    signature.update(Q=ptr, K=kv, V=kv, O=ptr, KEY_MASK="*i1", score_scale="fp32", softcap_log2="fp32")
+    constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                      EVEN_D=block_d == head_dim, TMA=cfg.tma, IS_CAUSAL=True,
                       HAS_WINDOW=all_features, HAS_SOFTCAP=all_features, HAS_KEY_MASK=all_features,
                       UPCAST=False, IEEE_FP32=dtype == torch.float32)
+    kernel = flash_module._flash_attention_kernel
+    unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_ms")
     return dict(module="hfaccel.kernels.flash_attention", kernel="_flash_attention_kernel",
-                signature=signature, constexprs=constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **launch_like(kernel, signature, constexprs, unit))
 
 
 @pytest.fixture(scope="module")
 def sm90_results():
-    jobs = [_sm90_job(*case) for case in SM90_CASES]
-    jobs.append(_sm90_job(torch.float16, 128, 4096, all_features=False))
-    return compile_sm90(jobs)
+    return compile_sm90([_sm90_job(*case) for case in SM90_CASES])
 
 
-@pytest.mark.parametrize("index", range(len(SM90_CASES) + 1))
+@pytest.mark.parametrize("index", range(len(SM90_CASES)))
 def test_compiles_for_sm90(index, sm90_results):
     result = sm90_results[index]
-    case = SM90_CASES[index] if index < len(SM90_CASES) else "fp16 D=128, no optional features"
+    case = SM90_CASES[index]
     assert result["ok"], f"{case}: {result.get('error')}"
     assert result["shared"] <= 227 * 1024, f"{case}: {result['shared']} bytes of shared memory"

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from hfaccel.kernels.paged_attention import (
-    choose_num_splits, paged_attention, paged_attention_reference, pick_paged_config,
+    PagedConfig, candidate_paged_configs, choose_num_splits, combine_warps, default_paged_config, paged_attention,
+    paged_attention_reference,
 )
 from hfaccel.kernels.write_kv import write_kv, write_kv_reference
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90
+from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
 
 paged_module = importlib.import_module("hfaccel.kernels.paged_attention")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -113,11 +114,83 @@ def test_dense_prefill_with_padding_window_softcap_and_splits(dtype):
         assert_close(out, expected)
 
 
-def test_split_heuristic():
-    assert choose_num_splits(num_programs=8, max_seqlen_k=8192) == 32
-    assert choose_num_splits(num_programs=64, max_seqlen_k=4096) == 4
-    assert choose_num_splits(num_programs=512, max_seqlen_k=32768) == 1
-    assert choose_num_splits(num_programs=8, max_seqlen_k=300) == 1
+def test_split_count_fills_the_sms():
+    """Programs x splits cover the 132 SMs of an H100 once where the context allows (>= 128 keys per split), no
+    split is left empty by rounding its key range to whole blocks, and enough programs need no split."""
+    assert choose_num_splits(num_programs=8, max_seqlen_k=4096, block_n=64, num_sms=132) == 16  # batch 1, 8 KV heads
+    assert choose_num_splits(num_programs=8, max_seqlen_k=1024, block_n=64, num_sms=132) == 8  # 128 keys each
+    assert choose_num_splits(num_programs=64, max_seqlen_k=4096, block_n=64, num_sms=132) == 3  # batch 8
+    assert choose_num_splits(num_programs=512, max_seqlen_k=32768, block_n=64, num_sms=132) == 1  # batch 64
+    assert choose_num_splits(num_programs=8, max_seqlen_k=200, block_n=64, num_sms=132) == 1
+    for programs in (1, 2, 8, 24, 64, 131):
+        for context in (256, 1000, 4096, 32768, 131072):
+            splits = choose_num_splits(programs, context, 64, 132)
+            per_split = paged_module._keys_per_split(context, splits, 64)
+            assert 1 <= splits <= paged_module.MAX_SPLITS and (splits - 1) * per_split < context
+            if splits < paged_module.MAX_SPLITS and context >= 132 * paged_module.MIN_KEYS_PER_SPLIT:
+                assert programs * splits >= 132 - programs, (programs, context, splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chosen_splits_match_reference_and_are_deterministic(dtype):
+    """A decode over a long context with the split count the launch chooses (2 programs on 132 SMs: 9 splits of at
+    least 128 keys, 7 or 8 once rounded to whole blocks), then combined; the same call twice gives the same bits."""
+    k_pool, v_pool = _pool(96, 2, 64, dtype)
+    tables, lens = _tables([1200, 3], 96)
+    plan = paged_module.plan_launch(2, 2, 4, 1, 1200, 64, dtype, "cpu")
+    assert plan.num_splits == (8 if dtype == torch.float32 else 7)  # blocks of 32 / 64 keys
+    q = torch.randn(2, 8, 1, 64).to(dtype)
+    first = on_device(paged_attention, q, k_pool, v_pool, tables, lens, max_seqlen_k=1200, backend="triton")
+    again = on_device(paged_attention, q, k_pool, v_pool, tables, lens, max_seqlen_k=1200, backend="triton")
+    assert torch.equal(first, again)
+    assert_close(first, paged_attention_reference(q, k_pool, v_pool, tables, lens))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_block_loop_with_small_tiles(dtype, splits):
+    """Tiles of 16 keys: windows that cut blocks, a prefill chunk's diagonal, a key mask, splits over all that."""
+    config = PagedConfig(16, 16, 4, 1)
+    q_lens, seq_lens = [1, 11, 1, 30], [250, 90, 17, 30]
+    k_pool, v_pool = _pool(64, 2, 64, dtype)
+    tables, lens = _tables(seq_lens, 64)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 6, 64).to(dtype)
+    for kwargs in (dict(sliding_window=37, softcap=15.0), dict()):
+        out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=30,
+                        max_seqlen_k=250, backend="triton", num_splits=splits, config=config, **kwargs)
+        assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, **kwargs))
+    key_mask = torch.ones(4, 250, dtype=torch.bool)
+    key_mask[0, :70] = False
+    dense_q = torch.randn(4, 6, 1, 64).to(dtype)
+    out = on_device(paged_attention, dense_q, k_pool, v_pool, tables, lens, max_seqlen_k=250, backend="triton",
+                    num_splits=splits, config=config, key_mask=key_mask)
+    assert_close(out, paged_attention_reference(dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask))
+
+
+@pytest.mark.parametrize("config", [c for d in (64, 128, 256) for c in candidate_paged_configs(d, torch.float16, 4)],
+                         ids=lambda c: f"n{c.block_n}w{c.num_warps}s{c.num_stages}")
+def test_every_tunable_decode_config_matches_reference(config):
+    head_dim = 256 if config in candidate_paged_configs(256, torch.float16, 4) else 128
+    k_pool, v_pool = _pool(48, 2, head_dim, torch.float16)
+    tables, lens = _tables([300, 41], 48)
+    q = torch.randn(2, 8, 1, head_dim).half()
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, max_seqlen_k=300, backend="triton",
+                    num_splits=2, config=config)
+    assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens))
+
+
+def test_tuned_table_sets_decode_tiles_and_splits(tuned_table, monkeypatch):
+    monkeypatch.setattr(paged_module, "num_sms", lambda device: 132)  # the "cuda" of a CPU machine
+    key = paged_module.table_key(128, 4, 8, 4096, torch.bfloat16)
+    assert key == "d128_g4_b8_ctx4096_dtypebfloat16"
+    tuned_table({"paged_attention": {key: dict(block_n=128, num_warps=8, num_stages=2, num_splits=4, us=20.0)}})
+    plan = paged_module.plan_launch(7, 8, 4, 1, 3000, 128, torch.bfloat16, "cuda")  # batch 7 -> bucket 8
+    assert plan == PagedConfig(16, 128, 8, 2, num_splits=4)
+    chunk = paged_module.plan_launch(7, 8, 4, 9, 3000, 128, torch.bfloat16, "cuda")  # prefill rows: heuristics
+    assert (chunk.block_n, chunk.num_warps) == (64, 8)
+    forced = PagedConfig(16, 32, 4, 2, num_splits=2)
+    assert paged_module.plan_launch(7, 8, 4, 1, 3000, 128, torch.bfloat16, "cuda", forced) == forced
 
 
 def test_bad_inputs_raise():
@@ -157,14 +230,18 @@ def test_write_kv_bad_inputs():
         write_kv(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64), k_pool, v_pool, torch.zeros(1, 2).long())
 
 
-# sm_90: every (dtype, head dim, tile height) pick_paged_config can return, each flag combination that
-# changes the code path (split or not, varlen or dense), plus the split combine and the write kernel.
-SM90_CASES = [(dtype, head_dim, rows, split, varlen) for dtype in DTYPES for head_dim in (64, 80, 96, 128, 256)
-              for rows in (1, 24, 48, 4096) for split, varlen in ((False, False), (True, True))]
+# sm_90: every (dtype, head dim, tile height) default_paged_config can return and every decode tile a tuned table
+# can hold, each flag combination that changes the code path (split or not, varlen or dense), plus the split
+# combine (2 to MAX_SPLITS splits) and the write kernel.
+SM90_CASES = [(dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, varlen) for dtype in DTYPES
+              for head_dim in (64, 80, 96, 128, 256) for rows in (1, 24, 48, 4096)
+              for split, varlen in ((False, False), (True, True))]
+SM90_CASES += [(torch.float16, head_dim, cfg, True, True) for head_dim in (64, 128, 256)
+               for cfg in candidate_paged_configs(head_dim, torch.float16, 4)]
+UNIT_STRIDES = ("stride_qd", "stride_od", "stride_kd", "stride_vd", "stride_bt_col", "stride_mask_col")
 
 
-def _attention_job(dtype, head_dim, rows, split, varlen):
-    block_m, block_n, num_warps, num_stages = pick_paged_config(head_dim, dtype, rows)
+def _attention_job(dtype, head_dim, cfg, split, varlen):
     ptr = "*" + TRITON_TYPES[dtype]
     kernel = paged_module._paged_attention_kernel
     signature = {name: "i32" for name in kernel.arg_names if name.startswith("stride_")}
@@ -173,24 +250,28 @@ def _attention_job(dtype, head_dim, rows, split, varlen):
     signature.update(Q=ptr, K_POOL=ptr, V_POOL=ptr, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
                      CU_SEQLENS_Q="*i32", KEY_MASK="*i1", PART_O="*fp32", PART_LSE="*fp32",
                      score_scale="fp32", softcap_log2="fp32")
-    constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
                       VARLEN=varlen, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True, SPLIT=split,
                       UPCAST=False, IEEE_FP32=dtype == torch.float32)
-    return dict(module="hfaccel.kernels.paged_attention", kernel="_paged_attention_kernel", signature=signature,
-                constexprs=constexprs, num_warps=num_warps, num_stages=num_stages)
+    return dict(module="hfaccel.kernels.paged_attention", kernel="_paged_attention_kernel",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **launch_like(kernel, signature, constexprs, UNIT_STRIDES))
 
 
 def _side_jobs():
     combine = paged_module._combine_splits_kernel
+    write_module = importlib.import_module("hfaccel.kernels.write_kv")
     jobs = []
     for dtype in DTYPES:
         for head_dim in (64, 256):
-            signature = {name: "i32" for name in combine.arg_names if name not in ("BLOCK_D", "VARLEN")}
+            signature = {name: "i32" for name in combine.arg_names if name not in ("BLOCK_S", "BLOCK_D", "VARLEN")}
             signature.update(O="*" + TRITON_TYPES[dtype], PART_O="*fp32", PART_LSE="*fp32", CU_SEQLENS_Q="*i32")
-            jobs.append(dict(module="hfaccel.kernels.paged_attention", kernel="_combine_splits_kernel",
-                             signature=signature, constexprs=dict(BLOCK_D=head_dim, VARLEN=True),
-                             num_warps=1 if head_dim <= 128 else 2, num_stages=1))
-            write_module = importlib.import_module("hfaccel.kernels.write_kv")
+            for splits in (2, paged_module.MAX_SPLITS):
+                constexprs = dict(BLOCK_S=splits, BLOCK_D=head_dim, VARLEN=True)
+                jobs.append(dict(module="hfaccel.kernels.paged_attention", kernel="_combine_splits_kernel",
+                                 num_warps=combine_warps(splits, head_dim), num_stages=1,
+                                 **launch_like(combine, signature, constexprs, ("stride_od",))))
             signature = {name: "i32" for name in write_module._write_kv_kernel.arg_names
                          if name not in ("BLOCK_H", "BLOCK_D")}
             ptr = "*" + TRITON_TYPES[dtype]
@@ -202,13 +283,17 @@ def _side_jobs():
     return jobs
 
 
+SIDE_JOBS = _side_jobs()
+
+
 @pytest.fixture(scope="module")
 def sm90_results():
-    return compile_sm90([_attention_job(*case) for case in SM90_CASES] + _side_jobs())
+    return compile_sm90([_attention_job(*case) for case in SM90_CASES] + SIDE_JOBS)
 
 
-@pytest.mark.parametrize("index", range(len(SM90_CASES) + 18))
+@pytest.mark.parametrize("index", range(len(SM90_CASES) + len(SIDE_JOBS)))
 def test_compiles_for_sm90(index, sm90_results):
     result = sm90_results[index]
-    assert result["ok"], f"job {index}: {result.get('error')}"
-    assert result["shared"] <= 227 * 1024, f"job {index}: {result['shared']} bytes of shared memory"
+    case = SM90_CASES[index] if index < len(SM90_CASES) else SIDE_JOBS[index - len(SM90_CASES)]["kernel"]
+    assert result["ok"], f"job {index} {case}: {result.get('error')}"
+    assert result["shared"] <= 227 * 1024, f"job {index} {case}: {result['shared']} bytes of shared memory"

@@ -213,7 +213,7 @@ def _kernel_job(dtype, cfg: W4A16Config, split: bool):
         constexprs.update(BLOCK_M=cfg.block_m, SCALE_AFTER=cfg.block_m < cfg.block_k,
                           F32_DOT=dtype == torch.float32)
     return dict(module="hfaccel.kernels.w4a16", kernel=kernel, signature=signature, constexprs=constexprs,
-                aligned=["X", "QW", "SCALES", "ZEROS", "OUT"] + ints, num_warps=cfg.num_warps,
+                divisible=["X", "QW", "SCALES", "ZEROS", "OUT"] + ints, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, ptx_patterns=["ld.global.v4", "cvt.rn.f32.s32", "cvt.rn.f32.u32"])
 
 

@@ -41,12 +41,15 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     results = json.loads(output.read_text())
     assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
     assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel compile=False"}
-    assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 for row in results["paged"])
+    assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 and row["read_gb_per_s"] > 0
+               and row["num_splits"] >= 1 for row in results["paged"])
     memory = {row["cache"]: row["bytes"] for row in results["memory"]}
     assert memory["real tokens (no padding)"] <= memory["hfaccel pool held at most"] <= memory["hfaccel pool allocated"]
     assert memory["real tokens (no padding)"] < memory["transformers DynamicCache"]
     assert all(row["tokens_per_s"] > 0 and 0 < row["pct_roofline"] for row in results["decode"])
-    assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 for row in results["attention"])
+    assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 and row["routed_ms"] > 0
+               for row in results["attention"])
+    assert {row["routed_path"] for row in results["attention"]} == {"hfaccel flash"}  # SDPA is routed on CUDA only
     assert "prefill attention" in capsys.readouterr().out
     paths = {row["path"]: row for row in results["engine"]}
     assert paths["hfaccel Engine"]["output_tokens"] == paths["padded static batches of 32"]["output_tokens"]

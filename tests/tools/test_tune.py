@@ -1,8 +1,10 @@
 """``hfaccel tune``: the table it writes (sweeps replaced by fakes: measuring needs a GPU) and its refusals."""
 
+import importlib
 import json
 
 import pytest
+import torch
 
 from hfaccel.kernels import tuning
 from hfaccel.tools import tune
@@ -66,3 +68,35 @@ def test_w4a16_sweep_times_the_candidates_of_each_bucket():
         entry = entries[table_key(1, n, k, torch.float32, 128)]
         assert entry["us"] > 0
         assert W4A16Config.from_entry(entry) in candidate_configs(1, n, k, torch.float32, 128)
+
+
+def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monkeypatch):
+    """The two attention sweeps run end to end on small shapes (the kernels through the interpreter on the CPU;
+    timings mean nothing here): every entry is one of the op's candidates, under the key a launch looks up."""
+    from rich.console import Console
+
+    from hfaccel.tools.tune import flash_attention as flash_sweep
+    from hfaccel.tools.tune import paged_attention as paged_sweep
+
+    flash_attention = importlib.import_module("hfaccel.kernels.flash_attention")
+    paged_attention = importlib.import_module("hfaccel.kernels.paged_attention")
+
+    shapes = [tune.ModelShapes.named("tiny-llama")]  # 8 query heads over 2 KV heads, head dim 32
+    console = Console(quiet=True)
+    monkeypatch.setattr(flash_sweep, "SEQ_BUCKETS", (64,))
+    monkeypatch.setattr(flash_sweep, "TOKENS", 64)  # batch 1
+    monkeypatch.setattr(flash_sweep, "DTYPES", (torch.float16,))
+    flash = flash_sweep.sweep(shapes, torch.device("cpu"), console)
+    entry = flash[flash_attention.table_key(32, 4, 64, torch.float16)]
+    assert len(flash) == 1 and entry["us"] > 0 and entry["sdpa_us"] > 0
+    fields = {k: v for k, v in entry.items() if k not in ("us", "sdpa_us")}
+    assert flash_attention.FlashConfig(**fields) in flash_attention.candidate_configs(32, torch.float16)
+
+    monkeypatch.setattr(paged_sweep, "BATCHES", (2,))
+    monkeypatch.setattr(paged_sweep, "CONTEXTS", (300,))
+    monkeypatch.setattr(paged_sweep, "DTYPES", (torch.float16,))
+    paged = paged_sweep.sweep(shapes, torch.device("cpu"), console)
+    entry = paged[paged_attention.table_key(32, 4, 2, 300, torch.float16)]
+    assert len(paged) == 1 and entry["us"] > 0 and entry["num_splits"] in paged_sweep.split_candidates(2, 300)
+    tiles = {(c.block_n, c.num_warps, c.num_stages) for c in paged_attention.candidate_paged_configs(32, torch.float16, 4)}
+    assert (entry["block_n"], entry["num_warps"], entry["num_stages"]) in tiles

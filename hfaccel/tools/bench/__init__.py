@@ -1,7 +1,8 @@
 """``hfaccel bench``: figures and ratios against the baselines a user would otherwise pick, one module per case.
 
-- attention: hfaccel's flash attention vs torch SDPA — causal prefill, TFLOP/s.
-- paged: decode attention over the paged KV pool vs SDPA on contiguous K/V, against the copy bandwidth.
+- attention: hfaccel's flash attention vs torch SDPA, and the path the router picks — causal prefill, TFLOP/s.
+- paged: decode attention over the paged KV pool vs SDPA on contiguous K/V (eager and in a CUDA graph), against
+  the read bandwidth.
 - memory: bytes a mixed-length batch holds in PagedCache vs DynamicCache vs StaticCache.
 - decode: ``generate`` tokens/s — transformers sdpa, static cache + torch.compile, hfaccel (paged / dense cache).
 - engine: serving N requests — sequential / static-batch ``generate``, ``generate_batch``, ``hfaccel.Engine``.

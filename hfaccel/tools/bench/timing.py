@@ -31,6 +31,16 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5, warmu
     return statistics.median(samples)
 
 
+def graph_time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph (the GPU time alone, without the host work of an
+    eager call: what a captured decode step pays); :func:`time_ms` off CUDA."""
+    if device.type != "cuda":
+        return time_ms(fn, device)
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """GB/s of a device-to-device copy (bytes read + written), the practical roofline of a memory-bound kernel."""
     numel = (256 << 20) if device.type == "cuda" else (16 << 20)
