@@ -178,13 +178,14 @@ def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: Ke
     """``"sdpa"`` or ``"hfaccel flash"``: the path of a dense call of the ``backend`` attention. Only ``auto`` routes,
     only 16-bit calls on CUDA, only what SDPA computes exactly, and only where the GPU's tuned table says SDPA is
     the faster (or has no measurement: ``hfaccel.kernels.flash_attention.sdpa_preferred``). Host-side: shapes,
-    dtype and one table lookup."""
-    if (backend == "auto" and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and sdpa_computes(query, key, mask, softcap)
-            and sdpa_preferred(query.shape[-1], query.shape[1] // key.shape[1], query.shape[2], query.dtype,
-                               query.device)):
+    dtype and one table lookup; inside a ``torch.compile`` trace, which cannot read the table, SDPA."""
+    if not (backend == "auto" and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and sdpa_computes(query, key, mask, softcap)):
+        return FLASH
+    if torch.compiler.is_compiling():  # a trace cannot read the table (a file); what the table says without an entry
         return SDPA
-    return FLASH
+    return SDPA if sdpa_preferred(query.shape[-1], query.shape[1] // key.shape[1], query.shape[2], query.dtype,
+                                  query.device) else FLASH
 
 
 def sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:

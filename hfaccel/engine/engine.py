@@ -65,8 +65,8 @@ class Engine:
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
         compile: decode-only steps compiled with ``torch.compile`` (inductor fuses the glue between hfaccel's
-            kernels): True, False or ``"auto"`` (on CUDA, with ``cuda_graphs``). The first steps compile (once:
-            one graph serves every batch size).
+            kernels): True, False or ``"auto"`` (on CUDA, with ``cuda_graphs``). The first steps compile (one graph
+            serves every batch size but 1, which compiles on its own).
         async_scheduling: in the decode steady state, schedule and launch each step before the previous step's
             tokens reach the host, so the host's work overlaps the device's (default: on CUDA). The outputs are
             the same; ``step()`` then returns what the step before it produced.

@@ -79,7 +79,6 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # the n completions exist (made from the first one when its prompt is computed)
-    reported: int = 0  # outputs already handed to stream()
     error: str | None = None  # why the engine failed this request alone (its completions end with "error")
 
     @property

@@ -116,6 +116,8 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         model.set_attn_implementation(info.original_attn_implementation)
         untrack_paths(model)
     uninstall_generate(model)
+    if info.session is not None:
+        info.session.release()  # its KV pools and compiled steps, now rather than at the next collection
     del model.hfaccel
     return model
 

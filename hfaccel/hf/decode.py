@@ -22,6 +22,7 @@ says which loop served the last call and why.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
+from hfaccel.runner.graphs import DEFAULT_LADDER
 
 _log = logging.getLogger("hfaccel")
 MIN_CONTEXT_BUCKET = 256  # decode steps are built for contexts of powers of two from here
@@ -61,17 +63,32 @@ class DecodeSession:
         self.block_size = block_size
         self.runner: ModelRunner | None = None
         self.info = DecodeInfo()
+        self.lock = threading.Lock()  # one call at a time runs the loop; a concurrent one runs transformers'
+        self.speculative = None  # SpeculativeRunners of assisted generate() calls (made on the first)
+
+    def release(self) -> None:
+        """Give back the memory of the session's runners (its decode loop's and its speculative decoding's)."""
+        if self.runner is not None:
+            self.runner.release()
+            self.runner = None
+        if self.speculative is not None:
+            self.speculative.release()
 
     def runner_for(self, rows: int, capacities: list[int]) -> ModelRunner:
         """A runner whose pool holds ``rows`` sequences of ``capacities[i]`` tokens and whose decode steps serve
-        them; the pool is empty when it is returned."""
+        them; the pool is empty when it is returned. Batch sizes (the decode ladder's) and contexts (powers of
+        two) are bucketed, so a session rebuilds its runner or its decode steps a bounded number of times."""
         size = self.block_size
         needed = sum(-(-c // size) for c in capacities)
+        rows = next((s for s in DEFAULT_LADDER if s >= rows), rows)
         context = max(MIN_CONTEXT_BUCKET, 1 << (max(capacities) - 1).bit_length())
         runner = self.runner
         if runner is None or runner.pool.num_blocks < needed or runner.pool.kv.dtype != self.model.dtype \
                 or runner.pool.device != model_device(self.model):
             blocks = -(-max(needed, 2 * runner.pool.num_blocks if runner else 0) // POOL_GRANULE) * POOL_GRANULE
+            if runner is not None:  # the old pool and graphs go before the new pool is allocated
+                runner.release()
+                self.runner = runner = None
             runner = self.runner = ModelRunner(self.model, KVPool.for_model(self.model, num_blocks=blocks,
                                                                              block_size=size))
         graphs = runner.graphs
@@ -98,15 +115,20 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
         pads = left_padding(mask)  # one read of the mask per call
         if pads is None:
             reason = "an attention mask that is not left padding"
+    if reason is None and not session.lock.acquire(blocking=False):
+        reason = "another generate() call on this model is running hfaccel's decode loop"
     if reason is not None:
         session.info = DecodeInfo("transformers", reason)
         return compat.transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                           synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-    session.info = DecodeInfo("hfaccel")
-    lengths = [input_ids.shape[1] - pad for pad in pads]
-    packed = input_ids[mask.bool()] if mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
-    return _Loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer).run(lengths,
-                                                                                                         packed)
+    try:
+        session.info = DecodeInfo("hfaccel")
+        lengths = [input_ids.shape[1] - pad for pad in pads]
+        packed = input_ids[mask.bool()] if mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
+        loop = _Loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+        return loop.run(lengths, packed)
+    finally:
+        session.lock.release()
 
 
 def left_padding(mask: torch.Tensor) -> list[int] | None:
@@ -167,6 +189,7 @@ class _Loop:
 
     def _decode(self, runner: ModelRunner, logits: torch.Tensor) -> torch.Tensor:
         cur, previous = self.prompt_len, None
+        flags = (_StepFlag(self.ids.device), _StepFlag(self.ids.device))  # alternate: one is read, one written
         while True:
             rng = _rng_state(self.ids.device) if self.deferred and self.do_sample else None
             tokens = self._select(logits, cur)  # [B]
@@ -189,7 +212,7 @@ class _Loop:
                 if cur >= self.max_length:
                     self._stream(tokens)
                     break
-                previous = _StepFlag(self.unfinished, tokens if self.streamer is not None else None)
+                previous = flags[cur % 2].record(self.unfinished, tokens if self.streamer is not None else None)
             logits = runner.graphs.advance(tokens)
         if self.streamer is not None:
             self.streamer.end()
@@ -219,16 +242,20 @@ def defers_stop_checks(device: torch.device) -> bool:
 
 class _StepFlag:
     """Whether every row had finished after a step (and its tokens, for a streamer), copied to the host without
-    waiting, read a step later."""
+    waiting, read a step later. Made once per call and recorded again each other step."""
 
-    def __init__(self, unfinished: torch.Tensor, tokens: torch.Tensor | None):
-        cuda = unfinished.device.type == "cuda"
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
         self.flag = torch.empty((), dtype=torch.bool, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.tokens: torch.Tensor | None = None
+
+    def record(self, unfinished: torch.Tensor, tokens: torch.Tensor | None) -> _StepFlag:
         self.flag.copy_(unfinished.max() == 0, non_blocking=True)
         self.tokens = tokens.to("cpu", non_blocking=True) if tokens is not None else None
-        self.event = torch.cuda.Event() if cuda else None
         if self.event is not None:
             self.event.record()
+        return self
 
     def done(self) -> bool:
         if self.event is not None:

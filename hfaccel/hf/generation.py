@@ -101,14 +101,18 @@ def _loop_leaves(model, kwargs: dict, cache, shape) -> str | None:
 def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
     """Assisted decoding through hfaccel's batched speculative decoding, or transformers' own (with a warning
     that names why) for options hfaccel does not implement."""
-    from hfaccel.speculative import speculative_generate  # only a call that asks for it loads it
+    from hfaccel.speculative import SpeculativeRunners, speculative_generate  # only a call that asks loads it
 
     arguments = generate_arguments(model, args, kwargs)
     if isinstance(arguments, str):
         warnings.warn(f"hfaccel: assisted generation runs on transformers' implementation (batch size 1 only) "
                       f"because of {arguments}", stacklevel=3)
         return generate(*args, **kwargs)
-    return speculative_generate(model, compile=model.hfaccel.compile, **arguments)
+    session = model.hfaccel.session
+    runners = None
+    if session is not None:  # the runners (compiled and captured steps) stay for the next call
+        runners = session.speculative = session.speculative or SpeculativeRunners()
+    return speculative_generate(model, compile=model.hfaccel.compile, runners=runners, **arguments)
 
 
 def request_shape(model, args: tuple, kwargs: dict) -> tuple[int, int] | None:

@@ -91,7 +91,7 @@ def _paged_attention_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_bt_col, stride_mask, stride_mask_col,
     stride_ps, stride_pseq, stride_pt, stride_ph,
-    num_kv_heads, head_dim, block_size, uniform_q_len, window, keys_per_split,
+    num_kv_heads, head_dim, block_size, uniform_q_len, window,
     score_scale, softcap_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -130,9 +130,11 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(0, first_pos - window + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
-    if SPLIT:
-        lo = lo + pid_split * keys_per_split
-        hi = tl.minimum(hi, lo + keys_per_split)
+    if SPLIT:  # this program's share of the range the sequence really has (a captured step's launch is sized
+        # for the longest sequence it may ever serve; the work follows the device-side length)
+        per_split = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = lo + pid_split * per_split
+        hi = tl.minimum(hi, lo + per_split)
     b, c = _whole_blocks(lo, hi, first_pos + 1, last_pos - window + 1, BLOCK_N, True, HAS_WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -403,7 +405,7 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
         *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
         *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
         heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0,
-        _keys_per_split(max_k, num_splits, cfg.block_n), score_scale, softcap_log2,
+        score_scale, softcap_log2,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )

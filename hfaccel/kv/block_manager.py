@@ -126,9 +126,6 @@ class BlockManager:
         holders = Counter(seq.blocks[-1] for seq in seqs if seq.length % self.block_size)
         return total - sum(1 for block, count in holders.items() if count > 1 and self.ref_counts[block] == count)
 
-    def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
-        return self.blocks_to_append(self._get(seq_id), num_tokens) <= self.num_free_blocks
-
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None, computed: bool = True) -> int:

@@ -15,6 +15,7 @@ ordinary ``[B, Hkv, S, D]`` tensors gathered from the pool.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,8 +83,13 @@ class CacheLayerView(CacheLayerMixin):
 
     def __init__(self, cache: PoolCache, layer_idx: int):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        self._cache = weakref.ref(cache)  # the cache holds its layers: no cycle keeps a dropped pool alive
+        self.layer_idx = layer_idx
         self.is_initialized = True
+
+    @property
+    def cache(self) -> PoolCache:
+        return self._cache()
 
     def lazy_initialization(self, key_states, value_states) -> None:
         return None

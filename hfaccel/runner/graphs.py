@@ -18,8 +18,8 @@ Two ways to feed a step:
   every position the steps will reach.
 
 With ``compile=True`` the step (slot arithmetic, the model's forward, the increments) is one
-``torch.compile(fullgraph=True, dynamic=False)`` function: inductor fuses the glue between hfaccel's kernels
-(custom ops). With ``capture`` (CUDA) each (size, mode) is captured as a CUDA graph after one warm-up run (Triton
+``torch.compile(fullgraph=True, dynamic=True)`` function: inductor fuses the glue between hfaccel's kernels
+(custom ops), and one graph serves every batch size (1 is specialised). With ``capture`` (CUDA) each (size, mode) is captured as a CUDA graph after one warm-up run (Triton
 and inductor compile there), so a step costs one graph launch. The paged kernel's launch is fixed at capture
 from ``max_model_len``; per-sequence work follows the device-side lengths. Without CUDA (or when capture fails)
 the same static step runs eagerly, which is what the CPU tests check.

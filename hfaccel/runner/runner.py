@@ -108,6 +108,12 @@ class ModelRunner:
         ends = list(itertools.accumulate(num_new))
         return to_device([ends[i] - 1 for i in logits_for], torch.long, self.device)
 
+    def release(self) -> None:
+        """Give back the pool's memory and the decode steps' graphs now (the runner is not used again); without
+        it they go when Python's cycle collector next runs (the runner and its graphs refer to each other)."""
+        self.graphs = None
+        self.pool.kv = None
+
     # ------------------------------------------------------------------------------------------ sequences
     def crop(self, seq_id: Hashable, length: int) -> None:
         """Keep the first ``length`` tokens of one sequence (rolled-back tokens are simply overwritten later)."""

@@ -25,6 +25,7 @@ from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
 from hfaccel.device import model_device
 from hfaccel.runner import ModelRunner, compiles
+from hfaccel.runner.graphs import DEFAULT_LADDER
 from hfaccel.sampling import (
     IncrementalDetokenizer, SamplingParams, StopChecker, Warping, inverse_cdf, probabilities, token_ids,
 )
@@ -134,11 +135,58 @@ class _Sampler:
         return inverse_cdf(probs, self.uniform(probs.shape[0], device=probs.device))
 
 
+class SpeculativeRunners:
+    """The target's and the draft model's runners — KV pools, compiled and captured steps — kept across
+    :func:`speculative_generate` calls (``generate(assistant_model=...)`` on an accelerated model keeps one per
+    model). A call reuses them when they are big enough and rebuilds (and releases) them otherwise; sizes are
+    bucketed (batch: the decode ladder, lengths: powers of two), so rebuilds are few."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self.target: ModelRunner | None = None
+        self.draft: ModelRunner | None = None
+
+    def get(self, model, draft_model, rows: int, capacity: list[int], k: int, block_size: int,
+            compile: bool | str) -> tuple[ModelRunner, ModelRunner | None]:
+        """Empty runners for ``rows`` sequences of up to ``capacity[i]`` tokens, verifying ``k`` drafts a step."""
+        rows = next((size for size in DEFAULT_LADDER if size >= rows), rows)
+        length = 1 << (max(capacity) - 1).bit_length()
+        blocks = rows * -(-length // block_size) + 1
+        key = (id(model), model.dtype, model_device(model), k, block_size, compile, id(draft_model),
+               None if draft_model is None else (draft_model.dtype, model_device(draft_model)))
+        if key != self._key or self.target.pool.num_blocks < blocks or self.target.graphs.max_batch < rows \
+                or self.target.graphs.max_model_len < length:
+            self.release()
+            self.target = self._runner(model, blocks, block_size, rows, length, compile, tokens_per_seq=k + 1)
+            self.draft = None if draft_model is None else self._runner(draft_model, blocks, block_size, rows, length,
+                                                                       compile)
+            self._key = key
+        for runner in (self.target, self.draft):  # a call that raised may have left sequences behind
+            if runner is not None:
+                runner.pool.manager.reset()
+        return self.target, self.draft
+
+    @staticmethod
+    def _runner(model, blocks: int, block_size: int, rows: int, length: int, compile: bool | str,
+                tokens_per_seq: int = 1) -> ModelRunner:
+        runner = ModelRunner(model, KVPool.for_model(model, num_blocks=blocks, block_size=block_size))
+        runner.enable_decode_graphs(rows, length, tokens_per_seq=tokens_per_seq,
+                                    compile=compiles(compile, runner.device))
+        return runner
+
+    def release(self) -> None:
+        """Give back the runners' memory now."""
+        for runner in (self.target, self.draft):
+            if runner is not None:
+                runner.release()
+        self.target = self.draft = self._key = None
+
+
 class _ModelDrafter:
     """Drafts with a smaller model through its own :class:`ModelRunner`."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, target_device: torch.device):
-        self.runner = ModelRunner(model, KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size))
+    def __init__(self, runner: ModelRunner, target_device: torch.device):
+        self.runner = runner
         self.target_device = target_device
 
     def propose(self, rows: list[_Row], counts: list[int], sampler: _Sampler) -> _Drafts:
@@ -308,6 +356,7 @@ def speculative_generate(
     seed: int | None = None,
     block_size: int = 16,
     compile: bool | str = "auto",
+    runners: SpeculativeRunners | None = None,
     return_stats: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, SpeculativeStats]:
     """Generate with speculative decoding; returns sequences shaped like ``model.generate``'s output.
@@ -329,6 +378,8 @@ def speculative_generate(
         seed: seeds the sampling generators (one per device) for a reproducible call.
         compile: the target's verification steps and the draft model's one-token steps run as the runners'
             static steps (CUDA graphs on CUDA), compiled with ``torch.compile`` when True or ``"auto"`` on CUDA.
+        runners: a :class:`SpeculativeRunners` that keeps the runners (pools, compiled and captured steps) for
+            the next call; without it they are built for this call and released at its end.
         return_stats: also return :class:`SpeculativeStats`.
     """
     config = model.generation_config
@@ -343,23 +394,24 @@ def speculative_generate(
     sampler = _Sampler(do_sample, temperature, top_k, top_p, seed)
     stats = SpeculativeStats(num_draft_tokens)
     capacity = [row.prompt_len + row.budget + num_draft_tokens + 1 for row in rows]
-    num_blocks = sum(-(-c // block_size) for c in capacity) + 1
     compiles(compile, model_device(model))  # a bad setting raises before any work
-    with hfaccel_attention(model):
-        target = ModelRunner(model, KVPool.for_model(model, num_blocks=num_blocks, block_size=block_size))
-        target.enable_decode_graphs(len(rows), max(capacity), tokens_per_seq=num_draft_tokens + 1,
-                                    compile=compiles(compile, target.device))  # the verification steps
-        if draft == "ngram":
-            drafter = _NgramDrafter(ngram_size, target.device)
-            clock = _Clock([target.device], exact=return_stats)
-            _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
-        else:
-            with hfaccel_attention(draft_model):
-                drafter = _ModelDrafter(draft_model, num_blocks, block_size, target.device)
-                drafter.runner.enable_decode_graphs(len(rows), max(capacity),
-                                                    compile=compiles(compile, drafter.runner.device))
-                clock = _Clock([target.device, drafter.runner.device], exact=return_stats)
+    kept, runners = runners is not None, runners or SpeculativeRunners()
+    try:
+        with hfaccel_attention(model):
+            target, draft_runner = runners.get(model, draft_model if draft == "model" else None, len(rows), capacity,
+                                               num_draft_tokens, block_size, compile)
+            if draft == "ngram":
+                drafter = _NgramDrafter(ngram_size, target.device)
+                clock = _Clock([target.device], exact=return_stats)
                 _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
+            else:
+                with hfaccel_attention(draft_model):
+                    drafter = _ModelDrafter(draft_runner, target.device)
+                    clock = _Clock([target.device, drafter.runner.device], exact=return_stats)
+                    _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
+    finally:
+        if not kept:
+            runners.release()
     stats.per_row_acceptance = [row.accepted / row.proposed if row.proposed else 0.0 for row in rows]
     pad = pad_token_id if pad_token_id is not None else config.pad_token_id
     if pad is None and eos:

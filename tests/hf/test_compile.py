@@ -8,6 +8,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache, masking_utils
 
 import hfaccel
 from hfaccel import compat
+from tests.devices import DEVICE
 from tests.models import padded_batch, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -53,6 +54,19 @@ def test_fullgraph_compile_equals_eager_in_prefill_and_decode(arch, cache_type):
         expected = model(**step, past_key_values=eager_cache, use_cache=True).logits
         got = compiled(**step, past_key_values=compiled_cache, use_cache=True).logits
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the SDPA route serves 16-bit calls on CUDA only")
+def test_fullgraph_compile_through_the_sdpa_route():
+    """An unpadded 16-bit prefill on CUDA takes the SDPA route, whose choice reads the tuned table: inside a trace
+    the route is decided without it, with no graph break."""
+    model = tiny_model("llama", dtype=torch.float16)
+    hfaccel.accelerate(model)
+    ids = torch.randint(3, 96, (2, 37), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = torch.compile(model, fullgraph=True)(ids).logits
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

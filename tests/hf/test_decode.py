@@ -245,6 +245,41 @@ def test_a_step_that_cannot_be_compiled_runs_uncompiled(monkeypatch):
     assert not model.hfaccel.session.runner.graphs.compiled and str(model.hfaccel.decode) == "hfaccel"
 
 
+def test_a_call_while_another_runs_the_loop_takes_transformers_loop():
+    """One model's decode loop serves one call at a time; a concurrent call runs transformers' loop, exactly."""
+    import threading
+
+    model, accelerate = _pair()
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    accelerate()
+    with model.hfaccel.session.lock:  # as if another thread's call were running the loop
+        assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    assert str(model.hfaccel.decode) == ("transformers (another generate() call on this model is running hfaccel's "
+                                         "decode loop)")
+    results = []
+    threads = [threading.Thread(target=lambda: results.extend(
+        model.generate(**batch, max_new_tokens=6, **GREEDY) for _ in range(3))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 6 and all(torch.equal(got, expected) for got in results)
+
+
+def test_batch_sizes_are_bucketed_and_restore_gives_the_memory_back():
+    model, accelerate = _pair()
+    accelerate()
+    steps = []
+    for lengths in ((5,), (5, 4), (5, 4, 3), (5, 4, 3, 2)):
+        model.generate(**padded_batch(lengths), max_new_tokens=2, **GREEDY)
+        steps.append(model.hfaccel.session.runner.graphs)
+    assert [s.max_batch for s in steps] == [1, 2, 4, 4] and steps[2] is steps[3]  # 3 rows run the steps of 4
+    runner = model.hfaccel.session.runner
+    hfaccel.restore(model)
+    assert runner.pool.kv is None and runner.graphs is None
+
+
 def test_compile_argument_is_checked():
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'; got 'yes'"):
         hfaccel.accelerate(tiny_model("llama"), compile="yes")

@@ -246,7 +246,7 @@ def _attention_job(dtype, head_dim, cfg, split, varlen):
     kernel = paged_module._paged_attention_kernel
     signature = {name: "i32" for name in kernel.arg_names if name.startswith("stride_")}
     signature.update({name: "i32" for name in ("num_kv_heads", "head_dim", "block_size", "uniform_q_len",
-                                               "window", "keys_per_split")})
+                                               "window")})
     signature.update(Q=ptr, K_POOL=ptr, V_POOL=ptr, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
                      CU_SEQLENS_Q="*i32", KEY_MASK="*i1", PART_O="*fp32", PART_LSE="*fp32",
                      score_scale="fp32", softcap_log2="fp32")

@@ -81,6 +81,24 @@ def test_verification_and_drafting_run_the_runners_static_steps(monkeypatch):
     assert any(q == 1 for q, _ in served)
 
 
+def test_assisted_generate_keeps_its_runners_between_calls():
+    """generate(assistant_model=...) on an accelerated model builds its runners (pools, compiled and captured
+    steps) once and reuses them; a larger call rebuilds them."""
+    model, draft = tiny_model("llama"), perturbed_copy(tiny_model("llama"))
+    batch = _batch()
+    expected = _target_greedy(model, batch, eos=[])
+    hfaccel.accelerate(model, attention="torch")
+    runners = []
+    for _ in range(2):
+        assert torch.equal(model.generate(**batch, assistant_model=draft, max_new_tokens=NEW_TOKENS, **GREEDY),
+                           expected)
+        runners.append((model.hfaccel.session.speculative.target, model.hfaccel.session.speculative.draft))
+    assert runners[0][0] is runners[1][0] and runners[0][1] is runners[1][1]
+    model.generate(**padded_batch(lengths=(11, 7, 4, 9, 3, 5)), assistant_model=draft, max_new_tokens=4, **GREEDY)
+    assert model.hfaccel.session.speculative.target is not runners[0][0]  # 6 rows: the ladder's next size
+    assert runners[0][0].pool.kv is None  # the old runners' memory went back at once
+
+
 @pytest.mark.slow
 def test_compiled_steps_give_the_targets_tokens():
     model = tiny_model("llama")

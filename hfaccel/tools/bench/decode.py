@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hfaccel.hf import accelerate, restore
-from hfaccel.tools.bench.timing import read_bandwidth, sync, table, weight_read_bytes
+from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, weight_read_bytes
 from hfaccel.tools.models import build_model
 
 BASELINE = "transformers static+compile"  # what the ratio column divides by (sdpa where it cannot run)
@@ -89,7 +89,7 @@ def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int
     if new_tokens < 2:
         raise ValueError(f"bench decode times decode steps: new_tokens must be >= 2; got {new_tokens}")
     model = build_model(spec, device, dtype)
-    weight_ms = weight_read_bytes(model) / (read_bandwidth(device) * 1e9) * 1e3
+    weight_ms = read_ms(weight_read_bytes(model), read_bandwidth(device))
     rows = []
     for batch in batches:
         input_ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)

@@ -28,7 +28,7 @@ from hfaccel.engine import Engine
 from hfaccel.hf import accelerate, restore
 from hfaccel.sampling import SamplingParams
 from hfaccel.tools.bench.loadgen import percentiles_ms
-from hfaccel.tools.bench.timing import read_bandwidth, sync, table, weight_read_bytes
+from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, weight_read_bytes
 from hfaccel.tools.models import build_model
 
 
@@ -200,7 +200,7 @@ def _decode_step(engine: Engine, batch: int, context: int, device: torch.device)
     step_ms = (time.perf_counter() - start) / reps * 1e3
     for seq_id in ids:
         runner.free(seq_id)
-    weight_ms = weight_read_bytes(engine.model) / (read_bandwidth(device) * 1e9) * 1e3
+    weight_ms = read_ms(weight_read_bytes(engine.model), read_bandwidth(device))
     return DecodeStepRow(path, batch, context, step_ms, weight_ms, step_ms / weight_ms)
 
 

@@ -24,7 +24,7 @@ from hfaccel.kernels.w4a16 import w4a16_matmul
 from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
 from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import step_ms
-from hfaccel.tools.bench.timing import read_bandwidth, table, time_ms, weight_read_bytes
+from hfaccel.tools.bench.timing import read_bandwidth, read_ms, table, time_ms, weight_read_bytes
 from hfaccel.tools.models import build_model
 
 CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
@@ -108,7 +108,7 @@ def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, devi
             dense = next((r.ms_per_step for r in rows if r.batch == batch), None)
             rows.append(Int4DecodeRow(spec, weights, batch, new_tokens, batch / ms * 1e3, ms,
                                       dense / ms if dense else 1.0, step_bytes / 1e9,
-                                      100 * step_bytes / (bandwidth * 1e9) / (ms / 1e3)))
+                                      100 * read_ms(step_bytes, bandwidth) / ms))
         restore(model)
     return rows
 

@@ -69,6 +69,11 @@ def weight_read_bytes(model: torch.nn.Module) -> int:
     return sum(tensors.values())
 
 
+def read_ms(nbytes: int, gb_per_s: float) -> float:
+    """Milliseconds one read of ``nbytes`` takes at ``gb_per_s`` (e.g. :func:`read_bandwidth`): a roofline."""
+    return nbytes / (gb_per_s * 1e9) * 1e3
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA)."""
     if device.type == "cuda":
