@@ -34,20 +34,25 @@ def test_greedy_with_paged_cache_matches_default_cache(arch, accelerated):
     assert stats["bytes_holding_tokens"] == 3 * 34 * cache.block_bytes() // 16
 
 
+def _watch_pool_reads(monkeypatch) -> tuple[list, list]:
+    """(the (pool, layer) each paged-attention call reads, the PagedCaches whose update runs), filled as they run."""
+    import hfaccel.attention.functions as attention
+
+    calls, caches = [], []
+    real_paged, real_update = attention.paged_attention_op, PagedCache.update
+    monkeypatch.setattr(attention, "paged_attention_op", lambda *a, **k: calls.append(a[1:3]) or real_paged(*a, **k))
+    monkeypatch.setattr(PagedCache, "update", lambda self, *a, **k: caches.append(self) or real_update(self, *a, **k))
+    return calls, caches
+
+
 def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
     """Default generate() of an accelerated model: hfaccel's decode loop over the model's KV pool — the paged kernel
     for the packed prefill and every decode step of every layer, reading that pool, no gather, no PagedCache."""
-    import hfaccel.attention.functions as attention
-
     model = tiny_model("llama")
     batch = padded_batch()
     expected = model.generate(**batch, max_new_tokens=10, **GREEDY)
     hfaccel.accelerate(model, attention="triton")
-    calls, caches = [], []
-    real_paged = attention.paged_attention_op
-    monkeypatch.setattr(attention, "paged_attention_op", lambda *a, **k: calls.append(a[1:3]) or real_paged(*a, **k))
-    real_update = PagedCache.update
-    monkeypatch.setattr(PagedCache, "update", lambda self, *a, **k: caches.append(self) or real_update(self, *a, **k))
+    calls, caches = _watch_pool_reads(monkeypatch)
     monkeypatch.setattr(PagedKV, "gather", lambda self: (_ for _ in ()).throw(AssertionError("gathered"))
                         if self.dense is None else self.dense)
     got = model.generate(**batch, max_new_tokens=10, **GREEDY)
@@ -60,18 +65,12 @@ def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
 
 def test_transformers_loop_reads_a_paged_cache_without_gathering(monkeypatch):
     """What hfaccel's loop leaves to transformers' (beam search) runs over a PagedCache, read in place."""
-    import hfaccel.attention.functions as attention
-
     model = tiny_model("llama")
     batch = padded_batch()
     kwargs = dict(max_new_tokens=6, num_beams=2, **GREEDY)
     expected = model.generate(**batch, **kwargs)
     hfaccel.accelerate(model, attention="triton")
-    calls, caches = [], []
-    real_paged = attention.paged_attention_op
-    monkeypatch.setattr(attention, "paged_attention_op", lambda *a, **k: calls.append(a[1:3]) or real_paged(*a, **k))
-    real_update = PagedCache.update
-    monkeypatch.setattr(PagedCache, "update", lambda self, *a, **k: caches.append(self) or real_update(self, *a, **k))
+    calls, caches = _watch_pool_reads(monkeypatch)
     assert torch.equal(model.generate(**batch, **kwargs), expected)
     assert len(calls) == 5 * model.config.num_hidden_layers  # every decode step of every layer
     assert all(kv is caches[0].kv and layer in range(2) for kv, layer in calls)
