@@ -145,9 +145,9 @@ class KVPool:
         """Host metadata of a forward computing tokens ``[starts[i], starts[i] + num_new[i])`` of ``seq_ids[i]``,
         whose slots the sequences already hold. ``num_rows`` pads to that many sequences (writing nowhere, seeing
         nothing); ``table_width`` fixes the block tables' width; ``tokens_per_seq`` pads every sequence's tokens to
-        that many (padding tokens write nowhere; the sequence's length counts them, so each real query keeps its
-        position and sees exactly its keys). Built with host tensor ops (a Python loop per token would cost ~1 ms
-        per 4096-token prefill chunk)."""
+        that many (padding tokens write nowhere and take the sequence's first position; the sequence's length counts
+        them, so each real query keeps its position and sees exactly its keys). Built with host tensor ops (a Python
+        loop per token would cost ~1 ms per 4096-token prefill chunk)."""
         for seq_id, start, n in zip(seq_ids, starts, num_new):
             if start < 0 or start + n > self.manager.seq_len(seq_id):
                 raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; cannot compute "
@@ -164,9 +164,10 @@ class KVPool:
         torch.cumsum(width, 0, out=cu[1:])  # [S + 1]
         owner = torch.repeat_interleave(torch.arange(len(width)), width)  # [T]: sequence of each token
         offset = torch.arange(int(cu[-1])) - cu[owner]  # [T]: index among its sequence's tokens
-        positions = start[owner] + offset  # [T]
         counts = offset < real[owner]  # [T]: a real token (padding writes nowhere)
-        slots = torch.where(counts, slot_mapping(table, owner, torch.where(counts, positions, 0), self.block_size), -1)
+        positions = start[owner] + torch.where(counts, offset, 0)  # [T]: padding repeats the first position (a
+        # model with learned positions would index past its table at the end of its context otherwise)
+        slots = torch.where(counts, slot_mapping(table, owner, positions, self.block_size), -1)
         lens = torch.where(real > 0, start + width, 0)
         return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
                           cu_seqlens_q=cu.to(torch.int32), positions=positions,

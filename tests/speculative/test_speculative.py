@@ -160,6 +160,23 @@ def test_max_new_tokens_inside_an_accepted_run(new_tokens):
     assert stats.target_forwards == 1
 
 
+@pytest.mark.parametrize("kind", ["perturbed", "ngram"])
+def test_learned_positions_to_the_last_position_of_the_context(kind):
+    """GPT-2 embeds positions from a table of ``n_positions`` rows: the verification steps' padding tokens (past
+    a row's drafts) must not take positions beyond the context, where the last steps would index past it."""
+    config = transformers.GPT2Config(n_positions=36, n_embd=64, n_layer=2, n_head=4, vocab_size=96, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval().to(DEVICE)
+    batch = _batch()  # the longest prompt (11) + 25 new tokens fills all 36 positions
+    expected = _target_greedy(model, batch, new_tokens=25, eos=[])
+    draft = perturbed_copy(model) if kind == "perturbed" else None
+    torch_kernels(model, draft)
+    got = speculative_generate(model, draft, **batch, draft="model" if draft is not None else "ngram",
+                               num_draft_tokens=4, max_new_tokens=25, **GREEDY)
+    assert torch.equal(got, expected)
+
+
 def test_rows_hit_eos_at_different_steps():
     model = tiny_model("llama")
     batch = _batch()
