@@ -1,11 +1,13 @@
 """Every place hfaccel depends on a transformers / torch / triton detail that may move between versions.
 
-Tested with transformers 5.17 through 5.23 (see README). Nothing outside this module imports private
+Tested with transformers 5.17 (the lowest supported, CI's second environment) through the newest 5.x. Nothing outside this module imports private
 transformers names or branches on a version.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +26,51 @@ def check_transformers_version() -> None:
     if not (MIN_TRANSFORMERS <= TRANSFORMERS_VERSION < Version("6")):
         raise ImportError(
             f"hfaccel needs transformers >= {MIN_TRANSFORMERS}, < 6; found {TRANSFORMERS_VERSION}")
+
+
+# ---- the cache argument: ``past_key_values`` until 5.23, ``cache`` from 5.24 (the old name a deprecated alias) ----
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # every name a model or generate() call may carry its cache under
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_cache(forward) -> bool:
+    return "cache" in inspect.signature(forward).parameters
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``"cache"`` for a model class written for
+    transformers >= 5.24, ``"past_key_values"`` before (and for remote code that still uses the old name).
+    Passing the old name to a new model works but warns, so hfaccel's own calls use this one."""
+    return "cache" if _takes_cache(type(model).forward) else "past_key_values"
+
+
+def generate_cache_argument() -> str:
+    """The name ``generate()`` of the installed transformers takes a cache under without a deprecation warning."""
+    from transformers.generation.utils import GenerationMixin
+
+    return "cache" if _takes_cache(GenerationMixin.prepare_inputs_for_generation) else "past_key_values"
+
+
+def given_cache(kwargs: dict):
+    """The cache a ``generate()`` / forward call's keyword arguments carry, under either name (None if none)."""
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def without_cache(kwargs: dict) -> dict:
+    """``kwargs`` less any cache argument, under either name."""
+    return {k: v for k, v in kwargs.items() if k not in CACHE_ARGUMENTS}
+
+
+def output_cache(output):
+    """The cache a model or ``generate()`` output returned (``cache`` from 5.24, ``past_key_values`` before)."""
+    fields = output.keys() if hasattr(output, "keys") else ()
+    for name in CACHE_ARGUMENTS:
+        if name in fields:
+            return output[name]
+    return None
 
 
 def register_attention(name: str, attention_fn: Callable, mask_fn: Callable) -> None:
@@ -239,6 +286,10 @@ def generation_pad_tensor(generation_config) -> torch.Tensor | None:
 def compile_errors() -> tuple[type[BaseException], ...]:
     """The exceptions ``torch.compile`` raises when it cannot compile a function (dynamo's; inductor's failures
     reach the caller wrapped in one of them), as opposed to errors of the function itself."""
-    from torch._dynamo.exc import TorchDynamoException
+    from torch._dynamo import exc
 
-    return (TorchDynamoException,)
+    # reaching the recompile limit under fullgraph=True raises FailOnRecompileLimitHit, which is not a
+    # TorchDynamoException (it derives from Exception); its name changed from the cache-limit one in torch 2.6
+    limit_hit = tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                      if hasattr(exc, name))
+    return (exc.TorchDynamoException, *limit_hit)

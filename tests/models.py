@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import transformers
 
+from hfaccel import compat
 from tests.devices import DEVICE
 
 # Small enough for the Triton interpreter, large enough to exercise GQA (4 query heads over 2 KV heads)
@@ -26,6 +27,16 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
 # Transformers' own path each architecture is compared with: sdpa, except where sdpa cannot run the
 # model (Gemma2's attention logit softcapping is eager-only in transformers).
 BASELINE_ATTENTION = {"gemma2": "eager"}
+
+
+def generate_cache(cache) -> dict:
+    """``generate()`` keyword arguments that pass ``cache``, under the name the installed transformers takes."""
+    return {compat.generate_cache_argument(): cache}
+
+
+def model_cache(model, cache) -> dict:
+    """A forward's keyword arguments that pass ``cache``, under the name ``model``'s forward takes."""
+    return {compat.cache_argument(model): cache}
 
 
 def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> transformers.PreTrainedModel:

@@ -10,6 +10,7 @@ import hfaccel
 from hfaccel.quant.rtn import quantize_rtn
 from tests.assets import smollm2_or_skip
 from tests.devices import DEVICE
+from tests.models import generate_cache
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def test_plain_model_with_paged_cache_identical(smollm2):
     kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = model.generate(**batch, **kwargs)
     cache = hfaccel.PagedCache(model.config, max_batch_size=3, max_cache_len=batch["input_ids"].shape[1] + 32)
-    got = model.generate(**batch, past_key_values=cache, **kwargs)
+    got = model.generate(**batch, **generate_cache(cache), **kwargs)
     assert torch.equal(got, expected)
     assert cache.memory_stats()["blocks_used"] > 0
 

@@ -37,8 +37,8 @@ _log = logging.getLogger("hfaccel")
 MIN_CONTEXT_BUCKET = 256  # decode steps are built for contexts of powers of two from here
 POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
 # model inputs the loop understands; any other (images, token types...) goes to transformers' loop
-_KNOWN_INPUTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position",
-                 "output_attentions", "output_hidden_states", "return_dict"}
+_KNOWN_INPUTS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", "output_attentions",
+                 "output_hidden_states", "return_dict", *compat.CACHE_ARGUMENTS}
 
 
 @dataclass
@@ -65,6 +65,17 @@ class DecodeSession:
         self.info = DecodeInfo()
         self.lock = threading.Lock()  # one call at a time runs the loop; a concurrent one runs transformers'
         self.speculative = None  # SpeculativeRunners of assisted generate() calls (made on the first)
+        self._logged: set[str] = set()  # the reasons of transformers' loop already logged for this model
+
+    def served_by_transformers(self, reason: str) -> None:
+        """Record that transformers' loop serves the current call and why; each reason is logged once per model
+        (a whole-loop fallback is meant to be seen, not a silent detour)."""
+        self.info = DecodeInfo("transformers", reason)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            _log.warning("hfaccel: generate() on %s runs transformers' decoding loop, not hfaccel's, because of %s "
+                         "(logged once per model and reason; model.hfaccel.decode says which loop served each call)",
+                         type(self.model).__name__, reason)
 
     def release(self) -> None:
         """Give back the memory of the session's runners (its decode loop's and its speculative decoding's)."""
@@ -118,7 +129,7 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
     if reason is None and not session.lock.acquire(blocking=False):
         reason = "another generate() call on this model is running hfaccel's decode loop"
     if reason is not None:
-        session.info = DecodeInfo("transformers", reason)
+        session.served_by_transformers(reason)
         return compat.transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                           synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
     try:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from hfaccel import compat
-from hfaccel.hf.decode import DecodeInfo, hfaccel_sample, left_padding
+from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.kv import PagedCache
 from hfaccel.sampling import token_ids
 
@@ -49,19 +49,19 @@ def uninstall_generate(model) -> None:
 def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     """Route one ``generate`` call (module docstring). transformers' loop gets a fresh PagedCache sized for the
     request, or the caller's PagedCache checked against the request first; it keeps its own cache choice for an
-    explicit ``past_key_values`` of another kind, a ``cache_implementation``, or a request whose size cannot be
+    explicit cache (``cache=`` or ``past_key_values=``) of another kind, a ``cache_implementation``, or a request whose size cannot be
     read."""
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         return _assisted_generate(model, generate, args, kwargs)
     session = model.hfaccel.session
-    cache = kwargs.get("past_key_values")
+    cache = compat.given_cache(kwargs)
     shape = request_shape(model, args, kwargs)
     reason = _loop_leaves(model, kwargs, cache, shape)
     if reason is None:
         config = kwargs.get("generation_config") or model.generation_config
         kwargs, streamer = compat.custom_generate_kwargs(kwargs, config)
         return generate(*args, custom_generate=functools.partial(hfaccel_sample, streamer=streamer), **kwargs)
-    session.info = DecodeInfo("transformers", reason)
+    session.served_by_transformers(reason)
     if isinstance(cache, PagedCache):
         if shape is not None:
             cache.check_request(*shape)  # before any forward pass; the cache stays usable
@@ -69,7 +69,7 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     if cache is not None or shape is None or _cache_implementation(model, kwargs) is not None:
         return generate(*args, **kwargs)
     rows, total_len = shape
-    kwargs["past_key_values"] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
+    kwargs[compat.generate_cache_argument()] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
                                            left_padding=_left_padding(kwargs.get("attention_mask"), rows))
     return generate(*args, **kwargs)
 
@@ -86,7 +86,7 @@ def _left_padding(mask: torch.Tensor | None, rows: int) -> list[int] | None:
 def _loop_leaves(model, kwargs: dict, cache, shape) -> str | None:
     """Why hfaccel's decode loop leaves this call to transformers' loop, or None when it serves it."""
     if cache is not None:
-        return "the caller's past_key_values"
+        return "the caller's cache"
     if shape is None:
         return "inputs other than a [batch, length] tensor of token ids"
     given = sorted(name for name in _LOOP_LEAVES_ARGS if kwargs.get(name) is not None)

@@ -1,7 +1,7 @@
 """transformers ``Cache`` views over a :class:`~hfaccel.kv.pool.KVPool`.
 
-- :class:`PagedCache`, for ``generate``: usable by any model (``model.generate(..., past_key_values=
-  PagedCache(model.config, max_batch_size=B, max_cache_len=L))``); each batch row is one sequence of the pool,
+- :class:`PagedCache`, for ``generate``: usable by any model (``model.generate(..., cache=PagedCache(
+  model.config, max_batch_size=B, max_cache_len=L))``, ``past_key_values=`` before transformers 5.24); each batch row is one sequence of the pool,
   blocks are allocated as tokens arrive.
 - :class:`SequenceKVCache`, for hfaccel's :class:`~hfaccel.runner.ModelRunner`: any number of independent
   sequences packed into one ``[1, T]`` row; the runner sets each forward's metadata (``step``).

@@ -22,6 +22,7 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
+from hfaccel import compat
 from hfaccel.quant.formats import Int4Weight
 from hfaccel.quant.linear import Int4Linear
 from hfaccel.quant.rtn import group_params, quantize_rtn, quantize_values
@@ -116,7 +117,7 @@ def _first_layer_inputs(model, layers, calib_data: torch.Tensor):
         handle.remove()
     if "hidden" not in captured:
         raise RuntimeError("the calibration forward never reached the first decoder layer")
-    captured["kwargs"].pop("past_key_values", None)
+    captured["kwargs"] = compat.without_cache(captured["kwargs"])
     captured["kwargs"]["use_cache"] = False
     return captured["hidden"], captured["kwargs"]
 

@@ -43,6 +43,7 @@ class ModelRunner:
         self.device = model_device(model)
         self.cache = SequenceKVCache(model.config, pool)
         self.graphs: DecodeGraphs | None = None
+        self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
                              capture: bool | None = None, compile: bool = False,
@@ -95,7 +96,7 @@ class ModelRunner:
         self.cache.step = step
         try:
             out = self.model(input_ids=input_ids[None], attention_mask=PACKED_MASK, position_ids=step.positions[None],
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+                             use_cache=True, logits_to_keep=keep, **{self._cache_argument: self.cache})
         finally:
             self.cache.step = None
         return out.logits[0]

@@ -9,7 +9,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache, masking_utils
 import hfaccel
 from hfaccel import compat
 from tests.devices import DEVICE
-from tests.models import padded_batch, tiny_model
+from tests.models import model_cache, padded_batch, tiny_model
 
 pytestmark = pytest.mark.slow
 ARCHS = ["llama", "qwen2", "gemma2"]  # gemma2: sliding window + softcap; qwen2: a sliding and a full layer
@@ -47,12 +47,12 @@ def test_fullgraph_compile_equals_eager_in_prefill_and_decode(arch, cache_type):
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         eager_cache, compiled_cache = cache(), cache()
-        expected = model(**batch, past_key_values=eager_cache, use_cache=True).logits
-        got = compiled(**batch, past_key_values=compiled_cache, use_cache=True).logits
+        expected = model(**batch, **model_cache(model, eager_cache), use_cache=True).logits
+        got = compiled(**batch, **model_cache(model, compiled_cache), use_cache=True).logits
         torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
         step = _next_inputs(batch, expected)
-        expected = model(**step, past_key_values=eager_cache, use_cache=True).logits
-        got = compiled(**step, past_key_values=compiled_cache, use_cache=True).logits
+        expected = model(**step, **model_cache(model, eager_cache), use_cache=True).logits
+        got = compiled(**step, **model_cache(model, compiled_cache), use_cache=True).logits
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

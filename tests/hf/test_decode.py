@@ -5,16 +5,19 @@ Models run the torch reference kernels (the loop is what is under test; the kern
 where a test says otherwise.
 """
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 import hfaccel
+from hfaccel import compat
 import hfaccel.hf.decode as decode
 import hfaccel.runner.graphs as graphs
 from tests.devices import DEVICE
-from tests.models import char_tokenizer, padded_batch, tiny_model
+from tests.models import char_tokenizer, generate_cache, model_cache, padded_batch, tiny_model
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -126,10 +129,54 @@ def test_what_the_loop_leaves_to_transformers_says_why():
     holes[0, -3] = 0
     model.generate(batch["input_ids"], attention_mask=holes, max_new_tokens=2, **GREEDY)
     assert str(model.hfaccel.decode) == "transformers (an attention mask that is not left padding)"
-    model.generate(**batch, max_new_tokens=2, past_key_values=DynamicCache(config=model.config), **GREEDY)
-    assert str(model.hfaccel.decode) == "transformers (the caller's past_key_values)"
+    model.generate(**batch, max_new_tokens=2, **generate_cache(DynamicCache(config=model.config)), **GREEDY)
+    assert str(model.hfaccel.decode) == "transformers (the caller's cache)"
     model.generate(**batch, max_new_tokens=2, **GREEDY)
     assert str(model.hfaccel.decode) == "hfaccel"
+
+
+def test_a_fallback_of_the_whole_loop_is_logged_once_per_model_and_reason(caplog):
+    model, accelerate = _pair()
+    accelerate()
+    batch = padded_batch()
+    with caplog.at_level("WARNING", logger="hfaccel"):
+        for _ in range(2):
+            model.generate(**batch, max_new_tokens=2, num_beams=2, **GREEDY)
+        model.generate(**batch, max_new_tokens=2, **GREEDY)
+    logged = [r.getMessage() for r in caplog.records if "transformers' decoding loop" in r.getMessage()]
+    assert len(logged) == 1 and "num_beams" in logged[0] and "LlamaForCausalLM" in logged[0], logged
+
+
+@pytest.mark.parametrize("name", compat.CACHE_ARGUMENTS if compat.generate_cache_argument() == "cache"
+                         else ("past_key_values",))
+def test_a_paged_cache_the_caller_passes_is_used_under_either_name(name):
+    """``cache=`` (transformers >= 5.24) and ``past_key_values=`` (every version) both hand generate() the caller's
+    PagedCache, which transformers' loop then fills."""
+    model, accelerate = _pair()
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    accelerate()
+    cache = hfaccel.PagedCache(model.config, max_batch_size=3, max_cache_len=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name is the caller's choice here
+        got = model.generate(**batch, max_new_tokens=6, **{name: cache}, **GREEDY)
+    assert torch.equal(got, expected)
+    assert cache.memory_stats()["blocks_used"] > 0
+    assert str(model.hfaccel.decode) == "transformers (the caller's cache)"
+
+
+def test_hfaccels_own_calls_raise_no_deprecation_warnings():
+    """The decode loop, the runner's forwards and the PagedCache hfaccel gives transformers' loop pass the cache under
+    the name the installed transformers takes (``cache`` from 5.24), so no FutureWarning comes from hfaccel."""
+    model, accelerate = _pair()
+    accelerate()
+    batch = padded_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model.generate(**batch, max_new_tokens=3, **GREEDY)
+        assert str(model.hfaccel.decode) == "hfaccel"
+        model.generate(**batch, max_new_tokens=3, num_beams=2, **GREEDY)
+        assert "num_beams" in str(model.hfaccel.decode)
 
 
 def test_left_padding_takes_no_kv_memory():
@@ -200,11 +247,11 @@ def test_an_eager_decode_step_runs_no_more_ops_than_sdpa(monkeypatch):
     batch = padded_batch()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(**batch, past_key_values=cache, use_cache=True).logits
+        logits = model(**batch, **model_cache(model, cache), use_cache=True).logits
         mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(3, 1)], 1)
         with _Count() as sdpa:
             model(input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
-                  position_ids=mask.cumsum(1)[:, -1:] - 1, past_key_values=cache, use_cache=True)
+                  position_ids=mask.cumsum(1)[:, -1:] - 1, **model_cache(model, cache), use_cache=True)
     hfaccel.accelerate(model, attention="torch")
     modes = _watch_steps(monkeypatch, _Count)
     model.generate(**batch, max_new_tokens=4, **GREEDY)

@@ -28,6 +28,21 @@ def test_greedy_generate_matches_transformers(arch, attention):
     assert model.hfaccel.active, model.hfaccel
     got = _generate(model, batch)
     assert torch.equal(got, expected), f"{arch}: accelerated\n{got}\n!= transformers\n{expected}"
+    assert str(model.hfaccel.decode) == "hfaccel"  # hfaccel's loop served it, not a silent fallback
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_sampled_generate_is_served_by_hfaccels_loop(arch):
+    """A plain sampled generate() of every covered architecture runs hfaccel's loop with transformers' draws."""
+    model = tiny_model(arch)
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=8, do_sample=True, top_p=0.9, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(7)
+    expected = model.generate(**batch, **kwargs)
+    hfaccel.accelerate(model, attention="torch")
+    torch.manual_seed(7)
+    got = model.generate(**batch, **kwargs)
+    assert str(model.hfaccel.decode) == "hfaccel" and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -62,6 +77,7 @@ def test_sampling_with_seed_matches():
     hfaccel.accelerate(model)
     torch.manual_seed(123)
     assert torch.equal(model.generate(**batch, **kwargs), expected)
+    assert str(model.hfaccel.decode) == "hfaccel"
 
 
 def test_fp16_generate_matches_reference_path():

@@ -6,10 +6,10 @@ import transformers
 from transformers import DynamicCache
 
 import hfaccel
-from hfaccel import PagedCache
+from hfaccel import PagedCache, compat
 from hfaccel.kv import PagedKV
 from tests.devices import DEVICE
-from tests.models import ARCHITECTURES, padded_batch, tiny_model
+from tests.models import ARCHITECTURES, generate_cache, model_cache, padded_batch, tiny_model
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -27,7 +27,7 @@ def test_greedy_with_paged_cache_matches_default_cache(arch, accelerated):
     if accelerated:
         hfaccel.accelerate(model, attention="triton")
     cache = _paged_cache(model, length=11 + 24)
-    got = model.generate(**batch, max_new_tokens=24, past_key_values=cache, **GREEDY)
+    got = model.generate(**batch, max_new_tokens=24, **generate_cache(cache), **GREEDY)
     assert torch.equal(got, expected)
     stats = cache.memory_stats()
     assert stats["blocks_used"] == 3 * 3  # 34 tokens per row in blocks of 16
@@ -87,7 +87,7 @@ def test_left_padding_takes_no_slots(accelerated):
     if accelerated:
         hfaccel.accelerate(model, attention="torch")
     cache = _paged_cache(model, length=17, block_size=4, left_padding=[0, 4, 7])
-    assert torch.equal(model.generate(**batch, max_new_tokens=6, past_key_values=cache, **GREEDY), expected)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **generate_cache(cache), **GREEDY), expected)
     stats = cache.memory_stats()  # the cache holds the prompts and 5 generated tokens per row
     tokens = [11 + 5, 7 + 5, 4 + 5] if accelerated else [16, 16, 16]
     assert stats["blocks_used"] == sum(-(-n // 4) for n in tokens)
@@ -102,7 +102,7 @@ def test_gathering_a_cache_without_padding_gives_transformers_layout():
     held, padded = (_paged_cache(model, rows=2, length=8, block_size=4, left_padding=pad) for pad in ([0, 3], None))
     with torch.no_grad():
         for cache in (held, padded):
-            model(**batch, past_key_values=cache, use_cache=True)
+            model(**batch, **model_cache(model, cache), use_cache=True)
     k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)  # [B, Hkv, 1, D]: one more token, layer 0
     got, expected = held.update(k, v, 0)[0].gather(), padded.update(k, v, 0)[0].gather()
     real = torch.cat([batch["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1).bool()  # [B, S]
@@ -121,7 +121,7 @@ def test_beam_search_matches(arch, accelerated):
     expected = model.generate(**batch, **kwargs)
     if accelerated:
         hfaccel.accelerate(model)
-    got = model.generate(**batch, past_key_values=_paged_cache(model, rows=9, length=23), **kwargs)
+    got = model.generate(**batch, **generate_cache(_paged_cache(model, rows=9, length=23)), **kwargs)
     assert torch.equal(got, expected)
 
 
@@ -147,7 +147,7 @@ def test_sampling_with_seed_matches(accelerated):
     if accelerated:
         hfaccel.accelerate(model)
     torch.manual_seed(7)
-    got = model.generate(**batch, past_key_values=_paged_cache(model, rows=6, length=27), **kwargs)
+    got = model.generate(**batch, **generate_cache(_paged_cache(model, rows=6, length=27)), **kwargs)
     assert torch.equal(got, expected)
 
 
@@ -160,9 +160,9 @@ def test_assisted_decoding_matches():
     hfaccel.accelerate(model, attention="triton")
     got = model.generate(**batch, max_new_tokens=16, assistant_model=draft, **GREEDY)
     assert torch.equal(got, expected)
-    with pytest.warns(UserWarning, match="transformers' implementation.*past_key_values"):
+    with pytest.warns(UserWarning, match="transformers' implementation.*'(past_key_values|cache)'"):
         got = model.generate(**batch, max_new_tokens=16, assistant_model=draft,
-                             past_key_values=_paged_cache(model, rows=1, length=40), **GREEDY)
+                             **generate_cache(_paged_cache(model, rows=1, length=40)), **GREEDY)
     assert torch.equal(got, expected)
 
 
@@ -173,18 +173,18 @@ def test_request_beyond_max_cache_len_raises_before_any_forward():
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     cache = _paged_cache(model, length=20)
     with pytest.raises(ValueError, match="max_cache_len is 20"):
-        model.generate(**batch, max_new_tokens=24, past_key_values=cache, **GREEDY)
+        model.generate(**batch, max_new_tokens=24, **generate_cache(cache), **GREEDY)
     with pytest.raises(ValueError, match="max_batch_size=3"):
-        model.generate(**batch, max_new_tokens=4, num_beams=2, past_key_values=cache, **GREEDY)
+        model.generate(**batch, max_new_tokens=4, num_beams=2, **generate_cache(cache), **GREEDY)
     small = _paged_cache(model, length=64, num_blocks=4)
     with pytest.raises(ValueError, match="the pool has 4 free"):
-        model.generate(**batch, max_new_tokens=24, past_key_values=small, **GREEDY)
+        model.generate(**batch, max_new_tokens=24, **generate_cache(small), **GREEDY)
     assert forwards == []
     # the cache is still usable
     hfaccel.restore(model)
     expected = model.generate(**batch, max_new_tokens=8, **GREEDY)
     hfaccel.accelerate(model)
-    assert torch.equal(model.generate(**batch, max_new_tokens=8, past_key_values=cache, **GREEDY), expected)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, **generate_cache(cache), **GREEDY), expected)
 
 
 def test_plain_model_overflow_raises_clearly_and_keeps_cache_usable():
@@ -193,7 +193,7 @@ def test_plain_model_overflow_raises_clearly_and_keeps_cache_usable():
     batch = padded_batch()
     cache = _paged_cache(model, length=64, num_blocks=2)
     with pytest.raises(ValueError, match="needs 3 more blocks"):
-        model.generate(**batch, max_new_tokens=4, past_key_values=cache, **GREEDY)
+        model.generate(**batch, max_new_tokens=4, **generate_cache(cache), **GREEDY)
     assert cache.manager.num_free_blocks == 2 and cache.rows == []
 
 
@@ -256,9 +256,9 @@ def test_paged_false_keeps_transformers_cache():
     model = hfaccel.accelerate(tiny_model("llama"), paged=False)
     assert not model.hfaccel.paged and "generate" not in vars(model)
     out = model.generate(**padded_batch(), max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
-    assert isinstance(out.past_key_values, transformers.DynamicCache)
+    assert isinstance(compat.output_cache(out), transformers.DynamicCache)
     hfaccel.accelerate(model)
     out = model.generate(**padded_batch(), max_new_tokens=4, return_dict_in_generate=True, **GREEDY)
-    assert isinstance(out.past_key_values, PagedCache)
+    assert isinstance(compat.output_cache(out), PagedCache)
     hfaccel.restore(model)
     assert "generate" not in vars(model)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hfaccel import compat
 from hfaccel.hf import accelerate, restore
 from hfaccel.tools.bench.timing import table
 from hfaccel.tools.models import build_model
@@ -55,7 +56,7 @@ def memory_comparison(model, lengths: list[int], new_tokens: int = NEW_TOKENS) -
     for name, extra in (("transformers DynamicCache", {}), ("transformers StaticCache",
                                                             {"cache_implementation": "static"})):
         out = model.generate(**batch, return_dict_in_generate=True, **args, **extra)
-        rows.append(MemoryRow(name, _cache_bytes(out.past_key_values), 0.0))
+        rows.append(MemoryRow(name, _cache_bytes(compat.output_cache(out)), 0.0))
         del out
     accelerate(model)
     model.generate(**batch, **args)
