@@ -1,29 +1,54 @@
 # Two commands do all the set-up (see README.md):
 #   make demo   install hfaccel and run the demo (plain transformers vs hfaccel on SmolLM2-135M)
-#   make test   install hfaccel with its test extras, fetch the offline test model, run the test suite
+#   make test   build the test environments inside the clone, fetch the offline test model, run the test suites
 #
 # torch is installed first and pinned: on a CPU machine `torch==2.13.0` is the CPU build (any looser spec
 # pulls gigabytes of CUDA wheels). A torch that is already installed (e.g. a CUDA build) is kept.
+#
+# `make test` runs the suite twice, each in a virtual environment of its own inside the clone, so that what a new
+# user installs today is what is tested: .venv gets the newest releases of everything but torch (upgraded
+# eagerly on every run, so an old transformers left there cannot hide a break), .venv-lowest the lowest
+# transformers pyproject.toml allows (what the GPU machines run), for the model-level tests.
 
 PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 PIP := $(PYTHON) -m pip
+VENV ?= .venv
+VENV_LOWEST ?= .venv-lowest
+LOWEST_PINS ?= transformers==5.17.0
+MODEL_TESTS ?= tests/hf tests/runner tests/engine tests/speculative
+PYTEST_WORKERS ?= 2
 
-.PHONY: demo test install install-dev assets gpu-wheels gpu-test gpu-bench
+.PHONY: demo test test-newest test-lowest venv install assets gpu-wheels gpu-test gpu-smoke gpu-bench
 
 demo: install
 	$(PYTHON) -m hfaccel.tools.cli demo
 
-test: install-dev assets
-	$(PYTHON) -m pytest -n 2 tests
+test: test-newest test-lowest
+
+test-newest:
+	$(MAKE) venv VENV=$(VENV)
+	$(VENV)/bin/python -m hfaccel.tools.assets
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) tests
+
+test-lowest:
+	$(MAKE) venv VENV=$(VENV_LOWEST) PINS="$(LOWEST_PINS)"
+	$(VENV_LOWEST)/bin/python -m hfaccel.tools.assets
+	$(VENV_LOWEST)/bin/python -m pytest -n $(PYTEST_WORKERS) $(MODEL_TESTS)
+
+# A virtual environment $(VENV) with hfaccel (editable) and its test extras at their newest releases (or at
+# $(PINS)); the torch it has is kept.
+venv:
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install $(TORCH_PIN)
+	$(VENV)/bin/pip install --upgrade --upgrade-strategy eager -e ".[dev]" \
+		"torch==$$($(VENV)/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')" $(PINS)
+	$(VENV)/bin/python -c "import torch, transformers, triton; print('$(VENV):', 'torch', torch.__version__, \
+		'transformers', transformers.__version__, 'triton', triton.__version__)"
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIN)
 	$(PIP) install -e .
-
-install-dev:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIN)
-	$(PIP) install -e ".[dev]"
 
 assets:
 	$(PYTHON) -m hfaccel.tools.assets

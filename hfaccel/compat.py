@@ -283,6 +283,15 @@ def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     return generation_config._pad_token_tensor
 
 
+def no_duck_sizing():
+    """A context in which torch.compile gives every dynamic dimension a symbol of its own (no "duck sizing": two
+    dimensions that happen to be equal when traced are not assumed equal forever). Scoped to the call; torch's
+    setting is unchanged outside it."""
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
+
+
 def compile_errors() -> tuple[type[BaseException], ...]:
     """The exceptions ``torch.compile`` raises when it cannot compile a function (dynamo's; inductor's failures
     reach the caller wrapped in one of them), as opposed to errors of the function itself."""

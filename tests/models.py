@@ -24,6 +24,17 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 4}),
 }
 
+# Models whose transformers code branches on data (longrope picks its factors from max(position_ids)) or loops over
+# experts (MoE routing with nonzero): what torch.compile may not trace on every transformers release.
+_HALF_ROTARY = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+DATA_DEPENDENT_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {
+        "num_key_value_heads": 4, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0] * _HALF_ROTARY, "long_factor": [2.0 + i / 8 for i in range(_HALF_ROTARY)]}}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
 # Transformers' own path each architecture is compared with: sdpa, except where sdpa cannot run the
 # model (Gemma2's attention logit softcapping is eager-only in transformers).
 BASELINE_ATTENTION = {"gemma2": "eager"}
@@ -40,7 +51,7 @@ def model_cache(model, cache) -> dict:
 
 
 def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> transformers.PreTrainedModel:
-    config_name, model_name, extra = ARCHITECTURES[arch]
+    config_name, model_name, extra = {**ARCHITECTURES, **DATA_DEPENDENT_ARCHITECTURES}[arch]
     config = getattr(transformers, config_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype).eval()

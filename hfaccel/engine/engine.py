@@ -96,8 +96,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
         on_cuda = self.runner.device.type == "cuda"
         if cuda_graphs if cuda_graphs is not None else on_cuda:
-            self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
-                                             compile=compiles(compile, self.runner.device))
+            graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
+                                                      compile=compiles(compile, self.runner.device))
+            if graphs.compiled or graphs.capture:
+                _warm_up(graphs)
         self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
         self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
         self.requests: dict[str, Request] = {}
@@ -263,12 +265,16 @@ class Engine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.finished, request.error, request.metrics)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | str]:
+        """Requests and KV blocks now, the KV memory reserved, and how decode steps run (``decode_steps``:
+        compiled or not, the sizes captured as CUDA graphs, and the reason of any fallback)."""
         manager = self.scheduler.manager
+        graphs = self.runner.graphs
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
                 "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
-                "kv_cache_bytes": self.kv_budget.bytes}
+                "kv_cache_bytes": self.kv_budget.bytes,
+                "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)"}
 
     # --------------------------------------------------------------------------------------- internals
     def _launch_isolating(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> _Launched | None:
@@ -611,3 +617,13 @@ def _error_output(prompt, error: Exception) -> RequestOutput:
     return RequestOutput("", prompt if isinstance(prompt, str) else None, [],
                          [CompletionOutput(0, finish_reason="error")], finished=True, error=str(error))
 
+
+def _warm_up(graphs) -> None:
+    """Compile and capture every batch size of the engine's decode steps now, with a progress line, so that no
+    request (and no server's first request) waits for them."""
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("hfaccel Engine: compiling and capturing the decode steps", total=len(graphs.sizes))
+        graphs.warm_up(progress=lambda done, total: progress.update(task, completed=done))
+    _log.info("hfaccel Engine: decode steps ready (%s)", graphs.status())

@@ -49,7 +49,9 @@ class Acceleration:
         return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
                 f"(backend {self.attention!r}); generate(): "
                 f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
-                f"; last call: {self.decode}; attention calls: {self.attention_paths}")
+                f"; last call: {self.decode}"
+                f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
+                f"; attention calls: {self.attention_paths}")
 
 
 def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,

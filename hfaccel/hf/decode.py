@@ -34,7 +34,6 @@ from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER
 
 _log = logging.getLogger("hfaccel")
-MIN_CONTEXT_BUCKET = 256  # decode steps are built for contexts of powers of two from here
 POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
 # model inputs the loop understands; any other (images, token types...) goes to transformers' loop
 _KNOWN_INPUTS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", "output_attentions",
@@ -77,6 +76,11 @@ class DecodeSession:
                          "(logged once per model and reason; model.hfaccel.decode says which loop served each call)",
                          type(self.model).__name__, reason)
 
+    def steps(self) -> str:
+        """How the decode steps run (compiled, captured sizes, fallback reasons), or "not built yet"."""
+        graphs = self.runner.graphs if self.runner is not None else None
+        return graphs.status() if graphs is not None else "not built yet"
+
     def release(self) -> None:
         """Give back the memory of the session's runners (its decode loop's and its speculative decoding's)."""
         if self.runner is not None:
@@ -87,30 +91,43 @@ class DecodeSession:
 
     def runner_for(self, rows: int, capacities: list[int]) -> ModelRunner:
         """A runner whose pool holds ``rows`` sequences of ``capacities[i]`` tokens and whose decode steps serve
-        them; the pool is empty when it is returned. Batch sizes (the decode ladder's) and contexts (powers of
-        two) are bucketed, so a session rebuilds its runner or its decode steps a bounded number of times."""
+        them; the pool is empty when it is returned. The decode steps are made once per model for every ladder
+        batch size and the model's whole context (``max_position_embeddings``), and a pool that grows is swapped
+        in under them: one compiled step serves every call (only a batch past the ladder or a context past the
+        model's rebuilds them)."""
         size = self.block_size
         needed = sum(-(-c // size) for c in capacities)
-        rows = next((s for s in DEFAULT_LADDER if s >= rows), rows)
-        context = max(MIN_CONTEXT_BUCKET, 1 << (max(capacities) - 1).bit_length())
         runner = self.runner
-        if runner is None or runner.pool.num_blocks < needed or runner.pool.kv.dtype != self.model.dtype \
-                or runner.pool.device != model_device(self.model):
-            blocks = -(-max(needed, 2 * runner.pool.num_blocks if runner else 0) // POOL_GRANULE) * POOL_GRANULE
-            if runner is not None:  # the old pool and graphs go before the new pool is allocated
-                runner.release()
-                self.runner = runner = None
-            runner = self.runner = ModelRunner(self.model, KVPool.for_model(self.model, num_blocks=blocks,
-                                                                             block_size=size))
+        if runner is not None and (runner.pool.kv.dtype != self.model.dtype
+                                   or runner.pool.device != model_device(self.model)):
+            runner.release()  # the model moved or changed dtype: everything is rebuilt for it
+            self.runner = runner = None
+        if runner is None:
+            runner = self.runner = ModelRunner(self.model, self._pool(needed))
+        elif runner.pool.num_blocks < needed:
+            blocks = max(needed, 2 * runner.pool.num_blocks)
+            runner.replace_pool(lambda: self._pool(blocks))
         graphs = runner.graphs
+        context = max(capacities)
         if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
-            rows, context = max(rows, graphs.max_batch if graphs else 1), max(context, graphs.max_model_len if graphs else 0)
+            max_batch = max(rows, DEFAULT_LADDER[-1], graphs.max_batch if graphs else 0)
+            max_len = max(context, _model_context(self.model), graphs.max_model_len if graphs else 0)
             compile = compiles(self.compile, runner.device)
             if compile:
-                _log.warning("hfaccel: compiling the decode step for batches up to %d and contexts up to %d tokens "
-                             "(once per size bucket; this takes a while)", rows, context)
-            runner.enable_decode_graphs(rows, context, compile=compile)
+                _log.warning("hfaccel: generate() compiles its decode step on the first call (once per model: every "
+                             "batch size up to %d and context up to %d tokens; this takes a while)", max_batch, max_len)
+            runner.enable_decode_graphs(max_batch, max_len, compile=compile)
         return runner
+
+    def _pool(self, blocks: int) -> KVPool:
+        blocks = -(-blocks // POOL_GRANULE) * POOL_GRANULE
+        return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size)
+
+
+def _model_context(model) -> int:
+    """The longest context the model's config names (its decode steps are built for it once), 256 if none."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 256)
 
 
 def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,

@@ -18,17 +18,23 @@ Two ways to feed a step:
   every position the steps will reach.
 
 With ``compile=True`` the step (slot arithmetic, the model's forward, the increments) is one
-``torch.compile(fullgraph=True, dynamic=True)`` function: inductor fuses the glue between hfaccel's kernels
-(custom ops), and one graph serves every batch size (1 is specialised). With ``capture`` (CUDA) each (size, mode) is captured as a CUDA graph after one warm-up run (Triton
-and inductor compile there), so a step costs one graph launch. The paged kernel's launch is fixed at capture
-from ``max_model_len``; per-sequence work follows the device-side lengths. Without CUDA (or when capture fails)
-the same static step runs eagerly, which is what the CPU tests check.
+``torch.compile(fullgraph=True)`` function: inductor fuses the glue between hfaccel's kernels (custom ops). Only
+the dimensions that vary are symbolic, on purpose (:func:`mark_step_dynamic`): the batch (rows, tokens) and the
+pool's block count — the weights, the block tables' width (``max_model_len``) and every other dimension stay
+static, and duck sizing is off while the step traces, so a batch size equal to another dimension never ties the
+two. One compiled graph then serves every batch size of a mode (size 1 is the one dynamo specialises on its own:
+a second graph at most) and a pool that grows. With ``capture`` (CUDA) each (size, mode) is captured as a CUDA
+graph from that compiled step after one warm-up run (Triton and inductor compile there), so a step costs one
+graph launch; a size whose capture fails runs eagerly with its reason in :attr:`DecodeGraphs.capture_failures`,
+the other sizes stay captured. The paged kernel's launch is fixed at capture from ``max_model_len``;
+per-sequence work follows the device-side lengths. Without CUDA the same static step runs uncaptured, which is
+what the CPU tests check.
 """
 
 from __future__ import annotations
 
+import logging
 import types
-import warnings
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
@@ -41,7 +47,9 @@ from hfaccel.kv import PackedStep, slot_mapping
 if TYPE_CHECKING:
     from hfaccel.runner.runner import ModelRunner
 
+_log = logging.getLogger("hfaccel")
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+POOL_BLOCKS_DIM = 2  # the block dimension of a KV pool ``[L, 2, num_blocks, block_size, Hkv, D]``
 
 
 def compiles(setting: bool | str, device: torch.device) -> bool:
@@ -78,13 +86,44 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
         self.keep = torch.arange(tokens, dtype=torch.long, **on)  # every token's logits
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
-        # dynamic=True: one graph serves every batch size (sizes 0 and 1 are specialised), so a runner compiles
-        # at most a few variants — each size is then captured as its own CUDA graph
-        self._step_fn = torch.compile(_own_code(static_step), fullgraph=True, dynamic=True) if compile \
+        # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
+        # serves every batch size and pool size; each size is then captured as its own CUDA graph
+        self._step_fn = torch.compile(_own_code(static_step), fullgraph=True, dynamic=None) if compile \
             else static_step
+        self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
+        self.capture_failures: dict[tuple[int, bool], str] = {}  # (size, advance) -> why it runs uncaptured
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
+
+    def status(self) -> str:
+        """How the steps run, in one line: compiled or not, captured sizes, and the reasons of any fallback."""
+        parts = [f"compiled" if self.compiled else ("uncompiled" if self.compile_failure is None
+                                                     else f"uncompiled ({self.compile_failure})")]
+        if self.capture:
+            parts.append(f"CUDA graphs for sizes {sorted({size for size, _ in self._graphs})}")
+        parts += [f"size {size} uncaptured ({reason})" for (size, _), reason in sorted(self.capture_failures.items())]
+        return ", ".join(parts)
+
+    def pool_changed(self) -> None:
+        """The runner's pool was replaced (a larger one): the captured graphs read the old one's memory and are
+        dropped; the compiled step serves the new pool as it is (its block count is symbolic)."""
+        self._graphs.clear()
+        self._memory_pool = None
+
+    @torch.inference_mode()  # as the runner's forwards run
+    def warm_up(self, sizes: Sequence[int] | None = None, progress=None) -> None:
+        """Compile and capture the steps of ``sizes`` (default: every size) now, on padding rows that read and
+        write nothing, so that no request waits for them. ``progress(done, total)`` is called after each."""
+        sizes = list(self.sizes if sizes is None else sizes)
+        for done, size in enumerate(sizes, 1):
+            self.positions.zero_()
+            self.seq_lens.zero_()
+            self.slot_mapping.fill_(-1)
+            self._size = None
+            self._replay(self.size_for(size), advance=False)
+            if progress is not None:
+                progress(done, len(sizes))
 
     def serves(self, num_new: Sequence[int], logits_for: str | Sequence[int]) -> bool:
         """Whether a forward is a step this mode runs: one token per sequence with logits for each of them, or
@@ -167,21 +206,26 @@ class DecodeGraphs:
 
     def _step(self, size: int, advance: bool) -> torch.Tensor:
         """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows). If
-        torch.compile cannot compile it (before anything ran), the step says why once and runs uncompiled."""
+        torch.compile cannot compile it (the recompile limit included), the step says why once and runs
+        uncompiled from then on."""
+        rows = self._rows(size)
+        if self._step_fn is static_step:
+            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq)
+        mark_step_dynamic(rows, self.runner.pool.kv)
         try:
-            return self._step_fn(self.runner, self._rows(size), advance, self.max_model_len, self.tokens_per_seq)
+            with compat.no_duck_sizing():
+                return self._step_fn(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq)
         except compat.compile_errors() as error:
-            if self._step_fn is static_step:
-                raise
-            warnings.warn(f"hfaccel: torch.compile could not compile the decode step ({type(error).__name__}: "
-                          f"{str(error)[:300]}); decode steps run uncompiled", stacklevel=4)
+            self.compile_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+            _log.warning("hfaccel: torch.compile could not compile the decode step (%s); decode steps run "
+                         "uncompiled", self.compile_failure)
             self._step_fn, self.compiled = static_step, False
-            return static_step(self.runner, self._rows(size), advance, self.max_model_len, self.tokens_per_seq)
+            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq)
 
     def _replay(self, size: int, advance: bool) -> torch.Tensor:
-        if not self.capture:
-            return self._step(size, advance)
         key = (size, advance)
+        if not self.capture or key in self.capture_failures:
+            return self._step(size, advance)
         if key not in self._graphs:
             logits = self._capture(size, advance)
             if key not in self._graphs:  # capture failed: eager from now on (this step already ran)
@@ -193,13 +237,17 @@ class DecodeGraphs:
     def _capture(self, size: int, advance: bool) -> torch.Tensor:
         """Run the step once (Triton and inductor compile there), then capture it; returns this step's logits.
         The capture records the step without running it; the replay after it runs it again — the same slots, the
-        same values — so a device-fed step's counters are put back to where the first run found them."""
+        same values — so a device-fed step's counters are put back to where the first run found them. A failed
+        capture leaves this size uncaptured (eager), with its reason, and the other sizes as they are."""
+        self._rows(size)  # views made on the current stream, before the side stream
         before = self._counters() if advance else None
+        current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
             logits = self._step(size, advance)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current.wait_stream(stream)
+        logits.record_stream(current)  # allocated on the side stream, used on this one
         after = self._counters() if advance else None
         if advance:
             self._restore(before)
@@ -207,10 +255,11 @@ class DecodeGraphs:
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
                 captured = self._step(size, advance)
-        except Exception as error:  # a model whose forward cannot be captured: stay eager, say why
-            warnings.warn(f"hfaccel: CUDA graph capture failed ({error!r}); decode steps run eagerly",
-                          stacklevel=4)
-            self.capture = False
+        except Exception as error:  # a forward that cannot be captured at this size: eager here, say why
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
+            self.capture_failures[(size, advance)] = reason
+            _log.warning("hfaccel: CUDA graph capture of the decode step at batch %d failed (%s); that size runs "
+                         "uncaptured", size, reason)
             torch.cuda.synchronize(self.device)
             if advance:
                 self._restore(after)
@@ -244,6 +293,16 @@ def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bo
         positions.add_(live)
         seq_lens.add_(live)
     return logits
+
+
+def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool_kv: torch.Tensor) -> None:
+    """Mark the dimensions of a step's inputs that vary between calls as dynamic for torch.compile: the rows' batch
+    dimension (tokens or sequences) and the pool's block count. Everything else stays static (``dynamic=None``)."""
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index = rows
+    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    torch._dynamo.maybe_mark_dynamic(slots, 1)
+    torch._dynamo.maybe_mark_dynamic(pool_kv, POOL_BLOCKS_DIM)
 
 
 def _own_code(function):

@@ -109,6 +109,15 @@ class ModelRunner:
         ends = list(itertools.accumulate(num_new))
         return to_device([ends[i] - 1 for i in logits_for], torch.long, self.device)
 
+    def replace_pool(self, make_pool) -> None:
+        """Swap in a new pool (a larger one, made by ``make_pool()`` once the old one's memory is given back); the
+        decode steps keep their compiled step (the pool's block count is symbolic) and drop their captures."""
+        self.pool.kv = None
+        self.pool = make_pool()
+        self.cache = SequenceKVCache(self.model.config, self.pool)
+        if self.graphs is not None:
+            self.graphs.pool_changed()
+
     def release(self) -> None:
         """Give back the pool's memory and the decode steps' graphs now (the runner is not used again); without
         it they go when Python's cycle collector next runs (the runner and its graphs refer to each other)."""

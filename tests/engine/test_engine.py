@@ -289,6 +289,26 @@ def test_seeded_requests_keep_the_decode_graphs():
     assert served and engine.runner.graphs.capture == (DEVICE.type == "cuda")  # still capturing on a GPU
 
 
+@pytest.mark.slow
+def test_the_engine_compiles_its_decode_steps_when_it_is_built():
+    """Engine(compile=True) compiles (and on a GPU captures) every ladder size while it is built, so the first
+    request — and a server's first request — waits for none of it: serving compiles nothing more, and stats()
+    says how the steps run."""
+    from torch._dynamo.utils import counters
+
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    prompts, _ = mixed_prompts(6, seed=3)
+    budgets = [2 + i for i in range(6)]
+    expected = reference(model, prompts, budgets)
+    before = counters["stats"]["unique_graphs"]
+    engine = Engine(model, max_num_seqs=6, num_blocks=60, block_size=4, cuda_graphs=True, compile=True)
+    built = counters["stats"]["unique_graphs"]
+    assert built - before == 2  # batch 1 and one graph for every other size
+    assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
+    assert counters["stats"]["unique_graphs"] == built
+    assert engine.stats()["decode_steps"].startswith("compiled")
+
+
 def test_n_beyond_max_num_seqs_and_any_seed():
     engine = Engine(hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=2, num_blocks=32,
                     block_size=4)

@@ -272,7 +272,51 @@ def test_compiled_decode_steps_equal_eager_ones(arch):
     assert model.hfaccel.session.runner.graphs.compiled and str(model.hfaccel.decode) == "hfaccel"
 
 
-def test_a_step_that_cannot_be_compiled_runs_uncompiled(monkeypatch):
+@pytest.mark.slow
+def test_one_compiled_step_serves_every_batch_size_context_and_pool_size():
+    """generate() at batch 1, 2, 3, 5, 9 and 17, a long prompt and a pool that has to grow: the decode step is
+    compiled once per model — batch 1 (which dynamo specialises) and one graph for every other size — and neither
+    a new batch size, a longer context nor a larger pool compiles again."""
+    from torch._dynamo.utils import counters
+
+    model, accelerate = _pair(compile=True)
+    accelerate()
+    before = counters["stats"]["unique_graphs"]
+    for rows in (1, 2, 3, 5, 9, 17):
+        model.generate(**padded_batch(tuple(4 + i % 5 for i in range(rows))), max_new_tokens=3, **GREEDY)
+    blocks = model.hfaccel.session.runner.pool.num_blocks
+    long_batch = padded_batch((150,) * 17)
+    expected = _plain_generate(model, long_batch, max_new_tokens=3)
+    got = model.generate(**long_batch, max_new_tokens=3, **GREEDY)
+    assert torch.equal(got, expected) and str(model.hfaccel.decode) == "hfaccel"
+    assert model.hfaccel.session.runner.pool.num_blocks > blocks  # the pool grew under the same step
+    assert model.hfaccel.session.runner.graphs.compiled
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def _plain_generate(model, batch: dict, **kwargs) -> torch.Tensor:
+    """transformers' own tokens for an accelerated model (its attention kept, hfaccel's loop bypassed)."""
+    return type(model).generate(model, **batch, **kwargs, **GREEDY)
+
+
+def test_the_recompile_limit_falls_back_to_uncompiled_steps_with_its_reason(caplog):
+    """Reaching dynamo's recompile limit (FailOnRecompileLimitHit under fullgraph) costs speed, not the call: the
+    steps run uncompiled, and model.hfaccel says why."""
+    model, accelerate = _pair(compile=True)
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=4, **GREEDY)
+    accelerate()
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", logger="hfaccel"):
+        model.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2, **GREEDY)  # batch 1: one graph
+        got = model.generate(**batch, max_new_tokens=4, **GREEDY)  # batch 3 needs a second: past the limit
+    assert torch.equal(got, expected) and str(model.hfaccel.decode) == "hfaccel"
+    graphs = model.hfaccel.session.runner.graphs
+    assert not graphs.compiled and "RecompileLimit" in graphs.compile_failure
+    assert "uncompiled (FailOnRecompileLimitHit" in str(model.hfaccel)
+    assert any("could not compile the decode step" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_that_cannot_be_compiled_runs_uncompiled(monkeypatch, caplog):
     """torch.compile failing on the decode step (a model dynamo cannot trace) costs speed, not the call."""
     from torch._dynamo.exc import Unsupported
 
@@ -287,9 +331,11 @@ def test_a_step_that_cannot_be_compiled_runs_uncompiled(monkeypatch):
 
     monkeypatch.setattr(graphs.torch, "compile", uncompilable)
     hfaccel.accelerate(model, attention="torch", compile=True)
-    with pytest.warns(UserWarning, match="could not compile the decode step .*Unsupported"):
+    with caplog.at_level("WARNING", logger="hfaccel"):
         assert torch.equal(model.generate(**batch, max_new_tokens=5, **GREEDY), expected)
+    assert any("could not compile the decode step (Unsupported" in r.getMessage() for r in caplog.records)
     assert not model.hfaccel.session.runner.graphs.compiled and str(model.hfaccel.decode) == "hfaccel"
+    assert "uncompiled (Unsupported: a graph break in the model)" in model.hfaccel.session.steps()
 
 
 def test_a_call_while_another_runs_the_loop_takes_transformers_loop():
