@@ -19,7 +19,7 @@ LOWEST_PINS ?= transformers==5.17.0
 MODEL_TESTS ?= tests/hf tests/runner tests/engine tests/speculative
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-newest test-lowest venv install assets gpu-wheels gpu-test gpu-smoke gpu-bench
+.PHONY: demo test test-newest test-lowest venv install assets gpu-wheels gpu-install gpu-test gpu-smoke gpu-bench
 
 demo: install
 	$(PYTHON) -m hfaccel.tools.cli demo
@@ -55,16 +55,26 @@ assets:
 
 # ---- On a lent GPU machine (no network there; see docs/benchmarks.md) -------------------------------------
 # Here: `make gpu-wheels` puts the wheels of what the suite needs and the GPU image lacks into wheels/ (resolved
-# from the wheels' own metadata; carry wheels/ with the tree). There: `make gpu-test` (the whole suite on CUDA
-# tensors, kernels compiled, 8 workers; tests needing the offline assets skip when they are absent) and
-# `make gpu-bench`.
-gpu-wheels:
-	$(PYTHON) -m hfaccel.tools.gpu_wheels wheels
-
-gpu-test:
+# from the wheels' own metadata; carry wheels/ with the tree). There, each command within the 10 minutes a call
+# may take: `make gpu-smoke` first (at most ~8 minutes on one H100), then `make gpu-test PART=1/3` (2/3, 3/3: the
+# suite on CUDA in three parts, whole test files each, 4 workers), then `make gpu-bench` and the tune sweeps.
+GPU_PART ?= $(PART)
+gpu-install:
 	$(PIP) install -q --no-index --no-deps wheels/*.whl
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	HFACCEL_TEST_DEVICE=cuda $(PYTHON) -m pytest -n 8 -q -ra tests
+
+gpu-smoke: gpu-install
+	HFACCEL_TEST_DEVICE=cuda timeout 240 $(PYTHON) -m pytest -x -q -p no:xdist -ra \
+		tests/kernels/test_paged_attention.py tests/kernels/test_flash_attention.py tests/kernels/test_w4a16.py \
+		-k "not sm90 and not interpret"
+	HFACCEL_TEST_DEVICE=cuda TORCH_LOGS=recompiles,graph_breaks timeout 180 $(PYTHON) -m pytest -q -p no:xdist -ra \
+		tests/hf/test_decode.py tests/engine/test_async_scheduling.py \
+		"tests/hf/test_exactness.py::test_greedy_generate_matches_transformers"
+	timeout 120 $(PYTHON) -m hfaccel.tools.smoke --model llama-3.2-1b
+	timeout 120 $(PYTHON) -m hfaccel.tools.cli bench decode --model llama-3.2-1b --batch 1
+
+gpu-test: gpu-install
+	HFACCEL_TEST_DEVICE=cuda HFACCEL_TEST_PART=$(GPU_PART) $(PYTHON) -m pytest -n 4 -q -ra tests
 
 gpu-bench:
 	mkdir -p docs/bench

@@ -27,8 +27,39 @@ def _seed():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Start the long tests first so that parallel workers finish together."""
+    """Keep this run's part of the suite (``HFACCEL_TEST_PART=k/n``: whole test files, balanced by their number of
+    tests), then start the long tests first so that parallel workers finish together."""
+    part = os.environ.get("HFACCEL_TEST_PART")
+    if part:
+        files = _files_of_part(items, *_parse_part(part))
+        kept = [item for item in items if item.path in files]
+        config.hook.pytest_deselected(items=[item for item in items if item.path not in files])
+        items[:] = kept
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _parse_part(part: str) -> tuple[int, int]:
+    try:
+        index, count = (int(n) for n in part.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"HFACCEL_TEST_PART must be k/n with 1 <= k <= n (e.g. 1/3); got {part!r}")
+    return index, count
+
+
+def _files_of_part(items, index: int, count: int) -> set:
+    """The test files of part ``index`` of ``count``: files by falling number of tests, each to the lightest part
+    so far (ties by path, so every part sees the same split)."""
+    sizes: dict = {}
+    for item in items:
+        sizes[item.path] = sizes.get(item.path, 0) + 1
+    loads, parts = [0] * count, [set() for _ in range(count)]
+    for path, size in sorted(sizes.items(), key=lambda entry: (-entry[1], str(entry[0]))):
+        lightest = loads.index(min(loads))
+        loads[lightest] += size
+        parts[lightest].add(path)
+    return parts[index - 1]
 
 
 def pytest_report_header(config):
