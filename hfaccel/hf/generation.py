@@ -64,6 +64,7 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     session.served_by_transformers(reason)
     if isinstance(cache, PagedCache):
         if shape is not None:
+            _tell_padding(cache, kwargs.get("attention_mask"), shape[0])
             cache.check_request(*shape)  # before any forward pass; the cache stays usable
         return generate(*args, **kwargs)
     if cache is not None or shape is None or _cache_implementation(model, kwargs) is not None:
@@ -72,6 +73,14 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     kwargs[compat.generate_cache_argument()] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
                                            left_padding=_left_padding(kwargs.get("attention_mask"), rows))
     return generate(*args, **kwargs)
+
+
+def _tell_padding(cache: PagedCache, mask: torch.Tensor | None, rows: int) -> None:
+    """Give a fresh caller's PagedCache this batch's left padding (with hfaccel's attention it then holds no slot
+    for it)."""
+    pads = _left_padding(mask, rows)
+    if not cache.rows and pads is not None:
+        cache.set_left_padding(pads)
 
 
 def _left_padding(mask: torch.Tensor | None, rows: int) -> list[int] | None:

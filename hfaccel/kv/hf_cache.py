@@ -188,9 +188,7 @@ class PagedCache(PoolCache):
         num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
         super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
                                         dtype=dtype))
-        if left_padding is not None and any(not 0 <= int(p) for p in left_padding):
-            raise ValueError(f"left_padding must be token counts >= 0; got {list(left_padding)}")
-        self._left_padding = None if left_padding is None else [int(p) for p in left_padding]
+        self._left_padding: list[int] | None = None
         self.rows: list[int] = []  # the block manager's sequence id of each batch row
         self.padding: list[int] = []  # each row's left padding that the pool does not hold
         self._pads: torch.Tensor | None = None  # [B] int64 device copy of ``padding`` (None: no row has any)
@@ -198,6 +196,16 @@ class PagedCache(PoolCache):
         self._next_id = 0
         self._last_layer = -1
         self._step: dict | None = None  # per-forward tensors shared by all layers
+        if left_padding is not None:
+            self.set_left_padding(left_padding)
+
+    def set_left_padding(self, left_padding: Sequence[int]) -> None:
+        """Tell the cache each row's left padding before its first forward (see the class's ``left_padding``)."""
+        if self.rows:
+            raise RuntimeError("PagedCache.set_left_padding must come before the first forward that fills it")
+        if any(not 0 <= int(p) for p in left_padding):
+            raise ValueError(f"left_padding must be token counts >= 0; got {list(left_padding)}")
+        self._left_padding = [int(p) for p in left_padding]
         self._tables: torch.Tensor | None = None  # device block tables, reused while no table changes
         self._tables_key: tuple = ()
         self._tables_dirty = True
@@ -271,10 +279,12 @@ class PagedCache(PoolCache):
 
     # ------------------------------------------------------------------------------------------ memory
     def memory_stats(self) -> dict[str, float]:
-        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding tokens (the tokens the
-        pool holds: real tokens when the cache was told the rows' left padding, see ``left_padding``), waste."""
+        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding real tokens, waste.
+        Padding a row holds (the cache was told the rows' left padding, see ``left_padding``, but the attention
+        reads transformers' padded layout) counts as waste; padding the cache was never told of cannot be told
+        from tokens and counts as tokens."""
         per_block = self.block_bytes()
-        used_tokens = self.manager.num_tokens()
+        used_tokens = self.manager.num_tokens() - self._held_padding()
         allocated = self.manager.num_used_blocks * per_block
         holding = used_tokens * per_block // self.block_size
         return {
@@ -286,6 +296,12 @@ class PagedCache(PoolCache):
             "bytes_holding_tokens": holding,
             "waste_fraction": (allocated - holding) / allocated if allocated else 0.0,
         }
+
+    def _held_padding(self) -> int:
+        """Tokens of left padding the rows hold in their blocks (known only when the cache was told them)."""
+        if self._left_padding is None or len(self._left_padding) != len(self.rows):
+            return 0
+        return sum(min(told - skipped, self.seq_len) for told, skipped in zip(self._left_padding, self.padding))
 
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""

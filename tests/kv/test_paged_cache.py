@@ -262,3 +262,23 @@ def test_paged_false_keeps_transformers_cache():
     assert isinstance(compat.output_cache(out), PagedCache)
     hfaccel.restore(model)
     assert "generate" not in vars(model)
+
+
+def test_a_callers_paged_cache_holds_no_padding_or_counts_it_as_waste():
+    """The README's example: a PagedCache the caller passes with a left-padded batch. Accelerated, generate() tells
+    it the padding, which then takes no block; on transformers' attention the padding is held and counted as waste,
+    not as tokens."""
+    lengths, new = (11, 7, 4), 5
+    model = tiny_model("llama")
+    batch = padded_batch(lengths)
+    expected = model.generate(**batch, max_new_tokens=new, **GREEDY)
+    plain = PagedCache(model.config, max_batch_size=3, max_cache_len=32, block_size=4, left_padding=[0, 4, 7])
+    assert torch.equal(model.generate(**batch, max_new_tokens=new, **generate_cache(plain), **GREEDY), expected)
+    stats = plain.memory_stats()
+    held = 3 * (11 + new - 1)  # every row holds the padded width (the last token's K/V is never written)
+    assert stats["bytes_holding_tokens"] == (held - 11) * plain.block_bytes() // 4 and stats["waste_fraction"] > 0
+    hfaccel.accelerate(model)
+    cache = PagedCache(model.config, max_batch_size=3, max_cache_len=32, block_size=4)
+    assert torch.equal(model.generate(**batch, max_new_tokens=new, **generate_cache(cache), **GREEDY), expected)
+    real = [n + new - 1 for n in lengths]
+    assert cache.memory_stats()["blocks_used"] == sum(-(-n // 4) for n in real)
