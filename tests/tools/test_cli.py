@@ -54,7 +54,7 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     paths = {row["path"]: row for row in results["engine"]}
     assert paths["hfaccel Engine"]["output_tokens"] == paths["padded static batches of 32"]["output_tokens"]
     assert all(row["tokens_per_s"] > 0 for row in results["engine"])
-    assert paths["hfaccel Engine"]["ttft_p50_ms"] > 0 and paths["transformers generate_batch"]["vs_generate_batch"] == 1
+    assert paths["hfaccel Engine"]["ttft_p50_ms"] > 0 and paths["transformers generate_batch (defaults)"]["vs_generate_batch"] == 1
     assert all(row["step_ms"] > 0 for row in results["engine_decode_step"])
 
 
@@ -111,3 +111,14 @@ def test_bench_unknown_case_and_serve_without_extras_message():
         main(["bench", "nope"])
     args = build_parser().parse_args(["serve", "folder", "--api-key", "k", "--max-queue", "3"])
     assert (args.host, args.port, args.api_key, args.max_queue) == ("127.0.0.1", 8000, "k", 3)
+
+
+def test_the_generate_batch_baseline_takes_its_fastest_settings_on_cuda():
+    """bench engine compares against transformers' continuous batching at its fastest settings the installed
+    release offers (CUDA graphs, async batching, compile) on CUDA, and says which; elsewhere its defaults."""
+    from hfaccel import compat
+
+    config, settings = compat.continuous_batching_config(64, 16, 512, fastest=True)
+    assert "use_cuda_graph=True" in settings and config.use_cuda_graph is True and config.num_blocks == 64
+    assert config.default_compile_level == 1 and config.use_async_batching is True
+    assert compat.continuous_batching_config(64, 16, 512)[1] == "defaults"
