@@ -360,14 +360,19 @@ def test_a_call_while_another_runs_the_loop_takes_transformers_loop():
     assert len(results) == 6 and all(torch.equal(got, expected) for got in results)
 
 
-def test_batch_sizes_are_bucketed_and_restore_gives_the_memory_back():
+def test_one_set_of_decode_steps_serves_every_batch_and_restore_gives_the_memory_back():
+    """The decode steps are made once per model (every ladder size, the model's context) and padded batches run the
+    ladder's sizes: 3 rows run the step of 4."""
     model, accelerate = _pair()
     accelerate()
-    steps = []
+    steps, sizes = [], []
     for lengths in ((5,), (5, 4), (5, 4, 3), (5, 4, 3, 2)):
         model.generate(**padded_batch(lengths), max_new_tokens=2, **GREEDY)
-        steps.append(model.hfaccel.session.runner.graphs)
-    assert [s.max_batch for s in steps] == [1, 2, 4, 4] and steps[2] is steps[3]  # 3 rows run the steps of 4
+        graphs = model.hfaccel.session.runner.graphs
+        steps.append(graphs)
+        sizes.append(graphs.size_for(len(lengths)))
+    assert all(s is steps[0] for s in steps) and sizes == [1, 2, 4, 4]
+    assert steps[0].max_batch == 256 and steps[0].max_model_len == model.config.max_position_embeddings
     runner = model.hfaccel.session.runner
     hfaccel.restore(model)
     assert runner.pool.kv is None and runner.graphs is None
