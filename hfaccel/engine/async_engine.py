@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from hfaccel.engine.engine import DeltaTracker, Engine, Prompt
+from hfaccel.engine.engine import DeltaTracker, Engine, PreparedPrompt, Prompt
 from hfaccel.engine.outputs import RequestFailed, RequestOutput
 from hfaccel.engine.scheduler import Request
 from hfaccel.sampling import SamplingParams
@@ -27,8 +27,7 @@ from hfaccel.sampling import SamplingParams
 @dataclass
 class _Pending:
     request_id: str
-    prompt: Prompt
-    params: SamplingParams
+    prepared: PreparedPrompt
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
 
@@ -50,14 +49,26 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="hfaccel-engine", daemon=True)
         self._thread.start()
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+    async def prepare(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedPrompt:
+        """The request checked and tokenized (:meth:`Engine.prepare_prompt`) in a worker thread, so that a long
+        prompt never stalls the event loop's other streams; a bad one raises ValueError."""
+        return await asyncio.to_thread(self.engine.prepare_prompt, prompt, params or SamplingParams())
+
+    async def stream(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's new text and tokens as they come; the last output has ``finished=True``.
 
         A bad prompt or parameter raises ValueError before anything is yielded; a request the engine failed
-        raises :class:`RequestFailed`.
+        raises :class:`RequestFailed`. A :class:`PreparedPrompt` (from :meth:`prepare`) carries its parameters and
+        is not checked again.
         """
-        pending = self._submit(prompt, params or SamplingParams(), request_id)
+        if isinstance(prompt, PreparedPrompt):
+            if params is not None and params is not prompt.params:
+                raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
+            prepared = prompt
+        else:
+            prepared = await self.prepare(prompt, params)
+        pending = self._submit(prepared, request_id)
         finished = False
         try:
             while not finished:
@@ -72,7 +83,7 @@ class AsyncEngine:
             if not finished:
                 self.abort(pending.request_id)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+    async def generate(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> RequestOutput:
         """The request's final output (text and tokens of every completion)."""
         tracker, last = OutputAccumulator(), None
@@ -104,14 +115,13 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---------------------------------------------------------------------------------------- internals
-    def _submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> _Pending:
+    def _submit(self, prepared: PreparedPrompt, request_id: str | None) -> _Pending:
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         if self._error is not None:
             raise RuntimeError(f"the engine thread failed: {self._error!r}") from self._error
-        self.engine.prepare_prompt(prompt, params)  # a bad request fails here, in the caller
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
-        pending = _Pending(request_id, prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+        pending = _Pending(request_id, prepared, asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
             self._adds.append(pending)
         self._wake.set()
@@ -165,7 +175,7 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
         for pending in adds:
             try:
-                self.engine.add_request(pending.prompt, pending.params, pending.request_id)
+                self.engine.add_request(pending.prepared, request_id=pending.request_id)
             except Exception as error:  # a bad request fails alone, whatever raised
                 _send(pending, error)
                 continue

@@ -107,11 +107,17 @@ class Engine:
         self._seq_ids = itertools.count()
 
     # ------------------------------------------------------------------------------------------ requests
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. A bad prompt or parameter raises ValueError and changes nothing."""
-        params = params or SamplingParams()
-        text, prompt_ids = self.prepare_prompt(prompt, params)
+    def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, *, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. A bad prompt or parameter raises ValueError and changes nothing. A
+        :class:`PreparedPrompt` (from :meth:`prepare_prompt`) was checked already and carries its parameters."""
+        if isinstance(prompt, PreparedPrompt):
+            if params is not None and params is not prompt.params:
+                raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
+            prepared = prompt
+        else:
+            prepared = self.prepare_prompt(prompt, params or SamplingParams())
+        text, prompt_ids, params = prepared.text, list(prepared.prompt_ids), prepared.params
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -123,12 +129,25 @@ class Engine:
         self.scheduler.add(request.seqs[0])
         return request_id
 
-    def prepare_prompt(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """(prompt text, token ids) of a prompt, or ValueError saying why it cannot be served."""
+    def prepare_prompt(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
+        """The request checked and tokenized once (what :meth:`add_request` queues without checking again), or a
+        ValueError saying why it cannot be served."""
         self.check_params(params)
+        return self.prepared(*self.tokenize_prompt(prompt), params, params_checked=True)
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text, token ids) of a prompt this engine can hold, or a ValueError saying why not. Thread-safe
+        (a server runs it off its event loop)."""
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         return text, prompt_ids
+
+    def prepared(self, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
+                 params_checked: bool = False) -> PreparedPrompt:
+        """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` gave, ``params`` checked (unless they were)."""
+        if not params_checked:
+            self.check_params(params)
+        return PreparedPrompt(text, tuple(prompt_ids), params)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise :class:`~hfaccel.sampling.InvalidSamplingParams` (a ValueError) if this engine cannot serve
@@ -616,6 +635,16 @@ def _check_text(text: str, what: str) -> None:
 def _error_output(prompt, error: Exception) -> RequestOutput:
     return RequestOutput("", prompt if isinstance(prompt, str) else None, [],
                          [CompletionOutput(0, finish_reason="error")], finished=True, error=str(error))
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A request checked against an engine and tokenized (:meth:`Engine.prepare_prompt`): the engine queues it
+    without checking or tokenizing it again."""
+
+    text: str | None
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
 
 
 def _warm_up(graphs) -> None:

@@ -37,9 +37,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from hfaccel.engine import AsyncEngine, RequestFailed, RequestOutput
+from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestFailed, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
-from hfaccel.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
+from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
 from hfaccel.serve.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 
 MAX_BODY_BYTES = 8 << 20
@@ -294,13 +294,14 @@ def _check_model(state: _State, name: str) -> None:
                        code="model_not_found", param="model")
 
 
-def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt"
-             ) -> tuple[list[int], SamplingParams]:
-    """Token ids and sampling parameters of one prompt (``max_tokens`` None: the rest of the context), checked
-    by the engine's own rules, or a 400 saying what is wrong."""
+async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt"
+                   ) -> PreparedPrompt:
+    """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
+    by the engine's own rules, with its sampling parameters (``max_tokens`` None: the rest of the context), or a
+    400 saying what is wrong."""
     engine = state.engine.engine
     try:
-        _, ids = engine.prepare_prompt(prompt, SamplingParams())
+        text, ids = await asyncio.to_thread(engine.tokenize_prompt, prompt)
     except ValueError as error:
         code = "context_length_exceeded" if "context" in str(error) else None
         raise APIError(400, str(error), param=param, code=code) from None
@@ -311,11 +312,9 @@ def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: s
                             f"context is {engine.max_model_len}", param="max_tokens",
                        code="context_length_exceeded")
     try:
-        params = params_for(max_tokens)
-        engine.check_params(params)
+        return engine.prepared(text, ids, params_for(max_tokens))
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
-    return ids, params
 
 
 class _Admission:
@@ -348,7 +347,7 @@ async def _completions(state: _State, req: CompletionRequest, request: Request):
         raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
-    prepared = [_prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs))
+    prepared = [await _prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs))
                 for p in _prompt_list(req.prompt)]
     ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False)
     outputs = await _run(ctx, req, prepared, request)
@@ -368,8 +367,8 @@ async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prepared = [_prepare(state, messages, req.max_new_tokens, lambda m: req.sampling_params(m, logprobs),
-                         param="messages")]
+    prepared = [await _prepare(state, messages, req.max_new_tokens, lambda m: req.sampling_params(m, logprobs),
+                               param="messages")]
     ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
@@ -405,7 +404,7 @@ class _Call:
     async def run_all(self, prepared, request: Request) -> list[RequestOutput]:
         """The outputs of every prompt; the requests are aborted when the client goes away, the timeout passes
         or shutdown's grace period ends first (an APIError says which)."""
-        work = asyncio.ensure_future(_all(self.state.engine.generate(ids, params) for ids, params in prepared))
+        work = asyncio.ensure_future(_all(self.state.engine.generate(p) for p in prepared))
         ended = await _first_end(self.state, [work, _disconnected(request)], self._deadline())
         if ended is not None:
             raise ended
@@ -421,7 +420,7 @@ class _Call:
         """SSE lines: every prompt's deltas as they come (merged), then usage if asked, then [DONE] — also after
         an error event (a timeout, an engine failure, the end of shutdown's grace period)."""
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, ids, params, queue)) for i, (ids, params) in enumerate(prepared)]
+        tasks = [asyncio.create_task(self._pump(i, p, queue)) for i, p in enumerate(prepared)]
         deadline = self._deadline()
         finals: list[RequestOutput | None] = [None] * len(prepared)
         try:
@@ -460,11 +459,11 @@ class _Call:
         timeout = self.state.config.request_timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    async def _pump(self, prompt_index: int, ids, params, queue: asyncio.Queue) -> None:
-        self._counts["prompt"] += len(ids)
+    async def _pump(self, prompt_index: int, prepared: PreparedPrompt, queue: asyncio.Queue) -> None:
+        self._counts["prompt"] += len(prepared.prompt_ids)
         full = OutputAccumulator()
         try:
-            async for delta in self.state.engine.stream(ids, params):
+            async for delta in self.state.engine.stream(prepared):
                 output = full.add(delta)
                 self._counts["completion"] += sum(len(o.token_ids) for o in delta.outputs)
                 await queue.put((prompt_index, delta))
