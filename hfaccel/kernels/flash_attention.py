@@ -317,18 +317,31 @@ def seq_bucket(seq: int) -> int:
     return next((b for b in SEQ_BUCKETS if b >= seq), SEQ_BUCKETS[-1])
 
 
+def bucket_fields(head_dim: int, group: int, seq: int, dtype: torch.dtype) -> dict:
+    """The tuned table's bucket of a call: head dim, query heads per KV head, query-length bucket, dtype (in key
+    order)."""
+    return dict(d=head_dim, g=group, s=seq_bucket(seq), dtype=dtype)
+
+
 def table_key(head_dim: int, group: int, seq: int, dtype: torch.dtype) -> str:
-    """The tuned table's bucket of a call: head dim, query heads per KV head, query-length bucket, dtype."""
-    return tuning.bucket_key(d=head_dim, g=group, s=seq_bucket(seq), dtype=dtype)
+    """The table key of a call's bucket (:func:`bucket_fields`): ``"d128_g4_s2048_dtypefloat16"``."""
+    return tuning.bucket_key(**bucket_fields(head_dim, group, seq, dtype))
+
+
+def tuned_entry(head_dim: int, group: int, seq: int, dtype: torch.dtype,
+                device: torch.device | str | None) -> dict | None:
+    """The GPU's tuned entry for a call: its bucket's, else the measured query length nearest it (same head dim,
+    group and dtype); None without one."""
+    return tuning.lookup_nearest(OP, device, ("s",), **bucket_fields(head_dim, group, seq, dtype))
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, seq_q: int, group: int,
                 device: torch.device | str | None = None) -> FlashConfig:
-    """The configuration of a call: the GPU's tuned table for long 16-bit calls when it has their bucket, else
+    """The configuration of a call: the GPU's tuned table for long 16-bit calls (:func:`tuned_entry`), else
     :func:`default_config`."""
     rows = seq_q * group
     if rows >= MIN_TUNED_ROWS and dtype != torch.float32:
-        entry = tuning.lookup(OP, table_key(head_dim, group, seq_q, dtype), device)
+        entry = tuned_entry(head_dim, group, seq_q, dtype, device)
         if entry is not None:
             return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
                                bool(entry.get("tma", False)))
@@ -337,10 +350,10 @@ def pick_config(head_dim: int, dtype: torch.dtype, seq_q: int, group: int,
 
 def sdpa_preferred(head_dim: int, group: int, seq: int, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether torch SDPA should serve a plain causal prefill (no padding, window or softcap) of this shape on
-    ``device``: the tuned table's measurement of both (``sdpa_us`` against ``us``) when it has the bucket;
-    without one, True — on the one GPU measured (H100, notes/gpu-measured-2026-11-23.md) SDPA was the faster at
-    every prefill shape."""
-    entry = tuning.lookup(OP, table_key(head_dim, group, seq, dtype), device)
+    ``device``: the tuned table's measurement of both (``sdpa_us`` against ``us``) at the call's bucket or the
+    nearest measured (:func:`tuned_entry`); without one, True — on the one GPU measured (H100,
+    notes/gpu-measured-2026-11-23.md) SDPA was the faster at every prefill shape."""
+    entry = tuned_entry(head_dim, group, seq, dtype, device)
     if entry is None or "sdpa_us" not in entry:
         return True
     return entry["sdpa_us"] <= entry["us"]

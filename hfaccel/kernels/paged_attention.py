@@ -34,8 +34,12 @@ from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
 OP = "paged_attention"  # this kernel's name in the tuned tables (hfaccel.kernels.tuning)
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 32
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode batch sizes and contexts the tables are keyed by
+# Decode batch sizes and contexts the tables are keyed by (a launch takes the first bucket >= its own, then the
+# table's nearest measured one). The batch buckets are the sizes captured decode steps launch at:
+# hfaccel.runner.graphs.DEFAULT_LADDER, repeated here (kernels do not import the runner; a test checks they agree).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CONTEXT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+NEAREST = ("b", "ctx")  # the numeric fields of a key, in the order a lookup of the nearest bucket weighs them
 
 
 @triton.jit
@@ -264,23 +268,30 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= value), buckets[-1])
 
 
-def table_key(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: torch.dtype) -> str:
+def bucket_fields(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: torch.dtype) -> dict:
     """The tuned table's bucket of a decode launch: head dim, query heads per KV head, batch and context buckets,
-    dtype."""
-    return tuning.bucket_key(d=head_dim, g=group, b=_bucket(batch, BATCH_BUCKETS),
-                             ctx=_bucket(max_seqlen_k, CONTEXT_BUCKETS), dtype=dtype)
+    dtype (in key order)."""
+    return dict(d=head_dim, g=group, b=_bucket(batch, BATCH_BUCKETS), ctx=_bucket(max_seqlen_k, CONTEXT_BUCKETS),
+                dtype=dtype)
+
+
+def table_key(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: torch.dtype) -> str:
+    """The table key of a decode launch's bucket (:func:`bucket_fields`): ``"d128_g4_b8_ctx4096_dtypebfloat16"``."""
+    return tuning.bucket_key(**bucket_fields(head_dim, group, batch, max_seqlen_k, dtype))
 
 
 def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int, head_dim: int,
                 dtype: torch.dtype, device: torch.device | str, config: PagedConfig | None = None) -> PagedConfig:
     """The configuration a launch runs with, its split count resolved: ``config`` (whose ``num_splits`` 0 means
-    chosen), else the GPU's tuned table for 16-bit decode (one query per sequence), else the heuristics."""
+    chosen), else the GPU's tuned table for 16-bit decode (one query per sequence; the measured bucket nearest
+    the launch's, e.g. the longest context measured for a captured step sized for ``max_model_len``), else the
+    heuristics."""
     rows = max_q * group
     if config is None:
         config = default_paged_config(head_dim, dtype, rows)
         entry = None
         if max_q == 1 and dtype != torch.float32:
-            entry = tuning.lookup(OP, table_key(head_dim, group, num_seqs, max_k, dtype), device)
+            entry = tuning.lookup_nearest(OP, device, NEAREST, **bucket_fields(head_dim, group, num_seqs, max_k, dtype))
         if entry is not None:
             config = PagedConfig(config.block_m, entry["block_n"], entry["num_warps"], entry["num_stages"],
                                  entry["num_splits"])

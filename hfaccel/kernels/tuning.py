@@ -8,7 +8,9 @@ the command that makes one). A table is JSON::
     {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0", "date": "...", "command": "...",
      "ops": {"<op>": {"<bucket key>": {<the op's config fields>, "us": <median microseconds>}, ...}, ...}}
 
-Bucket keys are the op's own (e.g. ``"m16_n4096_k4096_bfloat16_g128"``); ops name them with :func:`bucket_key`.
+Bucket keys are the op's own (e.g. ``"m16_n4096_k4096_g128_dtypebfloat16"``); ops name them with :func:`bucket_key`.
+A launch whose bucket was not measured takes the nearest measured one (:func:`nearest_key`): the entries that
+share its exact fields (head dim, group, dtype, ...), nearest in its numeric ones (batch, context, M, ...).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import functools
 import json
 import re
 import warnings
+from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -40,11 +44,24 @@ def table_path(gpu: str) -> Path:
 
 def bucket_key(**fields) -> str:
     """A table key from an op's bucket fields, in the order given: ``bucket_key(m=16, n=4096)`` -> ``"m16_n4096"``."""
-    return "_".join(f"{name}{str(value).removeprefix('torch.')}" for name, value in fields.items())
+    return "_".join(f"{name}{_field_text(value)}" for name, value in fields.items())
+
+
+def _field_text(value) -> str:
+    return str(value).removeprefix("torch.")
+
+
+class OpEntries(dict):
+    """One op's entries (bucket key -> config) and the keys its nearest lookups chose, kept as long as the table
+    (:func:`load_table`'s cache)."""
+
+    def __init__(self, entries: dict):
+        super().__init__(entries)
+        self.chosen: dict[tuple, str | None] = {}  # (launch fields, nearest names) -> key
 
 
 @functools.cache
-def load_table(gpu: str) -> dict:
+def load_table(gpu: str) -> dict[str, OpEntries]:
     """The ``ops`` section of a GPU's table ({} with one warning when it is missing or unreadable)."""
     path = table_path(gpu)
     try:
@@ -55,7 +72,7 @@ def load_table(gpu: str) -> dict:
         bad = sorted(op for op, entries in ops.items() if not isinstance(entries, dict))
         if bad:
             raise ValueError(f"the entries of op(s) {bad} must be an object of bucket -> config")
-        return ops
+        return {op: OpEntries(entries) for op, entries in ops.items()}
     except FileNotFoundError:
         warnings.warn(f"hfaccel: no tuned kernel table for {gpu} ({path.name}); kernels use their heuristics. "
                       f"`hfaccel tune` measures this GPU and writes one.", stacklevel=2)
@@ -72,3 +89,60 @@ def lookup(op: str, key: str, device: torch.device | str | None) -> dict | None:
         return None
     entry = load_table(gpu).get(op, {}).get(key)
     return dict(entry) if isinstance(entry, dict) else None
+
+
+def nearest_key(op: str, device: torch.device | str | None, nearest: Sequence[str], /, **fields) -> str | None:
+    """The key of ``op``'s entry that serves a launch, or None (no table, or no entry shares its exact fields).
+
+    ``fields`` are the launch's bucket fields as :func:`bucket_key` takes them (in key order); those named in
+    ``nearest`` are positive ints (batch, context, M, ...), the others must match exactly (head dim, group,
+    dtype, ...). The launch's own key when measured; else, among the entries with its exact fields, the one
+    nearest in the ``nearest`` fields by ratio (distance in log2 space), weighed in that order (the first
+    field decides, the next breaks its ties), ties toward the larger bucket. Chosen once per table.
+    """
+    gpu = gpu_name(device)
+    if gpu is None:
+        return None
+    entries = load_table(gpu).get(op, OpEntries({}))
+    launch = {name: _field_text(value) for name, value in fields.items()}
+    query = (tuple(launch.items()), tuple(nearest))
+    if query not in entries.chosen:
+        key = bucket_key(**launch)
+        entries.chosen[query] = key if key in entries else _nearest(entries, launch, tuple(nearest))
+    return entries.chosen[query]
+
+
+def lookup_nearest(op: str, device: torch.device | str | None, nearest: Sequence[str], /, **fields) -> dict | None:
+    """The tuned configuration of ``op`` that serves a launch (:func:`nearest_key`), or None (use the heuristics)."""
+    key = nearest_key(op, device, nearest, **fields)
+    return None if key is None else lookup(op, key, device)
+
+
+def _nearest(entries: dict, launch: dict[str, str], nearest: tuple[str, ...]) -> str | None:
+    """The key of ``entries`` nearest to ``launch`` (field -> text) in the ``nearest`` fields (:func:`nearest_key`)."""
+    names, target = list(launch), [int(launch[name]) for name in nearest]
+    best: tuple[list, str] | None = None
+    for key in entries:
+        fields = _parse_key(key, names)
+        if fields is None or any(fields[name] != text for name, text in launch.items() if name not in nearest):
+            continue
+        values = [_positive_int(fields[name]) for name in nearest]
+        if None in values:
+            continue
+        rank = [(Fraction(max(v, t), min(v, t)), -v) for v, t in zip(values, target)]  # per field: ratio, larger first
+        if best is None or rank < best[0]:
+            best = (rank, key)
+    return None if best is None else best[1]
+
+
+def _parse_key(key: str, names: list[str]) -> dict[str, str] | None:
+    """A key's field -> text for the field ``names`` in key order (``"b8_ctx1024"``, ["b", "ctx"] -> {"b": "8", "ctx":
+    "1024"}), or None when its layout is another."""
+    parts = key.split("_")
+    if len(parts) != len(names) or not all(part.startswith(name) for part, name in zip(parts, names)):
+        return None
+    return {name: part[len(name):] for part, name in zip(parts, names)}
+
+
+def _positive_int(text: str) -> int | None:
+    return int(text) if text.isdigit() and int(text) > 0 else None

@@ -9,9 +9,10 @@ Three paths (``hfaccel.kernels.w4a16``):
 
 A call asks :func:`pick_w4a16_config`: the tuned table of the present GPU (``hfaccel tune``, see
 ``hfaccel.kernels.tuning``) has the measured best configuration for the call's bucket — M rounded up to a
-power of two, N, K, dtype and group size — and without an entry the heuristics (sized for an H100) decide. The
-choice is a pure function of the bucket and the table: the same call always takes the same path and tiles, so
-results are reproducible run to run. :func:`candidate_configs` is the search space ``hfaccel tune`` measures.
+power of two, N, K, dtype and group size; an M not measured takes the nearest measured M's — and without an
+entry the heuristics (sized for an H100) decide. The choice is a pure function of the bucket and the table:
+the same call always takes the same path and tiles, so results are reproducible run to run.
+:func:`candidate_configs` is the search space ``hfaccel tune`` measures.
 """
 
 from __future__ import annotations
@@ -87,9 +88,14 @@ def bucket_m(m: int) -> int:
     return next((b for b in M_BUCKETS if b >= m), M_BUCKETS[-1])
 
 
+def bucket_fields(m: int, n: int, k: int, dtype: torch.dtype, group_size: int) -> dict:
+    """The tuned table's bucket of a call: M bucket, N, K, group size, dtype (in key order)."""
+    return dict(m=bucket_m(m), n=n, k=k, g=group_size, dtype=dtype)
+
+
 def table_key(m: int, n: int, k: int, dtype: torch.dtype, group_size: int) -> str:
     """The table key of a call: ``m16_n4096_k4096_g128_dtypefloat16``."""
-    return tuning.bucket_key(m=bucket_m(m), n=n, k=k, g=group_size, dtype=dtype)
+    return tuning.bucket_key(**bucket_fields(m, n, k, dtype, group_size))
 
 
 def group_block_k(group_size: int) -> int:
@@ -109,10 +115,11 @@ def fit_config(config: W4A16Config, m: int, n: int, k: int, group_size: int) -> 
 
 def pick_w4a16_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int,
                       device: torch.device | str | None = None) -> W4A16Config:
-    """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU, else the
-    heuristics (a table entry that is malformed or cannot serve the shape warns and is not used)."""
-    key = table_key(m, n, k, dtype, group_size)
-    entry = tuning.lookup(OP, key, device)
+    """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU, else for the
+    measured M nearest it (same N, K, group size and dtype), else the heuristics (a table entry that is malformed
+    or cannot serve the shape warns and is not used)."""
+    key = tuning.nearest_key(OP, device, ("m",), **bucket_fields(m, n, k, dtype, group_size))
+    entry = None if key is None else tuning.lookup(OP, key, device)
     if entry is not None:
         try:
             return _tuned_config(tuple(sorted(entry.items())), m, n, k, group_size)

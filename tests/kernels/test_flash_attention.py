@@ -225,7 +225,7 @@ def test_tuned_table_picks_long_calls_configs(tuned_table):
     assert pick_config(128, torch.float16, 2000, 4, "cpu") == default_config(128, torch.float16, 8000)
     assert pick_config(128, torch.float16, 16, 4, "cuda") == default_config(128, torch.float16, 64)  # short
     assert pick_config(128, torch.float32, 2000, 4, "cuda") == default_config(128, torch.float32, 8000)
-    assert pick_config(128, torch.float16, 9000, 4, "cuda") == default_config(128, torch.float16, 36000)
+    assert pick_config(128, torch.float16, 9000, 4, "cuda") == FlashConfig(64, 128, 4, 3, tma=True)  # nearest: s2048
 
 
 def test_sdpa_preference_follows_the_tuned_measurements(tuned_table):

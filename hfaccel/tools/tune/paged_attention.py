@@ -1,6 +1,16 @@
 """``hfaccel tune --op paged_attention``: the decode kernel's split count and tiles per (head dim, query heads per
 KV head, batch, context, dtype) bucket, timed replayed in a CUDA graph (as hfaccel's captured decode steps run
-it). Splits first (the heuristic tiles), then the tiles at the best split count."""
+it). Splits first (the heuristic tiles), then the tiles at the best split count.
+
+The batches are every size a captured decode step launches at (``hfaccel.runner.graphs.DEFAULT_LADDER``), the
+contexts 1k, 4k, 16k and 32k; a launch between or beyond them (a captured step is sized for ``max_model_len``)
+reads the nearest measured bucket (``hfaccel.kernels.tuning.nearest_key``). That is 13 x 4 = 52 buckets per
+(attention shape, dtype), 104 per model (two dtypes). Each times its 4-5 tile candidates and, where the grid
+leaves SMs idle, split counts (only those that keep the grid within ``SPLIT_WAVES`` waves of the SMs: with 8 KV
+heads on an H100, 2-7 counts up to batch 32, none from batch 48 on): ~700 timings per model, 0.2-1 s each in a
+CUDA graph, so 3-12 minutes per model (estimated, not measured: the first GPU run says). The largest bucket's
+pool (batch 256 x 32k keys x 8 KV heads x head dim 128, K and V, 16-bit) holds 34 GB.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +21,17 @@ import torch
 from hfaccel.kernels.paged_attention import (
     MAX_SPLITS, OP, candidate_paged_configs, default_paged_config, paged_attention, plan_launch, table_key,
 )
+from hfaccel.kernels.runtime import num_sms
+from hfaccel.runner.graphs import DEFAULT_LADDER
 from hfaccel.tools.tune._measure import fastest
 
 __all__ = ["OP", "sweep"]
 
 DTYPES = (torch.float16, torch.bfloat16)
-BATCHES = (1, 8, 64)
+BATCHES = DEFAULT_LADDER  # every batch size a captured decode step launches at
 CONTEXTS = (1024, 4096, 16384, 32768)
 BLOCK_SIZE = 16  # the KV pool's block size (hfaccel's default)
+SPLIT_WAVES = 4  # split counts measured: those whose (sequence, KV head) programs x splits fill the SMs <= 4 times
 
 
 def sweep(shapes, device: torch.device, console) -> dict[str, dict]:
@@ -34,10 +47,10 @@ def sweep(shapes, device: torch.device, console) -> dict[str, dict]:
     return results
 
 
-def split_candidates(heuristic: int, context: int) -> list[int]:
-    """Split counts to measure: powers of two up to MAX_SPLITS and the heuristic's, each leaving >= 64 keys per
-    split."""
-    counts = {1, heuristic} | {2 ** i for i in range(1, MAX_SPLITS.bit_length())}
+def split_candidates(heuristic: int, context: int, most: int = MAX_SPLITS) -> list[int]:
+    """Split counts to measure: powers of two up to ``most`` (at most MAX_SPLITS) and the heuristic's, each leaving
+    >= 64 keys per split."""
+    counts = {1, heuristic} | {2 ** i for i in range(1, min(most, MAX_SPLITS).bit_length())}
     return sorted(n for n in counts if n == 1 or context // n >= 64)
 
 
@@ -55,8 +68,9 @@ def _bucket(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, 
     group = heads // kv_heads
     heuristic = plan_launch(batch, kv_heads, group, 1, context, head_dim, dtype, device,
                             default_paged_config(head_dim, dtype, group))
-    splits = [replace(heuristic, num_splits=n) for n in split_candidates(heuristic.num_splits, context)]
-    best_split, _ = fastest(splits, call, device, console, graph=True)
+    most = SPLIT_WAVES * num_sms(device) // (batch * kv_heads)  # decode: one query tile per (sequence, KV head)
+    splits = [replace(heuristic, num_splits=n) for n in split_candidates(heuristic.num_splits, context, most)]
+    best_split = splits[0] if len(splits) == 1 else fastest(splits, call, device, console, graph=True)[0]
     tiles = [replace(cfg, num_splits=best_split.num_splits) for cfg in candidate_paged_configs(head_dim, dtype, group)]
     config, us = fastest(tiles, call, device, console, graph=True)
     fields = asdict(config)
