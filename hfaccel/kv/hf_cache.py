@@ -196,6 +196,9 @@ class PagedCache(PoolCache):
         self._next_id = 0
         self._last_layer = -1
         self._step: dict | None = None  # per-forward tensors shared by all layers
+        self._tables: torch.Tensor | None = None  # device block tables, reused while no table changes
+        self._tables_key: tuple = ()
+        self._tables_dirty = True
         if left_padding is not None:
             self.set_left_padding(left_padding)
 
@@ -206,9 +209,6 @@ class PagedCache(PoolCache):
         if any(not 0 <= int(p) for p in left_padding):
             raise ValueError(f"left_padding must be token counts >= 0; got {list(left_padding)}")
         self._left_padding = [int(p) for p in left_padding]
-        self._tables: torch.Tensor | None = None  # device block tables, reused while no table changes
-        self._tables_key: tuple = ()
-        self._tables_dirty = True
 
     # --------------------------------------------------------------------------------- transformers API
     def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
