@@ -98,19 +98,38 @@ def kernel_mask(
     **kwargs,
 ) -> KernelMask | torch.Tensor | None:
     """transformers ``AttentionMaskInterface`` function: a :class:`KernelMask`, or a dense bool mask for a
-    pattern the kernels do not implement natively."""
+    pattern the kernels do not implement natively.
+
+    A ``q_offset`` tensor (transformers' StaticCache keeps its length on the device) is never read on the host: one
+    query per row gets a key mask that holds the causal and window rules (:func:`_one_query_mask`); several get the
+    dense mask, built on the device.
+    """
     if isinstance(attention_mask, KernelMask):
         return attention_mask
     pattern = None if use_vmap else compat.describe_mask_function(mask_function, local_size, kwargs.get("config"))
-    if pattern is None:
+    on_device = isinstance(q_offset, torch.Tensor)
+    if pattern is None or on_device and q_length > 1:
         return compat.dense_bool_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             local_size=local_size, use_vmap=use_vmap, **kwargs)
     padding = compat.padding_mask(attention_mask, kv_length, kv_offset)
     key_mask = None if padding is None else padding[:, kv_offset:kv_offset + kv_length].bool()
+    if on_device:
+        return _one_query_mask(pattern, batch_size, kv_length, q_offset, int(kv_offset), key_mask)
     return KernelMask(key_mask=key_mask, q_offset=int(q_offset), kv_offset=int(kv_offset),
                       causal=pattern.causal, sliding_window=pattern.sliding_window)
+
+
+def _one_query_mask(pattern: compat.MaskPattern, batch_size: int, kv_length: int, q_offset: torch.Tensor,
+                    kv_offset: int, key_mask: torch.Tensor | None) -> KernelMask:
+    """The mask of one query per row at position ``q_offset`` (a 0-d device tensor), with no host read: the
+    pattern's causal and window rules become key padding ``[B, Skv]``, which the kernels take as it is (they then
+    run over every key, those the query may not see hidden)."""
+    visible = visibility_mask(batch_size, 1, kv_length, causal=pattern.causal, q_offset=q_offset, kv_offset=kv_offset,
+                              key_mask=key_mask, sliding_window=pattern.sliding_window,
+                              device=q_offset.device)  # [B, 1, 1, Skv]
+    return KernelMask(key_mask=visible[:, 0, 0], q_offset=0, kv_offset=0, causal=False, sliding_window=None)
 
 
 def _implicit_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> KernelMask:

@@ -11,6 +11,10 @@ Batched: every row is its own sequence of the target's and the draft model's :cl
 forwards, no padding), so each row accepts its own number of tokens per step, and the rejected tail of a
 row is cropped from its KV cache without recomputing anything. The draft model may live on another device
 or dtype than the target. ``draft="ngram"`` drafts without a model (prompt lookup).
+
+One host read per step: drafting and verification run on the device from what the host already knows (the
+rows' tokens, the draft counts; host values go up by non-blocking copies), and the host reads each row's
+outcome — its accepted drafts, next token and accepted count — once, in one tensor, at the end of the step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
-from hfaccel.device import model_device
+from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER
 from hfaccel.sampling import (
@@ -201,18 +205,20 @@ class _ModelDrafter:
             return _Drafts(drafted.to(self.target_device), counts, None)
         draft_probs = []
         logits = runner.forward([rows[i].index for i in live],
-                                torch.tensor([t for i in live for t in pending[i]], dtype=torch.long, device=device),
+                                to_device([t for i in live for t in pending[i]], torch.long, device),
                                 [len(pending[i]) for i in live])
         for step in range(width):
-            tokens, probs = self._draw(logits, sampler)
-            drafted[live, step] = tokens
+            tokens, probs = self._draw(logits, sampler)  # [R'], [R', V] or None
+            where = to_device(live, torch.long, device)  # [R']: the drafting rows
+            drafted[:, step].index_copy_(0, where, tokens)
             if probs is not None:
-                draft_probs.append(self._scatter(probs, live, len(rows)))
+                draft_probs.append(probs.new_zeros(len(rows), probs.shape[-1]).index_copy_(0, where, probs))
             live_next = [j for j, i in enumerate(live) if counts[i] > step + 1]
             if not live_next:
                 break
             live = [live[j] for j in live_next]
-            logits = runner.forward([rows[i].index for i in live], tokens[live_next], [1] * len(live))
+            logits = runner.forward([rows[i].index for i in live], tokens[to_device(live_next, torch.long, device)],
+                                    [1] * len(live))
         probs = None
         if draft_probs:
             probs = torch.stack(draft_probs, 1).to(self.target_device)  # [R, K', V]
@@ -224,12 +230,6 @@ class _ModelDrafter:
             return logits.argmax(-1), None
         probs = sampler.probs(logits)  # [R', V]
         return sampler.draw(probs), probs
-
-    @staticmethod
-    def _scatter(probs: torch.Tensor, live: list[int], num_rows: int) -> torch.Tensor:
-        full = probs.new_zeros(num_rows, probs.shape[-1])
-        full[live] = probs
-        return full
 
     def accept(self, row: _Row, kept: int) -> None:
         """The row now holds ``kept`` tokens that the draft cache may still vouch for."""
@@ -253,7 +253,7 @@ class _NgramDrafter:
         proposals = [lookup_continuation(row.tokens, self.max_ngram, count) for row, count in zip(rows, counts)]
         width = max((len(p) for p in proposals), default=0)
         padded = [p + [0] * (width - len(p)) for p in proposals]
-        tokens = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width).to(self.target_device)
+        tokens = to_device(padded, torch.long, self.target_device).reshape(len(rows), width)  # [R, K]
         return _Drafts(tokens, [len(p) for p in proposals], None)
 
     def accept(self, row: _Row, kept: int) -> None:
@@ -276,21 +276,21 @@ def lookup_continuation(tokens: Sequence[int], max_ngram: int, count: int) -> li
     return []
 
 
-def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler) -> tuple[list[int], list[int]]:
-    """Accept or reject each row's drafts against the target; returns (accepted count, next token) per row.
+def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept or reject each row's drafts against the target, on the device; returns (accepted count, next
+    token) per row, ``[R]`` each.
 
     ``target_probs [R, K + 1, V]``: logits (greedy) or warped probabilities (sampling) at each drafted
     position and one past the last.
     """
     rows, width = drafts.tokens.shape
     device = target_probs.device
-    counts = torch.tensor(drafts.counts, device=device)  # [R]
+    counts = to_device(drafts.counts, torch.long, device)  # [R]
     valid = torch.arange(width, device=device) < counts[:, None]  # [R, K]
     if not sampler.do_sample:
         best = target_probs.argmax(-1)  # [R, K + 1]
         accepted = _leading_true((best[:, :width] == drafts.tokens) & valid)  # [R]
-        nxt = best.gather(1, accepted[:, None])[:, 0]
-        return accepted.tolist(), nxt.tolist()
+        return accepted, best.gather(1, accepted[:, None])[:, 0]
     p_draft = target_probs[:, :width].gather(2, drafts.tokens[..., None])[..., 0]  # [R, K]
     q_draft = (torch.ones_like(p_draft) if drafts.probs is None
                else drafts.probs.gather(2, drafts.tokens[..., None])[..., 0])
@@ -301,7 +301,16 @@ def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler) -> tu
         rejected = accepted < counts
         q_next = _draft_probs_at(drafts, accepted, p_next.shape[-1])
         p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    return accepted.tolist(), sampler.draw(p_next).tolist()
+    return accepted, sampler.draw(p_next)
+
+
+def _outcomes(drafts: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's step in one tensor for one host read: ``drafts [R, K]``, ``accepted [R]``, ``next_tokens [R]`` ->
+    ``[R, K + 2]``: the emitted tokens (the accepted drafts, then the next token; anything after it is unused) and,
+    in the last column, the accepted count."""
+    emitted = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], 1)  # [R, K + 1]
+    emitted.scatter_(1, accepted[:, None], next_tokens[:, None])
+    return torch.cat([emitted, accepted[:, None]], 1)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -318,7 +327,9 @@ def _draft_probs_at(drafts: _Drafts, position: torch.Tensor, vocab: int) -> torc
     arange = torch.arange(rows, device=position.device)
     if drafts.probs is not None:
         return drafts.probs[arange, index]
-    return torch.nn.functional.one_hot(drafts.tokens[arange, index], vocab).float()
+    tokens = drafts.tokens[arange, index]  # [R]
+    # a one-hot by scatter: F.one_hot off CUDA reads the tokens on the host to check their range
+    return torch.zeros(rows, vocab, device=tokens.device, dtype=torch.float32).scatter_(1, tokens[:, None], 1.0)
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -426,30 +437,37 @@ def _decode(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k
     _prefill(rows, target)
     stats.prefill_seconds = clock.now() - start
     while active := [row for row in rows if not row.finished]:
-        start = clock.now()
-        counts = [max(0, min(k, row.remaining - 1)) for row in active]
-        drafts = drafter.propose(active, counts, sampler)
-        middle = clock.now()
-        target_probs = _verify_forward(target, active, drafts, sampler)  # [R, K + 1, V]
-        accepted, next_tokens = verify(target_probs, drafts, sampler)
-        stats.draft_seconds += middle - start
-        stats.verify_seconds += clock.now() - middle
-        drafted = drafts.tokens.tolist()
-        for row, count, taken, token, proposal in zip(active, drafts.counts, accepted, next_tokens, drafted):
-            before = len(row.tokens)
-            _emit(row, proposal[:taken] + [token])
-            row.proposed, row.accepted = row.proposed + count, row.accepted + taken
-            target.crop(row.index, before + taken)  # the target saw every draft; the accepted ones stay
-            drafter.accept(row, before + taken)
-            if row.finished:
-                target.free(row.index)
-                drafter.free(row)
-        stats.target_forwards += 1
-        stats.row_steps += len(active)
-        stats.proposed += sum(drafts.counts)
-        stats.accepted += sum(accepted)
-        stats.rejections += sum(taken < count for taken, count in zip(accepted, drafts.counts))
-        stats.emitted += sum(accepted) + len(active)
+        _step(active, target, drafter, sampler, k, stats, clock)
+
+
+def _step(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k: int, stats: SpeculativeStats,
+          clock: _Clock) -> None:
+    """One verification step of the unfinished ``rows``: draft, verify, and only then read the outcome (the
+    step's one host read) to emit each row's tokens and roll both caches back to them."""
+    start = clock.now()
+    counts = [max(0, min(k, row.remaining - 1)) for row in rows]
+    drafts = drafter.propose(rows, counts, sampler)
+    middle = clock.now()
+    target_probs = _verify_forward(target, rows, drafts, sampler)  # [R, K + 1, V]
+    outcomes = _outcomes(drafts.tokens, *verify(target_probs, drafts, sampler)).tolist()  # R lists of K + 2
+    stats.draft_seconds += middle - start
+    stats.verify_seconds += clock.now() - middle
+    accepted = [outcome[-1] for outcome in outcomes]
+    for row, count, taken, outcome in zip(rows, drafts.counts, accepted, outcomes):
+        before = len(row.tokens)
+        _emit(row, outcome[:taken + 1])
+        row.proposed, row.accepted = row.proposed + count, row.accepted + taken
+        target.crop(row.index, before + taken)  # the target saw every draft; the accepted ones stay
+        drafter.accept(row, before + taken)
+        if row.finished:
+            target.free(row.index)
+            drafter.free(row)
+    stats.target_forwards += 1
+    stats.row_steps += len(rows)
+    stats.proposed += sum(drafts.counts)
+    stats.accepted += sum(accepted)
+    stats.rejections += sum(taken < count for taken, count in zip(accepted, drafts.counts))
+    stats.emitted += sum(accepted) + len(rows)
 
 
 def _prefill(rows: list[_Row], target: ModelRunner) -> None:
@@ -457,24 +475,25 @@ def _prefill(rows: list[_Row], target: ModelRunner) -> None:
     token with the first drafts, so every generated token goes through speculation."""
     ready = [row for row in rows if row.prompt_len > 1]
     if ready:
-        flat = torch.tensor([t for row in ready for t in row.tokens[:-1]], dtype=torch.long, device=target.device)
+        flat = to_device([t for row in ready for t in row.tokens[:-1]], torch.long, target.device)
         target.forward([row.index for row in ready], flat, [row.prompt_len - 1 for row in ready])
 
 
 def _verify_forward(target: ModelRunner, rows: list[_Row], drafts: _Drafts, sampler: _Sampler) -> torch.Tensor:
     """Feed each row's last token and its drafts to the target; its distributions ``[R, K + 1, V]``."""
     num_rows, width = drafts.tokens.shape
-    last = torch.tensor([row.tokens[-1] for row in rows], dtype=torch.long, device=drafts.tokens.device)
+    device = drafts.tokens.device
+    last = to_device([row.tokens[-1] for row in rows], torch.long, device)  # [R]
     grid = torch.cat([last[:, None], drafts.tokens], 1).reshape(-1)  # [R * (K + 1)]
     take = [r * (width + 1) + j for r, c in enumerate(drafts.counts) for j in range(c + 1)]
-    inputs = grid[torch.tensor(take, dtype=torch.long, device=grid.device)]  # [T] packed
+    inputs = grid[to_device(take, torch.long, device)]  # [T] packed
     logits = target.forward([row.index for row in rows], inputs, [c + 1 for c in drafts.counts],
                             logits_for="all")  # [T, V]
     starts = [0]
     for c in drafts.counts:
         starts.append(starts[-1] + c + 1)
     spread = [starts[r] + min(j, c) for r, c in enumerate(drafts.counts) for j in range(width + 1)]
-    logits = logits[torch.tensor(spread, device=logits.device)].reshape(num_rows, width + 1, -1)
+    logits = logits[to_device(spread, torch.long, logits.device)].reshape(num_rows, width + 1, -1)
     return sampler.probs(logits) if sampler.do_sample else logits
 
 

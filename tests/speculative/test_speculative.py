@@ -12,11 +12,13 @@ import torch
 import transformers
 
 import hfaccel
+from hfaccel.kv import KVPool
 from hfaccel.speculative import decoding as speculative
 from hfaccel.speculative import lookup_continuation, speculative_generate
 from tests.devices import DEVICE
 from tests.models import ARCHITECTURES, padded_batch, tiny_model
 from tests.sampling.reference import chi_square_p_value, transformers_probabilities
+from tests.speculative.host_reads import counting, host_side
 
 NEW_TOKENS = 24
 GREEDY = {"do_sample": False, "pad_token_id": 0, "eos_token_id": []}
@@ -235,6 +237,24 @@ def test_seeded_sampling_is_reproducible_and_stops_at_budget():
     first = speculative_generate(model, draft, **batch, **kwargs)
     assert torch.equal(first, speculative_generate(model, draft, **batch, **kwargs))
     assert first.shape == (4, batch["input_ids"].shape[1] + 16)
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_a_verification_step_reads_the_device_once(monkeypatch, draft, do_sample):
+    """Batch 4, 4 drafts a row: a step drafts and verifies from what the host knows (host values go up by
+    non-blocking copies), then reads its outcome once — what would make the host wait for the GPU on CUDA."""
+    monkeypatch.setattr(KVPool, "packed_step", host_side(KVPool.packed_step))  # host tensors by design
+    steps = []
+    monkeypatch.setattr(speculative, "_step", counting(speculative._step, steps))
+    model = tiny_model("llama")
+    drafter = perturbed_copy(model) if draft == "model" else None
+    torch_kernels(model, drafter)
+    _, stats = speculative_generate(model, drafter, **_batch(), draft=draft, num_draft_tokens=4, max_new_tokens=12,
+                                    do_sample=do_sample, seed=0, return_stats=True, pad_token_id=0, eos_token_id=[])
+    assert len(steps) == stats.target_forwards > 1 and stats.proposed > 0
+    assert [waits.reads for waits in steps] == [["Tensor.tolist"]] * len(steps)
+    assert [waits.uploads for waits in steps] == [[]] * len(steps)
 
 
 # ------------------------------------------------------------------------------ distribution exactness
