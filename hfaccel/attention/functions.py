@@ -8,7 +8,9 @@ pattern, dropout while training, autograd) is served by an exact torch path inst
 Routing: a plain causal prefill (queries aligned to the keys, no padding, no window that hides a key, no
 softcap) is exactly what torch SDPA computes; the ``auto`` backend sends it to SDPA (cuDNN / flash) on CUDA
 when the GPU's tuned table measured SDPA faster for the shape (:func:`prefill_route`). Everything SDPA cannot
-express stays on hfaccel's kernels. Which path served each eager call is counted in the model's
+express stays on hfaccel's kernels. On a device where hfaccel's kernels do not run (the CPU, MPS), ``auto`` serves
+every dense call by SDPA as transformers' ``sdpa`` does (:func:`_sdpa`; the torch reference kernels are for
+checking, the ``torch`` backend), and paged calls by the batched torch paged attention. Which path served each eager call is counted in the model's
 :class:`AttentionPaths` (``model.hfaccel.attention_paths``): a host-side decision, no device sync.
 """
 
@@ -25,7 +27,7 @@ from hfaccel import compat
 from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.flash_attention import sdpa_preferred, visibility_mask
 from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
-from hfaccel.kernels.runtime import resolve_backend
+from hfaccel.kernels.runtime import resolve_backend, triton_can_run
 from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
 
 # What served a call, as AttentionPaths counts it.
@@ -170,14 +172,14 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
         return _dense_attention(query, key, value, _to_dense(attention_mask, query, key), scaling, softcap,
                                 dropout), None
     mask = attention_mask
+    if prefill_route(backend, query, key, mask, softcap) == SDPA:  # exact, and differentiable
+        _record(module, SDPA)
+        return _sdpa(query, key, value, mask, scaling, softcap), None
     if _needs_autograd(query, key, value):  # differentiable
         _record(module, TORCH)
         return flash_attention_reference(query, key, value, scale=scaling, causal=mask.causal,
                                          q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
                                          sliding_window=mask.sliding_window, softcap=softcap), None
-    if prefill_route(backend, query, key, mask, softcap) == SDPA:
-        _record(module, SDPA)
-        return sdpa_causal(query, key, value, scaling), None
     _record(module, FLASH, backend, query)
     return flash_attention_op(query, key, value, mask.key_mask, _scale(scaling, query), mask.causal, mask.q_offset,
                               mask.kv_offset, mask.sliding_window, softcap, backend), None
@@ -194,10 +196,14 @@ def sdpa_computes(query: torch.Tensor, key: torch.Tensor, mask: KernelMask, soft
 
 def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: KernelMask,
                   softcap: float | None) -> str:
-    """``"sdpa"`` or ``"hfaccel flash"``: the path of a dense call of the ``backend`` attention. Only ``auto`` routes,
-    only 16-bit calls on CUDA, only what SDPA computes exactly, and only where the GPU's tuned table says SDPA is
-    the faster (or has no measurement: ``hfaccel.kernels.flash_attention.sdpa_preferred``). Host-side: shapes,
-    dtype and one table lookup; inside a ``torch.compile`` trace, which cannot read the table, SDPA."""
+    """``"sdpa"`` or ``"hfaccel flash"``: the path of a dense call of the ``backend`` attention. Only ``auto`` routes:
+    on a device where hfaccel's kernels do not run (the CPU without the Triton interpreter, MPS), every call to SDPA
+    (:func:`_sdpa`); on CUDA, only 16-bit calls that SDPA computes exactly as they are, and only where the GPU's
+    tuned table says SDPA is the faster (or has no measurement: ``hfaccel.kernels.flash_attention.sdpa_preferred``).
+    Host-side: shapes, dtype and one table lookup; inside a ``torch.compile`` trace, which cannot read the table,
+    SDPA."""
+    if backend == "auto" and not triton_can_run(query.device):
+        return SDPA
     if not (backend == "auto" and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and sdpa_computes(query, key, mask, softcap)):
         return FLASH
@@ -205,6 +211,26 @@ def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: Ke
         return SDPA
     return SDPA if sdpa_preferred(query.shape[-1], query.shape[1] // key.shape[1], query.shape[2], query.dtype,
                                   query.device) else FLASH
+
+
+def sees_every_key(query: torch.Tensor, key: torch.Tensor, mask: KernelMask) -> bool:
+    """Whether every query of this call sees every key (no padding, no window hiding a key, causal or not, the
+    first query at or past the last key): SDPA with no mask computes it exactly (a decode step)."""
+    last_key = mask.kv_offset + key.shape[2] - 1
+    window = mask.sliding_window
+    return (mask.key_mask is None and (not mask.causal or mask.q_offset >= last_key)
+            and (window is None or mask.q_offset + query.shape[2] - 1 - mask.kv_offset < window))
+
+
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: KernelMask, scaling: float | None,
+          softcap: float | None) -> torch.Tensor:
+    """The SDPA route (:func:`prefill_route`) as transformers' ``sdpa`` computes attention: ``is_causal`` when the
+    queries align with the keys, no mask when every query sees every key, else the dense mask (softcap: the exact
+    torch formula). ``[B, Sq, Hq, D]``."""
+    if sdpa_computes(query, key, mask, softcap):
+        return sdpa_causal(query, key, value, scaling)
+    dense = None if softcap is None and sees_every_key(query, key, mask) else _to_dense(mask, query, key)
+    return _dense_attention(query, key, value, dense, scaling, softcap, 0.0)
 
 
 def sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -287,9 +313,10 @@ def _to_dense(mask: KernelMask, query: torch.Tensor, key: torch.Tensor) -> torch
                            sliding_window=mask.sliding_window, device=query.device)
 
 
-def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
-    """Exact torch attention with a dense mask ``[B, 1|Hq, Sq, Skv]`` (bool: True = attend; float: additive)."""
+    """Exact torch attention with a dense mask ``[B, 1|Hq, Sq, Skv]`` (bool: True = attend; float: additive; None:
+    every query sees every key)."""
     group = query.shape[1] // key.shape[1]
     if softcap is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
@@ -298,9 +325,9 @@ def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = softcap * torch.tanh(query @ key.transpose(-1, -2) * scale / softcap)
-    if mask.dtype == torch.bool:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
-    else:
+    elif mask is not None:
         scores = scores + mask
     probs = F.dropout(torch.softmax(scores.float(), -1).to(value.dtype), p=dropout, training=dropout > 0)
     return (probs @ value).transpose(1, 2).contiguous()

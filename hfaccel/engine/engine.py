@@ -105,6 +105,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
+        self.host_times = HostTimes(self.runner)
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
@@ -191,6 +192,7 @@ class Engine:
         touched: dict[str, Request] = {}
         overlap = self._overlaps()
         self._collect_all_but(1 if overlap else 0, touched)  # a step with prefill work sees the last one's tokens
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         for seq in plan.out_of_blocks:  # alone in the pool and out of blocks: the pool is the limit
             if seq.num_pending:
@@ -199,11 +201,15 @@ class Engine:
                 self._finish(seq, "length")
                 touched[seq.request.request_id] = seq.request
         launched = None
+        scheduled = time.perf_counter()
+        self.host_times.scheduling += scheduled - start
         if plan.chunks:
             self.runner.pool.copy_blocks(plan.copies)
             launched = self._launch_isolating(plan.chunks, touched)
+            self.host_times.steps += 1
         if launched is not None:
             self._in_flight.append(launched)
+        self.host_times.launch += time.perf_counter() - scheduled
         # asynchronous: the previous step is collected while the device computes the one just launched
         self._collect_all_but(1 if overlap and launched is not None else 0, touched)
         if not self.has_unfinished_requests():
@@ -360,12 +366,14 @@ class Engine:
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks."""
+        start = time.perf_counter()
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         completing = [i for i, c in enumerate(chunks) if c.completes]
         input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
         device_tokens = self._device_tokens(chunks)
         if device_tokens is not None:
             input_ids.index_copy_(0, *device_tokens)
+        self.host_times.inputs += time.perf_counter() - start
         return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
                                    starts=[c.start for c in chunks], logits_for=completing)
 
@@ -439,7 +447,19 @@ class Engine:
         checked for stops (the host waits here for the device, once per step)."""
         if not any(seq.status is not Status.FINISHED for seq in launched.sequences()):
             return  # all stopped or aborted meanwhile: nothing to wait for
+        start = time.perf_counter()
         tokens, logprobs = launched.sampled.result() if launched.sampled is not None else ([], [])
+        collected = time.perf_counter()
+        self.host_times.waiting += collected - start
+        try:
+            self._take_tokens(launched, tokens, logprobs, touched)
+        finally:
+            self.host_times.detokenizing += time.perf_counter() - collected
+
+    def _take_tokens(self, launched: _Launched, tokens: list[int], logprobs: list[TokenLogprob | None],
+                     touched: dict[str, Request]) -> None:
+        """The host's part of collecting a step: computed blocks registered, each sampled token filled in,
+        checked for stops and detokenized."""
         manager = self.scheduler.manager
         for chunk in launched.chunks:
             if chunk.seq.status is Status.RUNNING:  # not preempted, finished or aborted since
@@ -544,6 +564,37 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"{what} need the engine's tokenizer (Engine(model, tokenizer)); give token ids "
                              f"instead")
+
+
+@dataclass
+class HostTimes:
+    """Where the host's time went in the engine's steps since :meth:`reset` (or the engine's start), in seconds:
+    ``scheduling`` (choosing the step's work), ``metadata`` (its inputs and the runner's per-step metadata: token
+    ids, block tables, positions, slots), ``launch`` (queueing the forward and the sampling on the device, less the
+    metadata; on a CPU, which computes as it queues, this holds the computation), ``waiting`` (for the device's
+    tokens) and ``detokenizing`` (stop checks, detokenization and freeing). ``hfaccel bench engine --host``
+    reports them per step."""
+
+    runner: ModelRunner
+    steps: int = 0
+    scheduling: float = 0.0
+    inputs: float = 0.0  # the engine's share of the metadata (the runner's share is counted by the runner)
+    launch: float = 0.0  # including the metadata
+    waiting: float = 0.0
+    detokenizing: float = 0.0
+
+    def reset(self) -> None:
+        self.steps = 0
+        for part in ("scheduling", "inputs", "launch", "waiting", "detokenizing"):
+            setattr(self, part, 0.0)
+        self.runner.metadata_seconds = 0.0
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step of each part (``metadata`` split out of ``launch``)."""
+        metadata = self.inputs + self.runner.metadata_seconds
+        parts = {"scheduling": self.scheduling, "metadata": metadata, "launch": self.launch - metadata,
+                 "waiting": self.waiting, "detokenizing": self.detokenizing}
+        return {name: seconds * 1e3 / max(self.steps, 1) for name, seconds in parts.items()}
 
 
 @dataclass

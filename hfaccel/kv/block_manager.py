@@ -23,6 +23,7 @@ Invariants (checked by ``check_invariants`` and property-tested):
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -51,6 +52,7 @@ class _Sequence:
     tokens: list[int] | None = None  # known token ids (prefix caching); None when unknown
     hashes: list[int] = field(default_factory=list)  # hashes of this sequence's leading full blocks
     computed: int = 0  # leading tokens whose K/V are in the pool (only those blocks may be registered)
+    epoch: int = 0  # changes whenever an entry of ``blocks`` is replaced or removed (not when blocks are appended)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._block_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
         self.peak_used_blocks = 0  # the most blocks in use at once (set back with ``peak_used_blocks = 0``)
+        self._epochs = itertools.count(1)  # table epochs, never reused: a sequence id used again gets a new one
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -97,6 +100,12 @@ class BlockManager:
 
     def seq_len(self, seq_id: Hashable) -> int:
         return self._get(seq_id).length
+
+    def table_epoch(self, seq_id: Hashable) -> int:
+        """A number that changes whenever an entry of the sequence's block table is replaced or removed (a new
+        sequence, a copy-on-write, a crop that frees blocks) and stays while blocks are only appended: a copy of the
+        table made at the same epoch is a prefix of the table (``hfaccel.kv.pool.DeviceBlockTables``)."""
+        return self._get(seq_id).epoch
 
     def num_tokens(self) -> int:
         """Token slots in use, counting a block shared by several sequences once."""
@@ -149,7 +158,7 @@ class BlockManager:
             raise CacheFullError(f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
                                  f"slots; the pool has {self.num_free_blocks - reusable_free} "
                                  f"(of {self.num_blocks})")
-        seq = _Sequence(tokens=[] if tokens is not None else None)
+        seq = _Sequence(tokens=[] if tokens is not None else None, epoch=next(self._epochs))
         for block in hits:
             self._ref(block)
         seq.blocks, seq.hashes = list(hits), hashes
@@ -206,7 +215,7 @@ class BlockManager:
             self._ref(block)
         self._seqs[child_id] = _Sequence(list(parent.blocks), parent.length,
                                          None if parent.tokens is None else list(parent.tokens),
-                                         list(parent.hashes), parent.computed)
+                                         list(parent.hashes), parent.computed, next(self._epochs))
 
     def crop(self, seq_id: Hashable, length: int) -> None:
         """Shorten a sequence to its first ``length`` tokens, releasing blocks no longer needed."""
@@ -214,6 +223,8 @@ class BlockManager:
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot crop a sequence of {seq.length} tokens to {length}")
         keep = self.blocks_needed(length)
+        if keep < len(seq.blocks):
+            seq.epoch = next(self._epochs)
         for block in seq.blocks[keep:]:
             self._unref(block)
         del seq.blocks[keep:]
@@ -292,6 +303,7 @@ class BlockManager:
         fresh = self._allocate()
         self._unref(shared)
         seq.blocks[-1] = fresh
+        seq.epoch = next(self._epochs)
         return BlockCopy(shared, fresh)
 
     def _prefix_hits(self, tokens: list[int] | None) -> tuple[list[int], list[int]]:

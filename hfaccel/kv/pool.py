@@ -160,15 +160,113 @@ class KVPool:
         start = torch.tensor(list(starts) + [0] * pad, dtype=torch.int64)  # [S]
         real = torch.tensor(list(num_new) + [0] * pad, dtype=torch.int64)  # [S]: tokens that count
         width = torch.full_like(real, tokens_per_seq) if tokens_per_seq else real.clamp(min=1)  # [S]: in the row
-        cu = torch.zeros(len(width) + 1, dtype=torch.int64)
-        torch.cumsum(width, 0, out=cu[1:])  # [S + 1]
-        owner = torch.repeat_interleave(torch.arange(len(width)), width)  # [T]: sequence of each token
-        offset = torch.arange(int(cu[-1])) - cu[owner]  # [T]: index among its sequence's tokens
-        counts = offset < real[owner]  # [T]: a real token (padding writes nowhere)
-        positions = start[owner] + torch.where(counts, offset, 0)  # [T]: padding repeats the first position (a
-        # model with learned positions would index past its table at the end of its context otherwise)
-        slots = torch.where(counts, slot_mapping(table, owner, positions, self.block_size), -1)
-        lens = torch.where(real > 0, start + width, 0)
+        tokens = len(width) * tokens_per_seq if tokens_per_seq else int(width.sum())
+        positions, slots, lens, cu = token_metadata(table, torch.arange(len(width)), start, real, width, tokens,
+                                                    self.block_size)
         return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
                           cu_seqlens_q=cu.to(torch.int32), positions=positions,
                           max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=int(width.max()) if len(width) else 0)
+
+
+def token_metadata(tables: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
+                   width: torch.Tensor, tokens: int, block_size: int) -> tuple[torch.Tensor, ...]:
+    """The per-token metadata of a packed forward, computed with tensor ops only (on the host for
+    :meth:`KVPool.packed_step`, on the device for the decode steps' :class:`DeviceBlockTables`).
+
+    Sequence ``s`` (block table ``tables[rows[s]]``) computes ``real[s]`` new tokens from position ``start[s]`` in
+    ``width[s] >= real[s]`` packed rows (``tokens`` in all); the rows past ``real[s]`` are padding: they write nowhere
+    (slot -1) and take the sequence's first position (a model with learned positions would index past its table at
+    the end of its context otherwise), and the sequence's length counts them, so each real query keeps its position
+    and sees exactly its keys. A sequence with no real token has length 0 (it sees nothing).
+
+    Returns ``positions [T]`` int64, ``slots [T]`` int64, ``seq_lens [S]`` int64 and ``cu_seqlens_q [S + 1]`` int64.
+    """
+    cu = torch.zeros(len(width) + 1, dtype=torch.int64, device=width.device)
+    torch.cumsum(width, 0, out=cu[1:])  # [S + 1]
+    owner = torch.repeat_interleave(torch.arange(len(width), device=width.device), width,
+                                    output_size=tokens)  # [T]: sequence of each token
+    offset = torch.arange(tokens, device=width.device) - cu[owner]  # [T]: index among its sequence's tokens
+    counts = offset < real[owner]  # [T]: a real token
+    positions = start[owner] + torch.where(counts, offset, 0)  # [T]
+    slots = torch.where(counts, slot_mapping(tables, rows[owner], positions, block_size), -1)  # [T]
+    lens = torch.where(real > 0, start + width, 0)  # [S]
+    return positions, slots, lens, cu
+
+
+class DeviceBlockTables:
+    """The block tables of a pool's sequences, kept on the device and updated incrementally, for the decode steps
+    (``hfaccel.runner.graphs``): each sequence has a row of ``table [rows, width]`` for as long as the block manager
+    holds it, and a step sends up only what changed since the last — the blocks a sequence appended, or its whole
+    table after a copy-on-write or a crop (:meth:`BlockManager.table_epoch`) — together with the step's rows and
+    positions in one non-blocking copy, instead of every sequence's table rebuilt from Python lists each step.
+
+    Rows of sequences the manager no longer holds are reused once the table runs out of rows; it grows (doubling)
+    only when every row is held.
+    """
+
+    def __init__(self, manager: BlockManager, width: int, device: torch.device, rows: int = 64):
+        self.manager, self.width, self.device = manager, width, device
+        self.table = torch.zeros(max(rows, 1), width, dtype=torch.int32, device=device)  # [rows, W]
+        self._row: dict[Hashable, int] = {}  # sequence -> its row
+        self._synced: dict[Hashable, tuple[int, int]] = {}  # sequence -> (table epoch, blocks on the device)
+        self._free_rows = list(range(len(self.table) - 1, -1, -1))
+
+    def upload(self, seq_ids: Sequence[Hashable], ends: Sequence[int], columns: Sequence[Sequence[int]],
+               size: int) -> torch.Tensor:
+        """The sequences' tables brought up to date on the device, and ``columns`` (host values, one per sequence:
+        e.g. each sequence's start and token count) put there with them, in one non-blocking copy, for a step of
+        ``size >= len(seq_ids)`` rows.
+        ``ends[i]``: the length the step needs sequence ``i`` to hold (a ``ValueError`` if it holds fewer slots).
+        Returns ``[1 + len(columns), size]`` int64 on the device: the sequences' rows of :attr:`table`, then the
+        columns; the padding rows past ``len(seq_ids)`` hold 0 (row 0 of the table, whatever it holds)."""
+        changed: list[tuple[int, int, list[int]]] = []  # (row, first column, blocks) the device lacks
+        rows = [self._sync(seq_id, end, changed) for seq_id, end in zip(seq_ids, ends)]
+        flat = rows + [0] * (size - len(rows))
+        for column in columns:
+            flat += list(column) + [0] * (size - len(column))
+        update_rows, update_columns, update_blocks = [], [], []
+        for row, first, blocks in changed:
+            update_rows += [row] * len(blocks)
+            update_columns += range(first, first + len(blocks))
+            update_blocks += blocks
+        flat += update_rows + update_columns + update_blocks
+        moved = to_device(flat, torch.int64, self.device)
+        head = size * (1 + len(columns))
+        if len(flat) > head:
+            where = moved[head:].view(3, -1)  # [3, U]: rows, columns, blocks
+            self.table.index_put_((where[0], where[1]), where[2].to(torch.int32))
+        return moved[:head].view(1 + len(columns), size)
+
+    def _sync(self, seq_id: Hashable, end: int, changed: list[tuple[int, int, list[int]]]) -> int:
+        """The sequence's row; the blocks of its table the device lacks appended to ``changed``."""
+        manager = self.manager
+        if end > manager.seq_len(seq_id):
+            raise ValueError(f"sequence {seq_id!r} holds {manager.seq_len(seq_id)} slots; a step needs {end}")
+        blocks, epoch = manager.block_table(seq_id), manager.table_epoch(seq_id)
+        if len(blocks) > self.width:
+            raise ValueError(f"a sequence of {len(blocks)} blocks exceeds the decode steps' tables of {self.width} "
+                             f"blocks (max_model_len)")
+        row = self._row.get(seq_id)
+        if row is None:
+            row = self._row[seq_id] = self._take_row()
+        synced_epoch, done = self._synced.get(seq_id, (0, 0))
+        if synced_epoch != epoch:
+            done = 0
+        if len(blocks) > done:
+            changed.append((row, done, blocks[done:]))
+        self._synced[seq_id] = (epoch, len(blocks))
+        return row
+
+    def _take_row(self) -> int:
+        """A free row: one no sequence holds, else one of a sequence the manager has let go, else a new one."""
+        if not self._free_rows:
+            gone = [seq_id for seq_id in self._row if seq_id not in self.manager]
+            for seq_id in gone:
+                self._free_rows.append(self._row.pop(seq_id))
+                del self._synced[seq_id]
+        if not self._free_rows:
+            old = self.table
+            self.table = torch.zeros(2 * len(old), self.width, dtype=old.dtype, device=self.device)
+            self.table[:len(old)] = old
+            self._free_rows = list(range(len(self.table) - 1, len(old) - 1, -1))
+        return self._free_rows.pop()

@@ -9,8 +9,9 @@ zeros for them), and their logits are dropped.
 
 Two ways to feed a step:
 
-- :meth:`DecodeGraphs.run` (the engine): the host says which sequences decode at which positions each step; the
-  buffers are filled from the host metadata (one non-blocking copy per buffer), then the step runs.
+- :meth:`DecodeGraphs.run` (the engine): the host says which sequences decode at which positions each step; one
+  non-blocking copy brings those and whatever changed in the sequences' block tables (the pool's tables live on
+  the device, :class:`~hfaccel.kv.DeviceBlockTables`), the buffers are filled on the device, then the step runs.
 - :meth:`DecodeGraphs.begin` then :meth:`DecodeGraphs.advance` (``generate``, where every row advances by one
   token per step): the buffers are filled once; each step then computes its slots on the device from the
   positions and block tables, runs the model, and moves positions and lengths on by one for the next step — the
@@ -34,6 +35,7 @@ what the CPU tests check.
 from __future__ import annotations
 
 import logging
+import time
 import types
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
@@ -42,7 +44,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.device import to_device
-from hfaccel.kv import PackedStep, slot_mapping
+from hfaccel.kv import DeviceBlockTables, PackedStep, slot_mapping, token_metadata
 
 if TYPE_CHECKING:
     from hfaccel.runner.runner import ModelRunner
@@ -85,6 +87,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
         self.keep = torch.arange(tokens, dtype=torch.long, **on)  # every token's logits
+        self._tables = DeviceBlockTables(runner.pool.manager, width, self.device, rows=max_batch)
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
         # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
         # serves every batch size and pool size; each size is then captured as its own CUDA graph
@@ -110,6 +113,8 @@ class DecodeGraphs:
         dropped; the compiled step serves the new pool as it is (its block count is symbolic)."""
         self._graphs.clear()
         self._memory_pool = None
+        self._tables = DeviceBlockTables(self.runner.pool.manager, self._tables.width, self.device,
+                                         rows=len(self._tables.table))
 
     @torch.inference_mode()  # as the runner's forwards run
     def warm_up(self, sizes: Sequence[int] | None = None, progress=None) -> None:
@@ -150,7 +155,9 @@ class DecodeGraphs:
         batch = len(seq_ids)
         size = self.size_for(batch)
         num_new = [1] * batch if num_new is None else list(num_new)
+        start = time.perf_counter()
         self._fill(seq_ids, starts, size, num_new)
+        self.runner.metadata_seconds += time.perf_counter() - start
         self._size = None
         if self.tokens_per_seq == 1:
             self.input_ids[:batch].copy_(input_ids)
@@ -167,7 +174,7 @@ class DecodeGraphs:
         if self.tokens_per_seq != 1:
             raise RuntimeError(f"device-fed steps run one token per sequence; these steps take {self.tokens_per_seq}")
         size = self.size_for(len(seq_ids))
-        self._fill(seq_ids, starts, size, [1] * len(seq_ids), whole_tables=True)
+        self._fill(seq_ids, starts, size, [1] * len(seq_ids))
         self._size = size
 
     def advance(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -179,21 +186,21 @@ class DecodeGraphs:
         return self._replay(self._size, advance=True)[:batch]
 
     # --------------------------------------------------------------------------------------- internals
-    def _fill(self, seq_ids, starts, size: int, num_new: list[int], whole_tables: bool = False) -> None:
-        """Copy a step's metadata into the static buffers (one non-blocking copy per buffer; of the block tables,
-        only the columns these sequences use unless ``whole_tables``: the kernel never reads a table past a
-        sequence's length, but device-fed steps read ahead)."""
-        host = self.runner.pool.packed_step(seq_ids, starts, num_new, num_rows=size, tokens_per_seq=self.tokens_per_seq)
-        pinned = self.device.type == "cuda"
-        for static, values in ((self.positions, host.positions), (self.seq_lens, host.seq_lens),
-                               (self.slot_mapping[0], host.slot_mapping[0])):
-            static[:len(values)].copy_(values.pin_memory() if pinned else values, non_blocking=True)
-        tables = self.runner.pool.block_tables(seq_ids, num_rows=size) if whole_tables else host.block_tables
-        if tables.shape[1] > self.block_tables.shape[1]:
-            raise ValueError(f"sequences of {tables.shape[1]} blocks exceed the decode steps' max_model_len="
-                             f"{self.max_model_len}")
-        self.block_tables[:size, :tables.shape[1]].copy_(tables.pin_memory() if pinned else tables,
-                                                         non_blocking=True)
+    def _fill(self, seq_ids, starts, size: int, num_new: list[int]) -> None:
+        """Bring a step's metadata into the static buffers: the rows' block tables from the pool's device tables
+        (only what changed goes up, with the starts and token counts, in one non-blocking copy), then positions,
+        slots and lengths computed on the device (:func:`hfaccel.kv.pool.token_metadata`, the rule the eager
+        forwards follow). The tables hold every block of each sequence, so device-fed steps can read ahead."""
+        ends = [start + n for start, n in zip(starts, num_new)]
+        rows, start, real = self._tables.upload(seq_ids, ends, [starts, num_new], size)  # [size] each
+        torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
+        tokens = size * self.tokens_per_seq
+        positions, slots, lens, _ = token_metadata(self._tables.table, rows, start, real,
+                                                   torch.full_like(real, self.tokens_per_seq), tokens,
+                                                   self.runner.pool.block_size)
+        self.positions[:tokens].copy_(positions)
+        self.seq_lens[:size].copy_(lens)
+        self.slot_mapping[0, :tokens].copy_(slots)
 
     def _rows(self, size: int) -> tuple[torch.Tensor, ...]:
         """The static buffers' views for a step of ``size`` sequences (``size * tokens_per_seq`` tokens)."""

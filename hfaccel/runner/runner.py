@@ -18,6 +18,7 @@ the others or recomputing anything.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -43,6 +44,7 @@ class ModelRunner:
         self.device = model_device(model)
         self.cache = SequenceKVCache(model.config, pool)
         self.graphs: DecodeGraphs | None = None
+        self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
@@ -83,8 +85,11 @@ class ModelRunner:
         input_ids = input_ids.to(self.device)
         if self.graphs is not None and self.graphs.serves(num_new, logits_for):
             return self.graphs.run(seq_ids, input_ids, starts, num_new)
+        start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
-        return self.run_model(input_ids, step, self._logits_index(step, num_new, logits_for))
+        keep = self._logits_index(step, num_new, logits_for)
+        self.metadata_seconds += time.perf_counter() - start
+        return self.run_model(input_ids, step, keep)
 
     def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int) -> torch.Tensor:
         """The model's forward on packed ``input_ids [T]`` with the step's metadata; logits of the ``keep``

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speculative: int4 | layers:N | self | ngram | a model folder (default: int4)")
     bench.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
     bench.add_argument("--requests", type=int, default=None, help="engine: requests served (256 CUDA, 32 CPU)")
+    bench.add_argument("--host", action="store_true",
+                       help="engine: the host time per step split into scheduling, metadata, launch, waiting and "
+                            "detokenizing at batch 1, 64, 256 (or --batch), instead of the serving comparison")
     bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
     tune = sub.add_parser("tune", help="measure the kernels' configurations on this GPU and write its table")
     tune.add_argument("--model", action="append", help="named config whose shapes to tune for (repeatable; default: "
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             what.append("serve")
         run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-                  num_requests=args.requests, url=args.url)
+                  num_requests=args.requests, url=args.url, host=args.host)
     return 0
 
 

@@ -29,15 +29,17 @@ class Run:
         return self.new_tokens / self.seconds
 
 
+ROUNDS = 3  # timed rounds of plain and accelerated generate(), interleaved; each path's best counts
+
+
 def timed_generate(model, tokenizer, batch, max_new_tokens: int, label: str) -> Run:
+    """One generate() call, timed after a short warm-up call (kernels compile, caches fill)."""
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    if batch["input_ids"].is_cuda:
-        model.generate(**batch, **{**kwargs, "max_new_tokens": 4})  # warm-up: kernels compile, caches fill
-        torch.cuda.synchronize()
+    model.generate(**batch, **{**kwargs, "max_new_tokens": 4})
+    _sync(batch["input_ids"])
     start = time.perf_counter()
     out = model.generate(**batch, **kwargs)
-    if out.is_cuda:
-        torch.cuda.synchronize()
+    _sync(out)
     seconds = time.perf_counter() - start
     new = out[:, batch["input_ids"].shape[1]:]
     new_tokens = int((new != tokenizer.pad_token_id).sum()) if tokenizer.pad_token_id is not None else new.numel()
@@ -45,17 +47,29 @@ def timed_generate(model, tokenizer, batch, max_new_tokens: int, label: str) -> 
     return Run(label, texts, max(new_tokens, 1), seconds)
 
 
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
 def run_demo(model_name: str | None = None, prompts: list[str] | None = None, max_new_tokens: int = 48,
-             device: str = "auto", dtype: str = "auto", attention: str = "auto",
+             device: str = "auto", dtype: str = "auto", attention: str = "auto", rounds: int = ROUNDS,
              console: Console | None = None) -> tuple[Run, Run]:
-    """Generate with plain transformers, then with ``hfaccel.accelerate(model)``; print both and compare."""
+    """Generate with plain transformers and with ``hfaccel.accelerate(model)``, interleaved over ``rounds`` rounds
+    (each path's fastest run counts); print both texts, the speeds and the paths that served hfaccel's calls."""
     console = console or Console()
     torch_device = pick_device(device)
     model, tokenizer = load(model_name, torch_device, pick_dtype(dtype, torch_device), console)
     batch = encode(tokenizer, list(prompts or DEFAULT_PROMPTS), torch_device)
-    plain = timed_generate(model, tokenizer, batch, max_new_tokens, "transformers (sdpa)")
-    hfaccel.accelerate(model, attention=attention)
-    accelerated = timed_generate(model, tokenizer, batch, max_new_tokens, f"hfaccel ({_backend_label(model)})")
+    plain_runs, accelerated_runs = [], []
+    with console.status(f"generating {max_new_tokens} tokens, plain and accelerated, {rounds} rounds"):
+        for _ in range(rounds):
+            hfaccel.restore(model)
+            plain_runs.append(timed_generate(model, tokenizer, batch, max_new_tokens, "transformers (sdpa)"))
+            hfaccel.accelerate(model, attention=attention)
+            accelerated_runs.append(timed_generate(model, tokenizer, batch, max_new_tokens,
+                                                   f"hfaccel ({_backend_label(model)})"))
+    plain, accelerated = (min(runs, key=lambda run: run.seconds) for runs in (plain_runs, accelerated_runs))
     _print(console, list(prompts or DEFAULT_PROMPTS), plain, accelerated, model)
     return plain, accelerated
 
@@ -75,14 +89,16 @@ def _print(console: Console, prompts: list[str], plain: Run, accelerated: Run, m
         console.rule(f"prompt {index + 1}: {prompt}")
         for run in (plain, accelerated):
             console.print(f"[bold]{run.label}[/]: {run.texts[index].strip()}")
-    table = Table(title=f"{type(model).__name__}, {model.dtype}, {next(model.parameters()).device}")
-    for column in ("path", "new tokens", "seconds", "tokens/s"):
+    table = Table(title=f"{type(model).__name__}, {model.dtype}, {next(model.parameters()).device} "
+                        f"(best of the interleaved rounds)")
+    for column in ("path", "new tokens", "seconds", "tokens/s", "vs transformers"):
         table.add_column(column, justify="right" if column != "path" else "left")
     for run in (plain, accelerated):
-        table.add_row(run.label, str(run.new_tokens), f"{run.seconds:.2f}", f"{run.tokens_per_second:.1f}")
+        table.add_row(run.label, str(run.new_tokens), f"{run.seconds:.2f}", f"{run.tokens_per_second:.1f}",
+                      f"{run.tokens_per_second / plain.tokens_per_second:.2f}x")
     console.print(table)
     same = plain.texts == accelerated.texts
     verdict = "[green]identical[/]" if same else "[red]DIFFERENT[/]"
-    console.print(f"generated text: {verdict}; {model.hfaccel}")
-    if model.device.type != "cuda":
-        console.print("(no CUDA device: hfaccel ran its CPU path; speed-ups are a GPU matter)")
+    console.print(f"generated text: {verdict}")
+    info = model.hfaccel
+    console.print(f"served by: decode loop {info.decode}; attention {info.attention_paths}")

@@ -2,10 +2,12 @@
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hfaccel.kv import BlockManager, CacheFullError
+from hfaccel.kv import BlockManager, CacheFullError, DeviceBlockTables
+from hfaccel.kv import pool as pool_module
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -19,7 +21,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     The simulated pool stores, per slot, the token written there. Writes go only where the manager says a
     sequence's tokens live, copies are applied as returned, so if the manager ever shares a block wrongly,
     reuses a live block, or returns a prefix hit holding other tokens, some live sequence's slots stop
-    holding its own tokens — which the invariant checks after every step.
+    holding its own tokens — which the invariant checks after every step. A ``DeviceBlockTables`` of two rows
+    (so that rows are reused and the table grows) follows the manager's tables by incremental uploads.
     """
 
     def __init__(self):
@@ -32,6 +35,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(prefix_caching=st.booleans())
     def setup(self, prefix_caching):
         self.manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
+        self.device_tables = DeviceBlockTables(self.manager, NUM_BLOCKS, torch.device("cpu"), rows=2)
 
     def _write(self, seq_id, start, tokens):
         slots = self.manager.slots(seq_id, start, start + len(tokens))
@@ -135,6 +139,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del self.tokens[seq_id]
         self.uncomputed.pop(seq_id, None)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def upload(self, data):
+        """A decode step's upload of some sequences: their device rows hold their tables afterwards."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=4, unique=True))
+        lengths = [len(self.tokens[seq_id]) for seq_id in ids]
+        rows, ends = self.device_tables.upload(ids, lengths, [lengths], len(ids) + 1)
+        assert ends.tolist() == lengths + [0]
+        for seq_id, row in zip(ids, rows.tolist()):
+            blocks = self.manager.block_table(seq_id)
+            assert self.device_tables.table[row, :len(blocks)].tolist() == blocks, f"row of sequence {seq_id}"
+        assert len(set(rows[:len(ids)].tolist())) == len(ids), "two sequences share a row"
+
     @invariant()
     def consistent(self):
         if not hasattr(self, "manager"):
@@ -155,6 +172,42 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_device_tables_send_only_what_changed(monkeypatch):
+    """An append-only step sends only the new blocks; a copy-on-write or a crop, the sequence's whole table; a
+    sequence id used again after being freed gets its new table; a step longer than a sequence holds is refused."""
+    sent = []
+    monkeypatch.setattr(pool_module, "to_device", lambda values, *args: sent.append(len(values)) or
+                        torch.tensor(values, dtype=torch.int64))
+    manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
+    tables = DeviceBlockTables(manager, 8, torch.device("cpu"), rows=1)
+
+    def step(*seq_ids) -> list[int]:
+        ends = [manager.seq_len(s) for s in seq_ids]
+        rows, _ = tables.upload(seq_ids, ends, [ends], len(seq_ids))
+        for seq_id, row in zip(seq_ids, rows.tolist()):
+            assert tables.table[row, :len(manager.block_table(seq_id))].tolist() == manager.block_table(seq_id)
+        return sent[-1] - 2 * len(seq_ids)  # values of block updates sent: 3 per block
+
+    manager.add_sequence("a", num_tokens=9)  # 3 blocks
+    assert step("a") == 9
+    assert step("a") == 0
+    manager.append("a", 3)  # 12 tokens, still 3 blocks
+    assert step("a") == 0
+    manager.append("a", 1)  # a 4th block
+    assert step("a") == 3
+    manager.fork("a", "b")  # b: a new sequence (a new row: the table grows), its whole table
+    assert step("a", "b") == 12
+    manager.append("b", 1)  # b writes into a shared last block: copy-on-write, then b's whole table
+    assert step("a", "b") == 12
+    manager.crop("a", 5)  # frees 2 blocks: a's whole table, 2 blocks
+    assert step("a", "b") == 6
+    manager.free("a")
+    manager.add_sequence("a", num_tokens=2)
+    assert step("a") == 3
+    with pytest.raises(ValueError, match="holds 2 slots; a step needs 3"):
+        tables.upload(["a"], [3], [], 1)
 
 
 def test_full_pool_raises_and_changes_nothing():

@@ -24,7 +24,8 @@ def test_demo_on_a_local_model(model_dir, capsys):
     assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--prompt", "d e",
                  "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert "identical" in out and "tokens/s" in out and "transformers (sdpa)" in out
+    assert "identical" in out and "tokens/s" in out and "transformers (sdpa)" in out and "vs transformers" in out
+    assert "served by: decode loop hfaccel; attention" in out
 
 
 def test_generate_prints_text(model_dir, capsys):
@@ -49,7 +50,7 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     assert all(row["tokens_per_s"] > 0 and 0 < row["pct_roofline"] for row in results["decode"])
     assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 and row["routed_ms"] > 0
                for row in results["attention"])
-    assert {row["routed_path"] for row in results["attention"]} == {"hfaccel flash"}  # SDPA is routed on CUDA only
+    assert {row["routed_path"] for row in results["attention"]} == {"sdpa"}  # hfaccel's kernels do not run here
     assert "prefill attention" in capsys.readouterr().out
     paths = {row["path"]: row for row in results["engine"]}
     assert paths["hfaccel Engine"]["output_tokens"] == paths["padded static batches of 32"]["output_tokens"]

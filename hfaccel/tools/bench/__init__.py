@@ -5,7 +5,8 @@
   the read bandwidth.
 - memory: bytes a mixed-length batch holds in PagedCache vs DynamicCache vs StaticCache.
 - decode: ``generate`` tokens/s — transformers sdpa, static cache + torch.compile, hfaccel (paged / dense cache).
-- engine: serving N requests — sequential / static-batch ``generate``, ``generate_batch``, ``hfaccel.Engine``.
+- engine: serving N requests — sequential / static-batch ``generate``, ``generate_batch``, ``hfaccel.Engine``;
+  with ``--host``, the engine's host time per step split by part at batch 1, 64 and 256.
 - serve: the OpenAI-compatible server at concurrency 1, 8, 64 over loopback (not part of "all").
 - speculative: ``speculative_generate`` against the accelerated target alone, with acceptance and cost ratio.
 - int4: the W4A16 op vs cuBLAS (and dequantize + cuBLAS) at Llama-3.1-8B shapes, and int4 vs dense decode
@@ -47,6 +48,7 @@ class BenchOptions:
     num_draft_tokens: int = 4
     num_requests: int | None = None
     url: str | None = None
+    host: bool = False  # engine: the host time per step, split by part, instead of the serving comparison
 
     @property
     def cuda(self) -> bool:
@@ -57,7 +59,7 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
               dtypes: list[str] | None = None, batches: list[int] | None = None, prompt_len: int | None = None,
               new_tokens: int | None = None, output: str | None = None, console: Console | None = None,
               draft: str = "int4", num_draft_tokens: int = 4, num_requests: int | None = None,
-              url: str | None = None) -> dict:
+              url: str | None = None, host: bool = False) -> dict:
     """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
     chosen = {what} if isinstance(what, str) else set(what)
     unknown = sorted(chosen - set(CASES) - {"all"})
@@ -67,7 +69,7 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     names = dtypes or (["float16", "bfloat16"] if dev.type == "cuda" else ["float32"])
     options = BenchOptions(dev, [getattr(torch, d) for d in names], model, batches, prompt_len, new_tokens, draft,
-                           num_draft_tokens, num_requests, url)
+                           num_draft_tokens, num_requests, url, host)
     results = {"environment": environment(dev)}
     for case in CASES:
         if case in chosen or ("all" in chosen and case not in NOT_IN_ALL):

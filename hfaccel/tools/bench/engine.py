@@ -11,6 +11,10 @@ modes alternate A B B A so that neither is favoured by going first or last. Repo
 to ``generate_batch``, and TTFT / inter-token latency percentiles where the path exposes them. A second table
 times the engine's decode step at batch 64 (the CUDA-graph replay the engine runs, or its eager forward
 without graphs) against reading the weights it touches once at the measured read bandwidth (a read-only kernel).
+
+``--host`` instead splits the host's time per engine step (``Engine.host_times``) at batch 1, 64 and 256:
+scheduling, metadata, launch, waiting for the device, detokenizing — what the device waits on when the host is
+slower than a step.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ from hfaccel.hf import accelerate, restore
 from hfaccel.sampling import SamplingParams
 from hfaccel.tools.bench.loadgen import percentiles_ms
 from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, weight_read_bytes
+from hfaccel.tools.assets import cached_smollm2
 from hfaccel.tools.models import build_model
 
 
 DECODE_BATCH = 64
 DECODE_CONTEXTS = (128, 1024)
+HOST_BATCHES = (1, 64, 256)
+HOST_PROMPT, HOST_OUTPUT = 16, 64  # tokens per request of the host-time workload
 
 
 @dataclass
@@ -58,6 +65,19 @@ class DecodeStepRow:
     step_ms: float
     weight_read_ms: float  # weight bytes a step reads / measured read bandwidth
     ratio: float  # step / weight read (goal on a GPU: <= 1.5)
+
+
+@dataclass
+class HostStepRow:
+    batch: int
+    steps: int
+    step_ms: float  # wall time per step
+    scheduling_ms: float
+    metadata_ms: float
+    launch_ms: float  # on a CPU this holds the forward's computation
+    waiting_ms: float
+    detokenizing_ms: float
+    other_ms: float  # the rest of the step (collecting bookkeeping, outputs)
 
 
 @dataclass
@@ -210,9 +230,57 @@ def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float
                       *percentiles_ms(itl))
 
 
+def bench_host(model, tokenizer, batches, device: torch.device) -> list[HostStepRow]:
+    """The engine's host time per step, split by part, serving ``batch`` requests at once (HOST_PROMPT-token prompts,
+    HOST_OUTPUT greedy tokens each) — timed on the second run of the workload, the first warming up."""
+    rows = []
+    for batch in batches:
+        work = make_workload(batch, (HOST_PROMPT, HOST_PROMPT), (HOST_OUTPUT, HOST_OUTPUT), model.config.vocab_size)
+        blocks = batch * -(-(HOST_PROMPT + HOST_OUTPUT) // 16) + 1
+        engine = Engine(model, tokenizer, max_num_seqs=batch, num_blocks=blocks, max_num_batched_tokens=max(
+            512, batch * HOST_PROMPT), enable_prefix_caching=False)
+        params = SamplingParams(max_tokens=HOST_OUTPUT, temperature=0, ignore_eos=True)
+        engine.generate(work.prompts, params)  # warm-up
+        engine.host_times.reset()
+        start = time.perf_counter()
+        outputs = engine.generate(work.prompts, params)
+        sync(device)
+        failed = [o.error for o in outputs if o.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {batch} requests failed in the host-time run: {failed[0]}")
+        times = engine.host_times
+        step_ms = (time.perf_counter() - start) * 1e3 / max(times.steps, 1)
+        parts = times.per_step_ms()
+        rows.append(HostStepRow(batch, times.steps, step_ms, *parts.values(), step_ms - sum(parts.values())))
+        del engine
+        gc.collect()
+    return rows
+
+
+def _host_tokenizer(model):
+    """SmolLM2's tokenizer when the cache holds it and it covers the model's vocabulary (its detokenization is
+    then part of the figures), else None (token ids only)."""
+    from transformers import AutoTokenizer
+
+    path = cached_smollm2()
+    if path is None:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer if len(tokenizer) >= model.config.vocab_size else None
+
+
 def run(options, console) -> dict:
     spec = options.model or ("llama-3.2-1b" if options.cuda else "tiny-llama")
     net = build_model(spec, options.device, options.dtypes[0])
+    if options.host:
+        accelerate(net, paged=False)
+        tokenizer = _host_tokenizer(net)
+        rows = [asdict(r) for r in bench_host(net, tokenizer, options.batches or HOST_BATCHES, options.device)]
+        detok = "with SmolLM2's tokenizer" if tokenizer is not None else "token ids only, no detokenization"
+        console.print(table(f"engine host time per step (ms), {spec}, {HOST_PROMPT}-token prompts, {HOST_OUTPUT} "
+                            f"greedy tokens, {detok}", rows))
+        restore(net)
+        return {"engine_host": rows}
     count = options.num_requests or (256 if options.cuda else 32)
     work = make_workload(count, (16, 512) if options.cuda else (8, 64), (16, 256) if options.cuda else (4, 32),
                          net.config.vocab_size)
