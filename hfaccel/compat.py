@@ -104,6 +104,18 @@ def dense_bool_mask(**mask_kwargs) -> torch.Tensor | None:
     return masking_utils.sdpa_mask(**mask_kwargs)
 
 
+def sdpa_mask(**mask_kwargs) -> torch.Tensor | None:
+    """transformers' ``sdpa`` mask function as it is (None where SDPA's ``is_causal`` or no mask computes it)."""
+    return masking_utils.sdpa_mask(**mask_kwargs)
+
+
+def sdpa_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention function as it is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def padding_mask(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
     """The 2-D padding mask ``[B, kv_offset + kv_length]`` indexed by absolute key position (or None)."""
     return masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)

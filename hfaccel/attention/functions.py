@@ -123,6 +123,19 @@ def kernel_mask(
                       causal=pattern.causal, sliding_window=pattern.sliding_window)
 
 
+def auto_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0, kv_offset: int = 0,
+              mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
+              use_vmap: bool = False, device: torch.device | str = "cpu", **kwargs):
+    """The ``auto`` backend's mask function: :func:`kernel_mask` where hfaccel's kernels run, transformers' ``sdpa``
+    mask where they do not (the CPU, MPS), for :func:`auto_attention` to hand to transformers' SDPA attention."""
+    arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, use_vmap=use_vmap, **kwargs)
+    if isinstance(attention_mask, KernelMask) or triton_can_run(device):
+        return kernel_mask(**arguments)
+    return compat.sdpa_mask(device=device, **arguments)
+
+
 def _one_query_mask(pattern: compat.MaskPattern, batch_size: int, kv_length: int, q_offset: torch.Tensor,
                     kv_offset: int, key_mask: torch.Tensor | None) -> KernelMask:
     """The mask of one query per row at position ``q_offset`` (a 0-d device tensor), with no host read: the
@@ -287,7 +300,13 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
 
 
 def auto_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention registered as ``hfaccel``: Triton where it can run, the torch reference elsewhere."""
+    """Attention registered as ``hfaccel``: hfaccel's Triton kernels where they run; elsewhere (the CPU, MPS)
+    transformers' own SDPA attention for dense calls (:func:`auto_mask` made its mask), the torch paths for what it
+    does not compute (softcap, KernelMasks), and the batched torch paged attention for paged calls."""
+    if (not isinstance(key, PagedKV) and not isinstance(attention_mask, KernelMask) and kwargs.get("softcap") is None
+            and kwargs.get("s_aux") is None and not triton_can_run(query.device)):
+        _record(module, SDPA)
+        return compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     return _attention("auto", module, query, key, value, attention_mask, **kwargs)
 
 
@@ -303,6 +322,7 @@ def torch_attention(module, query, key, value, attention_mask, **kwargs):
 
 # by kernel backend; each declares that it reads the paged pool (hfaccel.kv.hf_cache)
 ATTENTION_FUNCTIONS = {"auto": auto_attention, "triton": triton_attention, "torch": torch_attention}
+MASK_FUNCTIONS = {"auto": auto_mask, "triton": kernel_mask, "torch": kernel_mask}
 for _backend, _function in ATTENTION_FUNCTIONS.items():
     setattr(_function, PAGED_READER_ATTRIBUTE, _backend)
 
@@ -325,8 +345,8 @@ def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = softcap * torch.tanh(query @ key.transpose(-1, -2) * scale / softcap)
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None and mask.dtype == torch.bool:  # the lowest value, as transformers' eager: a query that sees
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # no key (padding) gets no NaN
     elif mask is not None:
         scores = scores + mask
     probs = F.dropout(torch.softmax(scores.float(), -1).to(value.dtype), p=dropout, training=dropout > 0)

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from transformers import PreTrainedModel
 
 from hfaccel import compat
-from hfaccel.attention.functions import ATTENTION_FUNCTIONS, PATHS_ATTRIBUTE, AttentionPaths, kernel_mask
+from hfaccel.attention.functions import ATTENTION_FUNCTIONS, MASK_FUNCTIONS, PATHS_ATTRIBUTE, AttentionPaths
 from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
 
 # hfaccel's attention implementations, by kernel backend
@@ -17,7 +17,7 @@ ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton"
 def register() -> None:
     """Register hfaccel's attention and mask functions under hfaccel's own names (idempotent)."""
     for backend, name in ATTENTION_NAMES.items():
-        compat.register_attention(name, ATTENTION_FUNCTIONS[backend], kernel_mask)
+        compat.register_attention(name, ATTENTION_FUNCTIONS[backend], MASK_FUNCTIONS[backend])
 
 
 def uses_hfaccel_attention(model: PreTrainedModel) -> bool:

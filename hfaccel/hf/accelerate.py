@@ -60,10 +60,12 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
 
     Args:
         model: a loaded transformers causal LM (anything ``AutoModelForCausalLM`` gives).
-        attention: ``"auto"`` — Triton on CUDA (and under ``TRITON_INTERPRET=1``), the torch reference on
-            other devices, decided per call so the model may move between devices; ``"triton"`` — always
-            the Triton kernels (a ``ValueError`` now if the model's device cannot run them); ``"torch"`` —
-            the pure-torch reference kernels.
+        attention: ``"auto"`` — the fastest exact path of the device, decided per call so the model may move
+            between devices: hfaccel's Triton kernels on CUDA (and under ``TRITON_INTERPRET=1``); elsewhere (the
+            CPU, MPS) transformers' own SDPA attention, with ``generate()`` on transformers' loop and cache
+            (measured faster there than hfaccel's decode loop; ``model.hfaccel.decode`` says so); ``"triton"`` —
+            always the Triton kernels (a ``ValueError`` now if the model's device cannot run them); ``"torch"`` —
+            the pure-torch reference kernels, for checking them.
         paged: ``generate()`` runs hfaccel's decode loop — the prompt packed into hfaccel's paged KV pool (no
             padding held), static decode steps that read K/V straight from its blocks, transformers' own logits
             processors and stopping criteria; what the loop cannot serve (beam search, ...) runs transformers'

@@ -77,6 +77,15 @@ class DecodeSession:
                          "(logged once per model and reason; model.hfaccel.decode says which loop served each call)",
                          type(self.model).__name__, reason)
 
+    def served_by_transformers_by_choice(self, reason: str) -> None:
+        """Record that transformers' loop serves the current call because it is the faster path here (not a
+        fallback: logged once per model at INFO)."""
+        self.info = DecodeInfo("transformers", reason)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            _log.info("hfaccel: generate() on %s runs transformers' decoding loop: %s", type(self.model).__name__,
+                      reason)
+
     def steps(self) -> str:
         """How the decode steps run (compiled, captured sizes, fallback reasons), or "not built yet"."""
         graphs = self.runner.graphs if self.runner is not None else None

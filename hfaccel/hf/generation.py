@@ -16,7 +16,9 @@ from typing import Callable
 import torch
 
 from hfaccel import compat
+from hfaccel.device import model_device
 from hfaccel.hf.decode import hfaccel_sample, left_padding
+from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache
 from hfaccel.sampling import token_ids
 
@@ -54,6 +56,10 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         return _assisted_generate(model, generate, args, kwargs)
     session = model.hfaccel.session
+    faster = _transformers_is_faster(model)
+    if faster is not None:
+        session.served_by_transformers_by_choice(faster)
+        return generate(*args, **kwargs)
     cache = compat.given_cache(kwargs)
     shape = request_shape(model, args, kwargs)
     reason = _loop_leaves(model, kwargs, cache, shape)
@@ -73,6 +79,18 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     kwargs[compat.generate_cache_argument()] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
                                            left_padding=_left_padding(kwargs.get("attention_mask"), rows))
     return generate(*args, **kwargs)
+
+
+def _transformers_is_faster(model) -> str | None:
+    """Why transformers' own loop and cache serve this model's calls as the faster path, or None. Where hfaccel's
+    kernels do not run (the CPU without Triton, MPS), ``auto`` attention is transformers' SDPA and transformers'
+    loop over its DynamicCache was measured faster than hfaccel's decode loop over the paged pool (SmolLM2-135M fp32
+    on a 2-core CPU: 0.78x at batch 1, 0.81x at a padded batch of 4; compiled, 0.55x), so it serves them; the
+    ``torch`` backend keeps hfaccel's loop (the reference kernels, for checking)."""
+    device = model_device(model)
+    if model.hfaccel.attention != "auto" or resolve_backend("auto", device) != "torch":
+        return None
+    return f"the faster path on {device.type}, where hfaccel's kernels do not run (its attention: transformers' sdpa)"
 
 
 def _tell_padding(cache: PagedCache, mask: torch.Tensor | None, rows: int) -> None:

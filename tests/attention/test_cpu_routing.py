@@ -1,13 +1,14 @@
 """Where hfaccel's kernels do not run (a CPU without the Triton interpreter, MPS), ``auto`` attention serves every
-dense call by torch SDPA as transformers' ``sdpa`` computes it, never by the torch reference kernels (those are for
-checking: the ``torch`` backend); the tokens stay transformers'."""
+dense call by transformers' own SDPA attention and mask, never by the torch reference kernels (those are for
+checking: the ``torch`` backend), and ``generate()`` runs transformers' loop and cache, measured faster there than
+hfaccel's decode loop; ``model.hfaccel`` says so. The tokens stay transformers'."""
 
 import pytest
 import torch
 
 import hfaccel
 from hfaccel.attention import functions
-from hfaccel.attention.functions import FLASH, SDPA, KernelMask
+from hfaccel.attention.functions import FLASH, SDPA, TORCH, KernelMask
 from hfaccel.kernels import flash_attention_reference
 from tests.kernels.helpers import assert_close
 from tests.models import ARCHITECTURES, padded_batch, tiny_model
@@ -52,7 +53,17 @@ def test_auto_attention_on_a_cpu_is_sdpa_and_gives_transformers_tokens(no_triton
     with torch.no_grad():
         model(**batch)  # a dense forward: a padded prefill
     counts = model.hfaccel.attention_paths.counts
-    assert counts[SDPA] > 0 and not any(path.startswith(FLASH) or path == "torch" for path in counts), counts
+    served = {TORCH} if arch == "gemma2" else {SDPA}  # logit softcapping: the eager formula, as transformers runs it
+    assert set(counts) == served, counts
+    decode = model.hfaccel.decode
+    assert decode.path == "transformers" and "faster path on cpu" in decode.reason, decode
+
+
+def test_the_torch_backend_keeps_hfaccels_loop(no_triton):
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    batch = padded_batch()
+    model.generate(**batch, **GREEDY)
+    assert model.hfaccel.decode.path == "hfaccel"
 
 
 def test_the_torch_backend_keeps_the_reference_kernels(no_triton):

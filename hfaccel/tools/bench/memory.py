@@ -11,6 +11,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.hf import accelerate, restore
+from hfaccel.kernels.runtime import triton_can_run
 from hfaccel.tools.bench.timing import table
 from hfaccel.tools.models import build_model
 
@@ -58,7 +59,8 @@ def memory_comparison(model, lengths: list[int], new_tokens: int = NEW_TOKENS) -
         out = model.generate(**batch, return_dict_in_generate=True, **args, **extra)
         rows.append(MemoryRow(name, _cache_bytes(compat.output_cache(out)), 0.0))
         del out
-    accelerate(model)
+    # hfaccel's loop and pool: where its kernels do not run, "auto" leaves generate() to transformers' loop
+    accelerate(model, attention="auto" if triton_can_run(model.device) else "torch")
     model.generate(**batch, **args)
     pool = model.hfaccel.session.runner.pool
     peak = pool.manager.peak_used_blocks * pool.block_bytes()
