@@ -37,8 +37,8 @@ from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
-    IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenLogprob,
-    eos_token_ids, sample,
+    IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
+    TokenLogprob, eos_token_ids, sample,
 )
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -106,6 +106,7 @@ class Engine:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self.host_times = HostTimes(self.runner)
+        self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
@@ -323,7 +324,7 @@ class Engine:
     def _failing_alone(self, chunks: list[ScheduledChunk]) -> dict[Request, Exception]:
         """The requests whose chunks' forward and sampling raise when run alone, and their errors. Nothing is
         committed: the K/V the forwards write are written again by the step that counts, and a seeded row's
-        number depends only on (seed, token index), so a trial draw changes nothing."""
+        noise depends only on its key (seed, completion, token index), so a trial draw changes nothing."""
         by_request: dict[Request, list[ScheduledChunk]] = {}
         for chunk in chunks:
             by_request.setdefault(chunk.seq.request, []).append(chunk)
@@ -414,12 +415,13 @@ class Engine:
         if rows != list(range(logits.shape[0])):
             logits = logits[to_device(rows, torch.long, logits.device)]
         sample_rows = [SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
-                                 counter=len(seq.output.token_ids) + seq.num_pending) for seq in seqs]
+                                 counter=len(seq.output.token_ids) + seq.num_pending, stream=seq.index,
+                                 key=seq.seq_id) for seq in seqs]
         pending = None  # the penalties count a token still in flight
         if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
             previous = self._in_flight[-1]
             pending = previous.tokens([previous.row_of[s.seq_id] if s.num_pending else -1 for s in seqs])
-        return sample(logits, sample_rows, pending)
+        return sample(logits, sample_rows, pending, self._token_counts)
 
     def _register_fork(self, parent: Seq, child: Seq) -> None:
         self.scheduler.manager.fork(parent.seq_id, child.seq_id)
@@ -506,6 +508,7 @@ class Engine:
         if seq.detokenizer is not None and not isinstance(stop_reason, str) and reason != "error":
             seq.detokenizer.flush()  # a stop string already cut the text
         self.scheduler.finish(seq)
+        self._token_counts.release(seq.seq_id)
         if seq.request.finished:
             seq.request.metrics.finished_time = time.perf_counter()
 
@@ -518,9 +521,9 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)  # or the context ends it
         stopper = StopChecker(stop_ids, detokenizer, budget)
-        seed = None if params.seed is None else (params.seed + 7919 * index) % (1 << 63)  # a stream per completion
         output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, seed)
+        # the completion's stream: the request's seed with its index (SampleRow.stream)
+        return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, params.seed)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

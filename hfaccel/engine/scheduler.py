@@ -47,7 +47,7 @@ class Sequence:
     token_ids: list[int]
     output: CompletionOutput
     stopper: StopChecker | None  # None: the scheduler's own tests, which never sample
-    seed: int | None  # the completion's random stream (SampleRow.seed)
+    seed: int | None  # the request's seed (SampleRow.seed; the completion's index keys its stream)
     num_computed: int = 0
     status: Status = Status.WAITING
     num_pending: int = 0

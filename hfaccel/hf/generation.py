@@ -206,6 +206,7 @@ def generate_arguments(model, args: tuple, kwargs: dict) -> dict | str:
         "do_sample": bool(value("do_sample")), "temperature": float(value("temperature") or 1.0),
         "top_p": float(value("top_p") or 1.0), "top_k": value("top_k"), "eos_token_id": value("eos_token_id"),
         "pad_token_id": value("pad_token_id"), "stop_strings": value("stop_strings"), "tokenizer": tokenizer,
+        "seed": kwargs.get("seed"),
     }
 
 

@@ -35,7 +35,15 @@ class SamplingParams:
         stop: up to 16 strings that end the output when they appear (cut from the text, even across token
             boundaries).
         stop_token_ids: token ids that end the output (the model's EOS tokens always do unless ``ignore_eos``).
-        seed: makes this request's sampling reproducible whatever else runs in the same batch (any int).
+        seed: any int; makes this request's sampling reproducible. Its random numbers are a fixed function of
+            (seed, completion index, output position, token id) — the same on any device, in any batch, after
+            preemption, across restarts — and each token is drawn by an exponential race that depends on the
+            logits only through which candidate wins. So the same seed, prompt and parameters on the same model,
+            dtype and device give the same tokens alone or in any batch, after preemption and across restarts;
+            where a batch rounds the logits differently, a token can change only at a near-tie of the race as
+            close as that rounding (about half the rounding's size, in logits at temperature 1, per token:
+            negligible in fp32). Another GPU model, dtype or kernel version computes other logits: not covered.
+            The n completions of a request each have their own stream. None: torch's global generator.
         n: completions per prompt; they share the prompt's KV blocks.
         logprobs: return the chosen token's log-probability and this many top alternatives (None: none).
         skip_special_tokens: leave special tokens out of the text.

@@ -2,10 +2,21 @@
 
 Order per row (as vLLM / transformers): repetition, frequency and presence penalties on the logits; greedy
 rows take the argmax; the others draw from the distribution of ``hfaccel.sampling.warpers`` (temperature,
-top-k, top-p, min-p) by inverse CDF with one uniform number per row. A seeded row's number is a counter-based
-hash of (seed, index of the token in its output) computed on the device (:func:`seeded_uniforms`): its tokens do
-not depend on what else is in the batch, on preemption or on scheduling, and no generator state exists to
-break a CUDA graph capture. Log-probabilities are those of the model's distribution after penalties.
+top-k, top-p, min-p) by an exponential race over the vocabulary in token order (:func:`race`): token =
+argmax(p_i / e_i), with ``p`` the warped probabilities (0 for filtered tokens) and ``e_i`` independent Exp(1)
+noise, picks token ``i`` with probability exactly ``p_i / sum(p)`` (the Gumbel-max trick).
+
+A seeded row's noise is a counter-based hash of (seed, stream, index of the token in the output, token id)
+computed on the device (:func:`keyed_noise`; the stream is the completion's index among a request's ``n``): no
+generator state exists to break a CUDA graph capture, and the drawn token depends on the logits only through
+which token wins the race. Float rounding that differs from batch to batch changes it only at a near-tie of
+two tokens' ``p_i / e_i`` as close as the rounding — not, as a sorted inverse CDF would, whenever near-equal
+probabilities swap places or a cumulative sum moves past the drawn number. So, but for such near-ties, a seeded
+row's tokens do not depend on the batch, on preemption or on scheduling (``SamplingParams.seed`` says exactly
+what is promised). Unseeded rows race with Exp(1) noise from torch's global generator
+(:func:`global_noise`). Speculative decoding draws with the same functions and keys (``purpose`` tells its
+acceptance numbers and residual draws apart from the draws). Log-probabilities are those of the model's
+distribution after penalties.
 
 ``sample`` only queues work: host lists reach the device by non-blocking copies and the result stays on the
 device (``SampledTokens``) until the engine asks for it, so the engine can queue the next step first. A row
@@ -14,14 +25,19 @@ whose previous token is still in flight passes it in ``pending`` (device tensor)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from hfaccel.device import to_device
 from hfaccel.sampling.params import SamplingParams, TokenLogprob
-from hfaccel.sampling.warpers import Warping, inverse_cdf, sorted_distribution
+from hfaccel.sampling.penalties import TokenCounts
+from hfaccel.sampling.warpers import Warping, kept_probabilities
+
+# What a seeded number is for (one of its key's parts): a token's draw (the engine's, and speculative decoding's
+# drafts and bonus tokens), speculative decoding's acceptance test of a drafted token, its draw after a rejection.
+DRAW, ACCEPT, RESIDUAL = 0, 1, 2
 
 
 @dataclass
@@ -29,10 +45,12 @@ class SampleRow:
     """One row to sample: its params, random stream and the tokens the penalties look at."""
 
     params: SamplingParams
-    seed: int | None  # the row's stream (0 <= seed < 2**63); None: the global generator
+    seed: int | None  # the request's seed (any int, see ``seed_key``); None: the global generator
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # the output tokens the host knows (see ``pending`` for one more)
-    counter: int = 0  # index in the output of the token drawn now (keys a seeded row's number)
+    counter: int = 0  # index in the output of the token drawn now (keys a seeded row's noise)
+    stream: int = 0  # which of the seed's streams: the completion's index among the request's n (keys it too)
+    key: Hashable | None = None  # whose token counts the penalties read, with ``sample(counts=...)``
 
 
 @dataclass
@@ -74,14 +92,17 @@ class SampledTokens:
         return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None = None) -> SampledTokens:
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None = None,
+           counts: TokenCounts | None = None) -> SampledTokens:
     """``logits [R, V]`` -> one token per row (and its logprobs where the row asked for them), on the device.
 
     ``pending [R]`` (int64, on the device): a token each row has generated that ``output_ids`` does not hold
-    yet (still in flight), or -1; the penalties count it.
+    yet (still in flight), or -1; the penalties count it. ``counts``: the penalized rows' token counts kept on the
+    device across calls (the engine's; rows keyed by ``SampleRow.key``), so that a call sends up only the tokens
+    new since the last; without it they are counted from the rows' token lists for this call alone.
     """
     logits = logits.float()
-    logits = _apply_penalties(logits, rows, pending)
+    logits = _apply_penalties(logits, rows, pending, counts)
     tokens = logits.argmax(-1)  # [R]
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:
@@ -90,66 +111,96 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tenso
     return _with_logprobs(SampledTokens(tokens), logits, rows)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None,
+                     counts: TokenCounts | None) -> torch.Tensor:
     """Repetition (on every token of the prompt and output), frequency and presence (on output counts)."""
     penalized = [i for i, row in enumerate(rows) if row.params.penalized]
     if not penalized:
         return logits
     device, vocab = logits.device, logits.shape[-1]
+    if counts is None:
+        counts, keys = TokenCounts(vocab, device, rows=len(penalized)), penalized
+    else:
+        keys = [rows[i].key for i in penalized]
+    table = counts.rows(keys, [rows[i].prompt_ids for i in penalized], [rows[i].output_ids for i in penalized])
+    output = counts.output[table]  # [P, V]: a copy, the pending tokens added to it alone
     params = [rows[i].params for i in penalized]
-    index = to_device(penalized, torch.long, device)
-    counts = _token_counts([rows[i].output_ids for i in penalized], vocab, device)  # [P, V]
+    host = [penalized, [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params]]
+    index, repetition, frequency, presence = to_device(host, torch.float32, device)  # [4, P]: one copy
+    index = index.long()  # row indices, exact in float32
     if pending is not None:
         extra = pending[index]  # [P]
-        counts.scatter_add_(1, extra.clamp(min=0)[:, None], (extra >= 0).float()[:, None])
-    seen = _token_counts([rows[i].prompt_ids for i in penalized], vocab, device) + counts > 0  # [P, V]
-    repetition = to_device([p.repetition_penalty for p in params], torch.float, device)[:, None]
-    frequency = to_device([p.frequency_penalty for p in params], torch.float, device)[:, None]
-    presence = to_device([p.presence_penalty for p in params], torch.float, device)[:, None]
+        output.scatter_add_(1, extra.clamp(min=0)[:, None], (extra >= 0).float()[:, None])
+    seen = counts.prompt[table] | (output > 0)  # [P, V]
+    repetition, frequency, presence = (v[:, None] for v in (repetition, frequency, presence))  # [P, 1] each
     values = logits[index]  # [P, V]
     values = torch.where(seen, torch.where(values < 0, values * repetition, values / repetition), values)
-    values = values - (frequency * counts + presence * (counts > 0).float())
+    values = values - (frequency * output + presence * (output > 0).float())
     logits = logits.clone()
     logits[index] = values
     return logits
 
 
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[len(token_lists), vocab]`` float counts of each token in each list (one copy to the device)."""
-    rows = [r for r, tokens in enumerate(token_lists) for _ in tokens]
-    flat = [t for tokens in token_lists for t in tokens]
-    counts = torch.zeros(len(token_lists), vocab, device=device)
-    if flat:
-        index = to_device([rows, flat], torch.long, device)  # [2, N]
-        counts.index_put_((index[0], index[1]), torch.ones(len(flat), device=device), accumulate=True)
-    return counts
-
-
 def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Inverse-CDF sampling of ``logits [R, V]`` after each row's temperature / top-k / top-p / min-p."""
+    """Exponential race over ``logits [R, V]`` after each row's temperature / top-k / top-p / min-p -> ``[R]``."""
     warping = Warping.of([row.params for row in rows], logits.shape[-1], logits.device)
-    kept, order = sorted_distribution(logits, warping)  # [R, V] each
-    pick = inverse_cdf(kept, _uniforms(rows, logits.device))  # [R]
-    return order.gather(1, pick[:, None])[:, 0]
+    return race(kept_probabilities(logits, warping), _noise(rows, logits.shape[-1], logits.device))
 
 
-def _uniforms(rows: Sequence[SampleRow], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) number per row: keyed by (seed, counter) when seeded, else from the global generator."""
-    values = torch.rand(len(rows), device=device)
+def _noise(rows: Sequence[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
+    """The rows' race noise ``[R, V]``: keyed for seeded rows, from the global generator for the others."""
     seeded = [i for i, row in enumerate(rows) if row.seed is not None]
-    if seeded:
-        keys = to_device([[rows[i].seed for i in seeded], [rows[i].counter for i in seeded], seeded], torch.long,
-                         device)  # [3, S]: seeds, counters, rows
-        values[keys[2]] = seeded_uniforms(keys[0], keys[1])
-    return values
+    if not seeded:
+        return global_noise(len(rows), vocab, device)
+    keys = to_device([[seed_key(rows[i].seed) for i in seeded], [rows[i].stream for i in seeded],
+                      [rows[i].counter for i in seeded]], torch.long, device)  # [3, S]: seeds, streams, counters
+    noise = keyed_noise(keys[0], keys[1], keys[2], vocab)  # [S, V]
+    if len(seeded) == len(rows):
+        return noise
+    unseeded = [i for i, row in enumerate(rows) if row.seed is None]
+    noise = torch.cat([noise, global_noise(len(unseeded), vocab, device)])  # [R, V]: seeded rows, then the others
+    return torch.empty_like(noise).index_copy_(0, to_device(seeded + unseeded, torch.long, device), noise)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: per row of ``weights [R, V]`` (>= 0, any total, at least one > 0) and Exp(1)
+    ``noise [R, V]`` (> 0), the index of the largest ``weights / noise`` -> ``[R]`` int64. Index ``i`` wins with
+    probability ``weights[i] / sum(weights)``, never where its weight is 0."""
+    return (weights / noise).argmax(-1)
+
+
+def global_noise(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) race noise ``[rows, vocab]`` (float32, > 0) from torch's global generator of ``device``."""
+    noise = torch.empty(rows, vocab, device=device).exponential_()
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # never 0: a weight of 0 must not score 0 / 0
+
+
+def keyed_noise(seeds: torch.Tensor | int, streams: torch.Tensor | int, counters: torch.Tensor, vocab: int,
+                purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
+    """Exp(1) race noise ``[S, vocab]`` (float32, > 0) of ``S`` keyed rows: ``counters [S]`` (int64, on the
+    device the noise is made on) and ``seeds``, ``streams``, ``purpose`` (``[S]`` or one int for every row); entry
+    ``(s, i)`` is keyed by (seed, stream, purpose, counter, token ``i``) — :func:`seeded_uniforms`."""
+    column = lambda key: key[:, None] if isinstance(key, torch.Tensor) else key  # noqa: E731  [S] -> [S, 1]
+    tokens = torch.arange(vocab, device=counters.device)  # [V]
+    uniforms = seeded_uniforms(column(seeds), column(counters), tokens, streams=column(streams),
+                               purpose=column(purpose))  # [S, V]
+    return -torch.log1p(-uniforms)  # small numbers, the race's winners, from the finely spaced uniforms near 0
+
+
+def seed_key(seed: int) -> int:
+    """The int64 that keys a seed's numbers: any Python int, modulo 2**64, as a signed 64-bit value."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 _M32 = 0xFFFFFFFF
+_START = 0x9E3779B9  # the hash's starting state: with 0, the key of all zeros would hash to 0 (u = 2**-33)
+_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
     """A 32-bit integer hash (xorshift-multiply rounds, constants < 2**31 so int64 products never overflow) of
-    ``x`` in [0, 2**32)."""
+    ``x`` in [0, 2**32) (a tensor or a Python int)."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & _M32
     x = x ^ (x >> 15)
@@ -157,13 +208,22 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def seeded_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """U[0, 1) float32 numbers, one per (seed, counter) pair (int64 tensors, seeds in [0, 2**63), counters >= 0):
-    a counter-based generator — the same pair gives the same number on any device, in any batch."""
-    x = _mix32((seeds >> 32) & _M32)
+def seeded_uniforms(seeds: torch.Tensor | int, counters: torch.Tensor | int, tokens: torch.Tensor | int = 0, *,
+                    streams: torch.Tensor | int = 0, purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
+    """U(0, 1) float32 numbers, one per key (seed, stream, purpose, counter, token): int64 tensors or ints that
+    broadcast together (at least one a tensor), seeds any int64 (:func:`seed_key`), the others in [0, 2**32). A
+    counter-based generator: the same key gives the same number on any device, in any batch, with no state.
+
+    The hash of (seed, stream, purpose, counter) is a bijection of the counter for the rest fixed (a row's
+    output indices never share numbers); a row's tokens get two more rounds, so that rows whose keys differ by
+    a xor are not permutations of each other. 32 random bits: the numbers near 0 are as fine as 2**-33."""
+    x = _mix32(((seeds >> 32) & _M32) ^ _START)
     x = _mix32(x ^ (seeds & _M32))
-    x = _mix32(x ^ (counters & _M32))
-    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 random bits: every float32 in [0, 1) step
+    x = _mix32(x ^ streams)
+    x = _mix32(x ^ purpose)
+    x = _mix32(x ^ counters)
+    x = _mix32(_mix32(x ^ tokens) ^ x)
+    return ((x.to(torch.float32) + 0.5) * 2.0 ** -32).clamp_max(_BELOW_ONE)  # in (0, 1): log1p(-u) finite
 
 
 def _with_logprobs(result: SampledTokens, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledTokens:

@@ -6,9 +6,9 @@ included); top-p keeps the most likely tokens while the mass before them, renorm
 below ``top_p``; min-p keeps the tokens with at least ``min_p`` times the top probability. The most likely token
 always survives. The survivors are a prefix of the tokens sorted by probability.
 
-The engine's sampler draws from the sorted survivors (:func:`sorted_distribution`); speculative decoding needs
-the distribution itself, in vocabulary order (:func:`probabilities`), to accept or reject drafted tokens. Both
-draw by inverse CDF with one uniform number per row (:func:`inverse_cdf`).
+The sampler races the survivors in vocabulary order (:func:`kept_probabilities`, see ``hfaccel.sampling.sampler``);
+speculative decoding needs the renormalised distribution (:func:`probabilities`) to accept or reject drafted
+tokens, and draws from it by the same race.
 """
 
 from __future__ import annotations
@@ -41,23 +41,24 @@ class Warping:
             min_p=to_device([p.min_p for p in params], torch.float, device),
         )
 
-    def repeat_interleave(self, repeats: int) -> Warping:
-        """Each row's values ``repeats`` times in a row (several positions of one sequence)."""
-        return Warping(*(t.repeat_interleave(repeats) for t in (self.temperature, self.top_k, self.top_p, self.min_p)))
+    def expand(self, rows: int) -> Warping:
+        """A one-row warping's values for ``rows`` rows (a view: nothing is copied or sent to the device)."""
+        return Warping(*(t.expand(rows) for t in (self.temperature, self.top_k, self.top_p, self.min_p)))
 
 
-def sorted_distribution(logits: torch.Tensor, warping: Warping) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [R, V]`` -> (``kept [R, V]``: the probabilities sorted in descending order, 0 for filtered
-    tokens, not renormalised; ``order [R, V]``: the token id at each sorted position)."""
-    probs = torch.softmax(logits.float() / warping.temperature[:, None], -1)
-    sorted_probs, order = probs.sort(-1, descending=True)  # [R, V]
-    return sorted_probs * keep_mask(sorted_probs, warping), order
+def kept_probabilities(logits: torch.Tensor, warping: Warping) -> torch.Tensor:
+    """``logits [R, V]`` -> ``[R, V]``: the probabilities after temperature, in vocabulary order, 0 for the
+    tokens top-k / top-p / min-p filter out, not renormalised."""
+    probs = torch.softmax(logits.float() / warping.temperature[:, None], -1)  # [R, V]
+    sorted_probs, order = probs.sort(-1, descending=True)  # [R, V] each
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_mask(sorted_probs, warping))
+    return probs * keep
 
 
 def probabilities(logits: torch.Tensor, warping: Warping) -> torch.Tensor:
     """The renormalised sampling distribution ``[R, V]`` (vocabulary order) of ``logits [R, V]``."""
-    kept, order = sorted_distribution(logits, warping)
-    return torch.zeros_like(kept).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))
+    kept = kept_probabilities(logits, warping)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def keep_mask(sorted_probs: torch.Tensor, warping: Warping) -> torch.Tensor:
@@ -73,11 +74,3 @@ def keep_mask(sorted_probs: torch.Tensor, warping: Warping) -> torch.Tensor:
     keep[:, 0] = True
     return keep
 
-
-def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Per row of ``weights [R, V]`` (non-negative, any total), the index whose CDF interval holds
-    ``uniform [R]`` (in [0, 1)) times the row's total -> ``[R]`` int64. Never an index of weight 0."""
-    cdf = weights.cumsum(-1)  # [R, V]
-    pick = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]  # [R]
-    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(-1)  # rounding never passes it
-    return torch.minimum(pick, last)

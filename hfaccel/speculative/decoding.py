@@ -5,7 +5,15 @@ target's distribution (Leviathan et al. 2023, Chen et al. 2023): drafted token `
 probability ``min(1, p(d) / q(d))``; at the first rejection the token is drawn from
 ``normalize(max(p - q, 0))``; when all drafts pass, one bonus token is drawn from ``p``. ``p`` and ``q`` are
 the target's and drafter's distributions after the same warpers (``hfaccel.sampling.warpers``: temperature,
-top-k, top-p, as ``generate`` applies them), and every draw is the sampler's inverse CDF.
+top-k, top-p, as ``generate`` applies them), and every draw is the sampler's exponential race.
+
+Seeded, the random numbers are the engine's (``hfaccel.sampling.sampler``): row ``i`` of a call is stream ``i`` of
+the seed — completion ``i`` of an Engine request with that seed — and the token at output index ``t`` is drafted
+(or, after all drafts passed, drawn) with the noise the engine's sampler draws it with; the acceptance test and
+the draw after a rejection take their own numbers keyed by the same (seed, row, ``t``). So with a draft that
+agrees with the target (draft = target) every draft is accepted and the tokens are the engine's, and a rounding
+difference changes a token only where the engine's own draw is a near-tie. Every number depends on its key only:
+what other rows or steps do changes none.
 
 Batched: every row is its own sequence of the target's and the draft model's :class:`ModelRunner` (packed
 forwards, no padding), so each row accepts its own number of tokens per step, and the rejected tail of a
@@ -31,7 +39,8 @@ from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER
 from hfaccel.sampling import (
-    IncrementalDetokenizer, SamplingParams, StopChecker, Warping, inverse_cdf, probabilities, token_ids,
+    ACCEPT, DRAW, RESIDUAL, IncrementalDetokenizer, SamplingParams, StopChecker, Warping, global_noise, keyed_noise,
+    probabilities, race, seed_key, seeded_uniforms, token_ids,
 )
 
 
@@ -105,9 +114,13 @@ class _Drafts:
     probs: torch.Tensor | None  # [R, K, V] fp32 drafter distribution, or None: drafts are deterministic
 
 
+_Keys = tuple[torch.Tensor, torch.Tensor]  # a seeded call's rows' streams and output indices, [R] each
+
+
 class _Sampler:
-    """Greedy or warped sampling for one call: the sampler's warpers and inverse-CDF draws, with one seeded
-    generator per device when a seed is given."""
+    """Greedy or warped sampling for one call: the sampler's warpers (built once per device) and its exponential
+    race, with the engine's keyed numbers when a seed is given (module docstring) and the global generator's
+    otherwise."""
 
     def __init__(self, do_sample: bool, temperature: float, top_k: int | None, top_p: float, seed: int | None):
         if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
@@ -115,28 +128,41 @@ class _Sampler:
         self.do_sample = do_sample
         self.params = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_k=top_k,
                                      top_p=float(top_p)) if do_sample else None
-        self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device).manual_seed(self.seed + len(self._generators))
-        return self._generators[device]
-
-    def uniform(self, *shape: int, device: torch.device) -> torch.Tensor:
-        return torch.rand(*shape, device=device, generator=self.generator(device))
+        self.seed = None if seed is None else seed_key(seed)
+        self._warpings: dict[torch.device, Warping] = {}
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [..., V]`` -> the sampling distribution ``[..., V]`` (fp32)."""
         flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-        warping = Warping.of([self.params] * flat.shape[0], flat.shape[-1], flat.device)
-        return probabilities(flat, warping).reshape(logits.shape)
+        if flat.device not in self._warpings:
+            self._warpings[flat.device] = Warping.of([self.params], flat.shape[-1], flat.device)
+        return probabilities(flat, self._warpings[flat.device].expand(flat.shape[0])).reshape(logits.shape)
 
-    def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per row of a distribution ``probs [N, V]`` -> ``[N]``."""
-        return inverse_cdf(probs, self.uniform(probs.shape[0], device=probs.device))
+    def keys(self, rows: list[_Row], device: torch.device) -> _Keys | None:
+        """A seeded call's keys on ``device``: each row's stream (its index in the batch) and the output index of
+        its next token, ``[R]`` each; None when unseeded or greedy (nothing to key)."""
+        if self.seed is None or not self.do_sample:
+            return None
+        streams, counters = to_device([[row.index for row in rows], [len(row.generated) for row in rows]],
+                                      torch.long, device)  # [2, R]
+        return streams, counters
+
+    def draw(self, probs: torch.Tensor, keys: _Keys | None, purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
+        """One token per row of a distribution ``probs [N, V]`` -> ``[N]``; ``keys``: each row's stream and the
+        output index of the token drawn, ``[N]`` each (None: the global generator's noise)."""
+        rows, vocab = probs.shape
+        noise = (global_noise(rows, vocab, probs.device) if keys is None
+                 else keyed_noise(self.seed, *keys, vocab, purpose))  # [N, V]
+        return race(probs, noise)
+
+    def acceptance(self, keys: _Keys | None, rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """U(0, 1) numbers ``[R, K]`` for the acceptance tests of each row's drafts (output indices ``keys[1]``
+        to ``keys[1] + K - 1``)."""
+        if keys is None:
+            return torch.rand(rows, width, device=device)
+        streams, counters = keys
+        counters = counters[:, None] + torch.arange(width, device=device)  # [R, K]
+        return seeded_uniforms(self.seed, counters, streams=streams[:, None], purpose=ACCEPT)
 
 
 class SpeculativeRunners:
@@ -204,12 +230,14 @@ class _ModelDrafter:
         if not live:
             return _Drafts(drafted.to(self.target_device), counts, None)
         draft_probs = []
+        keys = sampler.keys(rows, device)  # the rows' streams and output indices, or None
         logits = runner.forward([rows[i].index for i in live],
                                 to_device([t for i in live for t in pending[i]], torch.long, device),
                                 [len(pending[i]) for i in live])
         for step in range(width):
-            tokens, probs = self._draw(logits, sampler)  # [R'], [R', V] or None
             where = to_device(live, torch.long, device)  # [R']: the drafting rows
+            step_keys = None if keys is None else (keys[0][where], keys[1][where] + step)  # [R'] each
+            tokens, probs = self._draw(logits, sampler, step_keys)  # [R'], [R', V] or None
             drafted[:, step].index_copy_(0, where, tokens)
             if probs is not None:
                 draft_probs.append(probs.new_zeros(len(rows), probs.shape[-1]).index_copy_(0, where, probs))
@@ -225,11 +253,14 @@ class _ModelDrafter:
             probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
         return _Drafts(drafted.to(self.target_device), counts, probs)
 
-    def _draw(self, logits: torch.Tensor, sampler: _Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @staticmethod
+    def _draw(logits: torch.Tensor, sampler: _Sampler,
+              keys: _Keys | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafted tokens ``[R']`` of ``logits [R', V]`` and their distribution (None: greedy)."""
         if not sampler.do_sample:
             return logits.argmax(-1), None
         probs = sampler.probs(logits)  # [R', V]
-        return sampler.draw(probs), probs
+        return sampler.draw(probs, keys), probs
 
     def accept(self, row: _Row, kept: int) -> None:
         """The row now holds ``kept`` tokens that the draft cache may still vouch for."""
@@ -276,12 +307,14 @@ def lookup_continuation(tokens: Sequence[int], max_ngram: int, count: int) -> li
     return []
 
 
-def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler,
+           keys: _Keys | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept or reject each row's drafts against the target, on the device; returns (accepted count, next
     token) per row, ``[R]`` each.
 
     ``target_probs [R, K + 1, V]``: logits (greedy) or warped probabilities (sampling) at each drafted
-    position and one past the last.
+    position and one past the last. ``keys``: a seeded call's rows' streams and output indices of their first
+    drafts (:meth:`_Sampler.keys`).
     """
     rows, width = drafts.tokens.shape
     device = target_probs.device
@@ -294,14 +327,15 @@ def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler) -> tu
     p_draft = target_probs[:, :width].gather(2, drafts.tokens[..., None])[..., 0]  # [R, K]
     q_draft = (torch.ones_like(p_draft) if drafts.probs is None
                else drafts.probs.gather(2, drafts.tokens[..., None])[..., 0])
-    uniform = sampler.uniform(rows, width, device=device)
+    uniform = sampler.acceptance(keys, rows, width, device)  # [R, K]
     accepted = _leading_true((uniform * q_draft <= p_draft) & valid)  # accept with probability min(1, p/q)
     p_next = target_probs[torch.arange(rows, device=device), accepted]  # [R, V]
+    rejected = accepted < counts  # [R]: the next token replaces a rejected draft (else it follows the last)
     if width:
-        rejected = accepted < counts
         q_next = _draft_probs_at(drafts, accepted, p_next.shape[-1])
         p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    return accepted, sampler.draw(p_next)
+    next_keys = None if keys is None else (keys[0], keys[1] + accepted)  # [R] each
+    return accepted, sampler.draw(p_next, next_keys, torch.where(rejected, RESIDUAL, DRAW))
 
 
 def _outcomes(drafts: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -386,7 +420,8 @@ def speculative_generate(
         eos_token_id, pad_token_id: default from the model's generation config; a row stops after EOS and
             is padded with ``pad_token_id``.
         stop_strings, tokenizer: a row also stops after the token that completes one of these strings.
-        seed: seeds the sampling generators (one per device) for a reproducible call.
+        seed: any int: sampling with the Engine's seeded numbers — row ``i`` draws as completion ``i`` of an Engine
+            request with this seed (module docstring); None: torch's global generator.
         compile: the target's verification steps and the draft model's one-token steps run as the runners'
             static steps (CUDA graphs on CUDA), compiled with ``torch.compile`` when True or ``"auto"`` on CUDA.
         runners: a :class:`SpeculativeRunners` that keeps the runners (pools, compiled and captured steps) for
@@ -449,7 +484,8 @@ def _step(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k: 
     drafts = drafter.propose(rows, counts, sampler)
     middle = clock.now()
     target_probs = _verify_forward(target, rows, drafts, sampler)  # [R, K + 1, V]
-    outcomes = _outcomes(drafts.tokens, *verify(target_probs, drafts, sampler)).tolist()  # R lists of K + 2
+    verdict = verify(target_probs, drafts, sampler, sampler.keys(rows, target.device))
+    outcomes = _outcomes(drafts.tokens, *verdict).tolist()  # R lists of K + 2
     stats.draft_seconds += middle - start
     stats.verify_seconds += clock.now() - middle
     accepted = [outcome[-1] for outcome in outcomes]

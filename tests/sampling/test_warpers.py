@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hfaccel.sampling import SamplingParams, Warping, inverse_cdf, keep_mask, probabilities
+from hfaccel.sampling import SamplingParams, Warping, keep_mask, probabilities
 from tests.sampling.reference import transformers_probabilities
 
 
@@ -52,9 +52,9 @@ def test_rows_keep_their_own_parameters():
         torch.testing.assert_close(got[row], transformers_probabilities(logits[row], p.temperature, p.top_k, p.top_p))
 
 
-def test_inverse_cdf_never_picks_a_token_of_weight_zero():
-    weights = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]] * 4)
-    uniform = torch.tensor([0.0, 0.29, 0.5, 1.0 - 2**-24])
-    picks = inverse_cdf(weights, uniform)
-    assert picks.tolist() == [1, 1, 3, 3]
-    assert inverse_cdf(weights, torch.ones(4)).tolist() == [3, 3, 3, 3]  # a rounded-up uniform still lands inside
+
+def test_an_expanded_warping_is_the_warping_of_every_row():
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(2)) * 2
+    params = SamplingParams(temperature=0.7, top_k=9, top_p=0.8, min_p=0.02)
+    one = Warping.of([params], 60, torch.device("cpu"))
+    assert torch.equal(probabilities(logits, one.expand(4)), probabilities(logits, _warping(params, 4, 60)))

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import hfaccel
+from hfaccel.engine import Engine, SamplingParams
 from hfaccel.kv import KVPool
 from hfaccel.speculative import decoding as speculative
 from hfaccel.speculative import lookup_continuation, speculative_generate
@@ -215,6 +216,19 @@ def test_generate_with_assistant_model_and_prompt_lookup():
                        expected)
 
 
+def test_generate_with_an_assistant_passes_the_seed_on():
+    """generate(assistant_model=..., seed=...) draws speculative_generate's seeded numbers: the same tokens as it
+    with that seed, whatever the global generator holds."""
+    model = tiny_model("llama")
+    batch = _batch()
+    draft = torch_kernels(perturbed_copy(model))
+    hfaccel.accelerate(model, attention="torch")
+    sampled = dict(max_new_tokens=10, do_sample=True, temperature=1.5, pad_token_id=0, eos_token_id=[])
+    expected = speculative_generate(model, draft, **batch, seed=11, **sampled)
+    torch.manual_seed(123)
+    assert torch.equal(model.generate(**batch, assistant_model=draft, seed=11, **sampled), expected)
+
+
 def test_generate_with_an_unsupported_option_uses_transformers_with_a_warning():
     model = tiny_model("llama")
     batch = {k: v[:1] for k, v in _batch().items()}  # transformers' assisted decoding: batch size 1
@@ -234,9 +248,32 @@ def test_seeded_sampling_is_reproducible_and_stops_at_budget():
               "pad_token_id": 0, "eos_token_id": []}
     draft = perturbed_copy(model)
     torch_kernels(model, draft)
+    state = torch.get_rng_state()
     first = speculative_generate(model, draft, **batch, **kwargs)
+    assert torch.equal(torch.get_rng_state(), state)  # keyed numbers: no generator is drawn from
     assert torch.equal(first, speculative_generate(model, draft, **batch, **kwargs))
     assert first.shape == (4, batch["input_ids"].shape[1] + 16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_seeded_sampling_with_the_target_as_draft_gives_the_engines_tokens(arch):
+    """Draft = target: every draft is accepted, and each token is the one the Engine's sampler draws with the
+    same key — row ``i`` of the call is completion ``i`` of an Engine request with the same seed (flat warped
+    distributions, where a draw that depended on rounding would show)."""
+    model = torch_kernels(tiny_model(arch))
+    batch = _batch()
+    sampling = {"temperature": 1.3, "top_k": 40, "top_p": 0.9}
+    got, stats = speculative_generate(model, model, **batch, max_new_tokens=NEW_TOKENS, num_draft_tokens=4,
+                                      do_sample=True, seed=2026, return_stats=True, pad_token_id=0, eos_token_id=[],
+                                      **sampling)
+    assert stats.acceptance_rate == 1.0, stats
+    engine = Engine(model, max_num_seqs=4, num_blocks=64, block_size=4)
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    expected = [engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, n=i + 1, seed=2026, ignore_eos=True,
+                                                       **sampling))[0].outputs[i].token_ids
+                for i, prompt in enumerate(prompts)]
+    assert got[:, batch["input_ids"].shape[1]:].tolist() == expected
+    assert len({tuple(tokens) for tokens in expected}) == 4
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
