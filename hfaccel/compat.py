@@ -16,6 +16,7 @@ import transformers
 from packaging.version import Version
 from transformers import AttentionInterface, PreTrainedModel
 from transformers import masking_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa_attention  # noqa: F401
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 MIN_TRANSFORMERS = Version("5.17.0")
@@ -107,13 +108,6 @@ def dense_bool_mask(**mask_kwargs) -> torch.Tensor | None:
 def sdpa_mask(**mask_kwargs) -> torch.Tensor | None:
     """transformers' ``sdpa`` mask function as it is (None where SDPA's ``is_causal`` or no mask computes it)."""
     return masking_utils.sdpa_mask(**mask_kwargs)
-
-
-def sdpa_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention function as it is."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def padding_mask(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:

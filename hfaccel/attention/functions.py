@@ -27,7 +27,7 @@ from hfaccel import compat
 from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.flash_attention import sdpa_preferred, visibility_mask
 from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
-from hfaccel.kernels.runtime import resolve_backend, triton_can_run
+from hfaccel.kernels.runtime import interpreting, resolve_backend, triton_can_run
 from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
 
 # What served a call, as AttentionPaths counts it.
@@ -303,8 +303,8 @@ def auto_attention(module, query, key, value, attention_mask, **kwargs):
     """Attention registered as ``hfaccel``: hfaccel's Triton kernels where they run; elsewhere (the CPU, MPS)
     transformers' own SDPA attention for dense calls (:func:`auto_mask` made its mask), the torch paths for what it
     does not compute (softcap, KernelMasks), and the batched torch paged attention for paged calls."""
-    if (not isinstance(key, PagedKV) and not isinstance(attention_mask, KernelMask) and kwargs.get("softcap") is None
-            and kwargs.get("s_aux") is None and not triton_can_run(query.device)):
+    if (query.device.type != "cuda" and not isinstance(key, PagedKV) and not isinstance(attention_mask, KernelMask)
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not interpreting()):
         _record(module, SDPA)
         return compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     return _attention("auto", module, query, key, value, attention_mask, **kwargs)

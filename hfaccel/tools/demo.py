@@ -61,15 +61,20 @@ def run_demo(model_name: str | None = None, prompts: list[str] | None = None, ma
     torch_device = pick_device(device)
     model, tokenizer = load(model_name, torch_device, pick_dtype(dtype, torch_device), console)
     batch = encode(tokenizer, list(prompts or DEFAULT_PROMPTS), torch_device)
-    plain_runs, accelerated_runs = [], []
+    runs: dict[bool, list[Run]] = {False: [], True: []}  # accelerated or not -> its runs
     with console.status(f"generating {max_new_tokens} tokens, plain and accelerated, {rounds} rounds"):
-        for _ in range(rounds):
-            hfaccel.restore(model)
-            plain_runs.append(timed_generate(model, tokenizer, batch, max_new_tokens, "transformers (sdpa)"))
-            hfaccel.accelerate(model, attention=attention)
-            accelerated_runs.append(timed_generate(model, tokenizer, batch, max_new_tokens,
-                                                   f"hfaccel ({_backend_label(model)})"))
-    plain, accelerated = (min(runs, key=lambda run: run.seconds) for runs in (plain_runs, accelerated_runs))
+        for round_ in range(rounds):
+            for accelerated in (False, True) if round_ % 2 == 0 else (True, False):  # A B, B A, ...: no order wins
+                if accelerated:
+                    hfaccel.accelerate(model, attention=attention)
+                    label = f"hfaccel ({_backend_label(model)})"
+                else:
+                    hfaccel.restore(model)
+                    label = "transformers (sdpa)"
+                runs[accelerated].append(timed_generate(model, tokenizer, batch, max_new_tokens, label))
+    if not hasattr(model, "hfaccel"):
+        hfaccel.accelerate(model, attention=attention)  # restored last: accelerated again for the report
+    plain, accelerated = (min(runs[key], key=lambda run: run.seconds) for key in (False, True))
     _print(console, list(prompts or DEFAULT_PROMPTS), plain, accelerated, model)
     return plain, accelerated
 
@@ -81,6 +86,8 @@ def _backend_label(model) -> str:
     if not info.active:
         return "not accelerated"
     device = next(model.parameters()).device
+    if info.attention == "auto" and resolve_backend("auto", device) == "torch":
+        return f"transformers' sdpa and loop on {device.type}"
     return f"{resolve_backend(info.attention, device)} kernels on {device.type}"
 
 
