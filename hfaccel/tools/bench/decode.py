@@ -6,6 +6,9 @@ real config with random weights (speed does not depend on the weights' values) o
 - ``hfaccel.accelerate(model)`` (the default: hfaccel's decode loop, compiled and captured steps on CUDA),
 - ``hfaccel.accelerate(model, compile=False)``.
 
+A second table gives the sampler's share of hfaccel's decode step (``sampling.sample`` on the model's vocabulary at
+each batch size: greedy rows, and seeded rows at temperature 1 with top-p 0.9, keyed noise over the vocabulary).
+
 Each path is warmed up on the exact call it is then timed on (compiles and captures happen there). A decode
 step's time is ``(t(N new tokens) - t(1 new token)) / (N - 1)``: the prompt's prefill cancels out. The roofline of
 a decode step is one read of the weights it touches (:func:`timing.weight_read_bytes`) at the bandwidth a
@@ -21,7 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hfaccel.hf import accelerate, restore
-from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, weight_read_bytes
+from hfaccel.sampling import SampleRow, SamplingParams, sample
+from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, time_ms, weight_read_bytes
 from hfaccel.tools.models import build_model
 
 BASELINE = "transformers static+compile"  # what the ratio column divides by (sdpa where it cannot run)
@@ -39,6 +43,33 @@ class DecodeRow:
     ms_per_step: float
     vs_baseline: float  # tokens_per_s / that of the baseline path (static+compile on CUDA, sdpa elsewhere)
     pct_roofline: float  # one weight read at the read bandwidth / the step
+    vocab_size: int
+
+
+@dataclass
+class SamplerRow:
+    model: str
+    batch: int
+    rows: str  # "greedy" or "seeded (temperature 1, top-p 0.9)"
+    sample_ms: float  # sampling.sample on [batch, vocab] logits, queued and done
+    share_of_step: float  # sample_ms / hfaccel's decode step at this batch
+
+
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+
+
+def sampler_rows(decode: list[DecodeRow], device: torch.device) -> list[SamplerRow]:
+    """The sampler's time per step for greedy and for seeded rows, and its share of hfaccel's decode step."""
+    rows = []
+    for step in (row for row in decode if row.path == "hfaccel"):
+        batch, step_ms = step.batch, step.ms_per_step
+        logits = torch.randn(batch, step.vocab_size, device=device)
+        for label, params in (("greedy", SamplingParams(temperature=0)),
+                              ("seeded (temperature 1, top-p 0.9)", SAMPLED)):
+            sample_rows = [SampleRow(params, params.seed, [1], [], stream=i) for i in range(batch)]
+            ms = time_ms(lambda: sample(logits, sample_rows).tokens, device)
+            rows.append(SamplerRow(step.model, batch, label, ms, ms / step_ms))
+    return rows
 
 
 def decode_paths(device: torch.device) -> list[str]:
@@ -99,7 +130,8 @@ def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int
         restore(model)
         base = measured.get(BASELINE, measured["transformers sdpa"])
         rows += [DecodeRow(spec, str(dtype).removeprefix("torch."), path, batch, prompt_len, new_tokens,
-                           batch / ms * 1e3, ms, base / ms, weight_ms / ms * 100) for path, ms in measured.items()]
+                           batch / ms * 1e3, ms, base / ms, weight_ms / ms * 100, model.config.vocab_size)
+                 for path, ms in measured.items()]
     return rows
 
 
@@ -113,12 +145,15 @@ def plan(options) -> list[tuple[str, torch.dtype]]:
 
 
 def run(options, console) -> dict:
-    rows = []
+    rows, sampler = [], []
     for spec, dtype in plan(options):
-        rows += bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
-                             options.prompt_len or (128 if options.cuda else 32),
-                             options.new_tokens or (128 if options.cuda else 16), options.device, dtype)
-    rows = [asdict(r) for r in rows]
+        measured = bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
+                                options.prompt_len or (128 if options.cuda else 32),
+                                options.new_tokens or (128 if options.cuda else 16), options.device, dtype)
+        sampler += sampler_rows(measured, options.device)
+        rows += measured
+    rows, sampler = [asdict(r) for r in rows], [asdict(r) for r in sampler]
     console.print(table("decode: generate() decode steps (vs_baseline: static+compile on CUDA, sdpa elsewhere; "
                         "pct_roofline: one weight read at the read bandwidth / the step)", rows))
-    return {"decode": rows}
+    console.print(table("the sampler's share of hfaccel's decode step", sampler))
+    return {"decode": rows, "decode_sampler": sampler}
