@@ -12,6 +12,9 @@ the chunk, attending to the sequence's earlier blocks). Semantics (:func:`paged_
 - ``key_mask: [S, >= max seq_len]`` bool hides keys (left padding of a generate() batch); GQA reads each KV head
   once for its ``Hq // Hkv`` query heads; softcap and scale as in ``flash_attention``; no visible key → zeros.
 
+Where Triton cannot run, :func:`paged_attention_torch` serves the same semantics for the whole batch in a few torch
+ops; :func:`paged_attention_reference` (one sequence at a time) is the definition both are checked against.
+
 Split-K: with few (sequence, KV head) programs and long contexts, each program's key range is split over
 ``num_splits`` programs that write partial outputs and log-sum-exps, merged by a second small kernel.
 """
@@ -359,14 +362,15 @@ def paged_attention(
 
     ``max_seqlen_q`` (packed form) and ``max_seqlen_k`` are host-side bounds that size the launch without a
     device sync; ``num_splits`` forces the split-K factor and ``config`` the tiles (default:
-    :func:`plan_launch`, from the tuned table or the launch size).
+    :func:`plan_launch`, from the tuned table or the launch size). Where Triton cannot run (the CPU), the
+    ``torch`` backend serves the whole batch in a few tensor ops (:func:`paged_attention_torch`).
     """
     _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
-        return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
-                                         scale=scale, key_mask=key_mask, sliding_window=sliding_window,
-                                         softcap=softcap)
+        return paged_attention_torch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
+                                     key_mask=key_mask, sliding_window=sliding_window, softcap=softcap)
     return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
                    key_mask, sliding_window, softcap, num_splits, config)
 
@@ -428,6 +432,113 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
             num_warps=combine_warps(num_splits, head_dim),
         )
     return out
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` for every sequence of the call at once, in torch ops (the ``torch`` backend).
+
+    Gathers each sequence's blocks into ``[S, Hkv, L, D]`` (``L``: the block table's width in keys, or fewer when
+    ``max_seqlen_k`` bounds the lengths), builds one visibility mask from the lengths, query positions, key mask
+    and window, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap,
+    the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q`` rows:
+    reads ``cu_seqlens_q`` on the host only when it is not given); a decode batch (one query per sequence) needs
+    no layout at all.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, softcap)
+    if cu_seqlens_q is None:
+        return _dense_torch(q, None, *args)
+    num_seqs = len(cu_seqlens_q) - 1
+    max_q = max_seqlen_q or (int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0)
+    if max_q == 1 and q.shape[0] == num_seqs:  # decode: one query per sequence, already in sequence order
+        return _dense_torch(q[:, :, None], None, *args)[:, 0]  # [S, 1, Hq, D] -> [T, Hq, D]
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [S]
+    owner = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens, output_size=q.shape[0])  # [T]
+    row = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[owner]  # [T]: query index in its sequence
+    padded = q.new_zeros(num_seqs, max_q, *q.shape[1:])  # [S, Q, Hq, D]
+    padded[owner, row] = q
+    return _dense_torch(padded.transpose(1, 2), q_lens, *args)[owner, row]  # [S, Q, Hq, D] -> [T, Hq, D]
+
+
+def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int | None, scale: float,
+                 key_mask: torch.Tensor | None, sliding_window: int | None,
+                 softcap: float | None) -> torch.Tensor:
+    """Queries ``q [S, Hq, Q, D]`` (sequence ``s``'s first ``q_lens[s]`` rows real, all ``Q`` if None) over the
+    pool -> ``[S, Q, Hq, D]``."""
+    num_seqs, heads_q, num_q, head_dim = q.shape
+    heads_kv, block_size = k_pool.shape[2], k_pool.shape[1]
+    group = heads_q // heads_kv
+    width = block_tables.shape[1]
+    if max_seqlen_k is not None:
+        width = min(width, -(-max_seqlen_k // block_size))
+    table = block_tables[:, :width]  # [S, W]
+    held = torch.arange(width, device=table.device) < (seq_lens[:, None] + block_size - 1) // block_size
+    blocks = torch.where(held, table, 0)  # [S, W]: entries past a sequence's blocks are never read
+    keys, values = (_gather_blocks(pool, blocks) for pool in (k_pool, v_pool))  # [S, Hkv, L, D]
+    visible = _visibility(seq_lens, num_q if q_lens is None else q_lens, num_q, keys.shape[2], key_mask,
+                          sliding_window)  # [S, Q, L]
+    rows = q.reshape(num_seqs, heads_kv, group * num_q, head_dim)  # [S, Hkv, G * Q, D]: a KV head's query rows
+    row_visible = visible[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G * Q, L]
+    if softcap is None:  # SDPA returns zeros for a row that sees no key, as the kernel does (torch >= 2.5)
+        out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=row_visible,
+                                                               scale=scale)
+    else:
+        out = _softcapped_attention(rows, keys, values, row_visible, scale, softcap)
+    out = out.view(num_seqs, heads_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4)  # [S, Q, Hkv, G, D]
+    return out.reshape(num_seqs, num_q, heads_q, head_dim)
+
+
+def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The pool's ``blocks [S, W]`` as each sequence's keys in order, ``[S, Hkv, W * block_size, D]``."""
+    _, block_size, heads_kv, head_dim = pool.shape
+    num_seqs, width = blocks.shape
+    gathered = pool.index_select(0, blocks.flatten().long())  # [S * W, block_size, Hkv, D]
+    return gathered.view(num_seqs, width * block_size, heads_kv, head_dim).transpose(1, 2)
+
+
+def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, num_keys: int,
+                key_mask: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
+    """Bool ``[S, Q, L]``: query row ``i`` of sequence ``s`` (at position ``seq_lens[s] - q_lens[s] + i``) sees
+    key ``j``: causal, within the window, not hidden by ``key_mask``. Keys past a sequence's length sit after
+    its last query, so the causal rule hides them; rows past ``q_lens[s]`` are padding, discarded by the caller."""
+    device = seq_lens.device
+    first = (seq_lens - q_lens).long()  # [S]: position of each sequence's first query
+    q_pos = first[:, None, None] + torch.arange(num_q, device=device)[None, :, None]  # [S, Q, 1]
+    k_pos = torch.arange(num_keys, device=device)  # [L]
+    visible = k_pos <= q_pos  # [S, Q, L]
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    if key_mask is not None:
+        cols = key_mask[:, :num_keys]  # [S, <= L]
+        visible &= torch.nn.functional.pad(cols, (0, num_keys - cols.shape[1]))[:, None]
+    return visible
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """Attention with ``softcap * tanh(scores / softcap)`` logits (which SDPA cannot apply), in fp32:
+    ``q [S, H, R, D]`` over ``k, v [S, H, L, D]`` with ``visible [S, 1, R, L]`` -> ``[S, H, R, D]`` (zeros where a
+    row sees no key)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [S, H, R, L]
+    scores = softcap * torch.tanh(scores / softcap)
+    hidden = ~visible
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1).masked_fill(hidden, 0.0)  # no NaN rows
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def gather_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor, length: int):

@@ -1,4 +1,5 @@
-"""paged_attention / write_kv (Triton, interpreted) vs their references; split-K; sm_90 compilation."""
+"""paged_attention / write_kv (Triton, interpreted; the batched torch backend) vs their references; split-K; sm_90
+compilation."""
 
 import importlib
 
@@ -191,6 +192,88 @@ def test_tuned_table_sets_decode_tiles_and_splits(tuned_table, monkeypatch):
     assert (chunk.block_n, chunk.num_warps) == (64, 8)
     forced = PagedConfig(16, 32, 4, 2, num_splits=2)
     assert paged_module.plan_launch(7, 8, 4, 1, 3000, 128, torch.bfloat16, "cuda", forced) == forced
+
+
+def _packed(q_lens, heads_q, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    return torch.randn(sum(q_lens), heads_q, head_dim, generator=gen).to(dtype), cu
+
+
+OPTIONS = [dict(), dict(sliding_window=37), dict(softcap=15.0), dict(sliding_window=5, softcap=2.0, scale=0.3)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads, head_dim", [((4, 4), 64), ((6, 2), 24), ((8, 1), 80), ((3, 3), 256)],
+                         ids=lambda v: str(v))
+def test_torch_backend_matches_reference(heads, head_dim, dtype, options):
+    """The batched torch backend on odd sizes: dense queries longer than some sequences (their first rows see
+    nothing), packed decode tokens beside prefill chunks, GQA, window, softcap."""
+    k_pool, v_pool = _pool(41, heads[1], head_dim, dtype)
+    tables, lens = _tables(LENGTHS, 41)
+    dense_q = torch.randn(len(LENGTHS), heads[0], 3, head_dim).to(dtype)
+    out = on_device(paged_attention, dense_q, k_pool, v_pool, tables, lens, backend="torch", **options)
+    assert out.shape == (len(LENGTHS), 3, heads[0], head_dim)
+    assert_close(out, paged_attention_reference(dense_q, k_pool, v_pool, tables, lens, **options))
+    q_lens = [1, 7, 1, 17, 1]
+    q, cu = _packed(q_lens, heads[0], head_dim, dtype)
+    tables, lens = _tables([1, 40, 300, 17, 33], 41)
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17,
+                    backend="torch", **options)
+    assert out.shape == q.shape
+    assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, **options))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_backend_decode_batch_with_padding_rows(dtype):
+    """An engine decode step (one query per sequence, the layout needs no scatter) with padding rows of length 0
+    (zeros), a key mask narrower than the tables, and ``max_seqlen_k`` bounding the keys read; also the same
+    sequences through the scatter of the general packed path (``max_seqlen_q`` not given)."""
+    k_pool, v_pool = _pool(64, 2, 48, dtype)
+    tables, lens = _tables([40, 17, 1, 163, 1, 1], 64)
+    lens[4:] = 0
+    key_mask = torch.rand(6, 170, generator=torch.Generator().manual_seed(1)) > 0.3
+    q, cu = _packed([1] * 6, 6, 48, dtype)
+    expected = paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu)
+    decode = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=1,
+                       max_seqlen_k=163, backend="torch")
+    assert torch.equal(decode[4:], torch.zeros_like(decode[4:]))
+    assert_close(decode, expected)
+    assert_close(on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, backend="torch"),
+                 expected)
+    dense_q = q[:, :, None]  # [S, Hq, 1, D]
+    out = on_device(paged_attention, dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask, max_seqlen_k=163,
+                    backend="torch")
+    assert_close(out, paged_attention_reference(dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask))
+
+
+def test_torch_backend_empty_batches():
+    k_pool, v_pool = _pool(4, 2, 32, torch.float32)
+    tables, lens = torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    dense = on_device(paged_attention, torch.randn(0, 4, 1, 32), k_pool, v_pool, tables, lens, backend="torch")
+    assert dense.shape == (0, 1, 4, 32)
+    packed = on_device(paged_attention, torch.randn(0, 4, 32), k_pool, v_pool, tables, lens,
+                       cu_seqlens_q=torch.zeros(1, dtype=torch.int32), backend="torch")
+    assert packed.shape == (0, 4, 32)
+    tables, lens = _tables([5, 9], 4)  # sequences in the call, no query among them
+    none = on_device(paged_attention, torch.randn(0, 4, 32), k_pool, v_pool, tables, lens,
+                     cu_seqlens_q=torch.zeros(3, dtype=torch.int32), max_seqlen_q=0, backend="torch")
+    assert none.shape == (0, 4, 32)
+
+
+def test_torch_backend_serves_without_the_per_sequence_reference(monkeypatch):
+    """The torch backend is batched: the per-sequence reference is for checking only."""
+    def per_sequence(*args, **kwargs):
+        raise AssertionError("the torch backend looped over sequences")
+
+    k_pool, v_pool = _pool(16, 2, 32, torch.float32)
+    tables, lens = _tables([20, 3], 16)
+    q = torch.randn(2, 4, 1, 32)
+    expected = paged_attention_reference(q, k_pool, v_pool, tables, lens)
+    monkeypatch.setattr(paged_module, "paged_attention_reference", per_sequence)
+    monkeypatch.setattr(paged_module, "flash_attention_reference", per_sequence)
+    assert_close(paged_attention(q, k_pool, v_pool, tables, lens, backend="torch"), expected)
 
 
 def test_bad_inputs_raise():
