@@ -78,6 +78,8 @@ class HostStepRow:
     waiting_ms: float
     detokenizing_ms: float
     other_ms: float  # the rest of the step (collecting bookkeeping, outputs)
+    generate_step_ms: float  # transformers' generate() of the same batch (its padded batch), per step
+    vs_generate: float  # step_ms / generate_step_ms
 
 
 @dataclass
@@ -232,10 +234,18 @@ def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float
 
 def bench_host(model, tokenizer, batches, device: torch.device) -> list[HostStepRow]:
     """The engine's host time per step, split by part, serving ``batch`` requests at once (HOST_PROMPT-token prompts,
-    HOST_OUTPUT greedy tokens each) — timed on the second run of the workload, the first warming up."""
+    HOST_OUTPUT greedy tokens each) — timed on the second run of the workload, the first warming up — beside the
+    step of transformers' generate() on the same batch (the baseline a step should not lose to)."""
     rows = []
     for batch in batches:
         work = make_workload(batch, (HOST_PROMPT, HOST_PROMPT), (HOST_OUTPUT, HOST_OUTPUT), model.config.vocab_size)
+        restore(model)
+        _static_batch(model, work.prompts, work.output_lens, device)  # warm-up
+        start = time.perf_counter()
+        _static_batch(model, work.prompts, work.output_lens, device)
+        sync(device)
+        generate_ms = (time.perf_counter() - start) * 1e3 / HOST_OUTPUT
+        accelerate(model, paged=False)
         blocks = batch * -(-(HOST_PROMPT + HOST_OUTPUT) // 16) + 1
         engine = Engine(model, tokenizer, max_num_seqs=batch, num_blocks=blocks, max_num_batched_tokens=max(
             512, batch * HOST_PROMPT), enable_prefix_caching=False)
@@ -251,7 +261,8 @@ def bench_host(model, tokenizer, batches, device: torch.device) -> list[HostStep
         times = engine.host_times
         step_ms = (time.perf_counter() - start) * 1e3 / max(times.steps, 1)
         parts = times.per_step_ms()
-        rows.append(HostStepRow(batch, times.steps, step_ms, *parts.values(), step_ms - sum(parts.values())))
+        rows.append(HostStepRow(batch, times.steps, step_ms, *parts.values(), step_ms - sum(parts.values()),
+                                generate_ms, step_ms / generate_ms))
         del engine
         gc.collect()
     return rows
@@ -273,7 +284,6 @@ def run(options, console) -> dict:
     spec = options.model or ("llama-3.2-1b" if options.cuda else "tiny-llama")
     net = build_model(spec, options.device, options.dtypes[0])
     if options.host:
-        accelerate(net, paged=False)
         tokenizer = _host_tokenizer(net)
         rows = [asdict(r) for r in bench_host(net, tokenizer, options.batches or HOST_BATCHES, options.device)]
         detok = "with SmolLM2's tokenizer" if tokenizer is not None else "token ids only, no detokenization"
