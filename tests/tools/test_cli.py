@@ -62,6 +62,17 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     assert all(row["step_ms"] > 0 for row in results["engine_decode_step"])
 
 
+def test_bench_engine_host_splits_the_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--host", "--model", "tiny-llama", "--batch", "2", "--output", str(output)]) == 0
+    (row,) = json.loads(output.read_text())["engine_host"]
+    parts = ("scheduling_ms", "metadata_ms", "launch_ms", "waiting_ms", "detokenizing_ms")
+    assert row["batch"] == 2 and row["steps"] >= 64 and row["generate_step_ms"] > 0
+    assert all(row[part] >= 0 for part in parts) and row["metadata_ms"] > 0 and row["launch_ms"] > 0
+    assert sum(row[part] for part in parts) + row["other_ms"] == pytest.approx(row["step_ms"])
+
+
 @pytest.mark.slow
 def test_bench_speculative(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
