@@ -16,6 +16,8 @@ from hfaccel.hf.decode import DecodeInfo, DecodeSession
 from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
+from hfaccel.quant import quantize as quantize_model
+from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.runner import compiles
 
 
@@ -31,6 +33,7 @@ class Acceleration:
     compile: bool | str = "auto"  # decode steps compiled with torch.compile: "auto" = on CUDA
     session: DecodeSession | None = None  # the runner generate() keeps between calls
     attention_paths: AttentionPaths | None = None  # which path (SDPA, hfaccel's kernels, torch) served each call
+    int4_layers: tuple = ()  # the model's Int4Linear layers (their paths are reported)
 
     @property
     def decode(self) -> DecodeInfo:
@@ -51,7 +54,8 @@ class Acceleration:
                 f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
                 f"; last call: {self.decode}"
                 f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
-                f"; attention calls: {self.attention_paths}")
+                f"; attention calls: {self.attention_paths}"
+                f"{'; int4 layers: ' + int4_paths(self.int4_layers) if self.int4_layers else ''}")
 
 
 def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
@@ -88,8 +92,6 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if attention == "triton":
         resolve_backend("triton", model_device(model))
     if quantize is not None:
-        from hfaccel.quant import quantize as quantize_model
-
         quantize_model(model, quantize, calib_data=calib_data, group_size=group_size)
     if isinstance(getattr(model, "hfaccel", None), Acceleration):
         restore(model)
@@ -106,8 +108,10 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if paged:
         install_generate(model)
         session = DecodeSession(model, compile=compile)
+    layers = int4_layers(model)
+    prepare_int4(layers)
     model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
-                                 attention_paths=track_paths(model))
+                                 attention_paths=track_paths(model), int4_layers=layers)
     return model
 
 

@@ -26,6 +26,11 @@ Paths, chosen per call by ``hfaccel.kernels.w4a16_config`` (tuned table or heuri
   the tile's product (the dequantized ``q - z`` is exact in 16 bits), for large M it multiplies the weights;
 - ``dequant``: the weight dequantized once to the activation dtype, then cuBLAS.
 
+On a CPU, :func:`pack_int4_cpu` repacks the same weight once for torch's int4 CPU kernel
+(``aten._weight_int4pack_mm_for_cpu``, what torchao and gpt-fast run on CPUs) and :func:`int4pack_matmul` serves
+by it; :func:`int4pack_unsupported` says where it cannot (group sizes other than 32/64/128/256, a torch without
+the op), and the caller keeps :func:`w4a16_matmul` there.
+
 ``gemv`` and ``gemm`` split K across programs when the output tiles alone leave SMs idle: each split writes an
 fp32 partial sum and one more small kernel adds them in split order, so results never depend on scheduling
 (no atomics) — the same call gives bit-identical outputs run to run.
@@ -33,15 +38,22 @@ fp32 partial sum and one more small kernel adds them in split order, so results 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from hfaccel.kernels.runtime import interpreting, resolve_backend
+from hfaccel.kernels.runtime import interpreting, resolve_backend, triton_can_run
 from hfaccel.kernels.w4a16_config import W4A16Config, fit_config, pick_w4a16_config
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUM_BLOCK = 1024
+INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
+# The CPU kernel's vectorized path (AVX2 / AVX-512) is bf16's; other activations run scalar code there (fp32: ~19x
+# slower than the fp32 dense matmul at 576 x 576, one thread), so every dtype is computed in bf16 and cast back.
+INT4PACK_DTYPE = torch.bfloat16
+INT4PACK_N_MULTIPLE = 16  # output features the packing takes at once; others are zero-padded
 
 
 @triton.jit
@@ -298,3 +310,58 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     group_size: int) -> torch.Tensor:
     """Pure-torch definition of :func:`w4a16_matmul`: dequantize, then an fp32 matmul."""
     return (x.float() @ dequantize(qweight, scales, zeros, group_size)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Int4Pack:
+    """An int4 weight in the layout of torch's CPU kernel (:func:`pack_int4_cpu`)."""
+
+    weight: torch.Tensor  # [N_pad, K / 2] uint8: aten._convert_weight_to_int4pack_for_cpu of the codes [N_pad, K]
+    scales_and_zeros: torch.Tensor  # [K / g, N_pad, 2] bf16: (scale, zero) with W = (q - 8) * scale + zero
+    group_size: int
+    out_features: int  # N (the padded columns past it are zeros)
+
+
+def int4pack_device(device: torch.device | str) -> bool:
+    """Whether ``device`` is one torch's CPU int4 kernel serves: a CPU where Triton cannot run (under
+    ``TRITON_INTERPRET=1`` the interpreted Triton kernels serve instead, as everywhere else)."""
+    return torch.device(device).type == "cpu" and not triton_can_run(device)
+
+
+def int4pack_unsupported(group_size: int) -> str | None:
+    """Why torch's CPU int4 kernel cannot serve a weight of ``group_size``, or None where it can."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu (torch >= 2.6 has)"
+    if group_size not in INT4PACK_GROUP_SIZES:
+        return f"group_size {group_size} is not one of the CPU kernel's {INT4PACK_GROUP_SIZES}"
+    return None
+
+
+def int4pack_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """hfaccel's ``scales, zeros [K/g, N]`` (``W = (q - z) * s``, ``z`` the integer zero point) as the CPU kernel's
+    ``[K/g, N, 2]`` (scale, zero) pairs, whose rule is ``W = (q - 8) * scale + zero``: the same ``W`` when
+    ``zero = (8 - z) * s`` (computed in fp32, rounded once to bf16)."""
+    s = scales.float()
+    return torch.stack([s, (8 - zeros.float()) * s], dim=-1).to(INT4PACK_DTYPE)
+
+
+def pack_int4_cpu(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Pack:
+    """Repack ``qweight [K/8, N]`` int32 (nibbles along K) and its ``scales, zeros [K/g, N]`` for
+    :func:`int4pack_matmul` (once per weight; ``N`` zero-padded to a multiple of 16)."""
+    reason = int4pack_unsupported(group_size)
+    if reason is not None:
+        raise ValueError(f"the CPU int4 kernel cannot take this weight: {reason}")
+    n = qweight.shape[1]
+    pad = -n % INT4PACK_N_MULTIPLE
+    codes = torch.nn.functional.pad(unpack_rows(qweight).t(), (0, 0, 0, pad))  # [N_pad, K] int32 0..15
+    pairs = torch.nn.functional.pad(int4pack_scales_and_zeros(scales, zeros), (0, 0, 0, pad))  # [K/g, N_pad, 2]
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)  # innerKTiles: unused on CPU
+    return Int4Pack(weight, pairs.contiguous(), group_size, n)
+
+
+def int4pack_matmul(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
+    """``x [M, K]`` (a CPU tensor) times the packed weight ``[K, N]`` by torch's CPU int4 kernel -> ``[M, N]`` in
+    ``x``'s dtype; computed in bf16 (x rounded to bf16, fp32 accumulation inside the kernel)."""
+    rows = x.to(INT4PACK_DTYPE).contiguous()  # [M, K]: the kernel takes contiguous rows only
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, pack.weight, pack.group_size, pack.scales_and_zeros)
+    return out[:, :pack.out_features].to(x.dtype)  # [M, N_pad] -> [M, N]

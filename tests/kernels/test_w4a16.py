@@ -1,5 +1,6 @@
 """w4a16_matmul (Triton, interpreted) vs w4a16_reference on every path the router can pick (GEMV, split-K and
-full GEMMs, dequantize + cuBLAS); the router; sm_90 compilation of every configuration it can pick."""
+full GEMMs, dequantize + cuBLAS); torch's CPU int4 kernel on the repacked weight; the router; sm_90 compilation of
+every configuration it can pick."""
 
 import importlib
 import json
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from hfaccel.kernels import tuning
-from hfaccel.kernels.w4a16 import dequantize, dequantize_weight, w4a16_matmul, w4a16_reference
+from hfaccel.kernels.w4a16 import (INT4PACK_DTYPE, dequantize, dequantize_weight, int4pack_matmul,
+                                   int4pack_scales_and_zeros, int4pack_unsupported, pack_int4_cpu, w4a16_matmul,
+                                   w4a16_reference)
 from hfaccel.kernels.w4a16_config import (DEQUANT_MIN_M, M_BUCKETS, W4A16Config, candidate_configs, fit_config,
                                           heuristic_config, pick_w4a16_config, table_key)
 from tests.devices import DEVICE, on_device
@@ -104,6 +107,52 @@ def test_int4_linear_runs_gptq_checkpoints(m, act_order):
     module = Int4Linear.from_weight(weight, dtype=torch.float32).to(DEVICE)
     x = torch.randn(m, k, device=DEVICE)
     torch.testing.assert_close(module(x), x @ weight.dequantize().t().to(DEVICE), atol=1e-4, rtol=1e-5)
+
+
+# torch's CPU int4 kernel computes in bf16 whatever the activation dtype (x, scale and zero rounded to bf16, fp32
+# sums, the output rounded to bf16): bf16's tolerance of the output's scale, for every dtype.
+INT4PACK_TOLERANCE = TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 33])
+@pytest.mark.parametrize("k, n, group_size", SHAPES + [(512, 72, 256)])
+def test_int4pack_matches_reference(m, k, n, group_size, dtype):
+    """The repacked weight through aten._weight_int4pack_mm_for_cpu (N padded to 16 where it is not: 200, 136, 72),
+    from a non-contiguous x."""
+    qweight, scales, zeros = _weights(k, n, group_size, dtype)
+    x = torch.randn(k, m).to(dtype).t()  # [M, K], a transposed view
+    out = int4pack_matmul(x, pack_int4_cpu(qweight, scales, zeros, group_size))
+    ref = w4a16_reference(x, qweight, scales, zeros, group_size)
+    assert out.shape == (m, n) and out.dtype == dtype
+    error = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert error <= INT4PACK_TOLERANCE, f"max error {error:.3g} of the output scale"
+
+
+def test_int4pack_zero_point_convention():
+    """The CPU kernel's ``W = (q - 8) * scale + zero`` with ``zero = (8 - z) * s`` is hfaccel's ``(q - z) * s``:
+    multiplying the identity reads the kernel's dequantized weight back, exactly where every value is a bf16
+    (scales powers of two, every code 0..15 against every zero point 0..15)."""
+    from hfaccel.quant.formats import pack_along_rows
+
+    k, n, group_size = 64, 256, 32
+    codes = (torch.arange(k)[:, None] + torch.arange(n)[None]) % 16  # [K, N]: every code in each group's column
+    zeros = (torch.arange(n) // 16).float().expand(k // group_size, n)  # [K/g, N]: every zero point
+    scales = 2.0 ** -torch.randint(2, 9, (k // group_size, n), generator=torch.Generator().manual_seed(0)).float()
+    qweight = pack_along_rows(codes.to(torch.int32))  # [K/8, N]
+    pairs = int4pack_scales_and_zeros(scales, zeros)
+    assert pairs.shape == (k // group_size, n, 2) and pairs.dtype == INT4PACK_DTYPE
+    assert torch.equal(pairs[..., 1].float(), (8 - zeros) * scales)
+    read_back = int4pack_matmul(torch.eye(k), pack_int4_cpu(qweight, scales, zeros, group_size))  # [K, N]
+    assert torch.equal(read_back, dequantize(qweight, scales, zeros, group_size))
+
+
+def test_int4pack_group_sizes():
+    assert all(int4pack_unsupported(g) is None for g in (32, 64, 128, 256))
+    assert "group_size 16 is not one of" in int4pack_unsupported(16)
+    qweight, scales, zeros = _weights(96, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="cannot take this weight: group_size 16"):
+        pack_int4_cpu(qweight, scales, zeros, 16)
 
 
 def test_custom_op_traces_without_graph_breaks():

@@ -4,15 +4,19 @@
   dequantize + cuBLAS path, at Llama-3.1-8B Linear shapes (K x N = 4096 x 4096, 4096 x 14336, 14336 x 4096,
   4096 x 128256) for M = 1, 4, 16, 64, 256, 1024: microseconds, ratios, GB/s of int4 weights (packed words,
   scales, zeros) read and their share of the measured read bandwidth. do_bench flushes the L2 cache before
-  each call, so weights come from HBM as in a decode step.
+  each call, so weights come from HBM as in a decode step. On a CPU without Triton the int4 column is what
+  ``Int4Linear`` serves there: torch's int4 CPU kernel on the weight repacked once (``int4pack``, bf16); the
+  dequant column is the torch reference (dequantize every call, fp32 matmul), the path it replaced, and the
+  cuBLAS column the dense ``F.linear``.
 - End to end: greedy ``generate`` decode steps of a random-weight model (Llama-3.1-8B config on CUDA) accelerated
-  in fp16 (or the first ``--dtype``), then the same model RTN-quantized to int4 (g=128) and accelerated, at batch
+  in fp16 (or the first ``--dtype``), then the same model RTN-quantized to int4 (g=128, or the largest of 64 and 32 that quantizes every layer) and accelerated, at batch
   1 and 16 (``bench decode``'s step timing); with the weight bytes one step reads and the share of the read
   bandwidth that rate implies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 from hfaccel.hf import accelerate, restore
 from hfaccel.kernels import resolve_backend
-from hfaccel.kernels.w4a16 import w4a16_matmul
+from hfaccel.kernels.w4a16 import int4pack_device, int4pack_matmul, int4pack_unsupported, pack_int4_cpu, w4a16_matmul
 from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
 from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import step_ms
@@ -79,15 +83,36 @@ def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device
     weight = random_int4_weight(n, k, GROUP_SIZE, dtype, device)
     dense = torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
     x = torch.randn(m, k, device=device, dtype=dtype)
-    int4 = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE), device) * 1e3
+    int4_fn, path = _int4_path(x, weight, device)
+    int4 = time_ms(int4_fn, device) * 1e3
     cublas = time_ms(lambda: F.linear(x, dense), device) * 1e3
     dequant = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE, config=W4A16Config("dequant")), device) * 1e3
-    triton = resolve_backend("auto", device) == "triton"
-    path = pick_w4a16_config(m, n, k, dtype, GROUP_SIZE, device).label if triton else "torch reference"
     weight_bytes = sum(t.numel() * t.element_size() for t in weight)
     gb_per_s = weight_bytes / int4 / 1e3
     return Int4KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, int4, cublas, dequant, cublas / int4,
                          gb_per_s, 100 * gb_per_s / bandwidth)
+
+
+def _int4_path(x: torch.Tensor, weight, device: torch.device) -> tuple[Callable[[], torch.Tensor], str]:
+    """(the int4 product of ``x`` that hfaccel serves on ``device``, its label): torch's CPU kernel on the repacked
+    weight on a CPU without Triton (where the kernel takes the group size), else the routed ``w4a16_matmul``."""
+    m, k = x.shape
+    if int4pack_device(device) and int4pack_unsupported(GROUP_SIZE) is None:
+        pack = pack_int4_cpu(*weight, GROUP_SIZE)
+        return (lambda: int4pack_matmul(x, pack)), "int4pack (torch CPU kernel, bf16)"
+    if resolve_backend("auto", device) == "triton":
+        label = pick_w4a16_config(m, weight[0].shape[1], k, x.dtype, GROUP_SIZE, device).label
+    else:
+        label = "torch reference"
+    return (lambda: w4a16_matmul(x, *weight, GROUP_SIZE)), label
+
+
+def whole_group_size(model: torch.nn.Module) -> int:
+    """The largest of 128, 64 and 32 that divides the input width of every Linear but the head, so that every
+    layer is quantized (SmolLM2's 576 takes 64; at 128 only its down projections would be)."""
+    widths = {m.in_features for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")}
+    return next((g for g in (GROUP_SIZE, 64, 32) if all(w % g == 0 for w in widths)), GROUP_SIZE)
 
 
 def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
@@ -98,9 +123,10 @@ def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, devi
     bandwidth = read_bandwidth(device)
     inputs = {b: torch.randint(3, model.config.vocab_size, (b, prompt_len), device=device) for b in batches}
     rows: list[Int4DecodeRow] = []
-    for weights in (str(dtype).removeprefix("torch."), f"int4 rtn g{GROUP_SIZE}"):
+    group_size = whole_group_size(model)
+    for weights in (str(dtype).removeprefix("torch."), f"int4 rtn g{group_size}"):
         if weights.startswith("int4"):
-            quantize(model, "rtn", group_size=GROUP_SIZE)
+            quantize(model, "rtn", group_size=group_size)
         accelerate(model)
         step_bytes = weight_read_bytes(model)
         for batch in batches:
