@@ -65,19 +65,25 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
 class DecodeGraphs:
     """Static-shape steps of a :class:`ModelRunner` for up to ``max_batch`` sequences of up to ``max_model_len``
     tokens (made by ``runner.enable_decode_graphs``): one token per sequence (decode), or up to
-    ``tokens_per_seq`` (speculative verification: the last token and the drafts), padded to that many."""
+    ``tokens_per_seq``, padded to that many, with the logits of every token (``logits_for="all"``: speculative
+    verification, the last token and the drafts) or of each sequence's last (``"last"``: a draft model catching up
+    on the tokens the target accepted)."""
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
-                 capture: bool | None = None, compile: bool = False, ladder: Sequence[int] = DEFAULT_LADDER):
+                 logits_for: str = "all", capture: bool | None = None, compile: bool = False,
+                 ladder: Sequence[int] = DEFAULT_LADDER):
         if max_batch < 1 or max_model_len < 1 or tokens_per_seq < 1:
             raise ValueError(f"max_batch, max_model_len and tokens_per_seq must be >= 1; got {max_batch}, "
                              f"{max_model_len}, {tokens_per_seq}")
+        if logits_for not in ("all", "last"):
+            raise ValueError(f"logits_for must be 'all' or 'last'; got {logits_for!r}")
         self.runner = runner
         self.device = runner.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.compiled = compile
         self.sizes = sorted({size for size in ladder if size < max_batch} | {max_batch})
         self.max_batch, self.max_model_len, self.tokens_per_seq = max_batch, max_model_len, tokens_per_seq
+        self.last_only = tokens_per_seq > 1 and logits_for == "last"  # logits of each sequence's last real token
         width, tokens = -(-max_model_len // runner.pool.block_size), max_batch * tokens_per_seq
         on = {"device": self.device}
         self.input_ids = torch.zeros(tokens, dtype=torch.long, **on)
@@ -86,7 +92,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, **on)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
-        self.keep = torch.arange(tokens, dtype=torch.long, **on)  # every token's logits
+        # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
+        self.keep = torch.arange(max_batch, dtype=torch.long, **on) * tokens_per_seq if self.last_only \
+            else torch.arange(tokens, dtype=torch.long, **on)
         self._tables = DeviceBlockTables(runner.pool.manager, width, self.device, rows=max_batch)
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
         # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
@@ -136,7 +144,8 @@ class DecodeGraphs:
         if not 0 < len(num_new) <= self.max_batch:
             return False
         if self.tokens_per_seq > 1:
-            return logits_for == "all" and all(1 <= n <= self.tokens_per_seq for n in num_new)
+            return logits_for == ("last" if self.last_only else "all") \
+                and all(1 <= n <= self.tokens_per_seq for n in num_new)
         if any(n != 1 for n in num_new):
             return False
         return isinstance(logits_for, str) or list(logits_for) == list(range(len(num_new)))
@@ -165,7 +174,8 @@ class DecodeGraphs:
         q = self.tokens_per_seq
         where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
         self.input_ids[:size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
-        return self._replay(size, advance=False)[where]
+        logits = self._replay(size, advance=False)  # [size, V] (last_only) or [size * q, V]
+        return logits[:batch] if self.last_only else logits[where]
 
     # ------------------------------------------------------------------------------- device-fed steps
     def begin(self, seq_ids: Sequence[Hashable], starts: Sequence[int]) -> None:
@@ -195,12 +205,14 @@ class DecodeGraphs:
         rows, start, real = self._tables.upload(seq_ids, ends, [starts, num_new], size)  # [size] each
         torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
         tokens = size * self.tokens_per_seq
-        positions, slots, lens, _ = token_metadata(self._tables.table, rows, start, real,
-                                                   torch.full_like(real, self.tokens_per_seq), tokens,
-                                                   self.runner.pool.block_size)
+        positions, slots, lens, cu = token_metadata(self._tables.table, rows, start, real,
+                                                    torch.full_like(real, self.tokens_per_seq), tokens,
+                                                    self.runner.pool.block_size)
         self.positions[:tokens].copy_(positions)
         self.seq_lens[:size].copy_(lens)
         self.slot_mapping[0, :tokens].copy_(slots)
+        if self.last_only:  # each sequence's last real token (a padding row: its first, whose logits are dropped)
+            self.keep[:size].copy_(cu[:-1] + (real - 1).clamp_min(0))
 
     def _rows(self, size: int) -> tuple[torch.Tensor, ...]:
         """The static buffers' views for a step of ``size`` sequences (``size * tokens_per_seq`` tokens)."""
@@ -208,7 +220,7 @@ class DecodeGraphs:
             tokens = size * self.tokens_per_seq
             self._views[size] = (self.input_ids[:tokens], self.positions[:tokens], self.seq_lens[:size],
                                  self.slot_mapping[:, :tokens], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
-                                 self.keep[:tokens], torch.arange(size, device=self.device))
+                                 self.keep[:size if self.last_only else tokens], torch.arange(size, device=self.device))
         return self._views[size]
 
     def _step(self, size: int, advance: bool) -> torch.Tensor:
@@ -288,7 +300,8 @@ def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bo
                 tokens_per_seq: int = 1) -> torch.Tensor:
     """One static step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with ``advance``
     (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
-    and lengths moved on after the forward. Returns the logits ``[size * tokens_per_seq, V]``."""
+    and lengths moved on after the forward. Returns the logits of the ``keep`` tokens: ``[size * tokens_per_seq, V]``
+    (every token) or ``[size, V]`` (each sequence's last)."""
     input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index = rows
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
         slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]

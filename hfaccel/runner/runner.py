@@ -9,7 +9,8 @@ with ``cu_seqlens_q``, so hfaccel's attention runs the paged kernel on the packe
 
 The runner builds each forward's metadata once (:meth:`KVPool.packed_step`). With decode graphs enabled
 (:meth:`ModelRunner.enable_decode_graphs`) a forward of one token per sequence runs as a static-shape step
-replayed from a CUDA graph (``hfaccel.runner.graphs``); every other forward runs eagerly.
+replayed from a CUDA graph (``hfaccel.runner.graphs``), and with catch-up graphs
+(:meth:`ModelRunner.enable_catch_up_graphs`) one of a few tokens per sequence too; every other forward runs eagerly.
 
 Each sequence has its own length; ``crop`` rolls a sequence back (rejected draft tokens) without touching
 the others or recomputing anything.
@@ -44,6 +45,7 @@ class ModelRunner:
         self.device = model_device(model)
         self.cache = SequenceKVCache(model.config, pool)
         self.graphs: DecodeGraphs | None = None
+        self.catch_up: DecodeGraphs | None = None  # a second static step: a few tokens, the last one's logits
         self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
 
@@ -58,6 +60,20 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq, capture=capture,
                                    compile=compile, ladder=ladder)
         return self.graphs
+
+    def enable_catch_up_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 2,
+                               capture: bool | None = None, compile: bool = False,
+                               ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
+        """Beside the decode steps, run forwards of up to ``tokens_per_seq`` tokens per sequence with the logits of
+        each sequence's last token as static-shape steps too (compiled and captured as the decode steps are): a
+        draft model catching up, each speculative step, on the one or two tokens the target accepted."""
+        self.catch_up = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq,
+                                     logits_for="last", capture=capture, compile=compile, ladder=ladder)
+        return self.catch_up
+
+    def static_steps(self) -> tuple[DecodeGraphs, ...]:
+        """The static steps enabled (decode, then catch-up)."""
+        return tuple(graphs for graphs in (self.graphs, self.catch_up) if graphs is not None)
 
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
@@ -83,8 +99,9 @@ class ModelRunner:
             self.pool.reserve(seq_ids, num_new, token_ids)
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         input_ids = input_ids.to(self.device)
-        if self.graphs is not None and self.graphs.serves(num_new, logits_for):
-            return self.graphs.run(seq_ids, input_ids, starts, num_new)
+        for graphs in self.static_steps():
+            if graphs.serves(num_new, logits_for):
+                return graphs.run(seq_ids, input_ids, starts, num_new)
         start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
         keep = self._logits_index(step, num_new, logits_for)
@@ -120,13 +137,13 @@ class ModelRunner:
         self.pool.kv = None
         self.pool = make_pool()
         self.cache = SequenceKVCache(self.model.config, self.pool)
-        if self.graphs is not None:
-            self.graphs.pool_changed()
+        for graphs in self.static_steps():
+            graphs.pool_changed()
 
     def release(self) -> None:
         """Give back the pool's memory and the decode steps' graphs now (the runner is not used again); without
         it they go when Python's cycle collector next runs (the runner and its graphs refer to each other)."""
-        self.graphs = None
+        self.graphs = self.catch_up = None
         self.pool.kv = None
 
     # ------------------------------------------------------------------------------------------ sequences

@@ -189,7 +189,7 @@ class SpeculativeRunners:
             self.release()
             self.target = self._runner(model, blocks, block_size, rows, length, compile, tokens_per_seq=k + 1)
             self.draft = None if draft_model is None else self._runner(draft_model, blocks, block_size, rows, length,
-                                                                       compile)
+                                                                       compile, catch_up=True)
             self._key = key
         for runner in (self.target, self.draft):  # a call that raised may have left sequences behind
             if runner is not None:
@@ -198,10 +198,15 @@ class SpeculativeRunners:
 
     @staticmethod
     def _runner(model, blocks: int, block_size: int, rows: int, length: int, compile: bool | str,
-                tokens_per_seq: int = 1) -> ModelRunner:
+                tokens_per_seq: int = 1, catch_up: bool = False) -> ModelRunner:
+        """A runner with static steps of ``tokens_per_seq`` tokens per sequence (the target's verification, the
+        draft's drafting) and, for a draft (``catch_up``), of the one or two tokens it catches up on each step
+        (the token the target chose, after the last draft when every draft was accepted)."""
         runner = ModelRunner(model, KVPool.for_model(model, num_blocks=blocks, block_size=block_size))
-        runner.enable_decode_graphs(rows, length, tokens_per_seq=tokens_per_seq,
-                                    compile=compiles(compile, runner.device))
+        compiled = compiles(compile, runner.device)
+        runner.enable_decode_graphs(rows, length, tokens_per_seq=tokens_per_seq, compile=compiled)
+        if catch_up:
+            runner.enable_catch_up_graphs(rows, length, tokens_per_seq=2, compile=compiled)
         return runner
 
     def release(self) -> None:

@@ -63,6 +63,29 @@ def test_crop_rolls_one_sequence_back(arch):
     torch.testing.assert_close(logits[1], _reference_logits(model, b + [60, 61])[-1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_catch_up_step_returns_each_sequences_last_logits(arch):
+    """The static catch-up step (up to two tokens per sequence, the last one's logits): three sequences padded to
+    the ladder's four, one and two new tokens mixed, one sequence cropped first; == the model's own forward, and
+    the step (not the eager path) served it."""
+    model = tiny_model(arch)
+    with hfaccel_attention(model):
+        runner = ModelRunner(model, KVPool.for_model(model, num_blocks=64, block_size=4))
+        runner.enable_decode_graphs(4, 64, ladder=(1, 2, 4))
+        catch_up = runner.enable_catch_up_graphs(4, 64, ladder=(1, 2, 4))
+        prompts = PROMPTS[:2] + [PROMPTS[3]]
+        runner.forward([0, 1, 2], _flat(prompts, model.device), [len(p) for p in prompts])
+        runner.crop(2, len(prompts[2]) - 2)  # two tokens rolled back: it catches up on two others
+        new = [[50, 51], [60], [70, 71]]
+        served = []
+        catch_up.run = lambda *args, real=catch_up.run: served.append(args[3]) or real(*args)
+        logits = runner.forward([0, 1, 2], _flat(new, model.device), [2, 1, 2])
+    assert served == [[2, 1, 2]] and logits.shape == (3, model.config.vocab_size)
+    sequences = [prompts[0] + new[0], prompts[1] + new[1], prompts[2][:-2] + new[2]]
+    for row, tokens in enumerate(sequences):
+        torch.testing.assert_close(logits[row], _reference_logits(model, tokens)[-1], atol=1e-4, rtol=0)
+
+
 def test_pool_full_changes_nothing():
     model = tiny_model("llama")
     with hfaccel_attention(model):

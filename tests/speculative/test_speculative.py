@@ -62,16 +62,24 @@ def _arch_of(model) -> str:
 
 def test_verification_and_drafting_run_the_runners_static_steps(monkeypatch):
     """The target verifies every row's last token and drafts in one static step of k + 1 tokens per row (rows
-    with fewer drafts padded), the draft model drafts in one-token static steps: CUDA graphs on a GPU."""
+    with fewer drafts padded), the draft model drafts in one-token static steps and catches up on what the target
+    accepted (one or two tokens per row) in a static step too: CUDA graphs on a GPU. Only the prompts run eagerly
+    (one packed forward per model)."""
     from hfaccel.runner import DecodeGraphs
 
     served, real = [], DecodeGraphs.run
+    eager, real_packed_step = [], KVPool.packed_step
 
     def run(self, seq_ids, input_ids, starts, num_new=None):
-        served.append((self.tokens_per_seq, list(num_new)))
+        served.append((self.tokens_per_seq, self.last_only, list(num_new)))
         return real(self, seq_ids, input_ids, starts, num_new)
 
+    def packed_step(self, seq_ids, starts, num_new):
+        eager.append((id(self), list(num_new)))
+        return real_packed_step(self, seq_ids, starts, num_new)
+
     monkeypatch.setattr(DecodeGraphs, "run", run)
+    monkeypatch.setattr(KVPool, "packed_step", packed_step)
     model = tiny_model("qwen2")
     batch = _batch()
     expected = _target_greedy(model, batch, eos=[])
@@ -79,9 +87,13 @@ def test_verification_and_drafting_run_the_runners_static_steps(monkeypatch):
     torch_kernels(model, draft)
     got = speculative_generate(model, draft, **batch, max_new_tokens=NEW_TOKENS, num_draft_tokens=3, **GREEDY)
     assert torch.equal(got, expected)
-    verify = [counts for q, counts in served if q == 4]
+    verify = [counts for q, last, counts in served if q == 4]
     assert verify and any(len(set(c)) > 1 for c in verify)  # rows with fewer drafts than others, padded
-    assert any(q == 1 for q, _ in served)
+    assert any(q == 1 for q, _, _ in served)
+    catch_up = [counts for q, last, counts in served if q == 2 and last]
+    assert catch_up and any(2 in counts for counts in catch_up)  # a row that took every draft: two tokens
+    prompts = [length - 1 for length in batch["attention_mask"].sum(1).tolist()]
+    assert sorted(counts for _, counts in eager) == sorted([prompts, [n + 1 for n in prompts]])  # the prefills
 
 
 def test_assisted_generate_keeps_its_runners_between_calls():
