@@ -31,12 +31,11 @@ from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
-from hfaccel.runner.graphs import DEFAULT_LADDER
+from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 
 _log = logging.getLogger("hfaccel")
 POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
 # model inputs the loop understands; any other (images, token types...) goes to transformers' loop
-MIN_CONTEXT_BUCKET = 256  # uncompiled, uncaptured decode steps are built for contexts of powers of two from here
 _KNOWN_INPUTS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", "output_attentions",
                  "output_hidden_states", "return_dict", *compat.CACHE_ARGUMENTS}
 
@@ -102,7 +101,7 @@ class DecodeSession:
     def runner_for(self, rows: int, capacities: list[int]) -> ModelRunner:
         """A runner whose pool holds ``rows`` sequences of ``capacities[i]`` tokens and whose decode steps serve
         them; the pool is empty when it is returned. The decode steps are made for every ladder batch size and,
-        compiled or captured, the model's whole context (``max_position_embeddings``; :func:`_context_bucket`), and
+        compiled or captured, the model's whole context (``max_position_embeddings``; ``context_bucket``), and
         a pool that grows is swapped in under them: one compiled step serves every call (only a batch past the
         ladder or a context past the model's rebuilds them)."""
         size = self.block_size
@@ -122,7 +121,7 @@ class DecodeSession:
         if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
             compile = compiles(self.compile, runner.device)
             max_batch = max(rows, DEFAULT_LADDER[-1], graphs.max_batch if graphs else 0)
-            max_len = max(_context_bucket(context, whole=compile or runner.device.type == "cuda", model=self.model),
+            max_len = max(context_bucket(context, whole=compile or runner.device.type == "cuda", model=self.model),
                           graphs.max_model_len if graphs else 0)
             if compile:
                 _log.warning("hfaccel: generate() compiles its decode step on the first call (once per model: every "
@@ -133,16 +132,6 @@ class DecodeSession:
     def _pool(self, blocks: int) -> KVPool:
         blocks = -(-blocks // POOL_GRANULE) * POOL_GRANULE
         return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size)
-
-
-def _context_bucket(context: int, *, whole: bool, model) -> int:
-    """The context decode steps are built for: compiled or captured steps (``whole``) for the model's whole context
-    (``max_position_embeddings``) at once, so that nothing compiles again; plain eager steps, which rebuild for
-    free, for the power of two that holds ``context`` (>= 256) — the paged kernel's launch is sized by it."""
-    if whole:
-        config = model.config.get_text_config(decoder=True)
-        return max(context, int(getattr(config, "max_position_embeddings", None) or 0))
-    return max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length())
 
 
 def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,

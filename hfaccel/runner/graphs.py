@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("hfaccel")
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 POOL_BLOCKS_DIM = 2  # the block dimension of a KV pool ``[L, 2, num_blocks, block_size, Hkv, D]``
+MIN_CONTEXT_BUCKET = 256  # uncompiled, uncaptured steps are built for contexts of powers of two from here
 
 
 def compiles(setting: bool | str, device: torch.device) -> bool:
@@ -60,6 +61,16 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
     if setting not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto'; got {setting!r}")
     return setting is True or (setting == "auto" and device.type == "cuda")
+
+
+def context_bucket(context: int, *, whole: bool, model) -> int:
+    """The context static steps are built for: compiled or captured steps (``whole``) for the model's whole context
+    (``max_position_embeddings``) at once, so that nothing compiles again; plain eager steps, which rebuild for
+    free, for the power of two that holds ``context`` (>= 256) — the paged kernel's launch is sized by it."""
+    if whole:
+        config = model.config.get_text_config(decoder=True)
+        return max(context, int(getattr(config, "max_position_embeddings", None) or 0))
+    return max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length())
 
 
 class DecodeGraphs:

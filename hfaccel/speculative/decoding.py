@@ -37,7 +37,7 @@ from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
 from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
-from hfaccel.runner.graphs import DEFAULT_LADDER
+from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 from hfaccel.sampling import (
     ACCEPT, DRAW, RESIDUAL, IncrementalDetokenizer, SamplingParams, StopChecker, Warping, global_noise, keyed_noise,
     probabilities, race, seed_key, seeded_uniforms, token_ids,
@@ -168,8 +168,10 @@ class _Sampler:
 class SpeculativeRunners:
     """The target's and the draft model's runners — KV pools, compiled and captured steps — kept across
     :func:`speculative_generate` calls (``generate(assistant_model=...)`` on an accelerated model keeps one per
-    model). A call reuses them when they are big enough and rebuilds (and releases) them otherwise; sizes are
-    bucketed (batch: the decode ladder, lengths: powers of two), so rebuilds are few."""
+    model). Their static steps are built once for every ladder batch size and, compiled or captured, the models'
+    whole context (as ``generate()``'s decode steps are); a call that needs more KV blocks swaps larger pools in
+    under them, so nothing compiles again. Only another model, dtype, device, draft count or compile setting, a
+    batch past the ladder or a context past the model's builds them anew."""
 
     def __init__(self):
         self._key: tuple | None = None
@@ -179,21 +181,24 @@ class SpeculativeRunners:
     def get(self, model, draft_model, rows: int, capacity: list[int], k: int, block_size: int,
             compile: bool | str) -> tuple[ModelRunner, ModelRunner | None]:
         """Empty runners for ``rows`` sequences of up to ``capacity[i]`` tokens, verifying ``k`` drafts a step."""
-        rows = next((size for size in DEFAULT_LADDER if size >= rows), rows)
-        length = 1 << (max(capacity) - 1).bit_length()
-        blocks = rows * -(-length // block_size) + 1
+        length = max(capacity)
+        blocks = sum(-(-c // block_size) for c in capacity) + 1
         key = (id(model), model.dtype, model_device(model), k, block_size, compile, id(draft_model),
                None if draft_model is None else (draft_model.dtype, model_device(draft_model)))
-        if key != self._key or self.target.pool.num_blocks < blocks or self.target.graphs.max_batch < rows \
-                or self.target.graphs.max_model_len < length:
+        graphs = None if self.target is None else self.target.graphs
+        if key != self._key or graphs.max_batch < rows or graphs.max_model_len < length:
             self.release()
             self.target = self._runner(model, blocks, block_size, rows, length, compile, tokens_per_seq=k + 1)
             self.draft = None if draft_model is None else self._runner(draft_model, blocks, block_size, rows, length,
                                                                        compile, catch_up=True)
             self._key = key
-        for runner in (self.target, self.draft):  # a call that raised may have left sequences behind
-            if runner is not None:
-                runner.pool.manager.reset()
+        for runner in (self.target, self.draft):
+            if runner is None:
+                continue
+            if runner.pool.num_blocks < blocks:
+                grown = max(blocks, 2 * runner.pool.num_blocks)
+                runner.replace_pool(lambda runner=runner: _pool(runner.model, grown, block_size))
+            runner.pool.manager.reset()  # a call that raised may have left sequences behind
         return self.target, self.draft
 
     @staticmethod
@@ -202,11 +207,13 @@ class SpeculativeRunners:
         """A runner with static steps of ``tokens_per_seq`` tokens per sequence (the target's verification, the
         draft's drafting) and, for a draft (``catch_up``), of the one or two tokens it catches up on each step
         (the token the target chose, after the last draft when every draft was accepted)."""
-        runner = ModelRunner(model, KVPool.for_model(model, num_blocks=blocks, block_size=block_size))
+        runner = ModelRunner(model, _pool(model, blocks, block_size))
         compiled = compiles(compile, runner.device)
-        runner.enable_decode_graphs(rows, length, tokens_per_seq=tokens_per_seq, compile=compiled)
+        max_batch = max(rows, DEFAULT_LADDER[-1])
+        max_len = context_bucket(length, whole=compiled or runner.device.type == "cuda", model=model)
+        runner.enable_decode_graphs(max_batch, max_len, tokens_per_seq=tokens_per_seq, compile=compiled)
         if catch_up:
-            runner.enable_catch_up_graphs(rows, length, tokens_per_seq=2, compile=compiled)
+            runner.enable_catch_up_graphs(max_batch, max_len, tokens_per_seq=2, compile=compiled)
         return runner
 
     def release(self) -> None:
@@ -215,6 +222,10 @@ class SpeculativeRunners:
             if runner is not None:
                 runner.release()
         self.target = self.draft = self._key = None
+
+
+def _pool(model, blocks: int, block_size: int) -> KVPool:
+    return KVPool.for_model(model, num_blocks=blocks, block_size=block_size)
 
 
 class _ModelDrafter:

@@ -98,20 +98,29 @@ def test_verification_and_drafting_run_the_runners_static_steps(monkeypatch):
 
 def test_assisted_generate_keeps_its_runners_between_calls():
     """generate(assistant_model=...) on an accelerated model builds its runners (pools, compiled and captured
-    steps) once and reuses them; a larger call rebuilds them."""
+    steps) once and reuses them; a larger call (more rows, longer) keeps their steps and swaps larger pools in,
+    the old pools' memory given back at once."""
     model, draft = tiny_model("llama"), perturbed_copy(tiny_model("llama"))
     batch = _batch()
     expected = _target_greedy(model, batch, eos=[])
-    hfaccel.accelerate(model, attention="torch")
+    torch_kernels(model, draft)
     runners = []
     for _ in range(2):
         assert torch.equal(model.generate(**batch, assistant_model=draft, max_new_tokens=NEW_TOKENS, **GREEDY),
                            expected)
         runners.append((model.hfaccel.session.speculative.target, model.hfaccel.session.speculative.draft))
     assert runners[0][0] is runners[1][0] and runners[0][1] is runners[1][1]
-    model.generate(**padded_batch(lengths=(11, 7, 4, 9, 3, 5)), assistant_model=draft, max_new_tokens=4, **GREEDY)
-    assert model.hfaccel.session.speculative.target is not runners[0][0]  # 6 rows: the ladder's next size
-    assert runners[0][0].pool.kv is None  # the old runners' memory went back at once
+    target, draft_runner = runners[0]
+    pools, steps = (target.pool, draft_runner.pool), (target.graphs, draft_runner.graphs, draft_runner.catch_up)
+    larger = padded_batch(lengths=(11, 7, 4, 9, 3, 5))
+    expected = _target_greedy(model, larger, new_tokens=3 * NEW_TOKENS, eos=[])
+    assert torch.equal(model.generate(**larger, assistant_model=draft, max_new_tokens=3 * NEW_TOKENS, **GREEDY),
+                       expected)
+    speculative = model.hfaccel.session.speculative
+    assert (speculative.target, speculative.draft) == (target, draft_runner)
+    assert (target.graphs, draft_runner.graphs, draft_runner.catch_up) == steps  # built once
+    assert target.pool is not pools[0] and draft_runner.pool is not pools[1]  # grown
+    assert pools[0].kv is None and pools[1].kv is None  # the old pools' memory went back at once
 
 
 @pytest.mark.slow
