@@ -318,3 +318,40 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     limit_hit = tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
                       if hasattr(exc, name))
     return (exc.TorchDynamoException, *limit_hit)
+
+
+# ---- tensor parallelism: a model loaded with ``tp_plan="auto"`` (``DistributedConfig`` from 5.18) ----
+# Colwise plans of these projections split the attention's KV heads across the ranks (transformers' own list, in
+# ``get_kv_heads_per_rank`` from 5.24).
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def tp_size(model) -> int:
+    """The model's tensor-parallel degree: 1 for a model transformers did not shard (``model.tp_size`` is None)."""
+    return int(getattr(model, "_tp_size", None) or 1)
+
+
+def tp_plan(model) -> dict[str, str]:
+    """The plan transformers sharded the model with (module name pattern -> style); empty if not sharded."""
+    return dict(getattr(model, "tp_plan", None) or {}) if tp_size(model) > 1 else {}
+
+
+def tp_group(model):
+    """The ``torch.distributed`` process group of the model's tensor-parallel ranks (None when not sharded).
+    transformers 5.17 keeps a 1-D mesh of the TP ranks; later releases a ``(pp, fsdp, tp)`` mesh."""
+    mesh = getattr(model, "_device_mesh", None)
+    if tp_size(model) == 1 or mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    return mesh.get_group("tp") if mesh.ndim > 1 or "tp" in names else mesh.get_group()
+
+
+def tp_splits_kv_heads(model) -> bool:
+    """Whether the model's TP plan splits the KV heads across the ranks (a colwise key projection)."""
+    return any(key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise"
+               for key, style in tp_plan(model).items())
+
+
+def device_map_devices(model) -> set[str]:
+    """The devices ``from_pretrained(device_map=...)`` spread the model over (empty without a device map)."""
+    return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}

@@ -2,7 +2,8 @@
 
 Layers, lowest first — a package may import only from layers below its own (and within itself):
 
-    kernels < compat, device < kv, quant < attention < runner < sampling < engine, speculative < serve, hf < tools
+    kernels < compat, device < kv, quant < attention < runner < distributed < sampling < engine, speculative < serve,
+    hf < tools
 
 Packages in one layer do not import each other. Only ``tools`` reads the ``hfaccel`` package root (the public
 API); everything else names the module it needs. Function-level (lazy) imports count too.
@@ -17,7 +18,7 @@ from pathlib import Path
 import hfaccel
 
 PACKAGE = Path(hfaccel.__file__).parent
-LAYERS = [{"kernels"}, {"compat", "device"}, {"kv", "quant"}, {"attention"}, {"runner"}, {"sampling"},
+LAYERS = [{"kernels"}, {"compat", "device"}, {"kv", "quant"}, {"attention"}, {"runner"}, {"distributed"}, {"sampling"},
           {"engine", "speculative"}, {"serve", "hf"}, {"tools"}]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 

@@ -25,13 +25,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hfaccel.attention import set_hfaccel_attention, unsupported_reason, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
-from hfaccel.engine.kv_budget import plan_kv_cache
+from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
+from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
@@ -70,6 +71,12 @@ class Engine:
         async_scheduling: in the decode steady state, schedule and launch each step before the previous step's
             tokens reach the host, so the host's work overlaps the device's (default: on CUDA). The outputs are
             the same; ``step()`` then returns what the step before it produced.
+
+    Tensor parallelism: over a model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``), every rank
+    makes the engine with the same arguments; rank 0 (``is_leader``) takes the requests, schedules, samples and
+    streams, and sends each forward's inputs to the other ranks in one broadcast; the other ranks call
+    :meth:`follow`, which runs those forwards until rank 0 calls :meth:`shutdown`. Forwards run eagerly there (no
+    CUDA graphs yet).
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
@@ -77,6 +84,11 @@ class Engine:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, kv_cache_fraction: float = 0.5,
                  cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None):
         compiles(compile, model_device(model))  # a bad setting raises before anything changes
+        check_sharding(model, "hfaccel.Engine")
+        self.tp = tensor_parallel(model)
+        if self.tp is not None and cuda_graphs:
+            raise ValueError("hfaccel.Engine under tensor parallelism runs its forwards eagerly: cuda_graphs=True is "
+                             "not supported there yet (leave it None)")
         _use_hfaccel_attention(model)
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
@@ -87,15 +99,24 @@ class Engine:
                                        max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                        num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                                        kv_cache_fraction=kv_cache_fraction)
+        self._channel = None  # the TP step broadcast (None: one process)
+        if self.tp is None:
+            pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
+                                    enable_prefix_caching=enable_prefix_caching)
+            self.runner = ModelRunner(model, pool)
+        else:
+            self.kv_budget = _agreed_budget(self.tp, self.kv_budget)
+            self.runner, self._channel = tp_runner(
+                model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching)
+            pool = self.runner.pool
         _log.info("hfaccel Engine: %s", self.kv_budget)
-        pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                                enable_prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(model, pool)
         self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
         on_cuda = self.runner.device.type == "cuda"
-        if cuda_graphs if cuda_graphs is not None else on_cuda:
+        if self.tp is None and (cuda_graphs if cuda_graphs is not None else on_cuda):
             graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
                                                       compile=compiles(compile, self.runner.device))
             if graphs.compiled or graphs.capture:
@@ -108,11 +129,37 @@ class Engine:
         self.host_times = HostTimes(self.runner)
         self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
 
+    # ------------------------------------------------------------------------------- tensor parallelism
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process takes requests: always on one process; under tensor parallelism, TP rank 0."""
+        return self.tp is None or self.tp.is_leader
+
+    def follow(self) -> int:
+        """Run rank 0's forwards on this rank (a TP rank other than 0) until rank 0 calls :meth:`shutdown`;
+        returns how many ran."""
+        if self.is_leader:
+            raise RuntimeError("Engine.follow() is for the TP ranks other than 0; this process is the leader (it "
+                               "takes the requests: generate, add_request, stream...)")
+        return follow(self.runner, self._channel)
+
+    def shutdown(self) -> None:
+        """Stop the follower ranks (rank 0 under tensor parallelism; once; a no-op otherwise)."""
+        if self._channel is not None and self.is_leader:
+            self._channel.send_stop()
+            self._channel = None
+
+    def _need_leader(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"Engine.{what}: rank {self.tp.rank} of {self.tp.size} follows TP rank 0, which takes "
+                               "every request; call engine.follow() on this rank")
+
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None, *, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. A bad prompt or parameter raises ValueError and changes nothing. A
         :class:`PreparedPrompt` (from :meth:`prepare_prompt`) was checked already and carries its parameters."""
+        self._need_leader("add_request")
         if isinstance(prompt, PreparedPrompt):
             if params is not None and params is not prompt.params:
                 raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
@@ -190,6 +237,7 @@ class Engine:
         """Run one step; returns the live requests it changed, copying nothing (``DeltaTracker`` reads the
         new part of each: what ``generate``, ``stream`` and ``AsyncEngine`` use, so a step costs the same
         however long the outputs already are)."""
+        self._need_leader("step")
         touched: dict[str, Request] = {}
         overlap = self._overlaps()
         self._collect_all_but(1 if overlap else 0, touched)  # a step with prefill work sees the last one's tokens
@@ -666,6 +714,14 @@ def _use_hfaccel_attention(model) -> None:
         raise ValueError(f"hfaccel.Engine cannot serve {type(model).__name__}: {reason}")
     if not uses_hfaccel_attention(model):
         set_hfaccel_attention(model)
+
+
+def _agreed_budget(tp, budget: KVBudget) -> KVBudget:
+    """The pool every TP rank reserves: the smallest any rank planned (rank 0's block ids index every rank's pool)."""
+    blocks = tp.min_over_ranks(budget.num_blocks)
+    if blocks == budget.num_blocks:
+        return budget
+    return replace(budget, num_blocks=blocks, reason=f"{budget.reason}; the smallest of the {tp.size} TP ranks'")
 
 
 def _is_single_prompt(prompts) -> bool:

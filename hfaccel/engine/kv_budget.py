@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hfaccel.device import model_device
-from hfaccel.kv import KVPool
+from hfaccel.kv import KVPool, local_kv_heads
 
 CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
 GRAPHS_RESERVE = 1 << 30  # CUDA graph pools, compiled kernels' workspaces, allocator slack
@@ -69,7 +69,8 @@ def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: i
         raise ValueError(f"give num_blocks or kv_cache_memory, not both; got {num_blocks} and {kv_cache_memory}")
     if not 0 < kv_cache_fraction <= 1:
         raise ValueError(f"kv_cache_fraction must be in (0, 1]; got {kv_cache_fraction}")
-    block_bytes = KVPool(model.config, num_blocks=1, block_size=block_size).block_bytes(model.dtype)
+    block_bytes = KVPool(model.config, num_blocks=1, block_size=block_size,
+                         num_kv_heads=local_kv_heads(model)).block_bytes(model.dtype)
     budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason)  # noqa: E731
     if num_blocks is not None:
         if num_blocks < 1:

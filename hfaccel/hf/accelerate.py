@@ -12,6 +12,7 @@ from hfaccel.attention import (
     ATTENTION_NAMES, AttentionPaths, set_hfaccel_attention, track_paths, unsupported_reason, untrack_paths,
 )
 from hfaccel.device import model_device
+from hfaccel.distributed import check_sharding
 from hfaccel.hf.decode import DecodeInfo, DecodeSession
 from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
@@ -81,12 +82,18 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
             ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
 
+    A model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``) is served on every rank: attention
+    over the rank's local heads, a KV pool of its local KV heads, and ``generate()`` called on every rank with the
+    same arguments runs hfaccel's loop in lockstep, each step's tokens rank 0's. A model spread over devices by
+    ``device_map``, or a TP size that does not divide the KV heads, is a ``ValueError``.
+
     Only this model instance changes (its config's attention implementation). Generation, ``model(...)``
     and pipelines keep working and give the same results. An architecture hfaccel cannot serve is left
     on transformers' attention with a warning that names the reason (see ``model.hfaccel``).
     Calling ``accelerate`` again re-applies it with the new arguments; :func:`restore` undoes it.
     """
     _check_model(model)
+    check_sharding(model, quantize=quantize)
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
     if attention == "triton":

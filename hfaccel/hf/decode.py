@@ -29,6 +29,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.device import model_device
+from hfaccel.distributed import tensor_parallel
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
@@ -65,6 +66,9 @@ class DecodeSession:
         self.lock = threading.Lock()  # one call at a time runs the loop; a concurrent one runs transformers'
         self.speculative = None  # SpeculativeRunners of assisted generate() calls (made on the first)
         self._logged: set[str] = set()  # the reasons of transformers' loop already logged for this model
+        # a model transformers sharded with tp_plan: every rank runs this loop in lockstep (the same calls, the same
+        # forwards, its own pool of its local KV heads), and each step's tokens are the leader's
+        self.tp = tensor_parallel(model)
 
     def served_by_transformers(self, reason: str) -> None:
         """Record that transformers' loop serves the current call and why; each reason is logged once per model
@@ -194,6 +198,7 @@ class _Loop:
 
     def __init__(self, session: DecodeSession, input_ids: torch.Tensor, processors, criteria, config, streamer):
         self.session, self.processors, self.criteria, self.streamer = session, processors, criteria, streamer
+        self.tp = session.tp
         self.do_sample = bool(config.do_sample)
         self.pad = compat.generation_pad_tensor(config)
         self.pad_finished = any(hasattr(criterion, "eos_token_id") for criterion in criteria)
@@ -257,6 +262,8 @@ class _Loop:
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             tokens = torch.argmax(scores, dim=-1)
+        if self.tp is not None:  # every rank drew (its generator advances as transformers' would): the leader's count
+            self.tp.broadcast(tokens)
         if self.pad_finished:
             tokens = tokens * self.unfinished + self.pad * (1 - self.unfinished)
         return tokens

@@ -19,7 +19,7 @@ from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.kernels.runtime import resolve_backend
-from hfaccel.kv import PagedCache
+from hfaccel.kv import PagedCache, local_kv_heads
 from hfaccel.sampling import token_ids
 
 # token-changing generate() options hfaccel's decode loop leaves to transformers (it serves every other one, with
@@ -77,7 +77,8 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
         return generate(*args, **kwargs)
     rows, total_len = shape
     kwargs[compat.generate_cache_argument()] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
-                                           left_padding=_left_padding(kwargs.get("attention_mask"), rows))
+                                           left_padding=_left_padding(kwargs.get("attention_mask"), rows),
+                                           num_kv_heads=local_kv_heads(model))
     return generate(*args, **kwargs)
 
 

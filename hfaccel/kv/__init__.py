@@ -2,7 +2,8 @@
 
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
 from hfaccel.kv.hf_cache import PagedCache, PagedKV, PoolCache, SequenceKVCache, paged_reader_backend
-from hfaccel.kv.pool import DeviceBlockTables, KVPool, PackedStep, kv_dims, token_metadata
+from hfaccel.kv.pool import DeviceBlockTables, KVPool, PackedStep, kv_dims, local_kv_heads, token_metadata
 
 __all__ = ["BlockCopy", "BlockManager", "CacheFullError", "DeviceBlockTables", "KVPool", "PackedStep", "PagedCache",
-           "PagedKV", "PoolCache", "SequenceKVCache", "kv_dims", "paged_reader_backend", "slot_mapping", "token_metadata"]
+           "PagedKV", "PoolCache", "SequenceKVCache", "kv_dims", "local_kv_heads",
+           "paged_reader_backend", "slot_mapping", "token_metadata"]

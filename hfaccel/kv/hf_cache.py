@@ -174,11 +174,14 @@ class PagedCache(PoolCache):
             model passes them): when the model's attention is hfaccel's, padding gets no slot and no block, and
             :meth:`memory_stats` counts real tokens only. Without it (or for another attention, which reads K/V
             gathered in transformers' padded layout) rows hold their padding, as transformers' caches do.
+        num_kv_heads: KV heads per layer the pool holds; default the config's (a tensor-parallel rank's model holds
+            its share: ``hfaccel.kv.local_kv_heads(model)``).
     """
 
     def __init__(self, config, *, max_batch_size: int, max_cache_len: int | None = None,
                  num_blocks: int | None = None, block_size: int = 16, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, left_padding: Sequence[int] | None = None):
+                 dtype: torch.dtype | None = None, left_padding: Sequence[int] | None = None,
+                 num_kv_heads: int | None = None):
         if max_cache_len is None and num_blocks is None:
             raise ValueError("PagedCache needs max_cache_len or num_blocks")
         if max_batch_size < 1 or block_size < 1:
@@ -187,7 +190,7 @@ class PagedCache(PoolCache):
         self._max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
         num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
         super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
-                                        dtype=dtype))
+                                        dtype=dtype, num_kv_heads=num_kv_heads))
         self._left_padding: list[int] | None = None
         self.rows: list[int] = []  # the block manager's sequence id of each batch row
         self.padding: list[int] = []  # each row's left padding that the pool does not hold

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from hfaccel import compat
 from hfaccel.device import model_device, to_device
 from hfaccel.kernels.ops import write_kv_op
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
@@ -28,6 +29,21 @@ def kv_dims(config) -> tuple[int, int, int]:
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return text.num_hidden_layers, kv_heads, head_dim
+
+
+def local_kv_heads(model) -> int:
+    """The KV heads this process holds of each layer: the config's, or on a tensor-parallel rank (a model
+    transformers loaded with ``tp_plan``) its share, ``num_key_value_heads / tp_size``. A ``ValueError`` when the
+    TP size does not divide the KV heads (no rank can hold whole heads)."""
+    _, heads, _ = kv_dims(model.config)
+    size = compat.tp_size(model)
+    if size == 1 or not compat.tp_splits_kv_heads(model):
+        return heads
+    if heads % size:
+        raise ValueError(f"hfaccel needs the tensor-parallel size to divide the model's KV heads, so that each rank "
+                         f"holds whole heads: num_key_value_heads={heads}, tp_size={size} (use a tp_size that "
+                         f"divides {heads})")
+    return heads // size
 
 
 @dataclass(frozen=True)
@@ -60,11 +76,15 @@ class KVPool:
         device, dtype: of the tensors; when either is None they are allocated by :meth:`allocate`, e.g. from the
             first keys a layer writes.
         enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
+        num_kv_heads: KV heads per layer this process holds; default the config's (a tensor-parallel rank holds
+            its share: :func:`local_kv_heads`, which :meth:`for_model` passes).
     """
 
     def __init__(self, config, *, num_blocks: int, block_size: int = 16, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, enable_prefix_caching: bool = False):
+                 dtype: torch.dtype | None = None, enable_prefix_caching: bool = False,
+                 num_kv_heads: int | None = None):
         self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(config)
+        self.num_kv_heads = num_kv_heads or self.num_kv_heads
         self.block_size = block_size
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
@@ -73,9 +93,9 @@ class KVPool:
 
     @classmethod
     def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False) -> KVPool:
-        """A pool on the model's device, in its dtype."""
+        """A pool on the model's device, in its dtype, for the KV heads this process holds of it."""
         return cls(model.config, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
-                   dtype=model.dtype, enable_prefix_caching=enable_prefix_caching)
+                   dtype=model.dtype, enable_prefix_caching=enable_prefix_caching, num_kv_heads=local_kv_heads(model))
 
     # ------------------------------------------------------------------------------------------ memory
     @property

@@ -1,0 +1,74 @@
+"""The rank's view of a model transformers sharded with ``tp_plan`` (``from_pretrained(path, tp_plan="auto")`` under
+``torchrun``): each rank holds ``num_attention_heads / tp`` query heads and ``num_key_value_heads / tp`` KV heads,
+and transformers' own hooks all-reduce after ``o_proj`` and ``down_proj`` and gather the logits, so every rank ends
+a forward with the same full logits. hfaccel's attention runs on the local heads unchanged; its KV pool holds the
+local KV heads (:func:`hfaccel.kv.local_kv_heads`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hfaccel import compat
+from hfaccel.device import model_device
+from hfaccel.kv import local_kv_heads
+from hfaccel.quant.linear import Int4Linear
+
+SUPPORTED = ("hfaccel serves a model on one device, or sharded by transformers' tensor parallelism "
+             "(from_pretrained(path, tp_plan=\"auto\") under torchrun: one device per rank)")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The tensor-parallel ranks a model is sharded over."""
+
+    group: dist.ProcessGroup
+    size: int  # ranks in the group
+    rank: int  # this process's rank in the group
+    leader: int  # global rank of the group's rank 0: it schedules, samples and broadcasts
+    device: torch.device  # the rank's device: where its collectives' tensors live (CUDA for NCCL)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the leader holds it, on every rank (in place; returned for chaining)."""
+        dist.broadcast(tensor, src=self.leader, group=self.group)
+        return tensor
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` any rank holds (every rank calls it)."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+
+def tensor_parallel(model) -> TensorParallel | None:
+    """The TP ranks of a model transformers sharded with ``tp_plan``, or None for a model on one process."""
+    group = compat.tp_group(model)
+    if group is None:
+        return None
+    return TensorParallel(group, dist.get_world_size(group), dist.get_rank(group), dist.get_global_rank(group, 0),
+                          model_device(model))
+
+
+def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | None = None) -> None:
+    """Raise a ``ValueError`` that says what is supported when ``model`` is sharded in a way hfaccel cannot serve:
+    spread over several devices by ``device_map``, split by a TP size that does not divide its KV heads, or int4
+    under tensor parallelism (``quantize``: the quantization asked for)."""
+    devices = compat.device_map_devices(model)
+    if len(devices) > 1:
+        raise ValueError(f"{what}: {SUPPORTED}; this model is split across devices {sorted(devices)} by "
+                         f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
+    local_kv_heads(model)  # raises when the TP size does not divide the KV heads
+    if compat.tp_size(model) == 1:
+        return
+    layers = [name for name, module in model.named_modules() if isinstance(module, Int4Linear)]
+    if quantize is not None or layers:
+        where = f"its Int4Linear layers ({layers[0]}, ...)" if layers else f"quantize={quantize!r}"
+        raise ValueError(f"{what}: int4 weights under tensor parallelism are not supported yet ({where}); serve the "
+                         f"TP-sharded model unquantized, or quantize it on one process")

@@ -1,0 +1,182 @@
+"""The engine under tensor parallelism: the leader (TP rank 0) schedules, samples and owns every request; each of its
+forwards goes to the other ranks as ONE broadcast of one packed int64 tensor — token ids, positions, slot mapping,
+block tables, sequence lengths, the logits rows to keep, and the copy-on-write block copies queued since the last
+forward — and the followers run the same forward on their shard of the model (transformers' hooks all-reduce
+between the ranks inside it) and their pool of their local KV heads. The followers never sample: a token the
+leader sampled reaches them as an input id of the next step, so every rank computes on the same tokens.
+
+The seam is the runner's :meth:`~hfaccel.runner.ModelRunner.run_model` (one forward with its built metadata):
+:class:`LeaderRunner` broadcasts there, :func:`follow` replays there. The leader's static decode steps (CUDA graphs)
+build their metadata on the device and do not pass through it, so an engine under TP runs its forwards eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hfaccel.distributed.model import TensorParallel
+from hfaccel.kv import KVPool, PackedStep
+from hfaccel.kv.block_manager import BlockCopy
+from hfaccel.runner import ModelRunner
+
+# message kinds (the header's first value)
+FORWARD, COPIES, STOP = 0, 1, 2
+# header: kind, tokens T, sequences S, table width W, kept logits K (-1: every row), copies C, max_seq_len, max_q_len
+_HEADER = 8
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest step the leader sends: what sizes every rank's message buffer."""
+
+    max_tokens: int  # tokens per forward (the engine's max_num_batched_tokens)
+    max_seqs: int  # sequences per forward (max_num_seqs)
+    max_blocks: int  # blocks per sequence (ceil(max_model_len / block_size))
+
+    @property
+    def max_copies(self) -> int:
+        return self.max_seqs  # more go ahead in messages of their own
+
+    @property
+    def size(self) -> int:
+        """int64 values of one message."""
+        return (_HEADER + 3 * self.max_tokens + self.max_seqs * self.max_blocks + 2 * self.max_seqs + 1
+                + self.max_seqs + 2 * self.max_copies)
+
+
+@dataclass
+class Message:
+    """One received message: block copies to make, then (``kind == FORWARD``) a forward to run."""
+
+    kind: int
+    copies: list[BlockCopy]
+    input_ids: torch.Tensor | None = None  # [T]
+    step: PackedStep | None = None
+    keep: torch.Tensor | int = 0  # [K] logits rows, or 0: every row
+
+
+class StepChannel:
+    """The leader's broadcast of each step's inputs to the TP ranks, and the followers' receipt of them: one
+    preallocated buffer of :attr:`StepLimits.size` int64 values on the model's device, one broadcast per message."""
+
+    def __init__(self, tp: TensorParallel, limits: StepLimits, device: torch.device):
+        self.tp, self.limits, self.device = tp, limits, device
+        self.buffer = torch.zeros(limits.size, dtype=torch.int64, device=device)  # [N]
+
+    def send_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
+                     copies: Sequence[BlockCopy]) -> None:
+        """Broadcast one forward (leader only): ``input_ids [T]`` and ``step`` on the device, ``keep`` as
+        :meth:`ModelRunner.run_model` takes it, and the block copies to make first."""
+        limits = self.limits
+        copies = list(copies)
+        while len(copies) > limits.max_copies:  # rare (many forks at once): the excess goes ahead alone
+            self._send(COPIES, [], copies[:limits.max_copies])
+            copies = copies[limits.max_copies:]
+        tokens, (seqs, width) = input_ids.shape[0], step.block_tables.shape
+        if tokens > limits.max_tokens or seqs > limits.max_seqs or width > limits.max_blocks:
+            raise ValueError(f"a forward of {tokens} tokens, {seqs} sequences and {width} blocks per sequence exceeds "
+                             f"the TP step buffer ({limits.max_tokens} tokens, {limits.max_seqs} sequences, "
+                             f"{limits.max_blocks} blocks)")
+        kept = -1 if isinstance(keep, int) else keep.shape[0]
+        header = [FORWARD, tokens, seqs, width, kept, len(copies), step.max_seq_len, step.max_q_len]
+        parts = [input_ids, step.positions, step.slot_mapping.reshape(-1), step.block_tables.reshape(-1),
+                 step.seq_lens, step.cu_seqlens_q] + ([] if isinstance(keep, int) else [keep])
+        self._send_parts(header, parts, copies)
+
+    def send_stop(self) -> None:
+        """Tell the followers the leader is done (leader only): their :func:`follow` returns."""
+        self._send(STOP, [], [])
+
+    def _send(self, kind: int, parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
+        self._send_parts([kind, 0, 0, 0, -1, len(copies), 0, 0], parts, copies)
+
+    def _send_parts(self, header: list[int], parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
+        values = [c.src for c in copies] + [c.dst for c in copies]
+        head = torch.tensor(header + values, dtype=torch.int64).to(self.device, non_blocking=True)
+        packed = torch.cat([head[:_HEADER]] + [p.to(torch.int64) for p in parts] + [head[_HEADER:]])  # [n]
+        self.buffer[:packed.shape[0]] = packed
+        self.tp.broadcast(self.buffer)
+
+    def receive(self) -> Message:
+        """The leader's next message (followers only; waits for it)."""
+        self.tp.broadcast(self.buffer)
+        kind, tokens, seqs, width, kept, copies, max_seq_len, max_q_len = self.buffer[:_HEADER].tolist()
+        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1 if kind == FORWARD else 0, max(kept, 0),
+                 copies, copies]
+        (input_ids, positions, slots, tables, seq_lens, cu, keep, src, dst) = torch.split(
+            self.buffer[_HEADER:_HEADER + sum(sizes)], sizes)
+        moves = [BlockCopy(s, d) for s, d in zip(src.tolist(), dst.tolist())]
+        if kind != FORWARD:
+            return Message(kind, moves)
+        step = PackedStep(slot_mapping=slots[None], block_tables=tables.view(seqs, width).to(torch.int32),
+                          seq_lens=seq_lens.to(torch.int32), cu_seqlens_q=cu.to(torch.int32), positions=positions,
+                          max_seq_len=max_seq_len, max_q_len=max_q_len)
+        return Message(kind, moves, input_ids, step, keep if kept >= 0 else 0)
+
+
+class LeaderPool(KVPool):
+    """The leader's pool: the block copies it makes are also queued for the followers' pools (they go out with the
+    next forward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.queued: list[BlockCopy] = []
+        self.copies_made = 0  # block copies since the start (every one reaches the followers)
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        super().copy_blocks(copies)
+        self.queued.extend(copies)
+        self.copies_made += len(copies)
+
+    def take_queued(self) -> list[BlockCopy]:
+        """The copies made since the last call (and forgets them)."""
+        queued, self.queued = self.queued, []
+        return queued
+
+
+class LeaderRunner(ModelRunner):
+    """The leader's runner: each forward's inputs are broadcast to the followers before it runs."""
+
+    def __init__(self, model, pool: LeaderPool, channel: StepChannel):
+        super().__init__(model, pool)
+        self.channel = channel
+
+    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int) -> torch.Tensor:
+        self.channel.send_forward(input_ids, step, keep, self.pool.take_queued())
+        return super().run_model(input_ids, step, keep)
+
+    def enable_decode_graphs(self, *args, **kwargs):
+        raise NotImplementedError("static decode steps (CUDA graphs) bypass the TP step broadcast: an engine under "
+                                  "tensor parallelism runs its forwards eagerly")
+
+
+def tp_runner(model, tp: TensorParallel, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+              num_blocks: int, block_size: int, enable_prefix_caching: bool) -> tuple[ModelRunner, StepChannel]:
+    """An engine's runner on a TP rank, and the channel its steps go through: on the leader a
+    :class:`LeaderRunner` over a :class:`LeaderPool`; on a follower a plain runner for :func:`follow` (its pool's
+    block manager stays unused: the leader's block tables come with each step)."""
+    limits = StepLimits(max_num_batched_tokens, max_num_seqs, -(-max_model_len // block_size))
+    channel = StepChannel(tp, limits, tp.device)
+    pool_class = LeaderPool if tp.is_leader else KVPool
+    pool = pool_class.for_model(model, num_blocks=num_blocks, block_size=block_size,
+                                enable_prefix_caching=enable_prefix_caching)
+    runner = LeaderRunner(model, pool, channel) if tp.is_leader else ModelRunner(model, pool)
+    return runner, channel
+
+
+@torch.inference_mode()
+def follow(runner: ModelRunner, channel: StepChannel) -> int:
+    """Run the leader's forwards on this rank until it stops (its ``Engine.shutdown()``); returns how many ran."""
+    forwards = 0
+    while True:
+        message = channel.receive()
+        if message.copies:
+            runner.pool.copy_blocks(message.copies)
+        if message.kind == STOP:
+            return forwards
+        if message.kind == FORWARD:
+            runner.run_model(message.input_ids, message.step, message.keep)
+            forwards += 1

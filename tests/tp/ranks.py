@@ -1,0 +1,74 @@
+"""Run a function on N ranks over gloo (CPU), each rank a spawned process, bounded in time: a rank that fails or a
+run past its timeout kills every rank and fails the test (never a hang)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.0, workdir: Path) -> list:
+    """``target(*args)`` on ``world_size`` ranks (``torch.distributed`` initialized, gloo); each rank's return
+    value, in rank order. ``target`` must be a module-level function (spawned processes import it)."""
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    processes = [context.Process(target=_rank_main, args=(rank, world_size, port, workdir, target, args), daemon=True)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in processes):
+            failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
+            if failed:
+                raise AssertionError(f"rank {failed[0]} failed:\n{_error_of(workdir, failed[0])}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the ranks ran past their {timeout:.0f} s timeout and were killed")
+            time.sleep(0.05)
+        failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
+        if failed:
+            raise AssertionError(f"rank {failed[0]} failed:\n{_error_of(workdir, failed[0])}")
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+    return [torch.load(workdir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _rank_main(rank: int, world_size: int, port: int, workdir: Path, target: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        result = target(*args)
+        torch.save(result, workdir / f"rank{rank}.pt")
+    except BaseException:
+        (workdir / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _error_of(workdir: Path, rank: int) -> str:
+    path = workdir / f"rank{rank}.err"
+    return path.read_text() if path.exists() else "(no traceback: the process died)"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

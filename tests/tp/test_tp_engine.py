@@ -1,0 +1,72 @@
+"""``hfaccel.Engine`` over a model transformers sharded with ``tp_plan="auto"`` on 2 ranks (gloo): rank 0 schedules
+and samples, rank 1 follows its broadcast steps, and the outputs of 20 requests with mixed lengths and parameters
+equal the single-process engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hfaccel.engine import SamplingParams
+from tests.engine.test_engine import mixed_prompts
+from tests.models import tiny_model
+from tests.tp.ranks import run_ranks
+
+ENGINE = {"max_num_seqs": 6, "max_num_batched_tokens": 24, "num_blocks": 48, "block_size": 4}
+
+
+def _params(budgets: list[int]) -> list[SamplingParams]:
+    """Greedy, seeded sampling with each warper, penalties, n=2 (forks: copy-on-write blocks) and logprobs."""
+    kinds = [
+        lambda b: SamplingParams(max_tokens=b, temperature=0, ignore_eos=True),
+        lambda b: SamplingParams(max_tokens=b, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        lambda b: SamplingParams(max_tokens=b, temperature=1.2, top_k=5, seed=11, ignore_eos=True),
+        lambda b: SamplingParams(max_tokens=b, temperature=1.0, repetition_penalty=1.3, seed=3, n=2, ignore_eos=True),
+        lambda b: SamplingParams(max_tokens=b, temperature=0, logprobs=2, presence_penalty=0.5, ignore_eos=True),
+    ]
+    return [kinds[i % len(kinds)](budget) for i, budget in enumerate(budgets)]
+
+
+def _outputs(outputs) -> list[list[list[int]]]:
+    return [[completion.token_ids for completion in out.outputs] for out in outputs]
+
+
+def _engine_rank(path: str, prompts: list[list[int]], budgets: list[int]) -> dict:
+    import hfaccel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), **ENGINE)
+    if not engine.is_leader:
+        return {"forwards": engine.follow(), "kv_heads": engine.runner.pool.num_kv_heads}
+    try:
+        outputs = engine.generate(prompts, _params(budgets))
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    return {"outputs": _outputs(outputs), "stats": stats, "kv_heads": engine.runner.pool.num_kv_heads,
+            "steps": engine.host_times.steps, "copies": engine.runner.pool.copies_made}
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def test_engine_under_tp_equals_single_process(saved_llama, tmp_path):
+    import hfaccel
+
+    prompts, budgets = mixed_prompts()
+    single = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.float32)
+    expected = _outputs(hfaccel.Engine(hfaccel.accelerate(single, attention="torch"), **ENGINE)
+                        .generate(prompts, _params(budgets)))
+
+    leader, follower = run_ranks(_engine_rank, str(saved_llama), prompts, budgets, workdir=tmp_path, timeout=120)
+
+    assert leader["outputs"] == expected
+    assert leader["stats"]["blocks_used"] == 0
+    assert leader["kv_heads"] == follower["kv_heads"] == single.config.num_key_value_heads // 2
+    assert follower["forwards"] >= leader["steps"] > 0  # every forward of the leader's ran on the follower
+    assert leader["copies"] > 0  # n=2 forks made copy-on-write copies, which went to the follower with the steps
