@@ -7,7 +7,8 @@ argmax(p_i / e_i), with ``p`` the warped probabilities (0 for filtered tokens) a
 noise, picks token ``i`` with probability exactly ``p_i / sum(p)`` (the Gumbel-max trick).
 
 A seeded row's noise is a counter-based hash of (seed, stream, index of the token in the output, token id)
-computed on the device (:func:`keyed_noise`; the stream is the completion's index among a request's ``n``): no
+computed on the device (``hfaccel.kernels.keyed_race``: the hash and the race fused in one kernel on CUDA; the
+stream is the completion's index among a request's ``n``): no
 generator state exists to break a CUDA graph capture, and the drawn token depends on the logits only through
 which token wins the race. Float rounding that differs from batch to batch changes it only at a near-tie of
 two tokens' ``p_i / e_i`` as close as the rounding — not, as a sorted inverse CDF would, whenever near-equal
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hfaccel.device import to_device
+from hfaccel.kernels.keyed_race import keyed_race
 from hfaccel.sampling.params import SamplingParams, TokenLogprob
 from hfaccel.sampling.penalties import TokenCounts
 from hfaccel.sampling.warpers import Warping, kept_probabilities
@@ -143,24 +145,25 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: t
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Exponential race over ``logits [R, V]`` after each row's temperature / top-k / top-p / min-p -> ``[R]``."""
-    warping = Warping.of([row.params for row in rows], logits.shape[-1], logits.device)
-    return race(kept_probabilities(logits, warping), _noise(rows, logits.shape[-1], logits.device))
-
-
-def _noise(rows: Sequence[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """The rows' race noise ``[R, V]``: keyed for seeded rows, from the global generator for the others."""
+    """Exponential race over ``logits [R, V]`` after each row's temperature / top-k / top-p / min-p -> ``[R]``:
+    seeded rows against their keyed noise (:func:`hfaccel.kernels.keyed_race.keyed_race`: one fused kernel on CUDA),
+    the others against noise from the global generator."""
+    device, vocab = logits.device, logits.shape[-1]
+    weights = kept_probabilities(logits, Warping.of([row.params for row in rows], vocab, device))  # [R, V]
     seeded = [i for i, row in enumerate(rows) if row.seed is not None]
     if not seeded:
-        return global_noise(len(rows), vocab, device)
+        return race(weights, global_noise(len(rows), vocab, device))
     keys = to_device([[seed_key(rows[i].seed) for i in seeded], [rows[i].stream for i in seeded],
                       [rows[i].counter for i in seeded]], torch.long, device)  # [3, S]: seeds, streams, counters
-    noise = keyed_noise(keys[0], keys[1], keys[2], vocab)  # [S, V]
     if len(seeded) == len(rows):
-        return noise
+        return keyed_race(weights, keys[0], keys[1], keys[2], DRAW)
     unseeded = [i for i, row in enumerate(rows) if row.seed is None]
-    noise = torch.cat([noise, global_noise(len(unseeded), vocab, device)])  # [R, V]: seeded rows, then the others
-    return torch.empty_like(noise).index_copy_(0, to_device(seeded + unseeded, torch.long, device), noise)
+    index = to_device(seeded + unseeded, torch.long, device)  # [R]: one upload
+    at_seeded, at_unseeded = index[:len(seeded)], index[len(seeded):]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)  # [R]
+    tokens.index_copy_(0, at_seeded, keyed_race(weights[at_seeded], keys[0], keys[1], keys[2], DRAW))
+    drawn = race(weights[at_unseeded], global_noise(len(unseeded), vocab, device))
+    return tokens.index_copy_(0, at_unseeded, drawn)
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -176,54 +179,9 @@ def global_noise(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # never 0: a weight of 0 must not score 0 / 0
 
 
-def keyed_noise(seeds: torch.Tensor | int, streams: torch.Tensor | int, counters: torch.Tensor, vocab: int,
-                purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
-    """Exp(1) race noise ``[S, vocab]`` (float32, > 0) of ``S`` keyed rows: ``counters [S]`` (int64, on the
-    device the noise is made on) and ``seeds``, ``streams``, ``purpose`` (``[S]`` or one int for every row); entry
-    ``(s, i)`` is keyed by (seed, stream, purpose, counter, token ``i``) — :func:`seeded_uniforms`."""
-    column = lambda key: key[:, None] if isinstance(key, torch.Tensor) else key  # noqa: E731  [S] -> [S, 1]
-    tokens = torch.arange(vocab, device=counters.device)  # [V]
-    uniforms = seeded_uniforms(column(seeds), column(counters), tokens, streams=column(streams),
-                               purpose=column(purpose))  # [S, V]
-    return -torch.log1p(-uniforms)  # small numbers, the race's winners, from the finely spaced uniforms near 0
-
-
 def seed_key(seed: int) -> int:
     """The int64 that keys a seed's numbers: any Python int, modulo 2**64, as a signed 64-bit value."""
     return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
-_M32 = 0xFFFFFFFF
-_START = 0x9E3779B9  # the hash's starting state: with 0, the key of all zeros would hash to 0 (u = 2**-33)
-_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
-
-
-def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
-    """A 32-bit integer hash (xorshift-multiply rounds, constants < 2**31 so int64 products never overflow) of
-    ``x`` in [0, 2**32) (a tensor or a Python int)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
-
-
-def seeded_uniforms(seeds: torch.Tensor | int, counters: torch.Tensor | int, tokens: torch.Tensor | int = 0, *,
-                    streams: torch.Tensor | int = 0, purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
-    """U(0, 1) float32 numbers, one per key (seed, stream, purpose, counter, token): int64 tensors or ints that
-    broadcast together (at least one a tensor), seeds any int64 (:func:`seed_key`), the others in [0, 2**32). A
-    counter-based generator: the same key gives the same number on any device, in any batch, with no state.
-
-    The hash of (seed, stream, purpose, counter) is a bijection of the counter for the rest fixed (a row's
-    output indices never share numbers); a row's tokens get two more rounds, so that rows whose keys differ by
-    a xor are not permutations of each other. 32 random bits: the numbers near 0 are as fine as 2**-33."""
-    x = _mix32(((seeds >> 32) & _M32) ^ _START)
-    x = _mix32(x ^ (seeds & _M32))
-    x = _mix32(x ^ streams)
-    x = _mix32(x ^ purpose)
-    x = _mix32(x ^ counters)
-    x = _mix32(_mix32(x ^ tokens) ^ x)
-    return ((x.to(torch.float32) + 0.5) * 2.0 ** -32).clamp_max(_BELOW_ONE)  # in (0, 1): log1p(-u) finite
 
 
 def _with_logprobs(result: SampledTokens, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampledTokens:

@@ -39,7 +39,7 @@ from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 from hfaccel.sampling import (
-    ACCEPT, DRAW, RESIDUAL, IncrementalDetokenizer, SamplingParams, StopChecker, Warping, global_noise, keyed_noise,
+    ACCEPT, DRAW, RESIDUAL, IncrementalDetokenizer, SamplingParams, StopChecker, Warping, global_noise, keyed_race,
     probabilities, race, seed_key, seeded_uniforms, token_ids,
 )
 
@@ -150,10 +150,9 @@ class _Sampler:
     def draw(self, probs: torch.Tensor, keys: _Keys | None, purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
         """One token per row of a distribution ``probs [N, V]`` -> ``[N]``; ``keys``: each row's stream and the
         output index of the token drawn, ``[N]`` each (None: the global generator's noise)."""
-        rows, vocab = probs.shape
-        noise = (global_noise(rows, vocab, probs.device) if keys is None
-                 else keyed_noise(self.seed, *keys, vocab, purpose))  # [N, V]
-        return race(probs, noise)
+        if keys is None:
+            return race(probs, global_noise(*probs.shape, probs.device))
+        return keyed_race(probs, self.seed, *keys, purpose)
 
     def acceptance(self, keys: _Keys | None, rows: int, width: int, device: torch.device) -> torch.Tensor:
         """U(0, 1) numbers ``[R, K]`` for the acceptance tests of each row's drafts (output indices ``keys[1]``

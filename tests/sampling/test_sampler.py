@@ -110,7 +110,10 @@ def test_the_distribution_test_has_power(monkeypatch):
     """Uniform instead of exponential noise races to a distribution a little off the warped one: caught."""
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
     params = WARPED[0]
-    monkeypatch.setattr(sampler_module, "keyed_noise", lambda *key: 1 - torch.exp(-keyed_noise(*key)))
+    def uniform_race(weights, seeds, streams, counters, purpose):
+        return race(weights, 1 - torch.exp(-keyed_noise(seeds, streams, counters, weights.shape[-1], purpose)))
+
+    monkeypatch.setattr(sampler_module, "keyed_race", uniform_race)
     counts = _draws(logits, params, _rows(params, list(range(100_000))))
     assert chi_square_p_value(counts, _expected(logits, params)) < 1e-6
 

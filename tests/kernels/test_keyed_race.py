@@ -1,0 +1,66 @@
+"""keyed_race: the seeded draw's Triton kernel (through the interpreter) picks the reference's token on every row —
+odd vocabularies, extreme seeds, zero weights —, draws exactly from the weights (chi-square), the same token alone
+or in a batch; and it compiles for sm_90."""
+
+import pytest
+import torch
+
+from hfaccel.kernels.keyed_race import BLOCK_V, START, keyed_race, keyed_race_reference, seeded_uniforms
+from tests.kernels.helpers import compile_sm90
+from tests.sampling.reference import chi_square_p_value
+
+SEEDS = [0, -1, 1, 2**63 - 1, -2**63, 12345, 2**32, -(2**40) + 7]
+
+
+def _keys(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    seeds = torch.tensor([SEEDS[i % len(SEEDS)] ^ (i // len(SEEDS)) for i in range(rows)])  # within int64
+    streams = torch.randint(0, 4, (rows,), generator=gen)
+    counters = torch.randint(0, 2**32, (rows,), generator=gen)
+    purpose = torch.randint(0, 3, (rows,), generator=gen)
+    return seeds, streams, counters, purpose
+
+
+@pytest.mark.parametrize("vocab", [1, 97, BLOCK_V, 2 * BLOCK_V + 13])
+def test_kernel_picks_the_references_token(vocab):
+    """40 rows of peaked and flat weights, every eighth token's weight 0 (never chosen)."""
+    gen = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(40, vocab, generator=gen) ** torch.linspace(0.5, 8, 40)[:, None]  # [40, V]
+    weights[:, 1::8] = 0
+    keys = _keys(40, gen)
+    got = keyed_race(weights, *keys, backend="triton")
+    assert got.dtype == torch.int64 and got.tolist() == keyed_race_reference(weights, *keys).tolist()
+    assert (got % 8 != 1).all()
+
+
+def test_int_keys_broadcast_and_a_batch_changes_no_row():
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.rand(6, 301, generator=gen)
+    counters = torch.arange(6) * 11
+    together = keyed_race(weights, 42, 1, counters, 2, backend="triton")
+    alone = [keyed_race(weights[i:i + 1], 42, 1, counters[i:i + 1], 2, backend="triton").item() for i in range(6)]
+    assert together.tolist() == alone
+    assert together.tolist() == keyed_race(weights, 42, 1, counters, 2, backend="torch").tolist()
+
+
+def test_kernel_draws_exactly_from_the_weights():
+    """One row of 7 weights (one 0) raced under 3000 keys: the counts fit the weights (chi-square)."""
+    probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.25, 0.2, 0.05])
+    draws = 3000
+    tokens = keyed_race(probs.expand(draws, -1) * 3.0, 7, 0, torch.arange(draws), backend="triton")
+    counts = torch.bincount(tokens, minlength=7)
+    assert counts[2] == 0
+    assert chi_square_p_value(counts, probs) > 1e-3
+
+
+def test_hash_of_the_all_zero_key_is_not_zero():
+    assert seeded_uniforms(torch.tensor(0), 0).item() > 1e-6 and START != 0
+
+
+def test_kernel_compiles_for_sm90():
+    signature = {"weights_ptr": "*fp32", "seeds_ptr": "*i64", "streams_ptr": "*i64", "counters_ptr": "*i64",
+                 "purpose_ptr": "*i64", "out_ptr": "*i64", "vocab": "i32", "stride_row": "i32"}
+    job = dict(module="hfaccel.kernels.keyed_race", kernel="_keyed_race_kernel", signature=signature,
+               constexprs={"START": START, "BLOCK": BLOCK_V}, num_warps=4, num_stages=1,
+               divisible=["weights_ptr", "stride_row"])
+    (result,) = compile_sm90([job])
+    assert result["ok"], result.get("error")
