@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hfaccel.kernels.keyed_race import BLOCK_V, START, keyed_race, keyed_race_reference, seeded_uniforms
+from tests.devices import on_device
 from tests.kernels.helpers import compile_sm90
 from tests.sampling.reference import chi_square_p_value
 
@@ -27,7 +28,7 @@ def test_kernel_picks_the_references_token(vocab):
     weights = torch.rand(40, vocab, generator=gen) ** torch.linspace(0.5, 8, 40)[:, None]  # [40, V]
     weights[:, 1::8] = 0
     keys = _keys(40, gen)
-    got = keyed_race(weights, *keys, backend="triton")
+    got = on_device(keyed_race, weights, *keys, backend="triton")
     assert got.dtype == torch.int64 and got.tolist() == keyed_race_reference(weights, *keys).tolist()
     assert (got % 8 != 1).all()
 
@@ -36,8 +37,9 @@ def test_int_keys_broadcast_and_a_batch_changes_no_row():
     gen = torch.Generator().manual_seed(1)
     weights = torch.rand(6, 301, generator=gen)
     counters = torch.arange(6) * 11
-    together = keyed_race(weights, 42, 1, counters, 2, backend="triton")
-    alone = [keyed_race(weights[i:i + 1], 42, 1, counters[i:i + 1], 2, backend="triton").item() for i in range(6)]
+    together = on_device(keyed_race, weights, 42, 1, counters, 2, backend="triton")
+    alone = [on_device(keyed_race, weights[i:i + 1], 42, 1, counters[i:i + 1], 2, backend="triton").item()
+             for i in range(6)]
     assert together.tolist() == alone
     assert together.tolist() == keyed_race(weights, 42, 1, counters, 2, backend="torch").tolist()
 
@@ -46,7 +48,7 @@ def test_kernel_draws_exactly_from_the_weights():
     """One row of 7 weights (one 0) raced under 3000 keys: the counts fit the weights (chi-square)."""
     probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.25, 0.2, 0.05])
     draws = 3000
-    tokens = keyed_race(probs.expand(draws, -1) * 3.0, 7, 0, torch.arange(draws), backend="triton")
+    tokens = on_device(keyed_race, probs.expand(draws, -1) * 3.0, 7, 0, torch.arange(draws), backend="triton")
     counts = torch.bincount(tokens, minlength=7)
     assert counts[2] == 0
     assert chi_square_p_value(counts, probs) > 1e-3
