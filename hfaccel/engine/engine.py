@@ -36,6 +36,7 @@ from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
+from hfaccel.sampling.structured import Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
     IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
@@ -127,6 +128,7 @@ class Engine:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self.host_times = HostTimes(self.runner)
+        self._grammar_cache: Grammars | None = None  # structured outputs' compiled grammars (on first use)
         self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
 
     # ------------------------------------------------------------------------------- tensor parallelism
@@ -205,6 +207,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be hfaccel.SamplingParams; got {type(params).__name__}")
         params.validate(self.vocab_size)
+        if params.structured_outputs is not None:
+            self._grammars().compile(params.structured_outputs)  # a spec that does not compile: ValueError now
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidSamplingParams("n", f"n={params.n} completions cannot run at once: the engine runs at "
                                              f"most max_num_seqs={self.scheduler.max_num_seqs} sequences")
@@ -273,6 +277,7 @@ class Engine:
         overlapping pure decode steps won)."""
         return self.async_scheduling and not self.scheduler.waiting and all(
             seq.num_tokens - seq.num_computed <= 1 and (seq.num_pending or seq.output.token_ids)
+            and seq.request.params.structured_outputs is None  # its mask needs the last token on the host
             for seq in self.scheduler.running)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
@@ -469,7 +474,21 @@ class Engine:
         if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
             previous = self._in_flight[-1]
             pending = previous.tokens([previous.row_of[s.seq_id] if s.num_pending else -1 for s in seqs])
+        logits = apply_masks(logits, [self._constraint(seq) for seq in seqs])
         return sample(logits, sample_rows, pending, self._token_counts)
+
+    def _grammars(self) -> Grammars:
+        """The compiled grammars of this engine's tokenizer (made on the first structured request)."""
+        if self._grammar_cache is None:
+            self._grammar_cache = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammar_cache
+
+    def _constraint(self, seq: Seq) -> Constraint | None:
+        """The sequence's place in its grammar (None: unconstrained); made at its first draw."""
+        spec = seq.request.params.structured_outputs
+        if spec is not None and seq.constraint is None:
+            seq.constraint = self._grammars().constraint(spec)
+        return seq.constraint
 
     def _register_fork(self, parent: Seq, child: Seq) -> None:
         self.scheduler.manager.fork(parent.seq_id, child.seq_id)
@@ -545,6 +564,11 @@ class Engine:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.token_times.append(now)
         ended = seq.stopper.check(token, len(out.token_ids))
+        if seq.constraint is not None:
+            if not seq.constraint.accept(token):
+                raise RuntimeError(f"token {token} is not allowed by the request's structured_outputs grammar")
+            if ended is None and seq.constraint.finished:
+                ended = ("stop", token)  # the grammar ended on a stop token the request's EOS list lacks
         if ended is not None:
             self._finish(seq, *ended)
 

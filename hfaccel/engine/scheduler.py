@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
 from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
+from hfaccel.sampling.structured import Constraint
 
 
 PENDING = -1  # a sampled token the host does not know yet (asynchronous scheduling)
@@ -52,6 +53,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_pending: int = 0
     finishing: bool = False
+    constraint: Constraint | None = None  # its place in its grammar (structured outputs), made when it samples
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.hf.decode import hfaccel_sample, left_padding
+from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
 from hfaccel.sampling import token_ids
@@ -54,6 +55,7 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     explicit cache (``cache=`` or ``past_key_values=``) of another kind, a ``cache_implementation``, or a request whose size cannot be
     read."""
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+        refuse_assisted(kwargs)
         return _assisted_generate(model, generate, args, kwargs)
     session = model.hfaccel.session
     faster = _transformers_is_faster(model)

@@ -6,10 +6,11 @@ from hfaccel.sampling.penalties import TokenCounts
 from hfaccel.sampling.sampler import (
     ACCEPT, DRAW, RESIDUAL, SampledTokens, SampleRow, global_noise, race, sample, seed_key,
 )
+from hfaccel.sampling.structured import StructuredOutputs
 from hfaccel.sampling.stopping import IncrementalDetokenizer, StopChecker, eos_token_ids, token_ids
 from hfaccel.sampling.warpers import Warping, keep_mask, kept_probabilities, probabilities
 
 __all__ = ["ACCEPT", "DRAW", "MAX_LOGPROBS", "RESIDUAL", "IncrementalDetokenizer", "InvalidSamplingParams", "SampleRow",
-           "SampledTokens", "SamplingParams", "StopChecker", "TokenCounts", "TokenLogprob", "Warping", "eos_token_ids",
+           "SampledTokens", "SamplingParams", "StopChecker", "StructuredOutputs", "TokenCounts", "TokenLogprob", "Warping", "eos_token_ids",
            "global_noise", "keep_mask", "kept_probabilities", "keyed_noise", "keyed_race", "probabilities", "race",
            "sample", "seed_key", "seeded_uniforms", "token_ids"]

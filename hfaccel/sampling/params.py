@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hfaccel.sampling.structured import StructuredOutputs
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each one is searched for after every token (TGI allows 4, OpenAI 4)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as vLLM does (far below, logits / t overflow)
@@ -47,6 +49,9 @@ class SamplingParams:
         n: completions per prompt; they share the prompt's KV blocks.
         logprobs: return the chosen token's log-probability and this many top alternatives (None: none).
         skip_special_tokens: leave special tokens out of the text.
+        structured_outputs: constrain the output to a JSON schema, a regex, a choice of strings or a grammar
+            (:class:`hfaccel.StructuredOutputs`, or the dict vLLM's clients send: ``{"json": schema}``, ...); EOS
+            only where the grammar may end. Needs the engine's tokenizer and xgrammar (``hfaccel[structured]``).
     """
 
     max_tokens: int = 16
@@ -64,8 +69,14 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | dict | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
+            except (TypeError, ValueError) as error:
+                raise InvalidSamplingParams("structured_outputs", str(error)) from error
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         self.stop_token_ids = self.stop_token_ids or []
         _check(isinstance(self.stop, (list, tuple)), "stop", "a string or a list of strings", self.stop)
@@ -111,6 +122,8 @@ class SamplingParams:
         _check(self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= most), "logprobs",
                f"None or an int in [0, {most}]", self.logprobs)
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool", self.skip_special_tokens)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs", "None, a StructuredOutputs or a dict", self.structured_outputs)
 
     @property
     def uses_top_k(self) -> bool:

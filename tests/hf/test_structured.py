@@ -1,0 +1,67 @@
+"""``hfaccel.structured_logits_processor`` in ``generate()``: the same constrained tokens from a plain model and from
+the same model accelerated (hfaccel's decode loop serving), greedy and sampled, a left-padded batch; one processor
+serves several calls; a model vocabulary padded past the tokenizer's."""
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+
+import hfaccel
+from tests.assets import smollm2_or_skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_or_skip())
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _model(tokenizer):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer) + 64, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_plain_and_accelerated_generate_give_the_same_constrained_tokens(tokenizer):
+    plain = _model(tokenizer)
+    fast = hfaccel.accelerate(copy.deepcopy(plain), attention="torch")  # "torch": hfaccel's loop on the CPU too
+    processor = hfaccel.structured_logits_processor(tokenizer, regex=r"[a-c]{3}-[0-9]{2}")
+    batch = tokenizer(["Hello there, how are you", "Hi"], return_tensors="pt", padding=True)
+    prompt = batch["input_ids"].shape[1]
+    for sampling in (dict(do_sample=False), dict(do_sample=True, temperature=1.5)):
+        kwargs = dict(max_new_tokens=10, logits_processor=[processor], pad_token_id=0, **sampling)
+        torch.manual_seed(3)
+        expected = plain.generate(**batch, **kwargs)
+        torch.manual_seed(3)
+        got = fast.generate(**batch, **kwargs)
+        assert fast.hfaccel.decode.path == "hfaccel"
+        assert torch.equal(got, expected)
+        for text in tokenizer.batch_decode(got[:, prompt:], skip_special_tokens=True):
+            assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", text), text
+
+
+def test_choice_and_bad_specs(tokenizer):
+    model = _model(tokenizer)
+    processor = hfaccel.structured_logits_processor(tokenizer, choice=["red", "green"])
+    batch = tokenizer(["Pick:"], return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=6, do_sample=False, logits_processor=[processor], pad_token_id=0)
+    assert tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True) in ("red", "green")
+    with pytest.raises(ValueError, match="the grammar does not compile"):
+        hfaccel.structured_logits_processor(tokenizer, grammar="root ::= (")
+    with pytest.raises(ValueError, match="exactly one of"):
+        hfaccel.structured_logits_processor(tokenizer, regex="a", choice=["a"])
+
+
+def test_assisted_generation_is_refused_clearly(tokenizer):
+    model = hfaccel.accelerate(_model(tokenizer), attention="torch")
+    processor = hfaccel.structured_logits_processor(tokenizer, regex=r"[a-c]{3}-[0-9]{2}")
+    batch = tokenizer(["Hello"], return_tensors="pt")
+    with pytest.raises(ValueError, match="cannot be combined with assisted generation"):
+        model.generate(**batch, max_new_tokens=8, do_sample=False, logits_processor=[processor], pad_token_id=0,
+                       prompt_lookup_num_tokens=3)
