@@ -6,6 +6,7 @@ transformers names or branches on a version.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import inspect
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Callable
 import torch
 import transformers
 from packaging.version import Version
+from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, PreTrainedModel
 from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa_attention  # noqa: F401
@@ -350,6 +352,21 @@ def tp_splits_kv_heads(model) -> bool:
     """Whether the model's TP plan splits the KV heads across the ranks (a colwise key projection)."""
     return any(key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise"
                for key, style in tp_plan(model).items())
+
+
+def tp_style(model, module_name: str) -> str | None:
+    """The TP plan's style for the submodule ``module_name`` (``"colwise"``, ``"rowwise"``, ...; plan keys name
+    layers with ``*`` for the layer number), or None where the plan leaves it whole on every rank."""
+    for pattern, style in tp_plan(model).items():
+        if fnmatch.fnmatchcase(module_name, pattern):
+            return style
+    return None
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter transformers' TP sharded (a ``DTensor``: its local shard); other tensors as
+    they are."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def device_map_devices(model) -> set[str]:

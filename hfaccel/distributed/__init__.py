@@ -2,8 +2,9 @@
 (its local KV heads, its process group), the one broadcast of a step's inputs from the rank that schedules, and the
 loop the other ranks follow it with."""
 
+from hfaccel.distributed.launch import RankFailed, launched, supervise
 from hfaccel.distributed.model import TensorParallel, check_sharding, tensor_parallel
 from hfaccel.distributed.steps import LeaderRunner, StepChannel, follow, tp_runner
 
-__all__ = ["LeaderRunner", "StepChannel", "TensorParallel", "check_sharding", "follow", "tensor_parallel",
-           "tp_runner"]
+__all__ = ["LeaderRunner", "RankFailed", "StepChannel", "TensorParallel", "check_sharding", "follow", "launched",
+           "supervise", "tensor_parallel", "tp_runner"]

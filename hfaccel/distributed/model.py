@@ -15,7 +15,6 @@ import torch.distributed as dist
 from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.kv import local_kv_heads
-from hfaccel.quant.linear import Int4Linear
 
 SUPPORTED = ("hfaccel serves a model on one device, or sharded by transformers' tensor parallelism "
              "(from_pretrained(path, tp_plan=\"auto\") under torchrun: one device per rank)")
@@ -58,17 +57,14 @@ def tensor_parallel(model) -> TensorParallel | None:
 
 def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | None = None) -> None:
     """Raise a ``ValueError`` that says what is supported when ``model`` is sharded in a way hfaccel cannot serve:
-    spread over several devices by ``device_map``, split by a TP size that does not divide its KV heads, or int4
-    under tensor parallelism (``quantize``: the quantization asked for)."""
+    spread over several devices by ``device_map``, split by a TP size that does not divide its KV heads, or
+    quantized under tensor parallelism by a method other than RTN (``quantize``: the method asked for; each rank
+    quantizes its shard, :func:`hfaccel.distributed.quant.quantize_shards`)."""
     devices = compat.device_map_devices(model)
     if len(devices) > 1:
         raise ValueError(f"{what}: {SUPPORTED}; this model is split across devices {sorted(devices)} by "
                          f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
     local_kv_heads(model)  # raises when the TP size does not divide the KV heads
-    if compat.tp_size(model) == 1:
-        return
-    layers = [name for name, module in model.named_modules() if isinstance(module, Int4Linear)]
-    if quantize is not None or layers:
-        where = f"its Int4Linear layers ({layers[0]}, ...)" if layers else f"quantize={quantize!r}"
-        raise ValueError(f"{what}: int4 weights under tensor parallelism are not supported yet ({where}); serve the "
-                         f"TP-sharded model unquantized, or quantize it on one process")
+    if compat.tp_size(model) > 1 and quantize not in (None, "rtn"):
+        raise ValueError(f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
+                         f"(quantize=\"rtn\"); quantize={quantize!r} calibrates on one process")

@@ -13,6 +13,7 @@ from hfaccel.attention import (
 )
 from hfaccel.device import model_device
 from hfaccel.distributed import check_sharding
+from hfaccel.distributed.quant import quantize_shards
 from hfaccel.hf.decode import DecodeInfo, DecodeSession
 from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
@@ -84,7 +85,9 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
 
     A model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``) is served on every rank: attention
     over the rank's local heads, a KV pool of its local KV heads, and ``generate()`` called on every rank with the
-    same arguments runs hfaccel's loop in lockstep, each step's tokens rank 0's. A model spread over devices by
+    same arguments runs hfaccel's loop in lockstep, each step's tokens rank 0's; ``quantize="rtn"`` there quantizes
+    each rank's shard (the single-process int4 weights exactly, or a ``ValueError`` naming a layer whose shard is
+    not whole int4 groups). A model spread over devices by
     ``device_map``, or a TP size that does not divide the KV heads, is a ``ValueError``.
 
     Only this model instance changes (its config's attention implementation). Generation, ``model(...)``
@@ -98,7 +101,9 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
     if attention == "triton":
         resolve_backend("triton", model_device(model))
-    if quantize is not None:
+    if quantize is not None and compat.tp_size(model) > 1:
+        quantize_shards(model, quantize, group_size=group_size)  # each rank its shard
+    elif quantize is not None:
         quantize_model(model, quantize, calib_data=calib_data, group_size=group_size)
     if isinstance(getattr(model, "hfaccel", None), Acceleration):
         restore(model)

@@ -13,7 +13,8 @@ from hfaccel.quant.rtn import quantize_rtn
 
 METHODS = ("rtn", "awq", "gptq")
 
-__all__ = ["Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn", "save_quantized"]
+__all__ = ["Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn", "replace_module",
+           "rtn_targets", "save_quantized"]
 
 
 def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_size: int = 128,
@@ -30,18 +31,30 @@ def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_si
     if method != "rtn":
         return calibrate(model, method, _calibration_ids(calib_data, method), group_size, act_order=act_order,
                          calib_device=calib_device, skip=skip)
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear  # not bitsandbytes' subclasses
-               and not any(name == s or name.endswith("." + s) for s in skip)
-               and m.in_features % group_size == 0 and m.out_features % 8 == 0]
+    targets = rtn_targets(model, group_size, skip)
     with Progress(transient=True) as progress:
         task = progress.add_task(f"int4 {method} quantization", total=len(targets))
         for name, linear in targets:
             weight = quantize_rtn(linear.weight, group_size)
-            module = Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, module)
+            replace_module(model, name, Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype))
             progress.advance(task)
     return model
+
+
+def rtn_targets(model: nn.Module, group_size: int,
+                skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of the Linear layers :func:`quantize` turns into :class:`Int4Linear`: all but ``skip`` whose
+    shapes the int4 kernels take (in_features a multiple of ``group_size``, out_features of 8; the shapes
+    ``in_features`` / ``out_features`` say, the whole layer's also when tensor parallelism shards it)."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear  # not bitsandbytes' subclasses
+            and not any(name == s or name.endswith("." + s) for s in skip)
+            and m.in_features % group_size == 0 and m.out_features % 8 == 0]
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where the submodule ``name`` was."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 def _calibration_ids(calib_data, method: str):

@@ -95,6 +95,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` without the bias: ``[..., K] -> [..., N]``."""
         flat = x.reshape(-1, self.in_features)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
@@ -103,8 +108,6 @@ class Int4Linear(nn.Module):
             out = int4pack_matmul(flat, pack)
         else:
             out = w4a16_matmul_op(flat, self.qweight, self.scales, self.zeros, self.group_size, "auto")
-        if self.bias is not None:
-            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -114,6 +114,10 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
                        help="seconds a client gets to send a request's headers, then its body (default 30)")
     serve.add_argument("--graceful-shutdown", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="shard the model over N ranks with transformers' tp_plan=\"auto\" (NCCL on GPUs, one "
+                            "per rank; gloo on the CPU): starts the ranks itself, or under torchrun uses its ranks "
+                            "(default: torchrun's world size, else 1)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,26 +203,110 @@ def _quantize(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     try:
-        from hfaccel.serve.server import ServerConfig, serve
+        import hfaccel.serve.server  # noqa: F401
     except ImportError as error:
         raise SystemExit(f"hfaccel serve needs the server extras: pip install 'hfaccel[serve]' ({error})") from None
+    from hfaccel.distributed import RankFailed, launched, supervise
+
+    world = launched()
+    size = args.tensor_parallel_size or world or 1
+    if world is not None and world > 1 and size != world:
+        raise SystemExit(f"hfaccel serve: --tensor-parallel-size {size} under a launcher of {world} ranks (torchrun); "
+                         f"give {world}, or leave it out")
+    if size < 1:
+        raise SystemExit(f"hfaccel serve: --tensor-parallel-size must be at least 1; got {size}")
+    if size == 1:
+        _serve_one(args)
+    elif world is not None:
+        _serve_rank(args)  # torchrun started this rank, and watches the others
+    else:
+        try:
+            supervise(_serve_rank, (args,), size)
+        except RankFailed as error:
+            raise SystemExit(f"hfaccel serve: {error}") from None
+
+
+def _serve_one(args: argparse.Namespace) -> None:
+    """The server on one process, one device."""
     import hfaccel
+    from hfaccel.serve.server import serve
     from hfaccel.tools.models import pick_device, pick_dtype
 
     device = pick_device(args.device)
     model, tokenizer = load_for_serving(args, device, pick_dtype(args.dtype, device))
     hfaccel.accelerate(model, attention=args.attention, paged=False)
-    engine = hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                            kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
-                            kv_cache_fraction=args.kv_cache_fraction,
-                            max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
-                            compile="auto" if args.compile is None else args.compile,
-                            async_scheduling=args.async_scheduling)
-    config = ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
-                          request_timeout=args.request_timeout or None, read_timeout=args.read_timeout)
-    serve(hfaccel.AsyncEngine(engine), config, host=args.host, port=args.port,
-          graceful_shutdown_s=args.graceful_shutdown)
+    serve(hfaccel.AsyncEngine(_engine(args, model, tokenizer)), _server_config(args), host=args.host,
+          port=args.port, graceful_shutdown_s=args.graceful_shutdown)
+
+
+def _serve_rank(args: argparse.Namespace) -> None:
+    """One tensor-parallel rank of ``hfaccel serve`` (the launcher's environment set): the model sharded with
+    ``tp_plan="auto"``; rank 0 serves HTTP and schedules, the other ranks follow its steps until it stops."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+
+    import hfaccel
+    from hfaccel.distributed.launch import backend_for, init_ranks
+    from hfaccel.serve.server import serve
+    from hfaccel.tools.models import pick_device, pick_dtype
+
+    device = pick_device(args.device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        raise SystemExit("hfaccel serve: tensor parallelism shards the model over transformers' accelerator (CUDA "
+                         "here), one GPU per rank; --device cpu is not supported with --tensor-parallel-size")
+    _check_tp_quantization(args)
+    init_ranks(backend_for(device))
+    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                 dtype=pick_dtype(args.dtype, device), attn_implementation="sdpa")
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    hfaccel.accelerate(model, attention=args.attention, paged=False, quantize=args.quantize,
+                       group_size=args.group_size)
+    engine = _engine(args, model, tokenizer)
+    if not engine.is_leader:
+        engine.follow()
+        return
+    async_engine = hfaccel.AsyncEngine(engine)
+    try:
+        serve(async_engine, _server_config(args), host=args.host, port=args.port,
+              graceful_shutdown_s=args.graceful_shutdown)
+    finally:  # also on SIGTERM's SystemExit: the engine thread stops first, then the followers
+        async_engine.shutdown()
+        engine.shutdown()
+
+
+def _check_tp_quantization(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    config = Path(args.model) / "config.json"
+    method = json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if \
+        config.exists() else None
+    if method is not None:
+        raise SystemExit(f"hfaccel serve: a {method} checkpoint cannot be served with --tensor-parallel-size (int4 "
+                         "under tensor parallelism: serve the full-precision model with --quantize rtn)")
+    if args.quantize not in (None, "rtn"):
+        raise SystemExit(f"hfaccel serve: --quantize {args.quantize} calibrates on one process; with "
+                         "--tensor-parallel-size only --quantize rtn is supported")
+
+
+def _engine(args: argparse.Namespace, model, tokenizer):
+    import hfaccel
+
+    return hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                          kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
+                          kv_cache_fraction=args.kv_cache_fraction,
+                          max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
+                          compile="auto" if args.compile is None else args.compile,
+                          async_scheduling=args.async_scheduling)
+
+
+def _server_config(args: argparse.Namespace):
+    from hfaccel.serve.server import ServerConfig
+
+    return ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
+                        request_timeout=args.request_timeout or None, read_timeout=args.read_timeout)
 
 
 def load_for_serving(args: argparse.Namespace, device, dtype):

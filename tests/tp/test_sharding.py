@@ -66,11 +66,11 @@ def test_tp_size_that_does_not_divide_the_kv_heads(monkeypatch):
     assert not hasattr(model, "hfaccel")
 
 
-def test_int4_under_tp_is_a_clear_error(monkeypatch):
+def test_calibrated_int4_under_tp_is_a_clear_error(monkeypatch):
     model = tiny_model("llama")
     _fake_tp(monkeypatch, 2)
-    with pytest.raises(ValueError, match="int4 weights under tensor parallelism are not supported yet"):
-        hfaccel.accelerate(model, attention="torch", quantize="rtn")
+    with pytest.raises(ValueError, match=r"quantizes each rank's shard with RTN.*quantize='awq' calibrates on one"):
+        hfaccel.accelerate(model, attention="torch", quantize="awq")
 
 
 def test_device_map_across_devices_says_what_is_supported():
