@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -129,6 +130,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self.host_times = HostTimes(self.runner)
         self._grammar_cache: Grammars | None = None  # structured outputs' compiled grammars (on first use)
+        self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
         self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
 
     # ------------------------------------------------------------------------------- tensor parallelism
@@ -479,8 +481,9 @@ class Engine:
 
     def _grammars(self) -> Grammars:
         """The compiled grammars of this engine's tokenizer (made on the first structured request)."""
-        if self._grammar_cache is None:
-            self._grammar_cache = Grammars(self.tokenizer, self.vocab_size)
+        with self._grammar_lock:  # one vocabulary index, however many threads ask first
+            if self._grammar_cache is None:
+                self._grammar_cache = Grammars(self.tokenizer, self.vocab_size)
         return self._grammar_cache
 
     def _constraint(self, seq: Seq) -> Constraint | None:

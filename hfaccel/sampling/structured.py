@@ -31,11 +31,11 @@ class StructuredOutputs:
 
     Args:
         json: a JSON schema (a dict, or its JSON text): the output is a JSON value that validates against it,
-            written compactly (no whitespace between tokens).
+            on one line, JSON's standard separators (``", "`` and ``": "``) and no other whitespace.
         regex: a regular expression the whole output matches.
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's / GBNF syntax, ``root ::= ...``).
-        json_object: ``True``: any JSON object, compact (OpenAI's ``response_format={"type": "json_object"}``).
+        json_object: ``True``: any JSON object, on one line (OpenAI's ``response_format={"type": "json_object"}``).
     """
 
     json: dict | str | None = None
@@ -118,7 +118,7 @@ class Grammars:
     def _compile(self, spec: StructuredOutputs):
         compiler, kind = self._compiler, spec.kind
         try:
-            if kind in ("json", "json_object"):  # compact JSON: free whitespace would let a model loop in it
+            if kind in ("json", "json_object"):  # one line: free whitespace would let a model loop in it
                 schema = {"type": "object"} if kind == "json_object" else spec.json
                 return compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
                                                     any_whitespace=False)

@@ -6,7 +6,8 @@ events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models
 
 Every failure is an OpenAI-style JSON error (``{"error": {"message", "type", "param", "code"}}``): malformed
 JSON or UTF-8 (nesting too deep, numbers too long included), wrongly typed fields (strictly: ``true`` is not a
-number, ``"yes"`` not a bool) and values :meth:`Engine.check_params` refuses → 400, a missing or wrong bearer
+number, ``"yes"`` not a bool) and values :meth:`Engine.check_params` refuses (a ``response_format`` or
+``structured_outputs`` grammar that does not compile included) → 400, a missing or wrong bearer
 token → 401, an unknown model or route → 404, a wrong method → 405, a body slower than ``read_timeout`` → 408,
 a body over the size limit → 413 (from ``Content-Length`` before reading, else as soon as the chunks read add
 up to more), more requests in flight than ``max_queue`` → 429 at once, a request the engine failed → 500, a
@@ -294,11 +295,12 @@ def _check_model(state: _State, name: str) -> None:
                        code="model_not_found", param="model")
 
 
-async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt"
-                   ) -> PreparedPrompt:
+async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt",
+                   structured_param: str = "structured_outputs") -> PreparedPrompt:
     """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
     by the engine's own rules, with its sampling parameters (``max_tokens`` None: the rest of the context), or a
-    400 saying what is wrong."""
+    400 saying what is wrong (``structured_param``: the field a structured-outputs spec that does not compile came
+    from)."""
     engine = state.engine.engine
     try:
         text, ids = await asyncio.to_thread(engine.tokenize_prompt, prompt)
@@ -312,9 +314,18 @@ async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, pa
                             f"context is {engine.max_model_len}", param="max_tokens",
                        code="context_length_exceeded")
     try:
-        return engine.prepared(text, ids, params_for(max_tokens))
+        params = params_for(max_tokens)
+        if params.structured_outputs is None:
+            return engine.prepared(text, ids, params)
+        # compiling a grammar can take a while (the first one also indexes the vocabulary): in a worker thread
+        return await asyncio.to_thread(engine.prepared, text, ids, params)
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
+    except ValueError as error:  # a structured-outputs spec that does not compile: the compiler's message
+        raise APIError(400, str(error), param=structured_param) from None
+    except ImportError as error:  # structured outputs without xgrammar installed
+        raise APIError(400, f"structured outputs are not available on this server: {error}",
+                       param=structured_param) from None
 
 
 class _Admission:
@@ -347,8 +358,8 @@ async def _completions(state: _State, req: CompletionRequest, request: Request):
         raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
-    prepared = [await _prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs))
-                for p in _prompt_list(req.prompt)]
+    prepared = [await _prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs),
+                               structured_param=req.structured_field) for p in _prompt_list(req.prompt)]
     ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
@@ -368,7 +379,7 @@ async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
         raise APIError(400, str(error), param="messages") from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = [await _prepare(state, messages, req.max_new_tokens, lambda m: req.sampling_params(m, logprobs),
-                               param="messages")]
+                               param="messages", structured_param=req.structured_field)]
     ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
