@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from hfaccel.device import to_device
-
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[10:53:16] /project/cpp/regex_converter.cc:83: "
 
@@ -160,23 +158,29 @@ class Constraint:
 
 def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | None]) -> torch.Tensor:
     """``logits [R, V]`` with each constrained row's disallowed tokens at -inf (rows whose constraint is None are
-    left as they are); the masks are filled on the host and go to the device in one copy."""
+    left as they are), as a new float32 tensor (the caller's logits are not changed: transformers keeps its raw
+    scores beside the processed ones); ``logits`` itself when no row is constrained.
+
+    The rows' masks are filled on the host into one ``[R, ceil(V / 32)]`` int32 bitmask (an unconstrained row's
+    all ones), which goes to the device in one copy (pinned memory, non-blocking on CUDA), and xgrammar's kernel
+    applies it (``xgrammar.apply_token_bitmask_inplace``: Triton on CUDA, its C++ loop on the CPU)."""
     rows = [i for i, constraint in enumerate(constraints) if constraint is not None]
     if not rows:
         return logits
     xgr = _xgrammar()
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])  # [C, ceil(V / 32)] int32, host
-    for slot, row in enumerate(rows):
-        constraints[row].fill(bitmask, slot)
-    logits = logits.float().clone()  # [R, V]
-    allowed = _unpack(to_device(bitmask, torch.int32, logits.device), logits.shape[-1])  # [C, V] bool
-    index = to_device(rows, torch.long, logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
-
-
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``bitmask [C, W]`` int32 (bit ``j % 32`` of word ``j // 32``: token ``j`` allowed) -> ``[C, vocab]`` bool."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    allowed = (bitmask[:, :, None] >> bits) & 1  # [C, W, 32]
-    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    device, vocab = logits.device, logits.shape[-1]
+    pin = device.type == "cuda"
+    bitmask = torch.full(xgr.get_bitmask_shape(len(constraints), vocab), -1, dtype=torch.int32,
+                         pin_memory=pin)  # [R, W], host: all tokens allowed
+    for row in rows:
+        constraints[row].fill(bitmask, row)
+    masked = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [R, V]
+    if device.type == "cpu":  # the C++ loop visits only the constrained rows
+        xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows, backend="cpu")
+    elif device.type == "cuda":  # one copy; an all-ones row is read and left as it is (indices: a second copy)
+        with torch.cuda.device(device):  # Triton launches on the current device
+            xgr.apply_token_bitmask_inplace(masked, bitmask.to(device, non_blocking=True), vocab_size=vocab,
+                                            backend="triton")
+    else:
+        xgr.apply_token_bitmask_inplace(masked, bitmask.to(device), vocab_size=vocab, backend="torch_native")
+    return masked

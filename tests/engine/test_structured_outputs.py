@@ -18,6 +18,7 @@ import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from hfaccel.engine.scheduler import Scheduler
 from hfaccel.sampling import InvalidSamplingParams, StructuredOutputs
+from hfaccel.sampling.structured import Constraint, apply_masks
 from tests.assets import smollm2_or_skip
 
 NAME = {"type": "string", "maxLength": 6}
@@ -172,3 +173,50 @@ def test_bad_specs_are_clear_errors():
     with pytest.raises(InvalidSamplingParams, match="structured_outputs must be None, a StructuredOutputs or a dict"):
         SamplingParams(structured_outputs="json")
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputs(regex="a+")
+
+
+def _reference_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The unpack-based masking apply_masks did before it used xgrammar's kernel: bit ``j % 32`` of word ``j // 32``
+    of a row allows token ``j``; the listed rows' other tokens go to -inf."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()  # [R, V]
+    out = logits.float().clone()
+    for row in rows:
+        out[row] = out[row].masked_fill(~allowed[row], float("-inf"))
+    return out
+
+
+class _FixedMatcher:
+    """A matcher stand-in that writes a fixed bitmask row."""
+
+    def __init__(self, words: torch.Tensor):
+        self.words = words
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self.words
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_masks_matches_the_unpacked_reference(device, dtype):
+    """xgrammar's kernel (apply_masks) equals the unpack + masked_fill reference on random bitmasks with an odd
+    vocabulary (its last word part-used), constrained and unconstrained rows mixed, non-contiguous logits; the
+    input logits are not changed and the result is float32."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, vocab in [(7, 1001), (1, 33), (4, 49153), (3, 31)]:
+        words = -(-vocab // 32)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=generator, dtype=torch.int32)
+        bitmask[0, 0] = 0  # a row that forbids a whole word
+        constrained = [row for row in range(rows) if row % 3 != 1] or [0]
+        constraints = [Constraint(_FixedMatcher(bitmask[row]), vocab) if row in constrained else None
+                       for row in range(rows)]
+        logits = torch.randn(vocab, rows, generator=generator).t().to(device, dtype)  # [R, V], non-contiguous
+        before = logits.clone()
+        masked = apply_masks(logits, constraints)
+        assert torch.equal(logits, before)
+        assert masked.dtype == torch.float32 and masked.device == logits.device
+        assert torch.equal(masked.cpu(), _reference_masks(logits.cpu(), bitmask, constrained))
+    free = torch.randn(2, 40)
+    assert apply_masks(free, [None, None]) is free  # nothing constrained: the logits as they are
