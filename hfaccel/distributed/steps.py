@@ -144,7 +144,10 @@ class LeaderRunner(ModelRunner):
         super().__init__(model, pool)
         self.channel = channel
 
-    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int) -> torch.Tensor:
+    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
+                  lora_index: torch.Tensor | None = None) -> torch.Tensor:
+        if lora_index is not None:
+            raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
         self.channel.send_forward(input_ids, step, keep, self.pool.take_queued())
         return super().run_model(input_ids, step, keep)
 

@@ -5,6 +5,9 @@ before the next step, so the model never runs concurrently with a change to the 
 outputs travel back through its own ``asyncio.Queue``. A consumer that stops iterating (a client that went
 away, a cancelled task) aborts its request, which frees its KV blocks at the next step.
 
+LoRA adapters are added and removed in the thread too (:meth:`AsyncEngine.add_lora` reads and checks the files in a
+worker thread first), between steps.
+
 A request the engine fails alone (its part of a step raised) raises :class:`RequestFailed` in its stream; a
 step that fails as a whole (out of memory) raises its error in the streams of the requests it ran; those
 still waiting go on. Either way the thread goes on serving.
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from hfaccel.engine.engine import DeltaTracker, Engine, PreparedPrompt, Prompt
@@ -41,6 +45,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._adds: list[_Pending] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._streams: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -49,25 +54,29 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="hfaccel-engine", daemon=True)
         self._thread.start()
 
-    async def prepare(self, prompt: Prompt, params: SamplingParams | None = None) -> PreparedPrompt:
+    async def prepare(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                      lora: str | None = None) -> PreparedPrompt:
         """The request checked and tokenized (:meth:`Engine.prepare_prompt`) in a worker thread, so that a long
-        prompt never stalls the event loop's other streams; a bad one raises ValueError."""
-        return await asyncio.to_thread(self.engine.prepare_prompt, prompt, params or SamplingParams())
+        prompt never stalls the event loop's other streams; a bad one (an unknown LoRA adapter ``lora`` included)
+        raises ValueError."""
+        return await asyncio.to_thread(self.engine.prepare_prompt, prompt, params or SamplingParams(), lora=lora)
 
     async def stream(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, *, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's new text and tokens as they come; the last output has ``finished=True``.
 
         A bad prompt or parameter raises ValueError before anything is yielded; a request the engine failed
         raises :class:`RequestFailed`. A :class:`PreparedPrompt` (from :meth:`prepare`) carries its parameters and
-        is not checked again.
+        its LoRA adapter and is not checked again; ``lora``: the LoRA adapter of a prompt given as such.
         """
         if isinstance(prompt, PreparedPrompt):
             if params is not None and params is not prompt.params:
                 raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
+            if lora is not None and (prompt.lora is None or prompt.lora.name != lora):
+                raise ValueError("a PreparedPrompt carries its own LoRA adapter; pass lora=None")
             prepared = prompt
         else:
-            prepared = await self.prepare(prompt, params)
+            prepared = await self.prepare(prompt, params, lora=lora)
         pending = self._submit(prepared, request_id)
         finished = False
         try:
@@ -84,12 +93,24 @@ class AsyncEngine:
                 self.abort(pending.request_id)
 
     async def generate(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
+                       request_id: str | None = None, *, lora: str | None = None) -> RequestOutput:
         """The request's final output (text and tokens of every completion)."""
         tracker, last = OutputAccumulator(), None
-        async for delta in self.stream(prompt, params, request_id):
+        async for delta in self.stream(prompt, params, request_id, lora=lora):
             last = tracker.add(delta)
         return last
+
+    async def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT LoRA adapter at ``path`` as ``name`` (:meth:`Engine.add_lora`): read and checked in a worker
+        thread, registered between two steps. A bad adapter raises ValueError and changes nothing."""
+        manager = self.engine._lora_manager("add_lora")
+        adapter = await asyncio.to_thread(manager.load, name, path)
+        await self._in_thread(lambda: manager.register(adapter))
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving the adapter ``name`` between two steps (:meth:`Engine.remove_lora`: refused while
+        unfinished requests use it)."""
+        await self._in_thread(lambda: self.engine.remove_lora(name))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op once it has finished)."""
@@ -127,6 +148,18 @@ class AsyncEngine:
         self._wake.set()
         return pending
 
+    async def _in_thread(self, call: Callable[[], object]):
+        """``call()`` run by the engine thread between two steps; its result or its exception."""
+        if self._stopping or self._error is not None:
+            raise RuntimeError("the engine is shutting down" if self._stopping else
+                               f"the engine thread failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._calls.append((call, future, loop))
+        self._wake.set()
+        return await future
+
     def _run(self) -> None:
         trackers: dict[str, DeltaTracker] = {}
         try:
@@ -154,6 +187,11 @@ class AsyncEngine:
                 adds, self._adds = self._adds, []
             for pending in adds:
                 _send(pending, error)
+        finally:
+            with self._lock:
+                calls, self._calls = self._calls, []
+            for _, future, loop in calls:  # queued after the last pass: they never ran
+                _resolve(future, loop, exception=RuntimeError("the engine thread stopped"))
 
     def _fail_in_flight(self, error: BaseException, trackers: dict[str, DeltaTracker], running_only: bool = False) -> None:
         """Abort every request in flight (``running_only``: those the failed step ran — the requests with a
@@ -173,6 +211,9 @@ class AsyncEngine:
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for call, future, loop in calls:  # before the adds: a request may name an adapter just added
+            _settle(call, future, loop)
         for pending in adds:
             try:
                 self.engine.add_request(pending.prepared, request_id=pending.request_id)
@@ -196,6 +237,28 @@ class AsyncEngine:
             del self._streams[request.request_id]
             del trackers[request.request_id]
             self.engine.release(request.request_id)
+
+
+def _settle(call: Callable[[], object], future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Run a queued call in the engine thread and hand its outcome to the caller's event loop."""
+    try:
+        result = call()
+    except Exception as error:
+        _resolve(future, loop, exception=error)
+    else:
+        _resolve(future, loop, result=result)
+
+
+def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, *, result=None,
+             exception: BaseException | None = None) -> None:
+    def settle() -> None:
+        if not future.done():
+            future.set_exception(exception) if exception is not None else future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # that loop is closed: nobody waits
+        pass
 
 
 def _send(pending: _Pending, item) -> bool:

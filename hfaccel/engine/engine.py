@@ -14,6 +14,10 @@ sequence that turns out to have stopped drops the one token computed past its en
 prompts are being computed, steps do not overlap (``Engine._overlaps``): admissions then see the blocks and
 slots just freed, and first tokens reach the host a step sooner. Outputs are the same either way.
 
+LoRA adapters (``lora_adapters``): requests name their adapter (``lora=``) and requests of different adapters and of
+the base model share each batch; the model's Linear layers are wrapped with a pool of ``max_loras`` adapter slots
+(``hfaccel.lora``) while the engine serves — :meth:`Engine.close` gives them back.
+
 One bad request never fails another: parameters are checked against the model before a request joins a batch
 (``check_params``), and a request whose part of a step raises anyway is failed alone (``_launch_isolating``).
 """
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,6 +43,8 @@ from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
+from hfaccel.kv.hf_cache import paged_reader_backend
+from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling.structured import Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
@@ -73,6 +81,16 @@ class Engine:
         async_scheduling: in the decode steady state, schedule and launch each step before the previous step's
             tokens reach the host, so the host's work overlaps the device's (default: on CUDA). The outputs are
             the same; ``step()`` then returns what the step before it produced.
+        lora_adapters: ``{name: PEFT LoRA adapter directory}`` to serve (``{}``: none yet, :meth:`add_lora` later);
+            None (the default) serves the base model only and changes nothing in it. Every adapter is checked when
+            the engine is made (a ``ValueError`` names what does not fit); a request picks one with ``lora=name``.
+        max_loras: adapter slots on the device: the most distinct adapters one step serves (requests of another
+            adapter wait until a slot frees up; the others keep running).
+        max_lora_rank: the slots' rank; an adapter of a higher rank is refused. The slots take
+            ``max_loras * max_lora_rank * (in + out features)`` values per wrapped layer.
+        lora_target_modules: name endings of the Linear layers wrapped for LoRA besides the given adapters' targets
+            (default: the attention and MLP projections, ``hfaccel.lora.DEFAULT_TARGET_MODULES``), so adapters added
+            later find their layers.
 
     Tensor parallelism: over a model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``), every rank
     makes the engine with the same arguments; rank 0 (``is_leader``) takes the requests, schedules, samples and
@@ -84,14 +102,26 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  num_blocks: int | None = None, kv_cache_memory: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, kv_cache_fraction: float = 0.5,
-                 cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None):
+                 cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None,
+                 lora_adapters: Mapping[str, str | os.PathLike] | None = None, max_loras: int = 8,
+                 max_lora_rank: int = 64, lora_target_modules: Sequence[str] | None = None):
         compiles(compile, model_device(model))  # a bad setting raises before anything changes
         check_sharding(model, "hfaccel.Engine")
         self.tp = tensor_parallel(model)
         if self.tp is not None and cuda_graphs:
             raise ValueError("hfaccel.Engine under tensor parallelism runs its forwards eagerly: cuda_graphs=True is "
                              "not supported there yet (leave it None)")
+        if self.tp is not None and lora_adapters is not None:
+            raise ValueError("hfaccel.Engine: LoRA adapters (lora_adapters) are not supported under tensor "
+                             "parallelism yet; serve them on one GPU, or merge the adapter into the model")
         _use_hfaccel_attention(model)
+        self._closed = False
+        # LoRA layers first: their slots take memory the KV budget must see (and nothing changes if one is bad)
+        self.loras = None if lora_adapters is None else LoRAManager(
+            model, lora_adapters, max_loras=max_loras, max_rank=max_lora_rank, target_modules=lora_target_modules,
+            backend=paged_reader_backend(model.config) or "auto")
+        if self.loras is not None:
+            weakref.finalize(self, self.loras.close)  # the model's own layers back even without close()
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
         limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
@@ -106,6 +136,7 @@ class Engine:
             pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
                                     enable_prefix_caching=enable_prefix_caching)
             self.runner = ModelRunner(model, pool)
+            self.runner.lora = None if self.loras is None else self.loras.context
         else:
             self.kv_budget = _agreed_budget(self.tp, self.kv_budget)
             self.runner, self._channel = tp_runner(
@@ -115,7 +146,7 @@ class Engine:
             pool = self.runner.pool
         _log.info("hfaccel Engine: %s", self.kv_budget)
         self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, loras=self.loras)
         self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
         on_cuda = self.runner.device.type == "cuda"
         if self.tp is None and (cuda_graphs if cuda_graphs is not None else on_cuda):
@@ -160,33 +191,46 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, *, arrival_time: float | None = None,
+                    lora: str | None = None) -> str:
         """Queue a request; returns its id. A bad prompt or parameter raises ValueError and changes nothing. A
-        :class:`PreparedPrompt` (from :meth:`prepare_prompt`) was checked already and carries its parameters."""
+        :class:`PreparedPrompt` (from :meth:`prepare_prompt`) was checked already and carries its parameters and
+        its LoRA adapter. ``lora``: the name of the LoRA adapter to run the request through (None: the base model;
+        a name this engine does not serve: ValueError)."""
         self._need_leader("add_request")
+        if self._closed:
+            raise RuntimeError("this hfaccel Engine was closed (Engine.close()); make a new one")
         if isinstance(prompt, PreparedPrompt):
             if params is not None and params is not prompt.params:
                 raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
+            if lora is not None and (prompt.lora is None or prompt.lora.name != lora):
+                raise ValueError("a PreparedPrompt carries its own LoRA adapter; pass lora=None (or prepare it with "
+                                 "lora=...)")
             prepared = prompt
         else:
-            prepared = self.prepare_prompt(prompt, params or SamplingParams())
+            prepared = self.prepare_prompt(prompt, params or SamplingParams(), lora=lora)
         text, prompt_ids, params = prepared.text, list(prepared.prompt_ids), prepared.params
+        if prepared.lora is not None and (self.loras is None or not self.loras.is_registered(prepared.lora)):
+            raise ValueError(f"the LoRA adapter {prepared.lora.name!r} was removed from this engine after the request "
+                             "was prepared")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, text, prompt_ids, params,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()))
+                          RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()),
+                          lora=prepared.lora)
         request.seqs.append(self._new_sequence(request, 0, list(prompt_ids)))
         request.forked = params.n == 1
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return request_id
 
-    def prepare_prompt(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
+    def prepare_prompt(self, prompt: Prompt, params: SamplingParams, *, lora: str | None = None) -> PreparedPrompt:
         """The request checked and tokenized once (what :meth:`add_request` queues without checking again), or a
-        ValueError saying why it cannot be served."""
+        ValueError saying why it cannot be served (``lora``: the name of its LoRA adapter, None for the base)."""
+        adapter = self.lora_adapter(lora)
         self.check_params(params)
-        return self.prepared(*self.tokenize_prompt(prompt), params, params_checked=True)
+        return self.prepared(*self.tokenize_prompt(prompt), params, params_checked=True, lora=adapter)
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a prompt this engine can hold, or a ValueError saying why not. Thread-safe
@@ -196,11 +240,13 @@ class Engine:
         return text, prompt_ids
 
     def prepared(self, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
-                 params_checked: bool = False) -> PreparedPrompt:
-        """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` gave, ``params`` checked (unless they were)."""
+                 params_checked: bool = False, lora: str | LoRAAdapter | None = None) -> PreparedPrompt:
+        """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` gave, ``params`` checked (unless they were),
+        run through the LoRA adapter ``lora`` (a name, or the adapter :meth:`lora_adapter` gave; None: the base)."""
+        adapter = lora if isinstance(lora, LoRAAdapter) else self.lora_adapter(lora)
         if not params_checked:
             self.check_params(params)
-        return PreparedPrompt(text, tuple(prompt_ids), params)
+        return PreparedPrompt(text, tuple(prompt_ids), params, adapter)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise :class:`~hfaccel.sampling.InvalidSamplingParams` (a ValueError) if this engine cannot serve
@@ -227,6 +273,60 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------------------------------------ LoRA adapters
+    def lora_adapter(self, name: str | None) -> LoRAAdapter | None:
+        """The LoRA adapter served as ``name`` (None: the base model), or a ValueError naming those there are."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise ValueError(f"lora must be the name of a LoRA adapter (a string) or None; got {type(name).__name__}")
+        if self.loras is None:
+            raise ValueError(f"this engine serves no LoRA adapters (lora={name!r}); make it with "
+                             "Engine(..., lora_adapters={name: path}) (or lora_adapters={} and add_lora later)")
+        return self.loras.get(name)
+
+    def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT LoRA adapter at ``path`` as ``name`` from now on (read and checked here: a ValueError says
+        what does not fit, and changes nothing). Needs an engine made with ``lora_adapters`` (``{}`` will do)."""
+        self._lora_manager("add_lora").add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving the adapter ``name``. Refused (ValueError) while unfinished requests use it: abort them or
+        let them finish first. Requests already prepared for it but not yet added are refused when added."""
+        manager = self._lora_manager("remove_lora")
+        adapter = manager.get(name)
+        users = [request.request_id for request in self.requests.values()
+                 if request.lora is adapter and not request.finished]
+        if users:
+            raise ValueError(f"the LoRA adapter {name!r} is in use by {len(users)} unfinished request(s) "
+                             f"({', '.join(users[:5])}{', ...' if len(users) > 5 else ''}); abort them or let them "
+                             "finish, then remove it")
+        manager.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The names of the LoRA adapters served (empty without LoRA)."""
+        return [] if self.loras is None else self.loras.names()
+
+    def _lora_manager(self, what: str) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError(f"Engine.{what}: this engine was made without LoRA; make it with "
+                             "Engine(..., lora_adapters={...}) ({} to add adapters later)")
+        return self.loras
+
+    def close(self) -> None:
+        """Give the model back as it came: every request aborted, the LoRA layers unwrapped, the KV pool and decode
+        steps released (the engine serves nothing afterwards; idempotent)."""
+        if self._closed:
+            return
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._in_flight.clear()
+        if self.loras is not None:
+            self.loras.close()
+        self.shutdown()
+        self.runner.release()
+        self._closed = True
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (``generate`` and ``stream`` do this for their own requests)."""
@@ -283,22 +383,29 @@ class Engine:
             for seq in self.scheduler.running)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
-                 None = None) -> list[RequestOutput]:
+                 None = None, *, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order.
 
         A prompt that cannot be served (empty, too long, bad token ids, parameters beyond the model), or whose
         part of a step fails, gets an output with ``error`` set and ``finish_reason="error"``; the others run
         normally. A step that fails as a whole (out of memory) raises, with this call's requests taken out.
+        ``lora``: one LoRA adapter name for every prompt, or one per prompt (None: the base model); a name the
+        engine does not serve raises ValueError before anything runs.
         """
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA adapter names for {len(prompts)} prompts")
+        for name in set(loras):
+            self.lora_adapter(name)  # an unknown name: nothing admitted
         ids: list[str | RequestOutput] = []
         try:
-            for prompt, param in zip(prompts, params):
+            for prompt, param, name in zip(prompts, params, loras):
                 try:
-                    ids.append(self.add_request(prompt, param))
+                    ids.append(self.add_request(prompt, param, lora=name))
                 except ValueError as error:
                     ids.append(_error_output(prompt, error))
             while self.has_unfinished_requests():
@@ -310,13 +417,14 @@ class Engine:
                     self.abort(i)
                     self.release(i)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               lora: str | None = None) -> Iterator[RequestOutput]:
         """Yield what is new for this request after each step (other queued requests advance too).
 
         Each yielded output holds only the new text and token ids of each completion; the last one has
-        ``finished=True``. Closing the iterator early aborts the request.
+        ``finished=True``. Closing the iterator early aborts the request. ``lora``: its LoRA adapter's name.
         """
-        request_id = self.add_request(prompt, params)
+        request_id = self.add_request(prompt, params, lora=lora)
         seen = DeltaTracker()
         try:
             while True:
@@ -351,11 +459,14 @@ class Engine:
         compiled or not, the sizes captured as CUDA graphs, and the reason of any fallback)."""
         manager = self.scheduler.manager
         graphs = self.runner.graphs
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
-                "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
-                "kv_cache_bytes": self.kv_budget.bytes,
-                "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)"}
+        stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                 "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
+                 "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
+                 "kv_cache_bytes": self.kv_budget.bytes,
+                 "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)"}
+        if self.loras is not None:  # adapters served, and how many of the max_loras slots hold one
+            stats.update(lora_adapters=len(self.loras.adapters), lora_slots_loaded=self.loras.num_loaded)
+        return stats
 
     # --------------------------------------------------------------------------------------- internals
     def _launch_isolating(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> _Launched | None:
@@ -430,8 +541,9 @@ class Engine:
         if device_tokens is not None:
             input_ids.index_copy_(0, *device_tokens)
         self.host_times.inputs += time.perf_counter() - start
+        lora_slots = None if self.loras is None else [self.loras.slot_of(c.seq.request.lora) for c in chunks]
         return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
-                                   starts=[c.start for c in chunks], logits_for=completing)
+                                   starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots)
 
     def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(positions [F], tokens [F])`` in the packed input of the tokens still in flight (sampled by the
@@ -476,7 +588,10 @@ class Engine:
         if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
             previous = self._in_flight[-1]
             pending = previous.tokens([previous.row_of[s.seq_id] if s.num_pending else -1 for s in seqs])
-        logits = apply_masks(logits, [self._constraint(seq) for seq in seqs])
+        if any(seq.request.params.structured_outputs is not None for seq in seqs):
+            start = time.perf_counter()
+            logits = apply_masks(logits, [self._constraint(seq) for seq in seqs])
+            self.host_times.masks += time.perf_counter() - start
         return sample(logits, sample_rows, pending, self._token_counts)
 
     def _grammars(self) -> Grammars:
@@ -660,10 +775,11 @@ class HostTimes:
     launch: float = 0.0  # including the metadata
     waiting: float = 0.0
     detokenizing: float = 0.0
+    masks: float = 0.0  # structured outputs' masks: filled on the host and queued (a part of ``launch``)
 
     def reset(self) -> None:
         self.steps = 0
-        for part in ("scheduling", "inputs", "launch", "waiting", "detokenizing"):
+        for part in ("scheduling", "inputs", "launch", "waiting", "detokenizing", "masks"):
             setattr(self, part, 0.0)
         self.runner.metadata_seconds = 0.0
 
@@ -782,6 +898,7 @@ class PreparedPrompt:
     text: str | None
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    lora: LoRAAdapter | None = None  # the LoRA adapter it runs through (None: the base model)
 
 
 def _warm_up(graphs) -> None:

@@ -9,6 +9,11 @@ Every step packs, within ``max_num_batched_tokens``:
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall.
 
+With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
+(``max_loras`` distinct adapters already run) is passed over for this step — the others behind it may still be
+admitted — and waits at its place in the queue; a sequence holds a reference on its adapter's slot while it runs.
+Its blocks are shared through the prefix cache only with sequences of the same adapter (``salt``).
+
 Plain Python over the engine's :class:`~hfaccel.kv.BlockManager`; nothing here touches tensors.
 """
 
@@ -17,11 +22,15 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
 from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
 from hfaccel.sampling.structured import Constraint
+
+if TYPE_CHECKING:
+    from hfaccel.lora import LoRAAdapter, LoRAManager
 
 
 PENDING = -1  # a sampled token the host does not know yet (asynchronous scheduling)
@@ -82,6 +91,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # the n completions exist (made from the first one when its prompt is computed)
     error: str | None = None  # why the engine failed this request alone (its completions end with "error")
+    lora: LoRAAdapter | None = None  # the LoRA adapter its tokens run through (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,13 +127,15 @@ class SchedulerOutput:
 class Scheduler:
     """FCFS iteration-level scheduler with chunked prefill, preemption by recompute and prefix caching."""
 
-    def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 loras: LoRAManager | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, "
                              f"{max_num_batched_tokens}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.loras = loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -136,11 +148,13 @@ class Scheduler:
         """A sequence forked from a running one (its blocks are already shared with the parent)."""
         seq.status = Status.RUNNING
         self.running.append(seq)
+        self._acquire_lora(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence from the queues and free its blocks at once."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self._release_lora(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.seq_id in self.manager:
@@ -165,6 +179,7 @@ class Scheduler:
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
+        passed: list[Sequence] = []  # waiting for a LoRA slot: back at their places after this step's admissions
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
             if self._never_fits(seq) and not seq.num_pending:  # preempted at a length the pool cannot hold
@@ -173,12 +188,16 @@ class Scheduler:
             joining = seq.request.params.n if not seq.request.forked else 1  # its siblings fork in later
             if self._num_sequences() + joining > self.max_num_seqs:
                 break
+            if not self._lora_slot_ready(seq):
+                passed.append(self.waiting.popleft())
+                continue
             if not self._admit(seq):
                 break
             self.waiting.popleft()
             length = min(seq.num_tokens - seq.num_computed, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
+        self.waiting.extendleft(reversed(passed))
         return out
 
     def _num_sequences(self) -> int:
@@ -215,7 +234,7 @@ class Scheduler:
             return False
         free_before = manager.num_free_blocks
         try:
-            cached = manager.add_sequence(seq.seq_id, seq.token_ids, computed=False)
+            cached = manager.add_sequence(seq.seq_id, seq.token_ids, computed=False, salt=_cache_salt(seq))
         except CacheFullError:
             return False
         if manager.num_free_blocks < watermark and free_before >= watermark:
@@ -226,6 +245,7 @@ class Scheduler:
             seq.request.metrics.num_cached_tokens = cached
         seq.status = Status.RUNNING
         self.running.append(seq)
+        self._acquire_lora(seq)
         return True
 
     def _possible_hits(self, seq: Sequence) -> int:
@@ -234,6 +254,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's blocks; it goes back to the front of the queue and is recomputed."""
         self.running.remove(seq)
+        self._release_lora(seq)
         self.manager.free(seq.seq_id)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -241,3 +262,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.chunks = [chunk for chunk in out.chunks if chunk.seq is not seq]
+
+    # -------------------------------------------------------------------------------------- LoRA slots
+    def _lora_slot_ready(self, seq: Sequence) -> bool:
+        """Whether the sequence's adapter (if any) is loaded or can be: a slot free or held by an idle adapter."""
+        adapter = seq.request.lora
+        return adapter is None or self.loras.can_acquire(adapter)
+
+    def _acquire_lora(self, seq: Sequence) -> None:
+        if seq.request.lora is not None:
+            self.loras.acquire(seq.request.lora)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.request.lora is not None:
+            self.loras.release(seq.request.lora)
+
+
+def _cache_salt(seq: Sequence):
+    """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model)."""
+    return None if seq.request.lora is None else seq.request.lora.cache_key

@@ -14,6 +14,7 @@ from hfaccel.attention import (
 from hfaccel.device import model_device
 from hfaccel.distributed import check_sharding
 from hfaccel.distributed.quant import quantize_shards
+from hfaccel.hf.adapters import LoraState, check_peft_model, prepare_lora
 from hfaccel.hf.decode import DecodeInfo, DecodeSession
 from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
@@ -36,6 +37,7 @@ class Acceleration:
     session: DecodeSession | None = None  # the runner generate() keeps between calls
     attention_paths: AttentionPaths | None = None  # which path (SDPA, hfaccel's kernels, torch) served each call
     int4_layers: tuple = ()  # the model's Int4Linear layers (their paths are reported)
+    lora: LoraState | None = None  # the model's PEFT LoRA layers (merged by hfaccel or not)
 
     @property
     def decode(self) -> DecodeInfo:
@@ -57,15 +59,18 @@ class Acceleration:
                 f"; last call: {self.decode}"
                 f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
                 f"; attention calls: {self.attention_paths}"
-                f"{'; int4 layers: ' + int4_paths(self.int4_layers) if self.int4_layers else ''}")
+                f"{'; int4 layers: ' + int4_paths(self.int4_layers) if self.int4_layers else ''}"
+                f"{'; ' + str(self.lora) if self.lora is not None else ''}")
 
 
 def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
-               calib_data=None, group_size: int = 128, compile: bool | str = "auto") -> PreTrainedModel:
+               calib_data=None, group_size: int = 128, compile: bool | str = "auto",
+               merge_lora: bool = False) -> PreTrainedModel:
     """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
 
     Args:
-        model: a loaded transformers causal LM (anything ``AutoModelForCausalLM`` gives).
+        model: a loaded transformers causal LM (anything ``AutoModelForCausalLM`` gives), or a peft ``PeftModel``
+            with LoRA adapters wrapping one (see "PEFT models" below).
         attention: ``"auto"`` — the fastest exact path of the device, decided per call so the model may move
             between devices: hfaccel's Triton kernels on CUDA (and under ``TRITON_INTERPRET=1``); elsewhere (the
             CPU, MPS) transformers' own SDPA attention, with ``generate()`` on transformers' loop and cache
@@ -82,6 +87,24 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
             still captured as CUDA graphs). The first call per batch / context bucket compiles.
         quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
             ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
+        merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a
+            model without LoRA layers.
+
+    PEFT models: ``accelerate(peft_model)`` accelerates the transformers model the ``PeftModel`` wraps
+    (``peft_model.get_base_model()``), its LoRA layers in place, and returns ``peft_model``; ``peft_model.generate``
+    then runs hfaccel's loop, and ``peft_model.hfaccel`` describes it (the LoRA layers and adapters included).
+    Unmerged (the default), PEFT's API keeps working: ``set_adapter``, ``disable_adapter()``, ``load_adapter``
+    between calls — each ``generate`` reads the layers' adapter state and runs decode steps made for it (compiled
+    and captured steps are kept per state). A call with ``adapter_names`` (adapters mixed in a batch) runs
+    transformers' loop. ``merge_lora=True`` replaces each LoRA layer by a new Linear layer holding
+    ``W + scaling * B @ A`` of the active adapters (computed in fp32, cast to the weight's dtype): no adapter work
+    per token, the user's weights untouched (the LoRA layers are kept, so the merged layers cost their memory
+    again) and adapters fixed until ``restore``, which puts the LoRA layers back. ``quantize="rtn"`` on an unmerged
+    model quantizes the base layers (each LoRA layer's ``base_layer``) and keeps the adapters (``lora_A`` /
+    ``lora_B``), ``modules_to_save`` and the embeddings in their dtype (QLoRA-style); AWQ / GPTQ calibrate only
+    with ``merge_lora=True``. Plain LoRA only: a PEFT model of another method (prompt tuning, IA3...) or an active
+    DoRA / aLoRA adapter is a ``ValueError`` (merge those with ``peft_model.merge_and_unload()`` first), as is
+    ``merge_lora`` of LoRA on an Embedding or another non-Linear layer.
 
     A model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``) is served on every rank: attention
     over the rank's local heads, a KV pool of its local KV heads, and ``generate()`` called on every rank with the
@@ -95,25 +118,25 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     on transformers' attention with a warning that names the reason (see ``model.hfaccel``).
     Calling ``accelerate`` again re-applies it with the new arguments; :func:`restore` undoes it.
     """
-    _check_model(model)
+    given, model = model, _check_model(model)  # a PeftModel's wrapped transformers model is the one accelerated
     check_sharding(model, quantize=quantize)
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
     if attention == "triton":
         resolve_backend("triton", model_device(model))
-    if quantize is not None and compat.tp_size(model) > 1:
-        quantize_shards(model, quantize, group_size=group_size)  # each rank its shard
-    elif quantize is not None:
-        quantize_model(model, quantize, calib_data=calib_data, group_size=group_size)
+    compiles(compile, model_device(model))  # a bad setting raises before anything changes
     if isinstance(getattr(model, "hfaccel", None), Acceleration):
-        restore(model)
+        restore(model)  # first: it puts back LoRA layers an earlier merge_lora=True replaced
+    lora = prepare_lora(given, model, merge_lora=merge_lora, quantize=quantize)  # raises before anything changes
+    if merge_lora:
+        lora.merge()
+    _quantize(model, quantize, calib_data, group_size, lora)
     original = compat.attn_implementation(model.config)
     reason = unsupported_reason(model)
     if reason is not None:
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
-        model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason)
-        return model
-    compiles(compile, model_device(model))  # a bad setting raises before anything changes
+        model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason, lora=lora)
+        return given
     set_hfaccel_attention(model, attention)
     name = ATTENTION_NAMES[attention]
     session = None
@@ -123,29 +146,51 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     layers = int4_layers(model)
     prepare_int4(layers)
     model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
-                                 attention_paths=track_paths(model), int4_layers=layers)
-    return model
+                                 attention_paths=track_paths(model), int4_layers=layers, lora=lora)
+    return given
+
+
+def _quantize(model, method: str | None, calib_data, group_size: int, lora: LoraState | None) -> None:
+    """``accelerate``'s ``quantize``: each TP rank its shard, or the whole model — never a LoRA adapter's layers."""
+    if method is not None and compat.tp_size(model) > 1:
+        quantize_shards(model, method, group_size=group_size)  # each rank its shard
+    elif method is not None:
+        skip = {"skip": lora.quantize_skip()} if lora is not None else {}
+        quantize_model(model, method, calib_data=calib_data, group_size=group_size, **skip)
 
 
 def restore(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo :func:`accelerate` on ``model`` (a no-op on a model that was never accelerated)."""
+    """Undo :func:`accelerate` on ``model`` (a no-op on a model that was never accelerated); returns ``model``. A
+    ``PeftModel`` gets back its wrapped model's attention and ``generate``, and the LoRA layers a
+    ``merge_lora=True`` replaced (the same modules, their weights never changed)."""
+    given = model
+    if compat.is_peft_model(model):
+        model = compat.peft_base_model(model)
     info = getattr(model, "hfaccel", None)
     if not isinstance(info, Acceleration):
-        return model
+        return given
     if info.active:
         model.set_attn_implementation(info.original_attn_implementation)
         untrack_paths(model)
     uninstall_generate(model)
     if info.session is not None:
         info.session.release()  # its KV pools and compiled steps, now rather than at the next collection
+    if info.lora is not None:
+        info.lora.unmerge()
     del model.hfaccel
-    return model
+    return given
 
 
-def _check_model(model) -> None:
+def _check_model(model) -> PreTrainedModel:
+    """The transformers model ``accelerate`` patches: ``model``, or the one a LoRA ``PeftModel`` wraps."""
+    if compat.is_peft_model(model):
+        check_peft_model(model)
+        model = compat.peft_base_model(model)
     if not isinstance(model, PreTrainedModel):
+        also = " or a peft PeftModel with LoRA adapters wrapping one" if compat.from_peft(model) else ""
         raise TypeError(f"hfaccel.accelerate expects a transformers PreTrainedModel (e.g. from "
-                        f"AutoModelForCausalLM.from_pretrained); got {type(model).__name__}")
+                        f"AutoModelForCausalLM.from_pretrained){also}; got {type(model).__name__}")
     if not model.can_generate():
         raise ValueError(f"hfaccel.accelerate expects a causal language model that can generate (e.g. "
                          f"AutoModelForCausalLM); got {type(model).__name__}, which cannot generate")
+    return model

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 
 _log = logging.getLogger("hfaccel")
 POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
+PARKED_STEPS = 8  # decode steps kept for adapter states other than the current one (a PEFT model's)
 # model inputs the loop understands; any other (images, token types...) goes to transformers' loop
 _KNOWN_INPUTS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", "output_attentions",
                  "output_hidden_states", "return_dict", *compat.CACHE_ARGUMENTS}
@@ -69,6 +71,12 @@ class DecodeSession:
         # a model transformers sharded with tp_plan: every rank runs this loop in lockstep (the same calls, the same
         # forwards, its own pool of its local KV heads), and each step's tokens are the leader's
         self.tp = tensor_parallel(model)
+        # a PEFT model's adapter state at the current call (``LoraState.call_state``; None without LoRA layers):
+        # static steps bake in which adapters run, so each state has its own
+        self.adapters: Hashable = None
+        self._steps_adapters: Hashable = None  # the state ``runner.graphs`` serves
+        self._parked: dict = {}  # adapter state -> (its decode steps, the pool they last served)
+        self._speculative_adapters: Hashable = None  # the state ``speculative``'s runners serve
 
     def served_by_transformers(self, reason: str) -> None:
         """Record that transformers' loop serves the current call and why; each reason is logged once per model
@@ -96,11 +104,21 @@ class DecodeSession:
 
     def release(self) -> None:
         """Give back the memory of the session's runners (its decode loop's and its speculative decoding's)."""
+        self._parked.clear()
         if self.runner is not None:
             self.runner.release()
             self.runner = None
         if self.speculative is not None:
             self.speculative.release()
+
+    def speculative_runners(self, make):
+        """The runners assisted ``generate`` calls keep (``make()`` the first time), released and rebuilt when the
+        adapter state changed since they were built."""
+        if self.speculative is not None and self._speculative_adapters != self.adapters:
+            self.speculative.release()
+        self._speculative_adapters = self.adapters
+        self.speculative = self.speculative or make()
+        return self.speculative
 
     def runner_for(self, rows: int, capacities: list[int]) -> ModelRunner:
         """A runner whose pool holds ``rows`` sequences of ``capacities[i]`` tokens and whose decode steps serve
@@ -117,7 +135,10 @@ class DecodeSession:
             self.runner = runner = None
         if runner is None:
             runner = self.runner = ModelRunner(self.model, self._pool(needed))
-        elif runner.pool.num_blocks < needed:
+            self._parked.clear()
+            self._steps_adapters = self.adapters
+        self._steps_for_adapters(runner)
+        if runner.pool.num_blocks < needed:
             blocks = max(needed, 2 * runner.pool.num_blocks)
             runner.replace_pool(lambda: self._pool(blocks))
         graphs = runner.graphs
@@ -132,6 +153,22 @@ class DecodeSession:
                              "batch size up to %d and context up to %d tokens; this takes a while)", max_batch, max_len)
             runner.enable_decode_graphs(max_batch, max_len, compile=compile)
         return runner
+
+    def _steps_for_adapters(self, runner: ModelRunner) -> None:
+        """Give ``runner`` the decode steps of the current adapter state: those of the state before are parked (up to
+        ``PARKED_STEPS`` states, the oldest dropped) and come back when it does — compiled and captured, told of a
+        pool replaced meanwhile; a state not seen yet gets steps built by :meth:`runner_for`."""
+        if self.adapters == self._steps_adapters:
+            return
+        if runner.graphs is not None:
+            self._parked[self._steps_adapters] = (runner.graphs, runner.pool)
+            while len(self._parked) > PARKED_STEPS:
+                del self._parked[next(iter(self._parked))]
+        graphs, pool = self._parked.pop(self.adapters, (None, None))
+        if graphs is not None and pool is not runner.pool:
+            graphs.pool_changed()
+        runner.graphs = graphs
+        self._steps_adapters = self.adapters
 
     def _pool(self, blocks: int) -> KVPool:
         blocks = -(-blocks // POOL_GRANULE) * POOL_GRANULE

@@ -17,6 +17,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.device import model_device
+from hfaccel.hf.adapters import LoraState
 from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
@@ -54,17 +55,21 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     request, or the caller's PagedCache checked against the request first; it keeps its own cache choice for an
     explicit cache (``cache=`` or ``past_key_values=``) of another kind, a ``cache_implementation``, or a request whose size cannot be
     read."""
+    session = model.hfaccel.session
+    adapters = _read_adapters(model, session)
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
         refuse_assisted(kwargs)
+        if adapters is not None:
+            session.served_by_transformers(adapters)
+            return generate(*args, **kwargs)
         return _assisted_generate(model, generate, args, kwargs)
-    session = model.hfaccel.session
     faster = _transformers_is_faster(model)
     if faster is not None:
         session.served_by_transformers_by_choice(faster)
         return generate(*args, **kwargs)
     cache = compat.given_cache(kwargs)
     shape = request_shape(model, args, kwargs)
-    reason = _loop_leaves(model, kwargs, cache, shape)
+    reason = adapters or _loop_leaves(model, kwargs, cache, shape)
     if reason is None:
         config = kwargs.get("generation_config") or model.generation_config
         kwargs, streamer = compat.custom_generate_kwargs(kwargs, config)
@@ -82,6 +87,19 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
                                            left_padding=_left_padding(kwargs.get("attention_mask"), rows),
                                            num_kv_heads=local_kv_heads(model))
     return generate(*args, **kwargs)
+
+
+def _read_adapters(model, session) -> str | None:
+    """Tell the session the adapter state of a PEFT model's LoRA layers for this call (its decode steps are kept per
+    state); returns why transformers' loop must serve the call, or None. Layers PEFT injected after ``accelerate``
+    (``get_peft_model`` on an accelerated model) count too; nothing is read while peft is not even imported."""
+    lora = model.hfaccel.lora
+    if lora is None:
+        if not compat.peft_loaded():
+            return None
+        lora = LoraState(model)
+    session.adapters, reason = lora.call_state()
+    return reason
 
 
 def _transformers_is_faster(model) -> str | None:
@@ -141,7 +159,7 @@ def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
     session = model.hfaccel.session
     runners = None
     if session is not None:  # the runners (compiled and captured steps) stay for the next call
-        runners = session.speculative = session.speculative or SpeculativeRunners()
+        runners = session.speculative_runners(SpeculativeRunners)
     return speculative_generate(model, compile=model.hfaccel.compile, runners=runners, **arguments)
 
 

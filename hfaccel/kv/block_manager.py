@@ -12,8 +12,10 @@ Invariants (checked by ``check_invariants`` and property-tested):
   shared last block is first copied (copy-on-write; the copy is returned to the caller to perform on the
   device), so two live sequences never write the same block;
 - with prefix caching, each full block whose tokens are known and whose K/V have been computed is registered
-  under the hash of (the hash of the block before it, its own tokens); a sequence whose prompt starts with
-  the same full blocks reuses them (ref-count + 1) instead of allocating. Freed blocks keep their content and
+  under the hash of (the hash of the block before it, its own tokens) — the first block's "hash before it" is the
+  sequence's ``salt`` (None, or e.g. the LoRA adapter that computes it: the same tokens under another adapter have
+  other K/V); a sequence whose prompt starts with the same full blocks under the same salt reuses them
+  (ref-count + 1) instead of allocating. Freed blocks keep their content and
   registration until the pool reuses them, so a later request can still hit them. A registered block never
   changes under its hash: a sequence cropped into a registered block keeps the registration until it writes
   there, and then either unregisters the block (held alone) or copies it first (shared). A caller that computes a
@@ -53,6 +55,7 @@ class _Sequence:
     hashes: list[int] = field(default_factory=list)  # hashes of this sequence's leading full blocks
     computed: int = 0  # leading tokens whose K/V are in the pool (only those blocks may be registered)
     epoch: int = 0  # changes whenever an entry of ``blocks`` is replaced or removed (not when blocks are appended)
+    salt: Hashable = None  # what the first block's hash is chained to (prefix caching): None, or a LoRA adapter's key
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self._seqs: dict[Hashable, _Sequence] = {}
         self._hash_to_block: dict[int, int] = {}
-        self._block_key: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
+        self._block_key: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # block -> (parent hash or salt, tokens)
         self.peak_used_blocks = 0  # the most blocks in use at once (set back with ``peak_used_blocks = 0``)
         self._epochs = itertools.count(1)  # table epochs, never reused: a sequence id used again gets a new one
 
@@ -137,13 +140,14 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None, computed: bool = True) -> int:
+                     num_tokens: int | None = None, computed: bool = True, salt: Hashable = None) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
         Give ``token_ids`` (enables prefix sharing) or just ``num_tokens``. Blocks for the whole prompt are
         allocated (reused where a prefix hit). ``computed=False``: the prompt's K/V (past the prefix hit) are
         not written yet (see ``mark_computed``). Raises ``CacheFullError`` with nothing changed if the pool
-        cannot hold it.
+        cannot hold it. ``salt``: what else the K/V depend on besides the tokens (a LoRA adapter's
+        ``cache_key``): only blocks registered under the same salt are shared.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
@@ -151,14 +155,14 @@ class BlockManager:
         if length is None or length < 0:
             raise ValueError("add_sequence needs token_ids or a num_tokens >= 0")
         tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
-        hits, hashes = self._prefix_hits(tokens)
+        hits, hashes = self._prefix_hits(tokens, salt)
         needed = self.blocks_needed(length) - len(hits)
         reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         if needed > self.num_free_blocks - reusable_free:
             raise CacheFullError(f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
                                  f"slots; the pool has {self.num_free_blocks - reusable_free} "
                                  f"(of {self.num_blocks})")
-        seq = _Sequence(tokens=[] if tokens is not None else None, epoch=next(self._epochs))
+        seq = _Sequence(tokens=[] if tokens is not None else None, epoch=next(self._epochs), salt=salt)
         for block in hits:
             self._ref(block)
         seq.blocks, seq.hashes = list(hits), hashes
@@ -215,7 +219,7 @@ class BlockManager:
             self._ref(block)
         self._seqs[child_id] = _Sequence(list(parent.blocks), parent.length,
                                          None if parent.tokens is None else list(parent.tokens),
-                                         list(parent.hashes), parent.computed, next(self._epochs))
+                                         list(parent.hashes), parent.computed, next(self._epochs), parent.salt)
 
     def crop(self, seq_id: Hashable, length: int) -> None:
         """Shorten a sequence to its first ``length`` tokens, releasing blocks no longer needed."""
@@ -306,12 +310,12 @@ class BlockManager:
         seq.epoch = next(self._epochs)
         return BlockCopy(shared, fresh)
 
-    def _prefix_hits(self, tokens: list[int] | None) -> tuple[list[int], list[int]]:
-        """Blocks already holding the leading full blocks of ``tokens``, and their hashes.
+    def _prefix_hits(self, tokens: list[int] | None, salt: Hashable = None) -> tuple[list[int], list[int]]:
+        """Blocks already holding the leading full blocks of ``tokens`` under ``salt``, and their hashes.
 
         A hit never covers the last token: the caller must run at least one token to get its logits.
         """
-        hits, hashes, parent = [], [], None
+        hits, hashes, parent = [], [], salt
         if tokens is None:
             return hits, hashes
         for start in range(0, len(tokens) - self.block_size, self.block_size):
@@ -328,7 +332,7 @@ class BlockManager:
         size = self.block_size
         while len(seq.hashes) < min(len(seq.tokens), seq.length, seq.computed) // size:
             index = len(seq.hashes)
-            key = (seq.hashes[-1] if seq.hashes else None, tuple(seq.tokens[index * size:(index + 1) * size]))
+            key = (seq.hashes[-1] if seq.hashes else seq.salt, tuple(seq.tokens[index * size:(index + 1) * size]))
             block, digest = seq.blocks[index], hash(key)
             if digest not in self._hash_to_block and block not in self._block_key:
                 self._hash_to_block[digest] = block

@@ -2,10 +2,11 @@
 CUDA graphs per padded batch size.
 
 A decode step's inputs live in static buffers sized for the largest batch: token ids, positions, slot mapping,
-block tables (one row per sequence, ``max_model_len / block_size`` wide), sequence lengths and
-``cu_seqlens_q``. A step of ``B`` sequences runs the step of the smallest ladder size ``>= B``; the padding rows
-write nowhere (slot ``-1``, which ``write_kv`` skips) and see no keys (length 0, so the paged kernel returns
-zeros for them), and their logits are dropped.
+block tables (one row per sequence, ``max_model_len / block_size`` wide), sequence lengths, ``cu_seqlens_q`` and,
+for a model with LoRA layers, each token's adapter slot (so one step serves any mix of adapters; a step whose rows
+take none runs the variant without LoRA ops, compiled and captured beside it). A step of ``B`` sequences runs
+the step of the smallest ladder size ``>= B``; the padding rows write nowhere (slot ``-1``, which ``write_kv``
+skips) and see no keys (length 0, so the paged kernel returns zeros for them), and their logits are dropped.
 
 Two ways to feed a step:
 
@@ -103,6 +104,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, **on)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
+        self.lora_index = torch.full((tokens,), -1, dtype=torch.long, **on)  # each token's LoRA slot (-1: none)
         # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
         self.keep = torch.arange(max_batch, dtype=torch.long, **on) * tokens_per_seq if self.last_only \
             else torch.arange(tokens, dtype=torch.long, **on)
@@ -113,8 +115,9 @@ class DecodeGraphs:
         self._step_fn = torch.compile(_own_code(static_step), fullgraph=True, dynamic=None) if compile \
             else static_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
-        self.capture_failures: dict[tuple[int, bool], str] = {}  # (size, advance) -> why it runs uncaptured
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, advance, lora) -> why it runs uncaptured
+        self.capture_failures: dict[tuple[int, bool, bool], str] = {}
+        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
 
@@ -123,8 +126,9 @@ class DecodeGraphs:
         parts = [f"compiled" if self.compiled else ("uncompiled" if self.compile_failure is None
                                                      else f"uncompiled ({self.compile_failure})")]
         if self.capture:
-            parts.append(f"CUDA graphs for sizes {sorted({size for size, _ in self._graphs})}")
-        parts += [f"size {size} uncaptured ({reason})" for (size, _), reason in sorted(self.capture_failures.items())]
+            parts.append(f"CUDA graphs for sizes {sorted({size for size, *_ in self._graphs})}")
+        parts += [f"size {size}{' (LoRA)' if lora else ''} uncaptured ({reason})"
+                  for (size, _, lora), reason in sorted(self.capture_failures.items())]
         return ", ".join(parts)
 
     def pool_changed(self) -> None:
@@ -137,15 +141,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # as the runner's forwards run
     def warm_up(self, sizes: Sequence[int] | None = None, progress=None) -> None:
-        """Compile and capture the steps of ``sizes`` (default: every size) now, on padding rows that read and
-        write nothing, so that no request waits for them. ``progress(done, total)`` is called after each."""
+        """Compile and capture the steps of ``sizes`` (default: every size; with LoRA layers, both variants) now, on
+        padding rows that read and write nothing, so that no request waits for them. ``progress(done, total)`` is
+        called after each."""
         sizes = list(self.sizes if sizes is None else sizes)
         for done, size in enumerate(sizes, 1):
             self.positions.zero_()
             self.seq_lens.zero_()
             self.slot_mapping.fill_(-1)
+            self.lora_index.fill_(-1)
             self._size = None
-            self._replay(self.size_for(size), advance=False)
+            for lora in (False, True) if self.runner.lora is not None else (False,):
+                self._replay(self.size_for(size), advance=False, lora=lora)
             if progress is not None:
                 progress(done, len(sizes))
 
@@ -169,23 +176,25 @@ class DecodeGraphs:
 
     # ---------------------------------------------------------------------------------- host-fed steps
     def run(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, starts: Sequence[int],
-            num_new: Sequence[int] | None = None) -> torch.Tensor:
+            num_new: Sequence[int] | None = None, *, lora_slots: Sequence[int] | None = None) -> torch.Tensor:
         """Logits of the new tokens, packed as ``input_ids [T]`` is: ``num_new[i]`` tokens of sequence
-        ``seq_ids[i]`` from position ``starts[i]`` (default one each: ``[B, V]``)."""
+        ``seq_ids[i]`` from position ``starts[i]`` (default one each: ``[B, V]``); ``lora_slots[i]``: the LoRA slot
+        of sequence ``i`` (-1: none)."""
         batch = len(seq_ids)
         size = self.size_for(batch)
         num_new = [1] * batch if num_new is None else list(num_new)
         start = time.perf_counter()
         self._fill(seq_ids, starts, size, num_new)
+        lora = self._fill_lora(lora_slots, size)
         self.runner.metadata_seconds += time.perf_counter() - start
         self._size = None
         if self.tokens_per_seq == 1:
             self.input_ids[:batch].copy_(input_ids)
-            return self._replay(size, advance=False)[:batch]
+            return self._replay(size, advance=False, lora=lora)[:batch]
         q = self.tokens_per_seq
         where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
         self.input_ids[:size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
-        logits = self._replay(size, advance=False)  # [size, V] (last_only) or [size * q, V]
+        logits = self._replay(size, advance=False, lora=lora)  # [size, V] (last_only) or [size * q, V]
         return logits[:batch] if self.last_only else logits[where]
 
     # ------------------------------------------------------------------------------- device-fed steps
@@ -225,46 +234,59 @@ class DecodeGraphs:
         if self.last_only:  # each sequence's last real token (a padding row: its first, whose logits are dropped)
             self.keep[:size].copy_(cu[:-1] + (real - 1).clamp_min(0))
 
+    def _fill_lora(self, lora_slots: Sequence[int] | None, size: int) -> bool:
+        """Bring each token's LoRA slot into its static buffer (padding rows -1, one non-blocking copy); False (the
+        variant without LoRA ops) when no row takes an adapter."""
+        present = sorted({slot for slot in lora_slots if slot >= 0}) if lora_slots is not None else []
+        if not present:
+            return False
+        q = self.tokens_per_seq
+        per_token = [slot for slot in lora_slots for _ in range(q)] + [-1] * ((size - len(lora_slots)) * q)
+        self.lora_index[:size * q].copy_(to_device(per_token, torch.long, self.device))
+        self.runner.lora.slots = present
+        return True
+
     def _rows(self, size: int) -> tuple[torch.Tensor, ...]:
         """The static buffers' views for a step of ``size`` sequences (``size * tokens_per_seq`` tokens)."""
         if size not in self._views:
             tokens = size * self.tokens_per_seq
             self._views[size] = (self.input_ids[:tokens], self.positions[:tokens], self.seq_lens[:size],
                                  self.slot_mapping[:, :tokens], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
-                                 self.keep[:size if self.last_only else tokens], torch.arange(size, device=self.device))
+                                 self.keep[:size if self.last_only else tokens], torch.arange(size, device=self.device),
+                                 self.lora_index[:tokens])
         return self._views[size]
 
-    def _step(self, size: int, advance: bool) -> torch.Tensor:
-        """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows). If
-        torch.compile cannot compile it (the recompile limit included), the step says why once and runs
-        uncompiled from then on."""
+    def _step(self, size: int, advance: bool, lora: bool = False) -> torch.Tensor:
+        """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows; ``lora``: with
+        the LoRA index buffer). If torch.compile cannot compile it (the recompile limit included), the step says why
+        once and runs uncompiled from then on."""
         rows = self._rows(size)
         if self._step_fn is static_step:
-            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq)
+            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
         mark_step_dynamic(rows, self.runner.pool.kv)
         try:
             with compat.no_duck_sizing():
-                return self._step_fn(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq)
+                return self._step_fn(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
         except compat.compile_errors() as error:
             self.compile_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
             _log.warning("hfaccel: torch.compile could not compile the decode step (%s); decode steps run "
                          "uncompiled", self.compile_failure)
             self._step_fn, self.compiled = static_step, False
-            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq)
+            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
 
-    def _replay(self, size: int, advance: bool) -> torch.Tensor:
-        key = (size, advance)
+    def _replay(self, size: int, advance: bool, lora: bool = False) -> torch.Tensor:
+        key = (size, advance, lora)
         if not self.capture or key in self.capture_failures:
-            return self._step(size, advance)
+            return self._step(size, advance, lora)
         if key not in self._graphs:
-            logits = self._capture(size, advance)
+            logits = self._capture(size, advance, lora)
             if key not in self._graphs:  # capture failed: eager from now on (this step already ran)
                 return logits
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
 
-    def _capture(self, size: int, advance: bool) -> torch.Tensor:
+    def _capture(self, size: int, advance: bool, lora: bool = False) -> torch.Tensor:
         """Run the step once (Triton and inductor compile there), then capture it; returns this step's logits.
         The capture records the step without running it; the replay after it runs it again — the same slots, the
         same values — so a device-fed step's counters are put back to where the first run found them. A failed
@@ -275,7 +297,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            logits = self._step(size, advance)
+            logits = self._step(size, advance, lora)
         current.wait_stream(stream)
         logits.record_stream(current)  # allocated on the side stream, used on this one
         after = self._counters() if advance else None
@@ -284,10 +306,10 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
-                captured = self._step(size, advance)
+                captured = self._step(size, advance, lora)
         except Exception as error:  # a forward that cannot be captured at this size: eager here, say why
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
-            self.capture_failures[(size, advance)] = reason
+            self.capture_failures[(size, advance, lora)] = reason
             _log.warning("hfaccel: CUDA graph capture of the decode step at batch %d failed (%s); that size runs "
                          "uncaptured", size, reason)
             torch.cuda.synchronize(self.device)
@@ -295,7 +317,7 @@ class DecodeGraphs:
                 self._restore(after)
             return logits
         self._memory_pool = graph.pool()
-        self._graphs[(size, advance)] = (graph, captured)
+        self._graphs[(size, advance, lora)] = (graph, captured)
         graph.replay()
         return captured
 
@@ -308,17 +330,17 @@ class DecodeGraphs:
 
 
 def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bool, max_model_len: int,
-                tokens_per_seq: int = 1) -> torch.Tensor:
+                tokens_per_seq: int = 1, lora: bool = False) -> torch.Tensor:
     """One static step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with ``advance``
     (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
-    and lengths moved on after the forward. Returns the logits of the ``keep`` tokens: ``[size * tokens_per_seq, V]``
-    (every token) or ``[size, V]`` (each sequence's last)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index = rows
+    and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer. Returns the logits
+    of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each sequence's last)."""
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index = rows
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
         slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
     step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
                       positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq)
-    logits = runner.run_model(input_ids, step, keep)
+    logits = runner.run_model(input_ids, step, keep, lora_index if lora else None)
     if advance:
         live = (seq_lens > 0).to(seq_lens.dtype)
         positions.add_(live)
@@ -329,8 +351,8 @@ def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bo
 def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool_kv: torch.Tensor) -> None:
     """Mark the dimensions of a step's inputs that vary between calls as dynamic for torch.compile: the rows' batch
     dimension (tokens or sequences) and the pool's block count. Everything else stays static (``dynamic=None``)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index = rows
-    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index):
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index = rows
+    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index, lora_index):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     torch._dynamo.maybe_mark_dynamic(slots, 1)
     torch._dynamo.maybe_mark_dynamic(pool_kv, POOL_BLOCKS_DIM)

@@ -14,6 +14,10 @@ replayed from a CUDA graph (``hfaccel.runner.graphs``), and with catch-up graphs
 
 Each sequence has its own length; ``crop`` rolls a sequence back (rejected draft tokens) without touching
 the others or recomputing anything.
+
+With LoRA layers in the model (``runner.lora``: their shared :class:`~hfaccel.lora.LoRAContext`), each sequence of a
+forward may name the slot of its adapter (``lora_slots``, -1 for the base model): the runner hands the wrapped layers
+the slot of every packed token (``index [T]``, one non-blocking copy), or nothing when no sequence has an adapter.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hfaccel.attention.functions import PACKED_MASK
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
 from hfaccel.kv.hf_cache import paged_reader_backend
+from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
 
 
@@ -47,6 +52,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.catch_up: DecodeGraphs | None = None  # a second static step: a few tokens, the last one's logits
         self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
+        self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
@@ -78,7 +84,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
                 logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None,
-                token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                token_ids: Sequence[Sequence[int]] | None = None,
+                lora_slots: Sequence[int] | None = None) -> torch.Tensor:
         """One packed forward; returns logits ``[S, V]`` (``logits_for="last"``: each sequence's last new
         token), ``[T, V]`` (``"all"``: every new token, in packed order) or ``[len(logits_for), V]`` (the last
         new token of the sequences at those indices of ``seq_ids``).
@@ -86,7 +93,7 @@ class ModelRunner:
         ``input_ids: [T]`` are the new tokens of every sequence, concatenated in ``seq_ids`` order. Without
         ``starts`` the runner grows each sequence by its new tokens in the pool (starting new ones; ``token_ids``
         lets prompts share prefix blocks); with ``starts`` the caller has allocated the slots and says where each
-        sequence's new tokens begin.
+        sequence's new tokens begin. ``lora_slots``: the LoRA slot of each sequence (-1: none; needs ``self.lora``).
         """
         if input_ids.dim() != 1 or input_ids.shape[0] != sum(num_new):
             raise ValueError(f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got "
@@ -95,33 +102,53 @@ class ModelRunner:
             raise ValueError(f"one distinct sequence id per entry of num_new; got {list(seq_ids)}, {list(num_new)}")
         if any(n < 1 for n in num_new):
             raise ValueError(f"every sequence needs at least one new token; got {list(num_new)}")
+        if lora_slots is not None and (self.lora is None or len(lora_slots) != len(num_new)):
+            raise ValueError(f"lora_slots needs the model's LoRA layers (runner.lora) and one slot per sequence; got "
+                             f"{len(lora_slots)} for {len(num_new)} sequences"
+                             + ("" if self.lora is not None else " and no LoRA layers"))
         if starts is None:
             self.pool.reserve(seq_ids, num_new, token_ids)
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         input_ids = input_ids.to(self.device)
         for graphs in self.static_steps():
             if graphs.serves(num_new, logits_for):
-                return graphs.run(seq_ids, input_ids, starts, num_new)
+                lora = {} if lora_slots is None else {"lora_slots": lora_slots}
+                return graphs.run(seq_ids, input_ids, starts, num_new, **lora)
         start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
         keep = self._logits_index(step, num_new, logits_for)
+        lora_index = self._lora_index(lora_slots, num_new)
         self.metadata_seconds += time.perf_counter() - start
-        return self.run_model(input_ids, step, keep)
+        return self.run_model(input_ids, step, keep, lora_index)
 
-    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int) -> torch.Tensor:
+    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
+                  lora_index: torch.Tensor | None = None) -> torch.Tensor:
         """The model's forward on packed ``input_ids [T]`` with the step's metadata; logits of the ``keep``
-        positions (``0``: all)."""
+        positions (``0``: all). ``lora_index [T]``: each token's LoRA slot (None: no token takes an adapter)."""
         if paged_reader_backend(self.model.config) is None:
             raise RuntimeError("ModelRunner needs the model's attention to be hfaccel's (got "
                                f"{compat.attn_implementation(self.model.config)!r}): hfaccel.accelerate(model), "
                                "or hfaccel.attention.hfaccel_attention(model) for the duration of a call")
         self.cache.step = step
+        if self.lora is not None:
+            self.lora.index = lora_index
         try:
             out = self.model(input_ids=input_ids[None], attention_mask=PACKED_MASK, position_ids=step.positions[None],
                              use_cache=True, logits_to_keep=keep, **{self._cache_argument: self.cache})
         finally:
             self.cache.step = None
+            if self.lora is not None:
+                self.lora.index = None
         return out.logits[0]
+
+    def _lora_index(self, lora_slots: Sequence[int] | None, num_new: Sequence[int]) -> torch.Tensor | None:
+        """The LoRA slot of each packed token, ``[T]`` on the device, or None when no sequence has an adapter; the
+        slots present go to the context as a host list (the torch reference loops over those only)."""
+        present = sorted({slot for slot in lora_slots if slot >= 0}) if lora_slots is not None else []
+        if not present:
+            return None
+        self.lora.slots = present
+        return to_device([slot for slot, n in zip(lora_slots, num_new) for _ in range(n)], torch.long, self.device)
 
     def _logits_index(self, step: PackedStep, num_new: Sequence[int], logits_for) -> torch.Tensor | int:
         if isinstance(logits_for, str):

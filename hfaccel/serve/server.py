@@ -4,6 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and
 ``GET /metrics`` (Prometheus text format, from a registry of this app's own).
 
+With LoRA adapters (``hfaccel serve BASE --lora name=path``), a request's ``model`` names the adapter it runs through
+(the served model's own name: the base model); ``/v1/models`` lists the base and each adapter (``parent``: the base).
+
 Every failure is an OpenAI-style JSON error (``{"error": {"message", "type", "param", "code"}}``): malformed
 JSON or UTF-8 (nesting too deep, numbers too long included), wrongly typed fields (strictly: ``true`` is not a
 number, ``"yes"`` not a bool) and values :meth:`Engine.check_params` refuses (a ``response_format`` or
@@ -40,6 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestFailed, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
+from hfaccel.lora import LoRAAdapter
 from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
 from hfaccel.serve.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 
@@ -179,8 +183,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "hfaccel"}]}
+        base = {"id": config.model_name, "object": "model", "created": state.created, "owned_by": "hfaccel"}
+        loras = engine.engine.loras
+        adapters = [] if loras is None else [loras.adapters[name] for name in loras.names() if name in loras.adapters]
+        return {"object": "list", "data": [base] + [
+            {**base, "id": adapter.name, "root": adapter.path, "parent": config.model_name} for adapter in adapters]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -289,18 +296,25 @@ def _parse(model: type[BaseModel], body: dict):
         raise APIError(400, f"{param}: {first['msg']} (got {_short.repr(first.get('input'))})", param=param) from None
 
 
-def _check_model(state: _State, name: str) -> None:
-    if name != state.config.model_name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.config.model_name!r}",
+def _check_model(state: _State, name: str) -> LoRAAdapter | None:
+    """The LoRA adapter a request's ``model`` names (None: the served model itself), or a 404."""
+    if name == state.config.model_name:
+        return None
+    engine = state.engine.engine
+    adapter = None if engine.loras is None else engine.loras.adapters.get(name)
+    if adapter is None:
+        served = ", ".join(repr(n) for n in [state.config.model_name, *engine.list_loras()])
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                        code="model_not_found", param="model")
+    return adapter
 
 
 async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt",
-                   structured_param: str = "structured_outputs") -> PreparedPrompt:
+                   structured_param: str = "structured_outputs", lora: LoRAAdapter | None = None) -> PreparedPrompt:
     """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
     by the engine's own rules, with its sampling parameters (``max_tokens`` None: the rest of the context), or a
     400 saying what is wrong (``structured_param``: the field a structured-outputs spec that does not compile came
-    from)."""
+    from). ``lora``: the LoRA adapter it runs through (None: the base model)."""
     engine = state.engine.engine
     try:
         text, ids = await asyncio.to_thread(engine.tokenize_prompt, prompt)
@@ -316,9 +330,9 @@ async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, pa
     try:
         params = params_for(max_tokens)
         if params.structured_outputs is None:
-            return engine.prepared(text, ids, params)
+            return engine.prepared(text, ids, params, lora=lora)
         # compiling a grammar can take a while (the first one also indexes the vocabulary): in a worker thread
-        return await asyncio.to_thread(engine.prepared, text, ids, params)
+        return await asyncio.to_thread(engine.prepared, text, ids, params, lora=lora)
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:  # a structured-outputs spec that does not compile: the compiler's message
@@ -353,14 +367,14 @@ class _Admission:
 
 # -------------------------------------------------------------------------------------------- handlers
 async def _completions(state: _State, req: CompletionRequest, request: Request):
-    _check_model(state, req.model)
+    lora = _check_model(state, req.model)
     if req.echo or req.suffix:
         raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
     prepared = [await _prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs),
-                               structured_param=req.structured_field) for p in _prompt_list(req.prompt)]
-    ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False)
+                               structured_param=req.structured_field, lora=lora) for p in _prompt_list(req.prompt)]
+    ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False, model=req.model)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
         return outputs
@@ -370,7 +384,7 @@ async def _completions(state: _State, req: CompletionRequest, request: Request):
 
 
 async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
-    _check_model(state, req.model)
+    lora = _check_model(state, req.model)
     if req.tools:
         raise APIError(400, "tools (function calling) are not supported", param="tools")
     try:
@@ -379,8 +393,8 @@ async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
         raise APIError(400, str(error), param="messages") from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = [await _prepare(state, messages, req.max_new_tokens, lambda m: req.sampling_params(m, logprobs),
-                               param="messages", structured_param=req.structured_field)]
-    ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True)
+                               param="messages", structured_param=req.structured_field, lora=lora)]
+    ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True, model=req.model)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
         return outputs
@@ -405,8 +419,9 @@ async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse
 class _Call:
     """One API call: its id and object names, and how its outputs become OpenAI JSON."""
 
-    def __init__(self, state: _State, prefix: str, obj: str, n: int, chat: bool):
+    def __init__(self, state: _State, prefix: str, obj: str, n: int, chat: bool, model: str):
         self.state, self.obj, self.n, self.chat = state, obj, n, chat
+        self.model = model  # the name the request used: the served model's or a LoRA adapter's
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.tokenizer = state.engine.engine.tokenizer
@@ -498,14 +513,14 @@ class _Call:
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.state.config.model_name,
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return body
 
     def body(self, choices: list[dict], usage: dict) -> dict:
-        return {"id": self.id, "object": self.obj, "created": self.created, "model": self.state.config.model_name,
+        return {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
     def _token(self, token_id: int) -> str:

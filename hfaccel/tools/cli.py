@@ -37,24 +37,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
     bench.add_argument("what", nargs="*", metavar="CASE",
                        help=f"benchmarks to run: {', '.join(BENCH_CASES)} "
-                            "(default: all, which leaves out int4 and serve)")
+                            "(default: all, which leaves out int4, serve, structured and lora)")
     bench.add_argument("--serve", action="store_true", help="also benchmark the HTTP server (same as 'serve')")
     bench.add_argument("--url", default=None, help="serve: a running server's base URL (…/v1); default: start one")
     bench.add_argument("--model", default=None,
                        help="named config (llama-3.2-1b, llama-3.1-8b, gemma-2-2b, qwen2.5-0.5b, smollm2-135m, "
                             "tiny-llama) "
                             "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
-                            "on CPU; speculative: the target, a model folder, default SmolLM2-135M-Instruct)")
+                            "on CPU; speculative: the target, a model folder, default SmolLM2-135M-Instruct; "
+                            "structured: default SmolLM2-135M-Instruct, a named config over SmolLM2's tokenizer)")
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", action="append", choices=("float32", "float16", "bfloat16"),
                        help="repeatable (default: float16 and bfloat16 on CUDA, float32 on CPU)")
-    bench.add_argument("--batch", type=int, action="append", help="batch sizes (default: decode 1 and 16; speculative 1, 4, 16)")
+    bench.add_argument("--batch", type=int, action="append",
+                       help="batch sizes (default: decode 1 and 16; speculative 1, 4, 16; lora: one batch, 64 CUDA, "
+                            "16 CPU)")
     bench.add_argument("--prompt-len", type=int, default=None)
-    bench.add_argument("--new-tokens", type=int, default=None)
+    bench.add_argument("--new-tokens", type=int, default=None,
+                       help="tokens generated per request (structured: default 256 CUDA; on CPU 96 for the mask "
+                            "times, 32 for the throughput)")
     bench.add_argument("--draft", default="int4",
                        help="speculative: int4 | layers:N | self | ngram | a model folder (default: int4)")
     bench.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
-    bench.add_argument("--requests", type=int, default=None, help="engine: requests served (256 CUDA, 32 CPU)")
+    bench.add_argument("--requests", type=int, default=None,
+                       help="engine: requests served (256 CUDA, 32 CPU); structured: requests in the throughput "
+                            "batch (256 CUDA, 16 CPU)")
     bench.add_argument("--host", action="store_true",
                        help="engine: the host time per step split into scheduling, metadata, launch, waiting and "
                             "detokenizing at batch 1, 64, 256 (or --batch), instead of the serving comparison")
@@ -118,6 +125,12 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
                        help="shard the model over N ranks with transformers' tp_plan=\"auto\" (NCCL on GPUs, one "
                             "per rank; gloo on the CPU): starts the ranks itself, or under torchrun uses its ranks "
                             "(default: torchrun's world size, else 1)")
+    serve.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                       help="serve the PEFT LoRA adapter in folder PATH as model NAME (repeatable): a request's "
+                            "'model' picks the adapter, the served model's own name the base model")
+    serve.add_argument("--max-loras", type=int, default=8,
+                       help="LoRA adapters one step serves at most (slots on the device; others wait)")
+    serve.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank served")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +228,10 @@ def _serve(args: argparse.Namespace) -> None:
                          f"give {world}, or leave it out")
     if size < 1:
         raise SystemExit(f"hfaccel serve: --tensor-parallel-size must be at least 1; got {size}")
+    if args.lora and size > 1:
+        raise SystemExit("hfaccel serve: --lora is not supported with tensor parallelism yet (serve the adapters on "
+                         "one GPU, or merge an adapter into the model)")
+    lora_adapters(args)  # a malformed --lora stops here, before any model loads
     if size == 1:
         _serve_one(args)
     elif world is not None:
@@ -293,13 +310,41 @@ def _check_tp_quantization(args: argparse.Namespace) -> None:
 def _engine(args: argparse.Namespace, model, tokenizer):
     import hfaccel
 
-    return hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                          kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
-                          kv_cache_fraction=args.kv_cache_fraction,
-                          max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
-                          compile="auto" if args.compile is None else args.compile,
-                          async_scheduling=args.async_scheduling)
+    loras = lora_adapters(args)
+    lora = {} if loras is None else {"lora_adapters": loras, "max_loras": args.max_loras,
+                                     "max_lora_rank": args.max_lora_rank}
+    try:
+        return hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                              kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
+                              kv_cache_fraction=args.kv_cache_fraction,
+                              max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
+                              compile="auto" if args.compile is None else args.compile,
+                              async_scheduling=args.async_scheduling, **lora)
+    except ValueError as error:
+        if loras is None:
+            raise
+        raise SystemExit(f"hfaccel serve: {error}") from None  # a LoRA adapter that does not fit: say which
+
+
+def lora_adapters(args: argparse.Namespace) -> dict[str, str] | None:
+    """``{name: path}`` of the ``--lora NAME=PATH`` options (None without any); a malformed or repeated name, or one
+    equal to the served model's name, stops the command with a message."""
+    if not getattr(args, "lora", None):
+        return None
+    served = args.served_model_name or args.model
+    adapters: dict[str, str] = {}
+    for option in args.lora:
+        name, sep, path = option.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise SystemExit(f"hfaccel serve: --lora takes NAME=PATH (a name for the adapter, its PEFT folder); got "
+                             f"{option!r}")
+        if name in adapters or name == served:
+            raise SystemExit(f"hfaccel serve: --lora name {name!r} is " + ("given twice" if name in adapters else
+                             "the served model's own name (--served-model-name): requests could not pick the base"))
+        adapters[name] = path
+    return adapters
 
 
 def _server_config(args: argparse.Namespace):

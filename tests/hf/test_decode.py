@@ -223,10 +223,10 @@ class _Count(TorchDispatchMode):
 def _watch_steps(monkeypatch, mode_factory) -> list:
     modes, real = [], graphs.DecodeGraphs._step
 
-    def step(self, size, advance):
+    def step(self, size, advance, *args):
         with mode_factory() as mode:
             modes.append(mode)
-            return real(self, size, advance)
+            return real(self, size, advance, *args)
 
     monkeypatch.setattr(graphs.DecodeGraphs, "_step", step)
     return modes

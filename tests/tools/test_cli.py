@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hfaccel.tools.cli import build_parser, main
+from tests.assets import smollm2_or_skip
 from tests.models import tiny_model
 from tests.hf.test_accelerate import _tokenizer
 
@@ -98,6 +99,46 @@ def test_bench_int4(tmp_path, monkeypatch):
         ("float32", 1), ("float32", 2), ("int4 rtn g128", 1), ("int4 rtn g128", 2)]
     assert all(row["tokens_per_s"] > 0 and row["weight_gb"] > 0 for row in decode)
     assert decode[2]["weight_gb"] < decode[0]["weight_gb"] / 3  # int4 layers hold ~1/7 of the fp32 bytes
+
+
+def test_bench_structured(tmp_path, monkeypatch):
+    """Mask times over real constrained generations and the 0 / 50 / 100% structured throughput rows (a tiny random
+    model over SmolLM2's tokenizer, a few tokens)."""
+    smollm2_or_skip()
+    pytest.importorskip("xgrammar")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "structured", "--device", "cpu", "--model", "tiny-llama", "--requests", "2",
+                 "--new-tokens", "3", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    masks, rows = results["structured_masks"], results["structured_throughput"]
+    assert masks[-1]["spec"] == "all" and {"choice", "json_object", "regex: phone number"} < {m["spec"] for m in masks}
+    assert all(m["tokens"] > 0 and 0 < m["p50_us"] <= m["p99_us"] for m in masks)
+    assert all(m["compile_ms"] > 0 for m in masks[:-1])
+    assert [(r["structured_pct"], r["structured"]) for r in rows] == [(0, 0), (50, 1), (100, 2)]
+    assert all(r["output_tokens"] == 2 * 3 and r["tokens_per_s"] > 0 for r in rows)  # fixed lengths
+    assert rows[0]["vs_unconstrained"] == 1 and rows[0]["mask_ms_per_step"] < rows[2]["mask_ms_per_step"]
+
+
+def test_bench_lora(tmp_path, monkeypatch):
+    """The four serving rows (base engine; the LoRA engine on base requests, one adapter, 8 adapters mixed) and the
+    kernels' time per decode step, on tiny-llama with 8 random rank-16 PEFT adapters, a few tokens."""
+    pytest.importorskip("peft")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "lora", "--device", "cpu", "--model", "tiny-llama", "--batch", "3", "--prompt-len", "4",
+                 "--new-tokens", "2", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    rows, kernels, config = results["lora_throughput"], results["lora_kernels"], results["lora_config"]
+    assert [(row["path"], row["adapters"]) for row in rows] == [
+        ("base model, no LoRA engine", 0), ("LoRA engine, base requests", 0), ("LoRA engine, 1 adapter", 1),
+        ("LoRA engine, 8 adapters mixed", 3)]  # 3 requests: 3 of the 8 adapters
+    assert all(row["output_tokens"] == 3 * 2 and row["tokens_per_s"] > 0 and row["steps"] == 2 for row in rows)
+    assert rows[0]["vs_base"] == 1 and (config["adapters"], config["rank"], config["wrapped_layers"]) == (8, 16, 28)
+    assert [k["layers"] for k in kernels] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj", "all"]
+    assert kernels[-1]["count"] == 28 and all(k["ms_per_step"] > 0 and k["vs_base_step"] > 0 for k in kernels)
+    assert all(k["base_step_ms"] == rows[0]["step_ms"] for k in kernels)
 
 
 def test_bad_arguments_exit_with_usage(capsys):

@@ -11,6 +11,12 @@
 - speculative: ``speculative_generate`` against the accelerated target alone, with acceptance and cost ratio.
 - int4: the W4A16 op vs cuBLAS (and dequantize + cuBLAS) at Llama-3.1-8B shapes, and int4 vs dense decode
   tokens/s of an accelerated model (not part of "all": it builds a Llama-3.1-8B-shaped model on CUDA).
+- structured: structured outputs — the host's mask time per token (p50 / p99) over real constrained generations,
+  and Engine throughput with 0%, 50% and 100% structured requests (not part of "all": it needs xgrammar, the
+  ``hfaccel[structured]`` extra, and SmolLM2's tokenizer).
+- lora: serving LoRA adapters — Engine output tokens/s of a batch on the base model (no LoRA engine), on the LoRA
+  engine with base requests, one adapter and 8 adapters mixed, and the LoRA kernels' time per decode step against
+  the base step (not part of "all": it makes its adapters with peft, a dev dependency).
 
 Benchmarks are not tests: nothing here asserts a speed. Results print as tables and are written as JSON.
 """
@@ -30,8 +36,9 @@ from rich.console import Console
 from hfaccel.tools.bench.timing import environment
 
 # case -> module of hfaccel.tools.bench with ``run(options, console) -> dict`` (result sections)
-CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "int4", "serve")
-NOT_IN_ALL = ("int4", "serve")  # int4 builds an 8B-shaped model; serve starts (or needs) a server
+CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "int4", "serve", "structured", "lora")
+NOT_IN_ALL = ("int4", "serve", "structured", "lora")  # int4 builds an 8B-shaped model; serve starts (or needs) a
+# server; structured needs the optional xgrammar; lora makes its adapters with peft (a dev dependency)
 
 
 @dataclass
