@@ -70,7 +70,7 @@ gpu-install:
 gpu-smoke: gpu-install
 	HFACCEL_TEST_DEVICE=cuda timeout 240 $(PYTHON) -m pytest -x -q -p no:xdist -ra \
 		tests/kernels/test_paged_attention.py tests/kernels/test_flash_attention.py tests/kernels/test_w4a16.py \
-		tests/kernels/test_keyed_race.py -k "not sm90 and not interpret"
+		tests/kernels/test_keyed_race.py tests/kernels/test_lora.py -k "not sm90 and not interpret"
 	HFACCEL_TEST_DEVICE=cuda TORCH_LOGS=recompiles,graph_breaks timeout 180 $(PYTHON) -m pytest -q -p no:xdist -ra \
 		tests/hf/test_decode.py tests/engine/test_async_scheduling.py \
 		"tests/hf/test_exactness.py::test_greedy_generate_matches_transformers"

@@ -54,14 +54,25 @@ PIP_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-bina
 
 
 def project_requirements(pyproject: Path, extras: Iterable[str] = ("dev", "serve")) -> list[Requirement]:
-    """hfaccel's dependencies and the requirements of ``extras`` (not hfaccel itself)."""
+    """hfaccel's dependencies and the requirements of ``extras`` — and of the extras they name in turn
+    (``hfaccel[serve,structured]`` in ``dev``) — not hfaccel itself."""
     import tomllib  # Python >= 3.11, as where the wheels are prepared
 
     project = tomllib.loads(pyproject.read_text())["project"]
-    specs = list(project["dependencies"])
-    for extra in extras:
-        specs += project["optional-dependencies"].get(extra, [])
-    return [req for req in map(Requirement, specs) if canonicalize_name(req.name) != "hfaccel"]
+    own = canonicalize_name(project["name"])
+    optional = project.get("optional-dependencies", {})
+    reqs, pending, seen = [Requirement(spec) for spec in project["dependencies"]], list(extras), set()
+    while pending:
+        extra = pending.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for req in map(Requirement, optional.get(extra, [])):
+            if canonicalize_name(req.name) == own:
+                pending += sorted(req.extras)
+            else:
+                reqs.append(req)
+    return reqs
 
 
 def wheel_requirements(wheel: Path) -> list[Requirement]:

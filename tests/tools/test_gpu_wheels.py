@@ -43,3 +43,4 @@ def test_the_roots_are_the_projects_own_requirements():
     root = Path(gpu_wheels.__file__).resolve().parents[2]
     names = {req.name for req in gpu_wheels.project_requirements(root / "pyproject.toml")}
     assert {"fastapi", "uvicorn", "openai", "pytest", "gguf", "torch"} <= names and "hfaccel" not in names
+    assert {"xgrammar", "peft"} <= names  # dev's hfaccel[serve,structured] followed: structured's xgrammar
