@@ -57,6 +57,9 @@ install:
 assets:
 	$(PYTHON) -m hfaccel.tools.assets
 
+gpu-wheels: install assets
+	$(PYTHON) -m hfaccel.tools.gpu_wheels wheels
+
 # ---- On a lent GPU machine (no network there; see docs/benchmarks.md) -------------------------------------
 # Here: `make gpu-wheels` puts the wheels of what the suite needs and the GPU image lacks into wheels/ (resolved
 # from the wheels' own metadata; carry wheels/ with the tree). There, each command within the 10 minutes a call

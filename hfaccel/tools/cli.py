@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default="int4",
                        help="speculative: int4 | layers:N | self | ngram | a model folder (default: int4)")
     bench.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
+    bench.add_argument("--tokenizer", default=None,
+                       help="structured: the tokenizer folder a named config's model runs over (default: "
+                            "SmolLM2's; on a machine without the SmolLM2 assets, a folder with its tokenizer files)")
     bench.add_argument("--requests", type=int, default=None,
                        help="engine: requests served (256 CUDA, 32 CPU); structured: requests in the throughput "
                             "batch (256 CUDA, 16 CPU)")
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             what.append("serve")
         run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-                  num_requests=args.requests, url=args.url, host=args.host)
+                  num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer)
     return 0
 
 

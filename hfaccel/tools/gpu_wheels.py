@@ -11,6 +11,7 @@ in turn, so nothing a new release starts to need (openai's ``httpx2``, fastapi's
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -124,7 +125,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"left out {name}: {reason}")
     size = sum(w.stat().st_size for w in wheels.values())
     print(f"{len(wheels)} wheels, {size / (1 << 20):.1f} MiB in {dest}: {', '.join(sorted(wheels))}")
+    print(copy_tokenizer(dest / TOKENIZER_DIR))
     return 0
+
+
+TOKENIZER_DIR = "smollm2-tokenizer"  # beside the wheels: `bench structured --tokenizer wheels/smollm2-tokenizer`
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def copy_tokenizer(dest: Path) -> str:
+    """SmolLM2's tokenizer files alone (3.4 MiB; its weights do not fit the carried tree) into ``dest``, from the
+    assets cache; says what it did."""
+    from hfaccel.tools.assets import cached_smollm2
+
+    source = cached_smollm2()
+    if source is None:
+        return "SmolLM2 is not in the assets cache (make assets): no tokenizer copied for bench structured"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, dest / name)
+    return f"SmolLM2's tokenizer in {dest} (bench structured --tokenizer {dest})"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from transformers import AutoTokenizer
+
 from hfaccel.tools import gpu_wheels
+from tests.assets import smollm2_or_skip
 
 METADATA = {
     "openai": ["httpx2>=2", "jiter", "numpy; extra == 'datalib'", "tomli; python_version < '3.11'", "pydantic"],
@@ -44,3 +47,10 @@ def test_the_roots_are_the_projects_own_requirements():
     names = {req.name for req in gpu_wheels.project_requirements(root / "pyproject.toml")}
     assert {"fastapi", "uvicorn", "openai", "pytest", "gguf", "torch"} <= names and "hfaccel" not in names
     assert {"xgrammar", "peft"} <= names  # dev's hfaccel[serve,structured] followed: structured's xgrammar
+
+
+def test_the_tokenizer_for_bench_structured_travels_without_the_weights(tmp_path):
+    smollm2_or_skip()
+    assert "--tokenizer" in gpu_wheels.copy_tokenizer(tmp_path / "tok")
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(gpu_wheels.TOKENIZER_FILES)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "tok")) > 49000

@@ -107,9 +107,9 @@ class ThroughputRow:
     mask_ms_per_step: float  # host time in apply_masks per engine step
 
 
-def load(spec: str | None, device: torch.device, dtype: torch.dtype):
+def load(spec: str | None, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None = None):
     """(model, tokenizer): the real SmolLM2-135M-Instruct (default), a named config's random-weight model over
-    SmolLM2's tokenizer, or a model folder and its tokenizer."""
+    ``tokenizer_path``'s tokenizer (default: SmolLM2's), or a model folder and its tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hfaccel.tools.assets import smollm2_path
@@ -119,7 +119,7 @@ def load(spec: str | None, device: torch.device, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
         return model.eval(), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or smollm2_path())
     fields = dict(NAMED_CONFIGS[spec])
     fields["vocab_size"] = max(fields["vocab_size"], len(tokenizer))
     fields.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
@@ -225,7 +225,7 @@ def _serve(engine: Engine, prompts: list[str], max_tokens: int, pct: int) -> Thr
 def run(options, console) -> dict:
     device, dtype = options.device, options.dtypes[0]
     name = options.model or "SmolLM2-135M-Instruct"
-    model, tokenizer = load(options.model, device, dtype)
+    model, tokenizer = load(options.model, device, dtype, options.tokenizer)
     count = options.num_requests or (256 if options.cuda else 16)
     throughput_tokens = options.new_tokens or (256 if options.cuda else 32)
     mask_tokens = options.new_tokens or (256 if options.cuda else 96)
