@@ -17,9 +17,9 @@ VENV ?= .venv
 VENV_LOWEST ?= .venv-lowest
 LOWEST_PINS ?= transformers==5.17.0
 # What the lowest transformers is tested on: where hfaccel meets transformers' code (accelerate, generate's loop and
-# arguments, the model forwards the runner drives, the engine's exactness against generate); the rest of the
-# engine, speculative decoding and the kernels do not depend on the transformers release.
-MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py
+# arguments, the model forwards the runner, speculative decoding and LoRA layers drive, the engine's exactness
+# against generate); the rest of the engine, the server and the kernels do not depend on the transformers release.
+MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py tests/speculative tests/lora
 MODEL_TESTS_SKIP ?= --deselect tests/hf/test_compile_cache.py
 PYTEST_WORKERS ?= 2
 
