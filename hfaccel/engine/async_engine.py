@@ -46,6 +46,7 @@ class AsyncEngine:
         self._adds: list[_Pending] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]] = []
+        self._calls_closed = False  # the engine thread has stopped taking calls (set under the lock)
         self._streams: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -150,12 +151,12 @@ class AsyncEngine:
 
     async def _in_thread(self, call: Callable[[], object]):
         """``call()`` run by the engine thread between two steps; its result or its exception."""
-        if self._stopping or self._error is not None:
-            raise RuntimeError("the engine is shutting down" if self._stopping else
-                               f"the engine thread failed: {self._error!r}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._lock:
+        with self._lock:  # checked and queued at once: the thread's last drain cannot slip in between
+            if self._stopping or self._error is not None or self._calls_closed:
+                raise RuntimeError("the engine is shutting down" if self._stopping or self._error is None else
+                                   f"the engine thread failed: {self._error!r}")
             self._calls.append((call, future, loop))
         self._wake.set()
         return await future
@@ -190,6 +191,7 @@ class AsyncEngine:
         finally:
             with self._lock:
                 calls, self._calls = self._calls, []
+                self._calls_closed = True
             for _, future, loop in calls:  # queued after the last pass: they never ran
                 _resolve(future, loop, exception=RuntimeError("the engine thread stopped"))
 
@@ -212,6 +214,8 @@ class AsyncEngine:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
+        held = [request_id for request_id in aborts if request_id in self.engine.requests]
+        self._abort(held, trackers)  # first: a call queued after an abort (remove_lora) sees it done
         for call, future, loop in calls:  # before the adds: a request may name an adapter just added
             _settle(call, future, loop)
         for pending in adds:
@@ -222,7 +226,10 @@ class AsyncEngine:
                 continue
             self._streams[pending.request_id] = pending
             trackers[pending.request_id] = DeltaTracker()
-        for request_id in aborts:
+        self._abort([request_id for request_id in aborts if request_id not in held], trackers)
+
+    def _abort(self, request_ids: list[str], trackers: dict[str, DeltaTracker]) -> None:
+        for request_id in request_ids:
             if self.engine.abort(request_id):
                 self._deliver(self.engine.requests[request_id], trackers)
 

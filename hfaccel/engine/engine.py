@@ -122,47 +122,53 @@ class Engine:
             backend=paged_reader_backend(model.config) or "auto")
         if self.loras is not None:
             weakref.finalize(self, self.loras.close)  # the model's own layers back even without close()
-        self.model, self.tokenizer = model, tokenizer
-        text_config = model.config.get_text_config(decoder=True)
-        limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
-        self.max_model_len = min(max_model_len or limit, limit)
-        self.vocab_size = int(text_config.vocab_size)
-        self.kv_budget = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs,
-                                       max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                                       num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                       kv_cache_fraction=kv_cache_fraction)
-        self._channel = None  # the TP step broadcast (None: one process)
-        if self.tp is None:
-            pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                                    enable_prefix_caching=enable_prefix_caching)
-            self.runner = ModelRunner(model, pool)
-            self.runner.lora = None if self.loras is None else self.loras.context
-        else:
-            self.kv_budget = _agreed_budget(self.tp, self.kv_budget)
-            self.runner, self._channel = tp_runner(
-                model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching)
-            pool = self.runner.pool
-        _log.info("hfaccel Engine: %s", self.kv_budget)
-        self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, loras=self.loras)
-        self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
-        on_cuda = self.runner.device.type == "cuda"
-        if self.tp is None and (cuda_graphs if cuda_graphs is not None else on_cuda):
-            graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
-                                                      compile=compiles(compile, self.runner.device))
-            if graphs.compiled or graphs.capture:
-                _warm_up(graphs)
-        self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
-        self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
-        self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self._seq_ids = itertools.count()
-        self.host_times = HostTimes(self.runner)
-        self._grammar_cache: Grammars | None = None  # structured outputs' compiled grammars (on first use)
-        self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
-        self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
+        try:
+            self.model, self.tokenizer = model, tokenizer
+            text_config = model.config.get_text_config(decoder=True)
+            limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
+            self.max_model_len = min(max_model_len or limit, limit)
+            self.vocab_size = int(text_config.vocab_size)
+            self.kv_budget = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                                           max_model_len=self.max_model_len,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                                           kv_cache_fraction=kv_cache_fraction)
+            self._channel = None  # the TP step broadcast (None: one process)
+            if self.tp is None:
+                pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
+                                        enable_prefix_caching=enable_prefix_caching)
+                self.runner = ModelRunner(model, pool)
+                self.runner.lora = None if self.loras is None else self.loras.context
+            else:
+                self.kv_budget = _agreed_budget(self.tp, self.kv_budget)
+                self.runner, self._channel = tp_runner(
+                    model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                    max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
+                    enable_prefix_caching=enable_prefix_caching)
+                pool = self.runner.pool
+            _log.info("hfaccel Engine: %s", self.kv_budget)
+            self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens, loras=self.loras)
+            self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
+            on_cuda = self.runner.device.type == "cuda"
+            if self.tp is None and (cuda_graphs if cuda_graphs is not None else on_cuda):
+                graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
+                                                          compile=compiles(compile, self.runner.device))
+                if graphs.compiled or graphs.capture:
+                    _warm_up(graphs)
+            self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
+            self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
+            self.requests: dict[str, Request] = {}
+            self._ids = itertools.count()
+            self._seq_ids = itertools.count()
+            self.host_times = HostTimes(self.runner)
+            self._grammar_cache: Grammars | None = None  # structured outputs' compiled grammars (on first use)
+            self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
+            self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
+        except BaseException:  # a start that fails leaves the model's layers as they were
+            if self.loras is not None:
+                self.loras.undo()
+            raise
 
     # ------------------------------------------------------------------------------- tensor parallelism
     @property

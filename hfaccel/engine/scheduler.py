@@ -10,8 +10,9 @@ Every step packs, within ``max_num_batched_tokens``:
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall.
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
-(``max_loras`` distinct adapters already run) is passed over for this step — the others behind it may still be
-admitted — and waits at its place in the queue; a sequence holds a reference on its adapter's slot while it runs.
+(``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
+base-model sequences behind it may still be admitted, adapter ones wait too (else the adapters running could keep
+their slots forever); a sequence holds a reference on its adapter's slot while it runs.
 Its blocks are shared through the prefix cache only with sequences of the same adapter (``salt``).
 
 Plain Python over the engine's :class:`~hfaccel.kv.BlockManager`; nothing here touches tensors.
@@ -188,7 +189,9 @@ class Scheduler:
             joining = seq.request.params.n if not seq.request.forked else 1  # its siblings fork in later
             if self._num_sequences() + joining > self.max_num_seqs:
                 break
-            if not self._lora_slot_ready(seq):
+            # no slot for its adapter: it waits, and so do the adapter requests behind it (base-model ones go on), so
+            # the adapters running drain and free a slot rather than keep it forever
+            if seq.request.lora is not None and (passed or not self._lora_slot_ready(seq)):
                 passed.append(self.waiting.popleft())
                 continue
             if not self._admit(seq):

@@ -62,12 +62,18 @@ class LoRAManager:
         if not wrap:
             raise ValueError(f"no Linear layer of {type(model).__name__} ends in any of lora_target_modules="
                              f"{sorted(targets)}, and no adapter was given: nothing could take a LoRA adapter")
-        _take_over(model)  # layers another engine wrapped and did not give back (only now: nothing failed)
+        # layers another engine wrapped and did not give back (only now: nothing failed); back if this start fails
+        self._taken = _take_over(model)
         self.context = LoRAContext(backend)
         self.layers: dict[str, LoRALinear] = {}
-        for name in wrap:
-            self.layers[name] = LoRALinear(candidates[name], self.context, max_loras=max_loras, max_rank=max_rank)
-            replace_module(model, name, self.layers[name])
+        try:
+            for name in wrap:
+                self.layers[name] = LoRALinear(candidates[name], self.context, max_loras=max_loras,
+                                               max_rank=max_rank)
+                replace_module(model, name, self.layers[name])
+        except BaseException:  # out of memory for a pool, say: the model as it was
+            self.undo()
+            raise
         self.adapters: dict[str, LoRAAdapter] = {}
         for adapter in loaded:
             self.register(adapter)
@@ -187,6 +193,15 @@ class LoRAManager:
                 replace_module(self.model, name, layer.base_layer)
         self.layers = {}
 
+    def undo(self) -> None:
+        """Take back what making this manager did, for an engine that failed to start: the model's layers back, and
+        the layers it took over from another engine back in place (that engine serves its adapters again)."""
+        self.close()
+        for name, layer in self._taken:
+            replace_module(self.model, name, layer)
+            layer.context.detached = False
+        self._taken = []
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this engine's LoRA adapters were closed (Engine.close())")
@@ -233,17 +248,19 @@ def _output_layers(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if output is not None and m is output}
 
 
-def _take_over(model: nn.Module) -> None:
-    """Unwrap layers another manager left wrapped (an engine not closed yet): its engine then serves the base only."""
+def _take_over(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """Unwrap layers another manager left wrapped (an engine not closed yet): its engine then serves the base only.
+    Returns the layers taken out, by name."""
     left = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not left:
-        return
+        return left
     _log.warning("hfaccel: %d LoRA layers of another Engine on this model are given back to the model first (call "
                  "engine.close() on an engine you are done with)", len(left))
     for name, layer in left:
         layer.context.detached = True
         layer.context.index = None
         replace_module(model, name, layer.base_layer)
+    return left
 
 
 def _get(model: nn.Module, name: str) -> nn.Module:

@@ -185,7 +185,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def models():
         base = {"id": config.model_name, "object": "model", "created": state.created, "owned_by": "hfaccel"}
         loras = engine.engine.loras
-        adapters = [] if loras is None else [loras.adapters[name] for name in loras.names() if name in loras.adapters]
+        # one snapshot: the engine thread may remove an adapter meanwhile
+        adapters = [] if loras is None else sorted(list(loras.adapters.values()), key=lambda adapter: adapter.name)
         return {"object": "list", "data": [base] + [
             {**base, "id": adapter.name, "root": adapter.path, "parent": config.model_name} for adapter in adapters]}
 

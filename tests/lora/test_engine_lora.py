@@ -294,6 +294,31 @@ def test_a_second_engine_on_the_model_takes_its_layers_over(engines):
     assert tokens(first.generate(PROMPTS, GREEDY)) == engines.expected[None]
 
 
+def test_an_engine_that_fails_to_start_gives_the_layers_back(engines):
+    first = engines.engine(cuda_graphs=False)
+    with pytest.raises(ValueError):
+        Engine(engines.model, lora_adapters=engines.paths, max_lora_rank=16, num_blocks=0)  # no KV blocks
+    assert tokens(first.generate(PROMPTS, GREEDY, lora="r8")) == engines.expected["r8"]  # still its layers
+
+
+def test_an_adapter_without_a_slot_is_not_starved_by_later_ones(engines):
+    """One slot; r8 holds it while r16 waits: r8 requests arriving after r16 wait behind it, base ones go on."""
+    engine = engines.engine(max_loras=1, cuda_graphs=False)
+    long = SamplingParams(max_tokens=NEW_TOKENS * 2, temperature=0, ignore_eos=True)
+    engine.add_request(PROMPTS[0], long, lora="r8", request_id="r8-first")
+    engine.step()  # r8 takes the slot
+    engine.add_request(PROMPTS[0], GREEDY, lora="r16", request_id="r16")
+    engine.add_request(PROMPTS[1], GREEDY, lora="r8", request_id="r8-later")
+    engine.add_request(PROMPTS[1], GREEDY, request_id="base")
+    engine.step()
+    running = {seq.request.request_id for seq in engine.scheduler.running}
+    assert running == {"r8-first", "base"}  # r8-later waits behind r16
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.requests["r16"].seqs[0].output.token_ids == engines.expected["r16"][0]
+    assert engine.requests["r8-later"].seqs[0].output.token_ids == engines.expected["r8"][1]
+
+
 def test_lora_under_tensor_parallelism_is_refused(llama, monkeypatch):
     import hfaccel.engine.engine as engine_module
 
@@ -314,6 +339,10 @@ def test_async_engine_serves_adds_and_removes_adapters(engines):
         await engine.remove_lora("r16")
         with pytest.raises(ValueError, match="no LoRA adapter named 'r16'"):
             await engine.generate(PROMPTS[0], GREEDY, lora="r16")
+        stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=64, ignore_eos=True), "busy", lora="r8")
+        await anext(stream)
+        engine.abort("busy")
+        await engine.remove_lora("r8")  # the abort queued before it is applied first
         return outs
 
     try:
