@@ -302,13 +302,17 @@ def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     return generation_config._pad_token_tensor
 
 
-def no_duck_sizing():
-    """A context in which torch.compile gives every dynamic dimension a symbol of its own (no "duck sizing": two
-    dimensions that happen to be equal when traced are not assumed equal forever). Scoped to the call; torch's
-    setting is unchanged outside it."""
+def marked_sizes_only():
+    """A context in which torch.compile gives every dimension marked dynamic a symbol of its own, whatever its size
+    when traced: no "duck sizing" (two dimensions that happen to be equal are not assumed equal forever) and, where
+    torch has the setting (``backed_size_oblivious``, torch >= 2.7), no specialising of sizes 0 and 1 (a graph
+    traced at batch 1 serves every batch). Scoped to the call; torch's settings are unchanged outside it."""
     from torch.fx.experimental import _config
 
-    return _config.patch(use_duck_shape=False)
+    settings = {"use_duck_shape": False}
+    if hasattr(_config, "backed_size_oblivious"):  # torch < 2.7: batch 1 gets a graph of its own
+        settings["backed_size_oblivious"] = True
+    return _config.patch(**settings)
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:

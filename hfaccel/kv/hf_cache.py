@@ -423,8 +423,9 @@ class SequenceKVCache(PoolCache):
         step = self.step
         if step is None:
             raise RuntimeError("SequenceKVCache.step must be set (by the runner) before the model's forward")
-        # one sequence computing its whole prompt: its new K/V are all its keys (attention may read them densely)
-        fresh = step.cu_seqlens_q.shape[0] == 2 and step.max_seq_len == step.max_q_len
+        # one sequence computing its whole prompt: its new K/V are all its keys (attention may read them densely);
+        # the static lengths are compared first, so a compiled decode step never branches on its batch size
+        fresh = step.max_seq_len == step.max_q_len and step.cu_seqlens_q.shape[0] == 2
         paged = PagedKV(self.pool.kv, layer_idx, step.block_tables, step.seq_lens, step.max_seq_len,
                         (key_states, value_states) if fresh else None, cu_seqlens_q=step.cu_seqlens_q,
                         max_seqlen_q=step.max_q_len)

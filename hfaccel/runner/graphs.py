@@ -23,10 +23,10 @@ With ``compile=True`` the step (slot arithmetic, the model's forward, the increm
 ``torch.compile(fullgraph=True)`` function: inductor fuses the glue between hfaccel's kernels (custom ops). Only
 the dimensions that vary are symbolic, on purpose (:func:`mark_step_dynamic`): the batch (rows, tokens) and the
 pool's block count — the weights, the block tables' width (``max_model_len``) and every other dimension stay
-static, and duck sizing is off while the step traces, so a batch size equal to another dimension never ties the
-two. One compiled graph then serves every batch size of a mode (size 1 is the one dynamo specialises on its own:
-a second graph at most) and a pool that grows. With ``capture`` (CUDA) each (size, mode) is captured as a CUDA
-graph from that compiled step after one warm-up run (Triton and inductor compile there), so a step costs one
+static, and while the step traces duck sizing is off (a batch size equal to another dimension never ties the two)
+and sizes 1 are not specialised (:func:`hfaccel.compat.marked_sizes_only`). One compiled graph then serves every
+batch size of a mode, batch 1 included, and a pool that grows. With ``capture`` (CUDA) each (size, mode) is
+captured as a CUDA graph from that compiled step after one warm-up run (Triton and inductor compile there), so a step costs one
 graph launch; a size whose capture fails runs eagerly with its reason in :attr:`DecodeGraphs.capture_failures`,
 the other sizes stay captured. The paged kernel's launch is fixed at capture from ``max_model_len``;
 per-sequence work follows the device-side lengths. Without CUDA the same static step runs uncaptured, which is
@@ -265,7 +265,7 @@ class DecodeGraphs:
             return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
         mark_step_dynamic(rows, self.runner.pool.kv)
         try:
-            with compat.no_duck_sizing():
+            with compat.marked_sizes_only():
                 return self._step_fn(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
         except compat.compile_errors() as error:
             self.compile_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
