@@ -76,6 +76,7 @@ gpu-smoke: gpu-install
 		tests/kernels/test_keyed_race.py tests/kernels/test_lora.py -k "not sm90 and not interpret"
 	HFACCEL_TEST_DEVICE=cuda TORCH_LOGS=recompiles,graph_breaks timeout 180 $(PYTHON) -m pytest -q -p no:xdist -ra \
 		tests/hf/test_decode.py tests/engine/test_async_scheduling.py \
+		"tests/engine/test_engine.py::test_seeded_requests_keep_the_decode_graphs_and_draw_inside_them" \
 		"tests/hf/test_exactness.py::test_greedy_generate_matches_transformers"
 	timeout 120 $(PYTHON) -m hfaccel.tools.smoke --model llama-3.2-1b
 	timeout 120 $(PYTHON) -m hfaccel.tools.cli bench decode --model llama-3.2-1b --batch 1

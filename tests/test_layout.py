@@ -2,7 +2,7 @@
 
 Layers, lowest first — a package may import only from layers below its own (and within itself):
 
-    kernels < compat, device < kv, quant < attention, lora < runner < distributed < sampling < engine, speculative <
+    kernels < compat, device < kv, quant < attention, lora < sampling < runner < distributed < engine, speculative <
     serve, hf < tools
 
 Packages in one layer do not import each other. Only ``tools`` reads the ``hfaccel`` package root (the public
@@ -18,8 +18,8 @@ from pathlib import Path
 import hfaccel
 
 PACKAGE = Path(hfaccel.__file__).parent
-LAYERS = [{"kernels"}, {"compat", "device"}, {"kv", "quant"}, {"attention", "lora"}, {"runner"}, {"distributed"},
-          {"sampling"}, {"engine", "speculative"}, {"serve", "hf"}, {"tools"}]
+LAYERS = [{"kernels"}, {"compat", "device"}, {"kv", "quant"}, {"attention", "lora"}, {"sampling"}, {"runner"},
+          {"distributed"}, {"engine", "speculative"}, {"serve", "hf"}, {"tools"}]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 

@@ -49,7 +49,7 @@ from hfaccel.sampling.structured import Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.sampling import (
     IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
-    TokenLogprob, eos_token_ids, sample,
+    TokenLogprob, draws_in_step, eos_token_ids, sample,
 )
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -152,7 +152,7 @@ class Engine:
             self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
             on_cuda = self.runner.device.type == "cuda"
             if self.tp is None and (cuda_graphs if cuda_graphs is not None else on_cuda):
-                graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len,
+                graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=True,
                                                           compile=compiles(compile, self.runner.device))
                 if graphs.compiled or graphs.capture:
                     _warm_up(graphs)
@@ -522,9 +522,14 @@ class Engine:
         """Queue one packed forward of the chunks and the sampling of every sequence whose last token it
         computes; the step counts (computed tokens, forks, pending tokens) only once nothing can fail."""
         now = time.perf_counter()
-        logits = self._forward(chunks)  # [C, V]: one row per completing chunk
-        targets, rows, children = self._targets([c for c in chunks if c.completes])
-        sampled = self._sample(logits, rows, targets) if targets else None
+        draw = self._draw_in_step(chunks)
+        if draw is not None:  # the decode step draws the tokens itself: [C]
+            targets, children = [chunk.seq for chunk in chunks], []
+            sampled = SampledTokens(self._forward(chunks, draw=draw))
+        else:
+            logits = self._forward(chunks)  # [C, V]: one row per completing chunk
+            targets, rows, children = self._targets([c for c in chunks if c.completes])
+            sampled = self._sample(logits, rows, targets) if targets else None
         if sampled is not None and self.async_scheduling:
             sampled.start_copy()
         for chunk in chunks:
@@ -537,8 +542,9 @@ class Engine:
             self._add_pending(seq)
         return _Launched(chunks, targets, sampled)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks."""
+    def _forward(self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None) -> torch.Tensor:
+        """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks (with
+        ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``)."""
         start = time.perf_counter()
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         completing = [i for i, c in enumerate(chunks) if c.completes]
@@ -549,7 +555,20 @@ class Engine:
         self.host_times.inputs += time.perf_counter() - start
         lora_slots = None if self.loras is None else [self.loras.slot_of(c.seq.request.lora) for c in chunks]
         return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
-                                   starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots)
+                                   starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots,
+                                   draw=draw)
+
+    def _draw_in_step(self, chunks: list[ScheduledChunk]) -> list[SampleRow] | None:
+        """The sampling rows of a decode step whose tokens the step can draw itself, or None: every chunk one
+        token of a sequence already forked, no row needing more than its token (``draws_in_step``), some row
+        sampling (an all-greedy step takes the argmax of the logits, cheaper than the draw's sort)."""
+        seqs = [chunk.seq for chunk in chunks]
+        params = [seq.request.params for seq in seqs]
+        if not (all(draws_in_step(p) for p in params) and not all(p.greedy for p in params)
+                and all(seq.request.forked for seq in seqs)
+                and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))))):
+            return None
+        return self._sample_rows(seqs)
 
     def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(positions [F], tokens [F])`` in the packed input of the tokens still in flight (sampled by the
@@ -587,9 +606,7 @@ class Engine:
         """Next tokens of ``seqs`` (``seqs[i]`` samples from ``logits[rows[i]]``), queued on the device."""
         if rows != list(range(logits.shape[0])):
             logits = logits[to_device(rows, torch.long, logits.device)]
-        sample_rows = [SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
-                                 counter=len(seq.output.token_ids) + seq.num_pending, stream=seq.index,
-                                 key=seq.seq_id) for seq in seqs]
+        sample_rows = self._sample_rows(seqs)
         pending = None  # the penalties count a token still in flight
         if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
             previous = self._in_flight[-1]
@@ -599,6 +616,14 @@ class Engine:
             logits = apply_masks(logits, [self._constraint(seq) for seq in seqs])
             self.host_times.masks += time.perf_counter() - start
         return sample(logits, sample_rows, pending, self._token_counts)
+
+    @staticmethod
+    def _sample_rows(seqs: list[Seq]) -> list[SampleRow]:
+        """What the sampler needs of each sequence: its params, seed and stream, and the index of the token it
+        draws now (tokens in flight counted)."""
+        return [SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
+                          counter=len(seq.output.token_ids) + seq.num_pending, stream=seq.index, key=seq.seq_id)
+                for seq in seqs]
 
     def _grammars(self) -> Grammars:
         """The compiled grammars of this engine's tokenizer (made on the first structured request)."""

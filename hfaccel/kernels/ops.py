@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from hfaccel.kernels.flash_attention import flash_attention
+from hfaccel.kernels.keyed_race import keyed_race
 from hfaccel.kernels.lora import lora_expand, lora_shrink
 from hfaccel.kernels.paged_attention import paged_attention
 from hfaccel.kernels.w4a16 import w4a16_matmul
@@ -112,3 +113,16 @@ def lora_expand_op(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: tor
 @lora_expand_op.register_fake
 def _(y, v, b, index, slots, backend):
     return y.new_empty(y.shape)
+
+
+@torch.library.custom_op("hfaccel::keyed_race", mutates_args=())
+def keyed_race_op(weights: torch.Tensor, seeds: torch.Tensor, streams: torch.Tensor, counters: torch.Tensor,
+                  purpose: int, backend: str) -> torch.Tensor:
+    """Per row of ``weights [S, V]``, the token winning the race against Exp(1) noise keyed by (``seeds``,
+    ``streams``, ``purpose``, ``counters``: ``[S]`` int64) -> ``[S]`` int64 (``hfaccel.kernels.keyed_race``)."""
+    return keyed_race(weights, seeds, streams, counters, purpose, backend=backend)
+
+
+@keyed_race_op.register_fake
+def _(weights, seeds, streams, counters, purpose, backend):
+    return weights.new_empty(weights.shape[0], dtype=torch.int64)

@@ -13,6 +13,9 @@ Two ways to feed a step:
 - :meth:`DecodeGraphs.run` (the engine): the host says which sequences decode at which positions each step; one
   non-blocking copy brings those and whatever changed in the sequences' block tables (the pool's tables live on
   the device, :class:`~hfaccel.kv.DeviceBlockTables`), the buffers are filled on the device, then the step runs.
+  With ``draws`` a step can also draw each sequence's next token inside itself (``run(draw=rows)``: the rows'
+  sampling parameters and keys come up in the same copy, and :func:`hfaccel.sampling.sampler.draw_step` ends the
+  step — one more variant per size, captured with it, compiled on its own so the model is not compiled twice).
 - :meth:`DecodeGraphs.begin` then :meth:`DecodeGraphs.advance` (``generate``, where every row advances by one
   token per step): the buffers are filled once; each step then computes its slots on the device from the
   positions and block tables, runs the model, and moves positions and lengths on by one for the next step — the
@@ -46,6 +49,7 @@ import torch
 from hfaccel import compat
 from hfaccel.device import to_device
 from hfaccel.kv import DeviceBlockTables, PackedStep, slot_mapping, token_metadata
+from hfaccel.sampling.sampler import DRAW_COLUMNS, SampleRow, draw_columns, draw_step
 
 if TYPE_CHECKING:
     from hfaccel.runner.runner import ModelRunner
@@ -83,12 +87,14 @@ class DecodeGraphs:
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
                  logits_for: str = "all", capture: bool | None = None, compile: bool = False,
-                 ladder: Sequence[int] = DEFAULT_LADDER):
+                 ladder: Sequence[int] = DEFAULT_LADDER, draws: bool = False):
         if max_batch < 1 or max_model_len < 1 or tokens_per_seq < 1:
             raise ValueError(f"max_batch, max_model_len and tokens_per_seq must be >= 1; got {max_batch}, "
                              f"{max_model_len}, {tokens_per_seq}")
         if logits_for not in ("all", "last"):
             raise ValueError(f"logits_for must be 'all' or 'last'; got {logits_for!r}")
+        if draws and tokens_per_seq != 1:
+            raise ValueError(f"steps that draw their tokens take one token per sequence; got {tokens_per_seq}")
         self.runner = runner
         self.device = runner.device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -105,6 +111,8 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
         self.lora_index = torch.full((tokens,), -1, dtype=torch.long, **on)  # each token's LoRA slot (-1: none)
+        self.draws = draws  # whether run(draw=...) can draw the tokens inside the step
+        self.draw_columns = torch.zeros(len(DRAW_COLUMNS), max_batch, dtype=torch.long, **on)  # [8, B]: draw_step's
         # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
         self.keep = torch.arange(max_batch, dtype=torch.long, **on) * tokens_per_seq if self.last_only \
             else torch.arange(tokens, dtype=torch.long, **on)
@@ -114,10 +122,12 @@ class DecodeGraphs:
         # serves every batch size and pool size; each size is then captured as its own CUDA graph
         self._step_fn = torch.compile(_own_code(static_step), fullgraph=True, dynamic=None) if compile \
             else static_step
+        self._draw_fn = torch.compile(_own_code(draw_step), fullgraph=True, dynamic=None) if compile and draws \
+            else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
-        # (size, advance, lora) -> why it runs uncaptured
-        self.capture_failures: dict[tuple[int, bool, bool], str] = {}
-        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, advance, lora, draw) -> why it runs uncaptured
+        self.capture_failures: dict[tuple[int, bool, bool, bool], str] = {}
+        self._graphs: dict[tuple[int, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
 
@@ -127,8 +137,8 @@ class DecodeGraphs:
                                                      else f"uncompiled ({self.compile_failure})")]
         if self.capture:
             parts.append(f"CUDA graphs for sizes {sorted({size for size, *_ in self._graphs})}")
-        parts += [f"size {size}{' (LoRA)' if lora else ''} uncaptured ({reason})"
-                  for (size, _, lora), reason in sorted(self.capture_failures.items())]
+        parts += [f"size {size}{' (LoRA)' if lora else ''}{' (drawing)' if draw else ''} uncaptured ({reason})"
+                  for (size, _, lora, draw), reason in sorted(self.capture_failures.items())]
         return ", ".join(parts)
 
     def pool_changed(self) -> None:
@@ -141,18 +151,20 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # as the runner's forwards run
     def warm_up(self, sizes: Sequence[int] | None = None, progress=None) -> None:
-        """Compile and capture the steps of ``sizes`` (default: every size; with LoRA layers, both variants) now, on
-        padding rows that read and write nothing, so that no request waits for them. ``progress(done, total)`` is
-        called after each."""
+        """Compile and capture the steps of ``sizes`` (default: every size; with LoRA layers and with ``draws``, each
+        variant) now, on padding rows that read and write nothing, so that no request waits for them.
+        ``progress(done, total)`` is called after each size."""
         sizes = list(self.sizes if sizes is None else sizes)
         for done, size in enumerate(sizes, 1):
             self.positions.zero_()
             self.seq_lens.zero_()
             self.slot_mapping.fill_(-1)
             self.lora_index.fill_(-1)
+            self.draw_columns.zero_()
             self._size = None
             for lora in (False, True) if self.runner.lora is not None else (False,):
-                self._replay(self.size_for(size), advance=False, lora=lora)
+                for draw in (False, True) if self.draws else (False,):
+                    self._replay(self.size_for(size), advance=False, lora=lora, draw=draw)
             if progress is not None:
                 progress(done, len(sizes))
 
@@ -176,21 +188,28 @@ class DecodeGraphs:
 
     # ---------------------------------------------------------------------------------- host-fed steps
     def run(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, starts: Sequence[int],
-            num_new: Sequence[int] | None = None, *, lora_slots: Sequence[int] | None = None) -> torch.Tensor:
+            num_new: Sequence[int] | None = None, *, lora_slots: Sequence[int] | None = None,
+            draw: Sequence[SampleRow] | None = None) -> torch.Tensor:
         """Logits of the new tokens, packed as ``input_ids [T]`` is: ``num_new[i]`` tokens of sequence
         ``seq_ids[i]`` from position ``starts[i]`` (default one each: ``[B, V]``); ``lora_slots[i]``: the LoRA slot
-        of sequence ``i`` (-1: none)."""
+        of sequence ``i`` (-1: none). With ``draw`` (``draws`` steps; one row per sequence, each of
+        :func:`~hfaccel.sampling.sampler.draws_in_step`), each sequence's next token drawn inside the step instead:
+        ``[B]`` int64, what ``sample`` gives for those rows."""
         batch = len(seq_ids)
         size = self.size_for(batch)
         num_new = [1] * batch if num_new is None else list(num_new)
+        if draw is not None and (not self.draws or len(draw) != batch):
+            raise ValueError(f"draw needs steps made with draws=True and one row per sequence; got {len(draw)} rows "
+                             f"for {batch} sequences" + ("" if self.draws else " and steps without draws"))
         start = time.perf_counter()
-        self._fill(seq_ids, starts, size, num_new)
+        self._fill(seq_ids, starts, size, num_new, draw_columns(draw) if draw is not None else [])
         lora = self._fill_lora(lora_slots, size)
         self.runner.metadata_seconds += time.perf_counter() - start
         self._size = None
         if self.tokens_per_seq == 1:
             self.input_ids[:batch].copy_(input_ids)
-            return self._replay(size, advance=False, lora=lora)[:batch]
+            out = self._replay(size, advance=False, lora=lora, draw=draw is not None)[:batch]
+            return out.clone() if draw is not None else out  # tokens outlive the next replay (async scheduling)
         q = self.tokens_per_seq
         where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
         self.input_ids[:size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
@@ -216,13 +235,17 @@ class DecodeGraphs:
         return self._replay(self._size, advance=True)[:batch]
 
     # --------------------------------------------------------------------------------------- internals
-    def _fill(self, seq_ids, starts, size: int, num_new: list[int]) -> None:
+    def _fill(self, seq_ids, starts, size: int, num_new: list[int], draw: list[list[int]] = ()) -> None:
         """Bring a step's metadata into the static buffers: the rows' block tables from the pool's device tables
-        (only what changed goes up, with the starts and token counts, in one non-blocking copy), then positions,
-        slots and lengths computed on the device (:func:`hfaccel.kv.pool.token_metadata`, the rule the eager
-        forwards follow). The tables hold every block of each sequence, so device-fed steps can read ahead."""
+        (only what changed goes up, with the starts, token counts and ``draw`` columns, in one non-blocking copy),
+        then positions, slots and lengths computed on the device (:func:`hfaccel.kv.pool.token_metadata`, the rule
+        the eager forwards follow). The tables hold every block of each sequence, so device-fed steps can read
+        ahead."""
         ends = [start + n for start, n in zip(starts, num_new)]
-        rows, start, real = self._tables.upload(seq_ids, ends, [starts, num_new], size)  # [size] each
+        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw], size)  # [3 + len(draw), size]
+        rows, start, real = moved[:3]
+        if draw:
+            self.draw_columns[:, :size].copy_(moved[3:])
         torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
         tokens = size * self.tokens_per_seq
         positions, slots, lens, cu = token_metadata(self._tables.table, rows, start, real,
@@ -256,37 +279,48 @@ class DecodeGraphs:
                                  self.lora_index[:tokens])
         return self._views[size]
 
-    def _step(self, size: int, advance: bool, lora: bool = False) -> torch.Tensor:
+    def _step(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
         """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows; ``lora``: with
-        the LoRA index buffer). If torch.compile cannot compile it (the recompile limit included), the step says why
-        once and runs uncompiled from then on."""
+        the LoRA index buffer), then with ``draw`` the rows' tokens (:func:`draw_step` on the draw columns)."""
         rows = self._rows(size)
-        if self._step_fn is static_step:
-            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
-        mark_step_dynamic(rows, self.runner.pool.kv)
+        logits = self._compiled(self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq,
+                                lora)
+        return self._compiled(self._draw_fn, logits, self.draw_columns[:, :size]) if draw else logits
+
+    def _compiled(self, function, *args) -> torch.Tensor:
+        """``function`` (the step or the draw, compiled or not) on ``args``, the dimensions that vary marked
+        dynamic. If torch.compile cannot compile it (the recompile limit included), the steps say why once and run
+        uncompiled from then on."""
+        if function is static_step or function is draw_step:
+            return function(*args)
+        if function is self._step_fn:
+            mark_step_dynamic(args[1], self.runner.pool.kv)
+        else:
+            mark_draw_dynamic(*args)
         try:
             with compat.marked_sizes_only():
-                return self._step_fn(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
+                return function(*args)
         except compat.compile_errors() as error:
             self.compile_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
             _log.warning("hfaccel: torch.compile could not compile the decode step (%s); decode steps run "
                          "uncompiled", self.compile_failure)
-            self._step_fn, self.compiled = static_step, False
-            return static_step(self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora)
+            eager = static_step if function is self._step_fn else draw_step
+            self._step_fn, self._draw_fn, self.compiled = static_step, draw_step, False
+            return eager(*args)
 
-    def _replay(self, size: int, advance: bool, lora: bool = False) -> torch.Tensor:
-        key = (size, advance, lora)
+    def _replay(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
+        key = (size, advance, lora, draw)
         if not self.capture or key in self.capture_failures:
-            return self._step(size, advance, lora)
+            return self._step(size, advance, lora, draw)
         if key not in self._graphs:
-            logits = self._capture(size, advance, lora)
+            logits = self._capture(size, advance, lora, draw)
             if key not in self._graphs:  # capture failed: eager from now on (this step already ran)
                 return logits
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
 
-    def _capture(self, size: int, advance: bool, lora: bool = False) -> torch.Tensor:
+    def _capture(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
         """Run the step once (Triton and inductor compile there), then capture it; returns this step's logits.
         The capture records the step without running it; the replay after it runs it again — the same slots, the
         same values — so a device-fed step's counters are put back to where the first run found them. A failed
@@ -297,7 +331,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            logits = self._step(size, advance, lora)
+            logits = self._step(size, advance, lora, draw)
         current.wait_stream(stream)
         logits.record_stream(current)  # allocated on the side stream, used on this one
         after = self._counters() if advance else None
@@ -306,10 +340,10 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
-                captured = self._step(size, advance, lora)
+                captured = self._step(size, advance, lora, draw)
         except Exception as error:  # a forward that cannot be captured at this size: eager here, say why
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
-            self.capture_failures[(size, advance, lora)] = reason
+            self.capture_failures[(size, advance, lora, draw)] = reason
             _log.warning("hfaccel: CUDA graph capture of the decode step at batch %d failed (%s); that size runs "
                          "uncaptured", size, reason)
             torch.cuda.synchronize(self.device)
@@ -317,7 +351,7 @@ class DecodeGraphs:
                 self._restore(after)
             return logits
         self._memory_pool = graph.pool()
-        self._graphs[(size, advance, lora)] = (graph, captured)
+        self._graphs[(size, advance, lora, draw)] = (graph, captured)
         graph.replay()
         return captured
 
@@ -356,6 +390,12 @@ def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool_kv: torch.Tensor) -> 
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     torch._dynamo.maybe_mark_dynamic(slots, 1)
     torch._dynamo.maybe_mark_dynamic(pool_kv, POOL_BLOCKS_DIM)
+
+
+def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
+    """Mark a draw's rows (``logits [R, V]``, ``columns [C, R]``) dynamic for torch.compile, the rest static."""
+    torch._dynamo.maybe_mark_dynamic(logits, 0)
+    torch._dynamo.maybe_mark_dynamic(columns, 1)
 
 
 def _own_code(function):

@@ -35,6 +35,7 @@ from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
 from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
+from hfaccel.sampling.sampler import SampleRow
 
 
 class ModelRunner:
@@ -57,14 +58,14 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
                              capture: bool | None = None, compile: bool = False,
-                             ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
+                             ladder: Sequence[int] = DEFAULT_LADDER, draws: bool = False) -> DecodeGraphs:
         """Run forwards of one token per sequence — or, with ``tokens_per_seq > 1``, of up to that many per
         sequence with logits for all of them (speculative verification) — for up to ``max_batch`` sequences of
         up to ``max_model_len`` tokens as static-shape steps: compiled with ``torch.compile`` when ``compile``,
         captured as CUDA graphs per padded batch size when ``capture`` (default: on CUDA); otherwise the same
-        static step runs eagerly."""
+        static step runs eagerly. ``draws``: the steps can also draw the tokens (``forward(draw=...)``)."""
         self.graphs = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq, capture=capture,
-                                   compile=compile, ladder=ladder)
+                                   compile=compile, ladder=ladder, draws=draws)
         return self.graphs
 
     def enable_catch_up_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 2,
@@ -85,7 +86,7 @@ class ModelRunner:
     def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
                 logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None,
                 token_ids: Sequence[Sequence[int]] | None = None,
-                lora_slots: Sequence[int] | None = None) -> torch.Tensor:
+                lora_slots: Sequence[int] | None = None, draw: Sequence[SampleRow] | None = None) -> torch.Tensor:
         """One packed forward; returns logits ``[S, V]`` (``logits_for="last"``: each sequence's last new
         token), ``[T, V]`` (``"all"``: every new token, in packed order) or ``[len(logits_for), V]`` (the last
         new token of the sequences at those indices of ``seq_ids``).
@@ -94,6 +95,8 @@ class ModelRunner:
         ``starts`` the runner grows each sequence by its new tokens in the pool (starting new ones; ``token_ids``
         lets prompts share prefix blocks); with ``starts`` the caller has allocated the slots and says where each
         sequence's new tokens begin. ``lora_slots``: the LoRA slot of each sequence (-1: none; needs ``self.lora``).
+        ``draw``: one sampling row per sequence, for a forward the decode steps serve (:meth:`draws`): each
+        sequence's next token drawn inside the step is returned instead of the logits, ``[S]`` int64.
         """
         if input_ids.dim() != 1 or input_ids.shape[0] != sum(num_new):
             raise ValueError(f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got "
@@ -109,17 +112,24 @@ class ModelRunner:
         if starts is None:
             self.pool.reserve(seq_ids, num_new, token_ids)
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
+        if draw is not None and not self.draws(num_new, logits_for):
+            raise ValueError("draw needs a forward of one token per sequence, logits for each, served by decode steps "
+                             f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}")
         input_ids = input_ids.to(self.device)
         for graphs in self.static_steps():
             if graphs.serves(num_new, logits_for):
-                lora = {} if lora_slots is None else {"lora_slots": lora_slots}
-                return graphs.run(seq_ids, input_ids, starts, num_new, **lora)
+                extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw)) if value is not None}
+                return graphs.run(seq_ids, input_ids, starts, num_new, **extra)
         start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
         keep = self._logits_index(step, num_new, logits_for)
         lora_index = self._lora_index(lora_slots, num_new)
         self.metadata_seconds += time.perf_counter() - start
         return self.run_model(input_ids, step, keep, lora_index)
+
+    def draws(self, num_new: Sequence[int], logits_for: str | Sequence[int] = "last") -> bool:
+        """Whether :meth:`forward` can draw the tokens of such a forward inside the decode step."""
+        return self.graphs is not None and self.graphs.draws and self.graphs.serves(num_new, logits_for)
 
     def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
                   lora_index: torch.Tensor | None = None) -> torch.Tensor:

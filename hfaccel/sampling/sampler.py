@@ -19,6 +19,11 @@ what is promised). Unseeded rows race with Exp(1) noise from torch's global gene
 acceptance numbers and residual draws apart from the draws). Log-probabilities are those of the model's
 distribution after penalties.
 
+A decode step can also draw inside itself (:func:`draw_step`, the same rule on every row without a host list:
+``where`` picks greedy, seeded or unseeded per row), so that a static step's CUDA graph ends with the tokens: the
+engine does so for rows that need nothing but their token (:func:`draws_in_step`), the step's rows' parameters
+brought up with its other metadata (:func:`draw_columns`).
+
 ``sample`` only queues work: host lists reach the device by non-blocking copies and the result stays on the
 device (``SampledTokens``) until the engine asks for it, so the engine can queue the next step first. A row
 whose previous token is still in flight passes it in ``pending`` (device tensor) for the penalties.
@@ -33,9 +38,14 @@ import torch
 
 from hfaccel.device import to_device
 from hfaccel.kernels.keyed_race import keyed_race
+from hfaccel.kernels.ops import keyed_race_op
 from hfaccel.sampling.params import SamplingParams, TokenLogprob
 from hfaccel.sampling.penalties import TokenCounts
 from hfaccel.sampling.warpers import Warping, kept_probabilities
+
+# the columns of draw_columns / draw_step, one value per row: how the row draws, its warping, its key
+DRAW_COLUMNS = ("kind", "top_k", "seed", "stream", "counter", "temperature", "top_p", "min_p")
+GREEDY_ROW, SEEDED_ROW, UNSEEDED_ROW = 0, 1, 2  # the kinds (0, what padding rows hold: the argmax)
 
 # What a seeded number is for (one of its key's parts): a token's draw (the engine's, and speculative decoding's
 # drafts and bonus tokens), speculative decoding's acceptance test of a drafted token, its draw after a rejection.
@@ -164,6 +174,42 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     tokens.index_copy_(0, at_seeded, keyed_race(weights[at_seeded], keys[0], keys[1], keys[2], DRAW))
     drawn = race(weights[at_unseeded], global_noise(len(unseeded), vocab, device))
     return tokens.index_copy_(0, at_unseeded, drawn)
+
+
+def draws_in_step(params: SamplingParams) -> bool:
+    """Whether a row with ``params`` can draw inside a static step (:func:`draw_step`): it needs its token only —
+    no penalties (token counts), logprobs or structured outputs (a mask from the host)."""
+    return not params.penalized and params.logprobs is None and params.structured_outputs is None
+
+
+def draw_columns(rows: Sequence[SampleRow]) -> list[list[int]]:
+    """The host values :func:`draw_step` reads for ``rows`` (:data:`DRAW_COLUMNS`, one list each, int64 values:
+    the float parameters as their float32 bit patterns, so that they travel in one int64 upload)."""
+    params = [row.params for row in rows]
+    kinds = [GREEDY_ROW if p.greedy else SEEDED_ROW if row.seed is not None else UNSEEDED_ROW
+             for p, row in zip(params, rows)]
+    floats = torch.tensor([[p.temperature or 1.0 for p in params], [p.top_p for p in params],
+                           [p.min_p for p in params]], dtype=torch.float32).view(torch.int32)  # [3, R]
+    return [kinds, [p.top_k if p.uses_top_k else 0 for p in params],
+            [seed_key(row.seed) if row.seed is not None else 0 for row in rows], [row.stream for row in rows],
+            [row.counter for row in rows], *floats.tolist()]
+
+
+def draw_step(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``sample``'s draw for rows that need only their token, with no host work and no branch on values:
+    ``logits [R, V]`` and ``columns [len(DRAW_COLUMNS), R]`` (int64, :func:`draw_columns`; all-zero padding rows
+    take the argmax) -> ``[R]`` int64. Each row's token is the one ``sample`` picks for it: the argmax (greedy),
+    the race against its keyed noise (seeded) or against the global generator's (unseeded)."""
+    logits = logits.float()
+    kind, top_k, seeds, streams, counters = columns[:5]  # [R] each
+    temperature, top_p, min_p = columns[5:].to(torch.int32).view(torch.float32)  # [R] each
+    vocab = logits.shape[-1]
+    warping = Warping(temperature=torch.where(temperature > 0, temperature, 1.0),
+                      top_k=torch.where(top_k > 0, top_k.clamp_max(vocab), vocab), top_p=top_p, min_p=min_p)
+    weights = kept_probabilities(logits, warping)  # [R, V]
+    seeded = keyed_race_op(weights, seeds, streams, counters, DRAW, "auto")
+    unseeded = race(weights, global_noise(logits.shape[0], vocab, logits.device))
+    return torch.where(kind == GREEDY_ROW, logits.argmax(-1), torch.where(kind == SEEDED_ROW, seeded, unseeded))
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,7 @@ def keep_mask(sorted_probs: torch.Tensor, warping: Warping) -> torch.Tensor:
     in_top_k = in_top_k / in_top_k.sum(-1, keepdim=True)
     before = in_top_k.cumsum(-1) - in_top_k  # mass of the more likely tokens, within top-k
     keep &= (before < warping.top_p[:, None]) & (sorted_probs >= warping.min_p[:, None] * sorted_probs[:, :1])
-    keep[:, 0] = True
-    return keep
+    # the most likely token survives (an or with a column mask, not a write into the first column: in a compiled
+    # step that write specialises the batch size on 1)
+    return keep | (torch.arange(vocab, device=keep.device) == 0)
 

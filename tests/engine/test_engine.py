@@ -272,21 +272,28 @@ def test_static_shape_decode_steps_are_exact(attention):
     assert set(served) - {1, 2, 4, 7}, f"some decode step should have been padded to a ladder size: {served}"
 
 
-def test_seeded_requests_keep_the_decode_graphs():
+def test_seeded_requests_keep_the_decode_graphs_and_draw_inside_them():
     """Seeded sampling draws no generator state: decode steps with seeded requests in the batch still take the
-    static-shape (CUDA-graph) path — captured on a GPU — and give the eager path's tokens."""
+    static-shape (CUDA-graph) path — captured on a GPU — and draw their tokens inside it (greedy neighbours
+    included), the eager path's tokens; a step with a row that needs its logits (logprobs) samples them as before."""
     model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
-    prompts, _ = mixed_prompts(5, seed=7)
-    params = [SamplingParams(max_tokens=6 + i, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+    prompts, _ = mixed_prompts(7, seed=7)
+    params = [SamplingParams(max_tokens=6 + i, temperature=0.9, top_p=0.9, top_k=9 * i, seed=100 + i, ignore_eos=True)
               for i in range(5)]
+    params += [SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+               SamplingParams(max_tokens=5, temperature=1.2, seed=3, logprobs=2, ignore_eos=True)]
     settings = dict(max_num_seqs=8, num_blocks=60, block_size=4)
     eager = Engine(model, cuda_graphs=False, **settings).generate(prompts, params)
     engine = Engine(model, cuda_graphs=True, **settings)
     served, replay = [], engine.runner.graphs.run
-    engine.runner.graphs.run = lambda seq_ids, *args: served.append(len(seq_ids)) or replay(seq_ids, *args)
+    engine.runner.graphs.run = lambda seq_ids, *args, **kwargs: \
+        served.append((len(seq_ids), "draw" in kwargs)) or replay(seq_ids, *args, **kwargs)
     graphed = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
-    assert served and engine.runner.graphs.capture == (DEVICE.type == "cuda")  # still capturing on a GPU
+    assert len(graphed[-1].outputs[0].logprobs) == 5
+    drawn = [drew for _, drew in served]
+    assert any(drawn) and not all(drawn)  # drawn inside the step once the logprobs request finished
+    assert engine.runner.graphs.capture == (DEVICE.type == "cuda")  # still capturing on a GPU
 
 
 @pytest.mark.slow
@@ -303,8 +310,12 @@ def test_the_engine_compiles_its_decode_steps_when_it_is_built():
     before = counters["stats"]["unique_graphs"]
     engine = Engine(model, max_num_seqs=6, num_blocks=60, block_size=4, cuda_graphs=True, compile=True)
     built = counters["stats"]["unique_graphs"]
-    assert built - before == 1  # one graph for every size, batch 1 included
+    assert built - before == 2  # one graph for every size, batch 1 included; one for the draw
     assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
+    seeded = [SamplingParams(max_tokens=5, temperature=1.3, top_p=0.9, seed=i, ignore_eos=True) for i in range(6)]
+    uncompiled = Engine(model, max_num_seqs=6, num_blocks=60, block_size=4, cuda_graphs=True, compile=False)
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, seeded)] == \
+        [o.outputs[0].token_ids for o in uncompiled.generate(prompts, seeded)]  # the compiled draw's tokens
     assert counters["stats"]["unique_graphs"] == built
     assert engine.stats()["decode_steps"].startswith("compiled")
 

@@ -1,6 +1,6 @@
 """keyed_race: the seeded draw's Triton kernel (through the interpreter) picks the reference's token on every row —
 odd vocabularies, extreme seeds, zero weights —, draws exactly from the weights (chi-square), the same token alone
-or in a batch; and it compiles for sm_90."""
+or in a batch; it compiles for sm_90; and its custom op (what a compiled decode step's draw calls) traces whole."""
 
 import pytest
 import torch
@@ -11,6 +11,22 @@ from tests.kernels.helpers import compile_sm90
 from tests.sampling.reference import chi_square_p_value
 
 SEEDS = [0, -1, 1, 2**63 - 1, -2**63, 12345, 2**32, -(2**40) + 7]
+
+
+def test_the_custom_op_matches_the_launcher_and_traces_whole():
+    """torch.ops.hfaccel.keyed_race: schema and fake implementation agree (opcheck), a fullgraph trace equals the
+    eager call, on an odd vocabulary."""
+    from hfaccel.kernels.ops import keyed_race_op
+
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.rand(5, 97, generator=gen)
+    seeds, streams, counters, _ = _keys(5, gen)
+    expected = keyed_race(weights, seeds, streams, counters, 1)
+    assert torch.equal(keyed_race_op(weights, seeds, streams, counters, 1, "auto"), expected)
+    torch.library.opcheck(keyed_race_op, (weights, seeds, streams, counters, 1, "auto"))
+    compiled = torch.compile(lambda w, s, t, c: keyed_race_op(w * 2, s, t, c, 1, "auto"), fullgraph=True,
+                             backend="aot_eager")
+    assert torch.equal(compiled(weights, seeds, streams, counters), expected)
 
 
 def _keys(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:

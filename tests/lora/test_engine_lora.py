@@ -118,8 +118,8 @@ def test_static_step_serves_a_mix_of_adapters_in_every_row(engines, monkeypatch)
     graphs = engine.runner.graphs
     variants = []
     original = graphs._replay
-    monkeypatch.setattr(graphs, "_replay", lambda size, advance, lora=False: variants.append(lora) or
-                        original(size, advance, lora))
+    monkeypatch.setattr(graphs, "_replay", lambda size, advance, lora=False, draw=False: variants.append(lora) or
+                        original(size, advance, lora, draw))
     prompts, loras, expected = mixed_batch(engines, ["r16", None, "mixed"])
     assert tokens(engine.generate(prompts, GREEDY, lora=loras)) == expected
     assert True in variants

@@ -156,3 +156,69 @@ def test_the_race_runs_on_the_device_without_host_work():
     assert waits.reads == [] and waits.uploads == []
     traced = torch.compile(draw, backend="eager", fullgraph=True, dynamic=False)
     assert torch.equal(traced(logits, seeds, streams, counters), eager)
+
+
+def _step_rows() -> list[SampleRow]:
+    """A mixed step: greedy, seeded rows under each warper (several streams and output indices), a logprobs-free
+    unseeded one."""
+    rows = [SampleRow(SamplingParams(temperature=0), None, [1], [])]
+    rows += [SampleRow(params, 40 + i, [1], [], counter=3 * i, stream=i % 2) for i, params in enumerate(WARPED)]
+    rows += [SampleRow(SamplingParams(temperature=1.4, top_k=7, seed=5), 2**64 - 3, [1], [], counter=9)]
+    return rows
+
+
+def test_the_in_step_draw_picks_the_samplers_tokens():
+    """draw_step (the decode step's own draw, from draw_columns) gives every greedy and seeded row the token
+    sample() gives it, on odd sizes; all-zero padding rows take the argmax; the float parameters travel exactly."""
+    rows = _step_rows()
+    columns = sampler_module.draw_columns(rows)
+    assert [len(column) for column in columns] == [len(rows)] * len(sampler_module.DRAW_COLUMNS)
+    floats = torch.tensor(columns[5:], dtype=torch.int32).view(torch.float32)
+    assert floats[0].tolist() == [torch.tensor(r.params.temperature or 1.0).item() for r in rows]
+    gen = torch.Generator().manual_seed(8)
+    for counter_shift in range(3):
+        logits = torch.randn(len(rows) + 2, 37, generator=gen) * 1.5  # [R + 2 padding, V]
+        padded = torch.tensor(columns, dtype=torch.long)
+        padded[4] += counter_shift
+        padded = torch.cat([padded, torch.zeros(len(padded), 2, dtype=torch.long)], 1)  # [8, R + 2]
+        got = sampler_module.draw_step(logits, padded)
+        shifted = [SampleRow(r.params, r.seed, [1], [], counter=r.counter + counter_shift, stream=r.stream)
+                   for r in rows]
+        assert got.tolist()[:len(rows)] == sample(logits[:len(rows)], shifted).tokens.tolist()
+        assert got.tolist()[len(rows):] == logits[len(rows):].argmax(-1).tolist()
+
+
+def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host():
+    """The draw a captured step ends with: no host read or upload, one fullgraph compile over every batch size
+    (inductor, as the compiled decode step runs it), the eager tokens for greedy and seeded rows."""
+    from torch._dynamo.utils import counters
+
+    from hfaccel import compat
+
+    rows = _step_rows()
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(5))
+    columns = torch.zeros(len(sampler_module.DRAW_COLUMNS), 16, dtype=torch.long)  # [8, 16]: a step's buffer
+    columns[:, :len(rows)] = torch.tensor(sampler_module.draw_columns(rows))
+    with HostReads() as waits:
+        eager = sampler_module.draw_step(logits, columns[:, :len(rows)])
+    assert waits.reads == [] and waits.uploads == []
+    compiled = torch.compile(sampler_module.draw_step, fullgraph=True, dynamic=None)
+    before = counters["stats"]["unique_graphs"]
+    for size in (len(rows), 1, 3):
+        rows_logits, rows_columns = logits[:size], columns[:, :size]
+        torch._dynamo.maybe_mark_dynamic(rows_logits, 0)
+        torch._dynamo.maybe_mark_dynamic(rows_columns, 1)
+        with compat.marked_sizes_only():
+            got = compiled(rows_logits, rows_columns)
+        assert got.tolist() == eager[:size].tolist()
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_unseeded_in_step_draws_follow_the_warped_distribution():
+    torch.manual_seed(1)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    params = WARPED[1]
+    rows = _rows(params, [None] * 50_000)
+    tokens = sampler_module.draw_step(logits.expand(len(rows), -1), torch.tensor(sampler_module.draw_columns(rows)))
+    counts = torch.bincount(tokens, minlength=VOCAB)
+    assert chi_square_p_value(counts, _expected(logits, params)) > 1e-3

@@ -52,7 +52,7 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     assert memory["real tokens (no padding)"] < memory["transformers DynamicCache"]
     assert all(row["tokens_per_s"] > 0 and 0 < row["pct_roofline"] for row in results["decode"])
     assert [(row["batch"], row["rows"].split()[0]) for row in results["decode_sampler"]] == [
-        (1, "greedy"), (1, "seeded"), (2, "greedy"), (2, "seeded")]
+        (1, "greedy"), (1, "seeded"), (1, "seeded,"), (2, "greedy"), (2, "seeded"), (2, "seeded,")]
     assert all(row["sample_ms"] > 0 and row["share_of_step"] > 0 for row in results["decode_sampler"])
     assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 and row["routed_ms"] > 0
                for row in results["attention"])

@@ -7,7 +7,9 @@ real config with random weights (speed does not depend on the weights' values) o
 - ``hfaccel.accelerate(model, compile=False)``.
 
 A second table gives the sampler's share of hfaccel's decode step (``sampling.sample`` on the model's vocabulary at
-each batch size: greedy rows, and seeded rows at temperature 1 with top-p 0.9, keyed noise over the vocabulary).
+each batch size: greedy rows, and seeded rows at temperature 1 with top-p 0.9, keyed noise over the vocabulary;
+and ``sampling.draw_step``, the draw the engine's decode steps end with, on the seeded rows — run on its own here,
+uncompiled).
 
 Each path is warmed up on the exact call it is then timed on (compiles and captures happen there). A decode
 step's time is ``(t(N new tokens) - t(1 new token)) / (N - 1)``: the prompt's prefill cancels out. The roofline of
@@ -24,7 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hfaccel.hf import accelerate, restore
-from hfaccel.sampling import SampleRow, SamplingParams, sample
+from hfaccel.device import to_device
+from hfaccel.sampling import SampleRow, SamplingParams, draw_columns, draw_step, sample
 from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, time_ms, weight_read_bytes
 from hfaccel.tools.models import build_model
 
@@ -50,8 +53,8 @@ class DecodeRow:
 class SamplerRow:
     model: str
     batch: int
-    rows: str  # "greedy" or "seeded (temperature 1, top-p 0.9)"
-    sample_ms: float  # sampling.sample on [batch, vocab] logits, queued and done
+    rows: str  # "greedy", "seeded (temperature 1, top-p 0.9)" or the same drawn by draw_step
+    sample_ms: float  # sampling.sample (or draw_step) on [batch, vocab] logits, queued and done
     share_of_step: float  # sample_ms / hfaccel's decode step at this batch
 
 
@@ -69,6 +72,9 @@ def sampler_rows(decode: list[DecodeRow], device: torch.device) -> list[SamplerR
             sample_rows = [SampleRow(params, params.seed, [1], [], stream=i) for i in range(batch)]
             ms = time_ms(lambda: sample(logits, sample_rows).tokens, device)
             rows.append(SamplerRow(step.model, batch, label, ms, ms / step_ms))
+        columns = to_device(draw_columns(sample_rows), torch.long, device)  # [8, batch]: the seeded rows
+        ms = time_ms(lambda: draw_step(logits, columns), device)
+        rows.append(SamplerRow(step.model, batch, "seeded, in-step draw (draw_step)", ms, ms / step_ms))
     return rows
 
 
