@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,14 +41,16 @@ def model_dir(tmp_path_factory):
 class Server:
     """A ``hfaccel serve`` subprocess on a free loopback port."""
 
-    def __init__(self, model_dir: Path, *extra: str):
+    def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = ()):
+        """``hfaccel serve model_dir *extra``, run by ``python *launcher -m hfaccel.tools.cli`` (e.g. torchrun's
+        module and options)."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
         self.log = open(model_dir / f"server-{self.port}.log", "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "hfaccel.tools.cli", "serve", str(model_dir), "--port", str(self.port),
+            [sys.executable, *launcher, "-m", "hfaccel.tools.cli", "serve", str(model_dir), "--port", str(self.port),
              "--served-model-name", "tiny", "--attention", "torch", "--num-blocks", "512",
              "--max-num-seqs", "64", "--graceful-shutdown", "5", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)

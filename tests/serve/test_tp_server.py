@@ -1,11 +1,12 @@
 """``hfaccel serve --tensor-parallel-size 2`` on the CPU (gloo): the server starts its two ranks itself, answers the
 ``openai`` client with the single-process server's greedy text, stops with an error when a rank dies mid-run, and
-stops both ranks on SIGTERM. Each server is bounded in time (tests.serve.test_server.Server waits 120 s at most to
+stops both ranks on SIGTERM; under ``torchrun`` (its two ranks, its supervision) it answers the same. Each server is bounded in time (tests.serve.test_server.Server waits 120 s at most to
 come up; every wait here has a limit)."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
@@ -28,6 +29,16 @@ def model_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> dict:
+    """The single-process server's texts."""
+    single = Server(model_dir)
+    try:
+        return _texts(single)
+    finally:
+        assert single.stop() == 0
 
 
 def _texts(server: Server) -> dict:
@@ -65,13 +76,7 @@ def _gone(processes, timeout: float) -> bool:
     return not alive
 
 
-def test_tp_server_answers_like_one_process_and_sigterm_stops_both_ranks(model_dir):
-    single = Server(model_dir)
-    try:
-        expected = _texts(single)
-    finally:
-        assert single.stop() == 0
-
+def test_tp_server_answers_like_one_process_and_sigterm_stops_both_ranks(model_dir, expected):
     server = Server(model_dir, *TP)
     try:
         ranks = _ranks(server)
@@ -124,3 +129,26 @@ def test_a_rank_killed_mid_run_stops_the_server_with_an_error(model_dir):
     assert "tensor-parallel rank 1 of 2 failed: its process exited (signal SIGKILL)" in log, log
     assert elapsed < 15, f"the server took {elapsed:.1f} s to stop"
     assert _gone([leader], timeout=5), "rank 0 outlived the server"
+
+
+def test_under_torchrun_the_ranks_serve_like_one_process_and_sigterm_stops_them(model_dir, expected):
+    """``torchrun --nproc-per-node 2 -m hfaccel.tools.cli serve ...``: the server takes torchrun's two ranks (no
+    --tensor-parallel-size needed), rank 0 answers as one process does, and SIGTERM to torchrun stops both."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    server = Server(model_dir, launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                         "--master-port", str(master_port)])
+    try:
+        workers = [p for p in psutil.Process(server.process.pid).children() if "hfaccel.tools.cli" in p.cmdline()]
+        assert len(workers) == 2, [p.cmdline() for p in workers]
+        got = _texts(server)
+        assert server.health()["status"] == "ok"
+    except BaseException:
+        for process in psutil.Process(server.process.pid).children(recursive=True) + [server.process]:
+            process.kill()
+        raise
+    server.stop()  # torchrun exits with its own code on a signal
+    assert _gone(workers, timeout=15), "a rank outlived torchrun"
+    for key, (full, streamed) in got.items():
+        assert full == streamed == expected[key][0], key
