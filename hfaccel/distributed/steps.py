@@ -5,14 +5,18 @@ forward — and the followers run the same forward on their shard of the model (
 between the ranks inside it) and their pool of their local KV heads. The followers never sample: a token the
 leader sampled reaches them as an input id of the next step, so every rank computes on the same tokens.
 
-The seam is the runner's :meth:`~hfaccel.runner.ModelRunner.run_model` (one forward with its built metadata):
-:class:`LeaderRunner` broadcasts there, :func:`follow` replays there. The leader's static decode steps (CUDA graphs)
-build their metadata on the device and do not pass through it, so an engine under TP runs its forwards eagerly.
+The seam is the runner's forward with its metadata built: :class:`LeaderRunner` broadcasts there (its
+``_eager_forward`` and ``_static_forward``), :func:`follow` runs the same there (``run_model`` and the static
+steps). A decode step the static steps serve (compiled and CUDA-graph captured on CUDA) goes out the same way,
+marked static: the leader builds its metadata on the host (not on the device from its tables, as one process
+does), and every rank runs it through its own static steps
+(:meth:`~hfaccel.runner.graphs.DecodeGraphs.run_packed`) — the same padded size on every rank, so the collectives
+inside the captured graphs pair up; the engine builds (and warms up) the same steps on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +25,10 @@ from hfaccel.distributed.model import TensorParallel
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.block_manager import BlockCopy
 from hfaccel.runner import ModelRunner
+from hfaccel.runner.graphs import DecodeGraphs
 
-# message kinds (the header's first value)
-FORWARD, COPIES, STOP = 0, 1, 2
+# message kinds (the header's first value): an eager forward, block copies alone, the end, a static decode step
+FORWARD, COPIES, STOP, STATIC = 0, 1, 2, 3
 # header: kind, tokens T, sequences S, table width W, kept logits K (-1: every row), copies C, max_seq_len, max_q_len
 _HEADER = 8
 
@@ -67,9 +72,10 @@ class StepChannel:
         self.buffer = torch.zeros(limits.size, dtype=torch.int64, device=device)  # [N]
 
     def send_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
-                     copies: Sequence[BlockCopy]) -> None:
+                     copies: Sequence[BlockCopy], *, static: bool = False) -> None:
         """Broadcast one forward (leader only): ``input_ids [T]`` and ``step`` on the device, ``keep`` as
-        :meth:`ModelRunner.run_model` takes it, and the block copies to make first."""
+        :meth:`ModelRunner.run_model` takes it, and the block copies to make first; ``static``: a decode step the
+        static steps run (``keep`` 0)."""
         limits = self.limits
         copies = list(copies)
         while len(copies) > limits.max_copies:  # rare (many forks at once): the excess goes ahead alone
@@ -81,7 +87,8 @@ class StepChannel:
                              f"the TP step buffer ({limits.max_tokens} tokens, {limits.max_seqs} sequences, "
                              f"{limits.max_blocks} blocks)")
         kept = -1 if isinstance(keep, int) else keep.shape[0]
-        header = [FORWARD, tokens, seqs, width, kept, len(copies), step.max_seq_len, step.max_q_len]
+        header = [STATIC if static else FORWARD, tokens, seqs, width, kept, len(copies), step.max_seq_len,
+                  step.max_q_len]
         parts = [input_ids, step.positions, step.slot_mapping.reshape(-1), step.block_tables.reshape(-1),
                  step.seq_lens, step.cu_seqlens_q] + ([] if isinstance(keep, int) else [keep])
         self._send_parts(header, parts, copies)
@@ -104,12 +111,12 @@ class StepChannel:
         """The leader's next message (followers only; waits for it)."""
         self.tp.broadcast(self.buffer)
         kind, tokens, seqs, width, kept, copies, max_seq_len, max_q_len = self.buffer[:_HEADER].tolist()
-        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1 if kind == FORWARD else 0, max(kept, 0),
-                 copies, copies]
+        forward = kind in (FORWARD, STATIC)
+        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1 if forward else 0, max(kept, 0), copies, copies]
         (input_ids, positions, slots, tables, seq_lens, cu, keep, src, dst) = torch.split(
             self.buffer[_HEADER:_HEADER + sum(sizes)], sizes)
         moves = [BlockCopy(s, d) for s, d in zip(src.tolist(), dst.tolist())]
-        if kind != FORWARD:
+        if not forward:
             return Message(kind, moves)
         step = PackedStep(slot_mapping=slots[None], block_tables=tables.view(seqs, width).to(torch.int32),
                           seq_lens=seq_lens.to(torch.int32), cu_seqlens_q=cu.to(torch.int32), positions=positions,
@@ -144,16 +151,23 @@ class LeaderRunner(ModelRunner):
         super().__init__(model, pool)
         self.channel = channel
 
-    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
-                  lora_index: torch.Tensor | None = None) -> torch.Tensor:
+    def _eager_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
+                       lora_index: torch.Tensor | None) -> torch.Tensor:
         if lora_index is not None:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
         self.channel.send_forward(input_ids, step, keep, self.pool.take_queued())
-        return super().run_model(input_ids, step, keep)
+        return self.run_model(input_ids, step, keep)
 
-    def enable_decode_graphs(self, *args, **kwargs):
-        raise NotImplementedError("static decode steps (CUDA graphs) bypass the TP step broadcast: an engine under "
-                                  "tensor parallelism runs its forwards eagerly")
+    def _static_forward(self, graphs: DecodeGraphs, seq_ids: Sequence[Hashable], input_ids: torch.Tensor,
+                        starts: Sequence[int], num_new: Sequence[int], extra: dict) -> torch.Tensor:
+        """A decode step of the static steps: its metadata built here, broadcast marked static, then run through
+        :meth:`DecodeGraphs.run_packed` as every follower does."""
+        if extra or graphs is not self.graphs:
+            raise NotImplementedError("under tensor parallelism the static steps serve plain decode steps only (no "
+                                      f"LoRA, in-step draw or catch-up steps); got {sorted(extra) or 'catch-up'}")
+        step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
+        self.channel.send_forward(input_ids, step, 0, self.pool.take_queued(), static=True)
+        return graphs.run_packed(input_ids, step)
 
 
 def tp_runner(model, tp: TensorParallel, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -182,4 +196,10 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
             return forwards
         if message.kind == FORWARD:
             runner.run_model(message.input_ids, message.step, message.keep)
+            forwards += 1
+        if message.kind == STATIC:
+            if runner.graphs is None:
+                raise RuntimeError("TP rank 0 runs static decode steps and this rank has none: build the Engine with "
+                                   "the same cuda_graphs setting on every rank")
+            runner.graphs.run_packed(message.input_ids, message.step)
             forwards += 1

@@ -108,9 +108,6 @@ class Engine:
         compiles(compile, model_device(model))  # a bad setting raises before anything changes
         check_sharding(model, "hfaccel.Engine")
         self.tp = tensor_parallel(model)
-        if self.tp is not None and cuda_graphs:
-            raise ValueError("hfaccel.Engine under tensor parallelism runs its forwards eagerly: cuda_graphs=True is "
-                             "not supported there yet (leave it None)")
         if self.tp is not None and lora_adapters is not None:
             raise ValueError("hfaccel.Engine: LoRA adapters (lora_adapters) are not supported under tensor "
                              "parallelism yet; serve them on one GPU, or merge the adapter into the model")
@@ -151,8 +148,8 @@ class Engine:
                                        max_num_batched_tokens=max_num_batched_tokens, loras=self.loras)
             self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
             on_cuda = self.runner.device.type == "cuda"
-            if self.tp is None and (cuda_graphs if cuda_graphs is not None else on_cuda):
-                graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=True,
+            if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
+                graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
                                                           compile=compiles(compile, self.runner.device))
                 if graphs.compiled or graphs.capture:
                     _warm_up(graphs)

@@ -216,6 +216,26 @@ class DecodeGraphs:
         logits = self._replay(size, advance=False, lora=lora)  # [size, V] (last_only) or [size * q, V]
         return logits[:batch] if self.last_only else logits[where]
 
+    def run_packed(self, input_ids: torch.Tensor, step: PackedStep) -> torch.Tensor:
+        """Logits ``[B, V]`` of a decode step whose metadata is given (one token per sequence: ``input_ids [B]``,
+        ``step`` on the device, its block tables at most as wide as the steps'): what every rank of an engine under
+        tensor parallelism runs, the leader's step as it was broadcast. The rows beyond ``B`` are padding, as in
+        :meth:`run`; the block tables' columns past the given width are never read (the lengths stop before)."""
+        batch, width = input_ids.shape[0], step.block_tables.shape[1]
+        if self.tokens_per_seq != 1 or step.max_q_len != 1 or step.positions.shape[0] != batch:
+            raise ValueError(f"run_packed takes one token per sequence; got {step.positions.shape[0]} tokens for "
+                             f"{batch} sequences (max_q_len {step.max_q_len}) on steps of {self.tokens_per_seq}")
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"block tables {width} blocks wide exceed the steps' {self.block_tables.shape[1]}")
+        size = self.size_for(batch)
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:size].zero_()[:batch].copy_(step.positions)
+        self.seq_lens[:size].zero_()[:batch].copy_(step.seq_lens)
+        self.slot_mapping[0, :size].fill_(-1)[:batch].copy_(step.slot_mapping.reshape(-1))
+        self.block_tables[:batch, :width].copy_(step.block_tables)
+        self._size = None
+        return self._replay(size, advance=False)[:batch]
+
     # ------------------------------------------------------------------------------- device-fed steps
     def begin(self, seq_ids: Sequence[Hashable], starts: Sequence[int]) -> None:
         """Set up steps in which sequence ``seq_ids[i]`` decodes positions ``starts[i]``, ``starts[i] + 1``, ...

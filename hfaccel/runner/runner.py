@@ -119,12 +119,22 @@ class ModelRunner:
         for graphs in self.static_steps():
             if graphs.serves(num_new, logits_for):
                 extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw)) if value is not None}
-                return graphs.run(seq_ids, input_ids, starts, num_new, **extra)
+                return self._static_forward(graphs, seq_ids, input_ids, starts, num_new, extra)
         start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
         keep = self._logits_index(step, num_new, logits_for)
         lora_index = self._lora_index(lora_slots, num_new)
         self.metadata_seconds += time.perf_counter() - start
+        return self._eager_forward(input_ids, step, keep, lora_index)
+
+    def _static_forward(self, graphs: DecodeGraphs, seq_ids: Sequence[Hashable], input_ids: torch.Tensor,
+                        starts: Sequence[int], num_new: Sequence[int], extra: dict) -> torch.Tensor:
+        """A forward the static steps ``graphs`` serve (what :meth:`forward` returns)."""
+        return graphs.run(seq_ids, input_ids, starts, num_new, **extra)
+
+    def _eager_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
+                       lora_index: torch.Tensor | None) -> torch.Tensor:
+        """A forward no static step serves, its metadata built (what :meth:`forward` returns)."""
         return self.run_model(input_ids, step, keep, lora_index)
 
     def draws(self, num_new: Sequence[int], logits_for: str | Sequence[int] = "last") -> bool:

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--host", action="store_true",
                        help="engine: the host time per step split into scheduling, metadata, launch, waiting and "
                             "detokenizing at batch 1, 64, 256 (or --batch), instead of the serving comparison")
+    bench.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="engine: serve the workload over N tensor-parallel ranks (one GPU each, NCCL; gloo on "
+                            "the CPU) and report the all-reduce share of a decode step (--batch: its batch)")
     bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
     tune = sub.add_parser("tune", help="measure the kernels' configurations on this GPU and write its table")
     tune.add_argument("--model", action="append", help="named config whose shapes to tune for (repeatable; default: "
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             what.append("serve")
         run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-                  num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer)
+                  num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer,
+                  tensor_parallel_size=args.tensor_parallel_size)
     return 0
 
 

@@ -77,6 +77,20 @@ def test_bench_engine_host_splits_the_step(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_bench_engine_over_two_ranks_reports_the_all_reduce_share(tmp_path, monkeypatch):
+    """bench engine --tensor-parallel-size 2 on the CPU (gloo): the engine serves the workload over two ranks, and
+    the decode step and its collectives are timed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--model", "tiny-llama", "--device", "cpu", "--tensor-parallel-size", "2",
+                 "--requests", "4", "--batch", "3", "--output", str(output)]) == 0
+    (row,) = json.loads(output.read_text())["engine_tp"]
+    assert (row["ranks"], row["backend"], row["batch"]) == (2, "gloo", 3)
+    assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["all_reduce_ms"] > 0
+    assert row["all_reduce_share"] == pytest.approx(row["all_reduce_ms"] / row["step_ms"])
+
+
+@pytest.mark.slow
 def test_bench_speculative(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     output = tmp_path / "bench.json"

@@ -70,3 +70,41 @@ def test_engine_under_tp_equals_single_process(saved_llama, tmp_path):
     assert leader["kv_heads"] == follower["kv_heads"] == single.config.num_key_value_heads // 2
     assert follower["forwards"] >= leader["steps"] > 0  # every forward of the leader's ran on the follower
     assert leader["copies"] > 0  # n=2 forks made copy-on-write copies, which went to the follower with the steps
+
+
+def _static_engine_rank(path: str, prompts: list[list[int]], budgets: list[int]) -> dict:
+    """The engine with static decode steps (cuda_graphs=True: uncaptured on the CPU) on this rank; how many steps each
+    rank ran through them."""
+    import hfaccel
+    from hfaccel.runner.graphs import DecodeGraphs
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), cuda_graphs=True, **ENGINE)
+    static, run_packed = [], DecodeGraphs.run_packed
+    engine.runner.graphs.run_packed = lambda *args: static.append(args[0].shape[0]) or run_packed(
+        engine.runner.graphs, *args)
+    if not engine.is_leader:
+        return {"forwards": engine.follow(), "static": static}
+    try:
+        outputs = engine.generate(prompts, _params(budgets))
+    finally:
+        engine.shutdown()
+    return {"outputs": _outputs(outputs), "static": static, "decode_steps": engine.stats()["decode_steps"]}
+
+
+def test_engine_under_tp_runs_its_decode_steps_static_on_every_rank(saved_llama, tmp_path):
+    """Decode steps go through the static (on CUDA: compiled and captured) steps on both ranks in lockstep — the
+    same padded sizes in the same order — and the outputs still equal the single-process engine's."""
+    import hfaccel
+
+    prompts, budgets = mixed_prompts()
+    single = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.float32)
+    expected = _outputs(hfaccel.Engine(hfaccel.accelerate(single, attention="torch"), **ENGINE)
+                        .generate(prompts, _params(budgets)))
+
+    leader, follower = run_ranks(_static_engine_rank, str(saved_llama), prompts, budgets, workdir=tmp_path,
+                                 timeout=120)
+
+    assert leader["outputs"] == expected
+    assert leader["static"] and leader["static"] == follower["static"]
+    assert follower["forwards"] > len(follower["static"])  # prompt steps ran eagerly in between

@@ -12,6 +12,9 @@ to ``generate_batch``, and TTFT / inter-token latency percentiles where the path
 times the engine's decode step at batch 64 (the CUDA-graph replay the engine runs, or its eager forward
 without graphs) against reading the weights it touches once at the measured read bandwidth (a read-only kernel).
 
+``--tensor-parallel-size N`` instead serves the workload with the engine over N ranks and reports the all-reduce
+share of its decode step (``hfaccel.tools.bench.engine_tp``).
+
 ``--host`` instead splits the host's time per engine step (``Engine.host_times``) at batch 1, 64 and 256:
 scheduling, metadata, launch, waiting for the device, detokenizing — what the device waits on when the host is
 slower than a step.
@@ -208,8 +211,9 @@ def _decode_step(engine: Engine, batch: int, context: int, device: torch.device)
     blocks = manager.blocks_needed(context + 4) * batch
     if blocks > manager.num_free_blocks:
         return DecodeStepRow(path, batch, context, float("nan"), float("nan"), float("nan"))
-    tokens = torch.randint(3, engine.vocab_size, (batch * context,), device=device)
-    runner.forward(ids, tokens, [context] * batch)
+    tokens = torch.randint(3, engine.vocab_size, (context,), device=device)
+    for seq_id in ids:  # one prompt per forward: within a TP engine's step buffer (max_num_batched_tokens)
+        runner.forward([seq_id], tokens, [context])
     step = torch.randint(3, engine.vocab_size, (batch,), device=device)
     runner.forward(ids, step, [1] * batch)  # the slot of position ``context``; warm-up
     run = lambda: runner.forward(ids, step, [1] * batch, starts=[context] * batch)  # noqa: E731
@@ -294,6 +298,12 @@ def run(options, console) -> dict:
     count = options.num_requests or (256 if options.cuda else 32)
     work = make_workload(count, (16, 512) if options.cuda else (8, 64), (16, 256) if options.cuda else (4, 32),
                          net.config.vocab_size)
+    if options.tensor_parallel_size > 1:
+        from hfaccel.tools.bench.engine_tp import run_tp
+
+        del net  # every rank loads its shard from a saved copy
+        return run_tp(options, console, spec, work, max_num_seqs=256 if options.cuda else 16,
+                      max_num_batched_tokens=4096 if options.cuda else 512)
     # generate_batch bounds its running requests by KV blocks and tokens only: the engine gets the same freedom
     # (256 sequences, its largest decode graph), so that neither path's TTFT is a queue the other does not have
     rows, decode = bench_engine(net, work, options.device, max_num_seqs=256 if options.cuda else 16,
