@@ -302,6 +302,12 @@ def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     return generation_config._pad_token_tensor
 
 
+# ---- RoPE and compiled steps: before 5.19 the models' rotary embedding took its frequencies from a transposed matmul,
+# whose concatenation inductor decomposes with a guard on the token count being 1: a decode step compiled at one
+# token specialises on it, so batch 1 gets a graph of its own (5.19 multiplies positions by the frequencies) ----
+ROPE_SPECIALISES_ONE_TOKEN = TRANSFORMERS_VERSION < Version("5.19.0")
+
+
 def marked_sizes_only():
     """A context in which torch.compile gives every dimension marked dynamic a symbol of its own, whatever its size
     when traced: no "duck sizing" (two dimensions that happen to be equal are not assumed equal forever) and, where
