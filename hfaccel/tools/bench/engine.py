@@ -27,6 +27,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -35,7 +36,7 @@ from hfaccel.engine import Engine
 from hfaccel.hf import accelerate, restore
 from hfaccel.sampling import SamplingParams
 from hfaccel.tools.bench.loadgen import percentiles_ms
-from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, weight_read_bytes
+from hfaccel.tools.bench.timing import interleaved_runs, read_bandwidth, read_ms, sync, table, weight_read_bytes
 from hfaccel.tools.assets import cached_smollm2
 from hfaccel.tools.models import build_model
 
@@ -114,13 +115,8 @@ def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: i
     engines = {"hfaccel Engine": Engine(model, **settings)}
     if engines["hfaccel Engine"].async_scheduling:
         engines["hfaccel Engine, synchronous scheduling"] = Engine(model, async_scheduling=False, **settings)
-    names = list(engines)
-    for name in names:  # warm-up runs of the whole workload
-        _engine_run(engines[name], work, device, name)
-    timed: dict[str, list[ServingRow]] = {name: [] for name in names}
-    for name in names + names[::-1]:
-        timed[name].append(_engine_run(engines[name], work, device, name))
-    rows += [_median_row(runs) for runs in timed.values()]
+    runs = {name: partial(_engine_run, engine, work, device, name) for name, engine in engines.items()}
+    rows += list(interleaved_runs(runs, speed=lambda row: row.tokens_per_s).values())
     decode = [_decode_step(engines["hfaccel Engine"], DECODE_BATCH, context, device) for context in DECODE_CONTEXTS]
     del engines
     gc.collect()
@@ -129,11 +125,6 @@ def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: i
     for row in rows:
         row.vs_generate_batch = row.tokens_per_s / baseline if baseline else None
     return rows, decode
-
-
-def _median_row(runs: list[ServingRow]) -> ServingRow:
-    """The run with the median throughput (the lower of two)."""
-    return sorted(runs, key=lambda row: row.tokens_per_s)[(len(runs) - 1) // 2]
 
 
 def _generate_batch(model, work: Workload, num_blocks: int, block_size: int, max_tokens: int,

@@ -39,7 +39,7 @@ from hfaccel.kernels.lora import lora_expand, lora_shrink
 from hfaccel.lora import DEFAULT_TARGET_MODULES
 from hfaccel.sampling import SamplingParams
 from hfaccel.tools.bench.engine import make_workload
-from hfaccel.tools.bench.timing import graph_time_ms, sync, table
+from hfaccel.tools.bench.timing import graph_time_ms, median_run, sync, table
 from hfaccel.tools.models import build_model
 
 ADAPTERS = 8
@@ -147,7 +147,7 @@ def bench_throughput(model, prompts: list[list[int]], new_tokens: int, adapters:
     gc.collect()
     timed[BASE].append(_serve(base, prompts, new_tokens, BASE, None))
     base.close()
-    rows = [sorted(runs, key=lambda row: row.tokens_per_s)[(len(runs) - 1) // 2] for runs in timed.values()]
+    rows = [median_run(runs, speed=lambda row: row.tokens_per_s) for runs in timed.values()]
     for row in rows:
         row.vs_base = row.tokens_per_s / rows[0].tokens_per_s
     return rows, layers, backend

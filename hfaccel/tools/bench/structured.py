@@ -26,6 +26,7 @@ import gc
 import json
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from hfaccel.hf import accelerate, restore
 from hfaccel.sampling import SamplingParams, StructuredOutputs
 from hfaccel.sampling.structured import Grammars
 from hfaccel.tools.bench.loadgen import percentiles_ms
-from hfaccel.tools.bench.timing import sync, table
+from hfaccel.tools.bench.timing import interleaved_runs, sync, table
 from hfaccel.tools.models import NAMED_CONFIGS
 
 _NAME = {"type": "string", "maxLength": 16}
@@ -186,12 +187,8 @@ def bench_throughput(engine: Engine, prompts: list[str], max_tokens: int,
                      fractions: tuple[int, ...] = FRACTIONS) -> list[ThroughputRow]:
     """Output tokens/s of ``engine`` serving ``prompts`` with each percentage of them structured (every request
     greedy, ``ignore_eos``, ``max_tokens`` tokens); warm-up runs first, then A B C C B A, medians of two."""
-    for pct in fractions:
-        _serve(engine, prompts, max_tokens, pct)
-    timed: dict[int, list[ThroughputRow]] = {pct: [] for pct in fractions}
-    for pct in fractions + fractions[::-1]:
-        timed[pct].append(_serve(engine, prompts, max_tokens, pct))
-    rows = [sorted(runs, key=lambda row: row.tokens_per_s)[(len(runs) - 1) // 2] for runs in timed.values()]
+    runs = {pct: partial(_serve, engine, prompts, max_tokens, pct) for pct in fractions}
+    rows = list(interleaved_runs(runs, speed=lambda row: row.tokens_per_s).values())
     base = next((row.tokens_per_s for row in rows if row.structured_pct == 0), None)
     for row in rows:
         row.vs_unconstrained = row.tokens_per_s / base if base else None

@@ -7,12 +7,31 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from rich.table import Table
+
+Run = TypeVar("Run")
+
+
+def median_run(runs: Sequence[Run], speed: Callable[[Run], float]) -> Run:
+    """The run of median ``speed`` (of two, the slower: a serving benchmark's figure is never its luckier run)."""
+    return sorted(runs, key=speed)[(len(runs) - 1) // 2]
+
+
+def interleaved_runs(runs: Mapping[Hashable, Callable[[], Run]], speed: Callable[[Run], float]) -> dict:
+    """Each of ``runs`` once untimed (compiles, captures, warm caches), then twice timed in the order A B C C B A —
+    so that none is favoured by going first or last — and the :func:`median_run` of each: ``{key: run}``."""
+    for run in runs.values():
+        run()
+    timed: dict[Hashable, list] = {key: [] for key in runs}
+    for key in list(runs) + list(runs)[::-1]:
+        timed[key].append(runs[key]())
+    return {key: median_run(results, speed) for key, results in timed.items()}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5, warmup: int = 25, rep: int = 100) -> float:
