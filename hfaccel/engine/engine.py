@@ -95,8 +95,9 @@ class Engine:
     Tensor parallelism: over a model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``), every rank
     makes the engine with the same arguments; rank 0 (``is_leader``) takes the requests, schedules, samples and
     streams, and sends each forward's inputs to the other ranks in one broadcast; the other ranks call
-    :meth:`follow`, which runs those forwards until rank 0 calls :meth:`shutdown`. Forwards run eagerly there (no
-    CUDA graphs yet).
+    :meth:`follow`, which runs those forwards until rank 0 calls :meth:`shutdown`. Decode steps run through every
+    rank's static steps (``cuda_graphs``, which the ranks must agree on), the others eagerly; rank 0 samples after
+    the step.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
@@ -149,10 +150,13 @@ class Engine:
             self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
             on_cuda = self.runner.device.type == "cuda"
             if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
-                graphs = self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
-                                                          compile=compiles(compile, self.runner.device))
-                if graphs.compiled or graphs.capture:
-                    _warm_up(graphs)
+                self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
+                                                 compile=compiles(compile, self.runner.device))
+            graphs = self.runner.graphs
+            if self.tp is not None:
+                _agree_on_static_steps(self.tp, graphs)
+            if graphs is not None and (graphs.compiled or graphs.capture):
+                _warm_up(graphs)
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
             self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
             self.requests: dict[str, Request] = {}
@@ -562,7 +566,7 @@ class Engine:
         seqs = [chunk.seq for chunk in chunks]
         params = [seq.request.params for seq in seqs]
         if not (all(draws_in_step(p) for p in params) and not all(p.greedy for p in params)
-                and all(seq.request.forked for seq in seqs)
+                and all(chunk.completes and chunk.seq.request.forked for chunk in chunks)
                 and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))))):
             return None
         return self._sample_rows(seqs)
@@ -893,6 +897,17 @@ def _agreed_budget(tp, budget: KVBudget) -> KVBudget:
     if blocks == budget.num_blocks:
         return budget
     return replace(budget, num_blocks=blocks, reason=f"{budget.reason}; the smallest of the {tp.size} TP ranks'")
+
+
+def _agree_on_static_steps(tp, graphs) -> None:
+    """Under tensor parallelism every rank must run the same static steps (the collectives inside them pair up): a
+    clear error on every rank when their settings differ; then each capture's verdict is every rank's."""
+    mine = 0 if graphs is None else 1 + 2 * graphs.compiled + 4 * graphs.capture
+    if tp.min_over_ranks(mine) != -tp.min_over_ranks(-mine):
+        raise ValueError("hfaccel.Engine under tensor parallelism: the ranks' decode steps differ (cuda_graphs, "
+                         "compile or the device); build the engine with the same arguments on every rank")
+    if graphs is not None:
+        graphs.agree = lambda captured: tp.min_over_ranks(int(captured)) == 1
 
 
 def _is_single_prompt(prompts) -> bool:

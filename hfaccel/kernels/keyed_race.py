@@ -121,7 +121,9 @@ def keyed_race(weights: torch.Tensor, seeds: torch.Tensor | int, streams: torch.
     every row) -> ``[S]`` int64. Token ``i`` wins with probability ``weights[i] / sum(weights)``; the same key and
     weights give the same token in any batch. ``backend``: ``auto`` (the kernel on CUDA), ``triton`` or ``torch``."""
     rows, vocab = weights.shape
-    keys = [torch.as_tensor(key, dtype=torch.int64, device=weights.device).expand(rows)
+    # an int key is filled on the device (as_tensor would copy it from the host: a sync, and an error in a capture)
+    keys = [key.to(torch.int64).expand(rows) if isinstance(key, torch.Tensor)
+            else torch.full((rows,), key, dtype=torch.int64, device=weights.device)
             for key in (seeds, streams, counters, purpose)]  # [S] each
     weights = weights.float()
     choice = resolve_backend(backend, weights.device) if backend != "auto" or weights.is_cuda else "torch"

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -126,16 +126,22 @@ class DecodeGraphs:
         self._draw_fn = torch.compile(_own_code(draw_step), fullgraph=True, dynamic=None) if compile and draws \
             else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
+        self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
         self.capture_failures: dict[tuple[int, bool, bool, bool], str] = {}
         self._graphs: dict[tuple[int, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
+        # under tensor parallelism (set by the engine): every rank's verdict on a capture — True when all of them
+        # captured — so that all ranks replay a size or none does (a replay on one rank alone would hang its peers)
+        self.agree: Callable[[bool], bool] | None = None
 
     def status(self) -> str:
         """How the steps run, in one line: compiled or not, captured sizes, and the reasons of any fallback."""
         parts = [f"compiled" if self.compiled else ("uncompiled" if self.compile_failure is None
                                                      else f"uncompiled ({self.compile_failure})")]
+        if self.draw_compile_failure is not None:
+            parts.append(f"draw uncompiled ({self.draw_compile_failure})")
         if self.capture:
             parts.append(f"CUDA graphs for sizes {sorted({size for size, *_ in self._graphs})}")
         parts += [f"size {size}{' (LoRA)' if lora else ''}{' (drawing)' if draw else ''} uncaptured ({reason})"
@@ -310,11 +316,12 @@ class DecodeGraphs:
 
     def _compiled(self, function, *args) -> torch.Tensor:
         """``function`` (the step or the draw, compiled or not) on ``args``, the dimensions that vary marked
-        dynamic. If torch.compile cannot compile it (the recompile limit included), the steps say why once and run
-        uncompiled from then on."""
+        dynamic. If torch.compile cannot compile it (the recompile limit included), it says why once and runs
+        uncompiled from then on (the step and the draw each on their own)."""
         if function is static_step or function is draw_step:
             return function(*args)
-        if function is self._step_fn:
+        is_step = function is self._step_fn
+        if is_step:
             mark_step_dynamic(args[1], self.runner.pool.kv)
         else:
             mark_draw_dynamic(*args)
@@ -322,12 +329,14 @@ class DecodeGraphs:
             with compat.marked_sizes_only():
                 return function(*args)
         except compat.compile_errors() as error:
-            self.compile_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
-            _log.warning("hfaccel: torch.compile could not compile the decode step (%s); decode steps run "
-                         "uncompiled", self.compile_failure)
-            eager = static_step if function is self._step_fn else draw_step
-            self._step_fn, self._draw_fn, self.compiled = static_step, draw_step, False
-            return eager(*args)
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+            _log.warning("hfaccel: torch.compile could not compile the decode step%s (%s); %s uncompiled",
+                         "" if is_step else "'s draw", reason, "decode steps run" if is_step else "it runs")
+            if is_step:
+                self.compile_failure, self._step_fn, self.compiled = reason, static_step, False
+                return static_step(*args)
+            self.draw_compile_failure, self._draw_fn = reason, draw_step
+            return draw_step(*args)
 
     def _replay(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
         key = (size, advance, lora, draw)
@@ -358,12 +367,15 @@ class DecodeGraphs:
         after = self._counters() if advance else None
         if advance:
             self._restore(before)
-        graph = torch.cuda.CUDAGraph()
+        graph, reason = torch.cuda.CUDAGraph(), None
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
                 captured = self._step(size, advance, lora, draw)
         except Exception as error:  # a forward that cannot be captured at this size: eager here, say why
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
+        if self.agree is not None and not self.agree(reason is None) and reason is None:
+            reason = "another tensor-parallel rank could not capture this size"  # none replays: collectives pair up
+        if reason is not None:
             self.capture_failures[(size, advance, lora, draw)] = reason
             _log.warning("hfaccel: CUDA graph capture of the decode step at batch %d failed (%s); that size runs "
                          "uncaptured", size, reason)

@@ -109,12 +109,12 @@ class ModelRunner:
             raise ValueError(f"lora_slots needs the model's LoRA layers (runner.lora) and one slot per sequence; got "
                              f"{len(lora_slots)} for {len(num_new)} sequences"
                              + ("" if self.lora is not None else " and no LoRA layers"))
-        if starts is None:
-            self.pool.reserve(seq_ids, num_new, token_ids)
-            starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         if draw is not None and not self.draws(num_new, logits_for):
             raise ValueError("draw needs a forward of one token per sequence, logits for each, served by decode steps "
                              f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}")
+        if starts is None:
+            self.pool.reserve(seq_ids, num_new, token_ids)
+            starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         input_ids = input_ids.to(self.device)
         for graphs in self.static_steps():
             if graphs.serves(num_new, logits_for):

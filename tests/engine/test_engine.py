@@ -295,6 +295,58 @@ def test_seeded_requests_keep_the_decode_graphs_and_draw_inside_them():
     drawn = [drew for _, drew in served]
     assert any(drawn) and not all(drawn)  # drawn inside the step once the logprobs request finished
     assert engine.runner.graphs.capture == (DEVICE.type == "cuda")  # still capturing on a GPU
+    assert not engine.runner.graphs.capture_failures, engine.runner.graphs.status()
+
+
+def test_a_draw_that_cannot_be_compiled_runs_uncompiled_and_keeps_the_compiled_step(monkeypatch):
+    """torch.compile failing on the in-step draw costs the draw its compile, not the model's step, and not the call:
+    the tokens are the uncompiled engine's, stats() says why."""
+    from torch._dynamo.exc import Unsupported
+
+    from hfaccel.runner import graphs as graphs_module
+    from hfaccel.sampling import draw_step
+
+    compile = graphs_module.torch.compile
+
+    def draw_uncompilable(function, **kwargs):
+        if function.__code__.co_name != draw_step.__name__:
+            return compile(function, **kwargs)
+
+        def compiled(*args):
+            raise Unsupported("the draw cannot be traced")
+        return compiled
+
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    prompts, _ = mixed_prompts(3, seed=4)
+    params = [SamplingParams(max_tokens=4, temperature=1.2, seed=i, ignore_eos=True) for i in range(3)]
+    settings = dict(max_num_seqs=4, num_blocks=40, block_size=4, cuda_graphs=True)
+    expected = [o.outputs[0].token_ids for o in Engine(model, compile=False, **settings).generate(prompts, params)]
+    monkeypatch.setattr(graphs_module.torch, "compile", draw_uncompilable)
+    engine = Engine(model, compile=True, **settings)
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == expected
+    status = engine.stats()["decode_steps"]
+    assert status.startswith("compiled") and "draw uncompiled (Unsupported: the draw cannot be traced)" in status
+
+
+def test_a_one_token_prompt_chunk_beside_sampled_decodes_is_not_drawn_in_the_step():
+    """A step of one-token chunks where one is a prompt's first chunk (the token budget left it one token) is no
+    decode step: its logits come back for the completing rows and the rest waits — the step does not fail."""
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=4, num_blocks=60, block_size=4)
+    sampled = [SamplingParams(max_tokens=6, temperature=1.1, seed=i, ignore_eos=True) for i in range(3)]
+    late = SamplingParams(max_tokens=3, temperature=0.7, seed=9, ignore_eos=True)
+    outputs = {}
+    for cuda_graphs in (False, True):
+        engine = Engine(model, cuda_graphs=cuda_graphs, async_scheduling=False, **settings)
+        for i, params in enumerate(sampled):
+            engine.add_request([5 + i], params, request_id=f"r{i}")
+        engine.step()  # three one-token prompts: the budget's last token stays free
+        engine.add_request(list(range(3, 12)), late, request_id="late")  # its first chunk: one token
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+        outputs[cuda_graphs] = done
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 4
 
 
 @pytest.mark.slow

@@ -82,3 +82,19 @@ def test_kernel_compiles_for_sm90():
                divisible=["weights_ptr", "stride_row"])
     (result,) = compile_sm90([job])
     assert result["ok"], result.get("error")
+
+
+def test_int_keys_are_filled_on_the_device_without_an_upload():
+    """A key given as one int (the draw's purpose, a request's seed) is made on the device, not copied from the
+    host: on CUDA such a copy would wait for the device, and fail inside a CUDA graph capture."""
+    from tests.speculative.host_reads import HostReads
+
+    gen = torch.Generator().manual_seed(4)
+    weights = torch.rand(3, 41, generator=gen)
+    counters = torch.tensor([1, 2, 3])
+    with HostReads() as waits:
+        got = keyed_race(weights, 7, 1, counters, 2, backend="torch")
+    assert waits.uploads == [] and waits.reads == []
+    expected = keyed_race(weights, torch.full((3,), 7), torch.ones(3, dtype=torch.long), counters,
+                          torch.full((3,), 2), backend="torch")
+    assert torch.equal(got, expected)

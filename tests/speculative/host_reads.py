@@ -4,8 +4,8 @@ On the CPU a device tensor is a CPU tensor and nothing waits, so :class:`HostRea
 on CUDA. Reads: the op every scalar conversion runs (``item``, ``int``, ``float``, ``bool``, ``if tensor``:
 ``aten._local_scalar_dense``), the ops whose output size depends on values (``nonzero``, ``equal``), and the methods
 that copy values into Python or host memory (``tolist``, ``numpy``, ``cpu``). Blocking uploads: host values put on a
-device from pageable memory, which waits for the device's queue — ``torch.tensor(values, device=...)`` and indexing a
-tensor with a Python list (``hfaccel.device.to_device``, a non-blocking copy from pinned memory, is neither).
+device from pageable memory, which waits for the device's queue — ``torch.tensor(values, device=...)``, the same by
+``torch.as_tensor`` and indexing a tensor with a Python list (``hfaccel.device.to_device``, a non-blocking copy from pinned memory, is neither).
 
 Code that works on host tensors by design (:func:`host_side`) is not counted: its reads never wait for the device.
 """
@@ -62,6 +62,8 @@ class HostReads(TorchFunctionMode):
                 self.reads.append(f"Tensor.{func.__name__}")
             elif func is torch.tensor and kwargs.get("device") is not None:
                 self.uploads.append("torch.tensor(device=...)")
+            elif func is torch.as_tensor and kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor):
+                self.uploads.append("torch.as_tensor(host values, device=...)")
             elif func in INDEXING and _has_list(args[1]):
                 self.uploads.append(f"Tensor.{func.__name__} with a list")
         return func(*args, **kwargs)

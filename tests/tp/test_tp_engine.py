@@ -83,13 +83,31 @@ def _static_engine_rank(path: str, prompts: list[list[int]], budgets: list[int])
     static, run_packed = [], DecodeGraphs.run_packed
     engine.runner.graphs.run_packed = lambda *args: static.append(args[0].shape[0]) or run_packed(
         engine.runner.graphs, *args)
-    if not engine.is_leader:
-        return {"forwards": engine.follow(), "static": static}
+    result = {"static": static}
+    if engine.is_leader:
+        try:
+            result["outputs"] = _outputs(engine.generate(prompts, _params(budgets)))
+        finally:
+            engine.shutdown()
+    else:
+        result["forwards"] = engine.follow()
+    # a capture's verdict is every rank's: replayed by all or by none
+    result["verdicts"] = [engine.runner.graphs.agree(True), engine.runner.graphs.agree(engine.is_leader)]
+    return result
+
+
+def _mismatched_rank(path: str) -> str:
+    """Rank 0 asks for static decode steps, rank 1 not: both refuse to build the engine."""
+    import torch.distributed as dist
+
+    import hfaccel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     try:
-        outputs = engine.generate(prompts, _params(budgets))
-    finally:
-        engine.shutdown()
-    return {"outputs": _outputs(outputs), "static": static, "decode_steps": engine.stats()["decode_steps"]}
+        hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), cuda_graphs=dist.get_rank() == 0, **ENGINE)
+    except ValueError as error:
+        return str(error)
+    return "built"
 
 
 def test_engine_under_tp_runs_its_decode_steps_static_on_every_rank(saved_llama, tmp_path):
@@ -108,3 +126,9 @@ def test_engine_under_tp_runs_its_decode_steps_static_on_every_rank(saved_llama,
     assert leader["outputs"] == expected
     assert leader["static"] and leader["static"] == follower["static"]
     assert follower["forwards"] > len(follower["static"])  # prompt steps ran eagerly in between
+    assert leader["verdicts"] == follower["verdicts"] == [True, False]
+
+
+def test_ranks_that_disagree_on_static_steps_all_refuse_to_start(saved_llama, tmp_path):
+    leader, follower = run_ranks(_mismatched_rank, str(saved_llama), workdir=tmp_path, timeout=60)
+    assert leader == follower and "the ranks' decode steps differ" in leader
