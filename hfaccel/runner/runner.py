@@ -118,7 +118,8 @@ class ModelRunner:
         input_ids = input_ids.to(self.device)
         for graphs in self.static_steps():
             if graphs.serves(num_new, logits_for):
-                extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw)) if value is not None}
+                extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw))
+                         if value is not None}
                 return self._static_forward(graphs, seq_ids, input_ids, starts, num_new, extra)
         start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)

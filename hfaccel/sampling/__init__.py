@@ -4,8 +4,8 @@ from hfaccel.kernels.keyed_race import keyed_noise, keyed_race, seeded_uniforms
 from hfaccel.sampling.params import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams, TokenLogprob
 from hfaccel.sampling.penalties import TokenCounts
 from hfaccel.sampling.sampler import (
-    ACCEPT, DRAW, RESIDUAL, SampledTokens, SampleRow, draw_columns, draw_step, draws_in_step, global_noise, race, sample,
-    seed_key,
+    ACCEPT, DRAW, RESIDUAL, SampledTokens, SampleRow, draw_columns, draw_step, draws_in_step, global_noise, race,
+    sample, seed_key,
 )
 from hfaccel.sampling.structured import StructuredOutputs
 from hfaccel.sampling.stopping import IncrementalDetokenizer, StopChecker, eos_token_ids, token_ids

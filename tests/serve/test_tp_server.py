@@ -1,7 +1,7 @@
 """``hfaccel serve --tensor-parallel-size 2`` on the CPU (gloo): the server starts its two ranks itself, answers the
 ``openai`` client with the single-process server's greedy text, stops with an error when a rank dies mid-run, and
-stops both ranks on SIGTERM; under ``torchrun`` (its two ranks, its supervision) it answers the same. Each server is bounded in time (tests.serve.test_server.Server waits 120 s at most to
-come up; every wait here has a limit)."""
+stops both ranks on SIGTERM; under ``torchrun`` (its two ranks, its supervision) it answers the same. Each server is
+bounded in time (tests.serve.test_server.Server waits 120 s at most to come up; every wait here has a limit)."""
 
 from __future__ import annotations
 

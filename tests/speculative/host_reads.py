@@ -5,7 +5,8 @@ on CUDA. Reads: the op every scalar conversion runs (``item``, ``int``, ``float`
 ``aten._local_scalar_dense``), the ops whose output size depends on values (``nonzero``, ``equal``), and the methods
 that copy values into Python or host memory (``tolist``, ``numpy``, ``cpu``). Blocking uploads: host values put on a
 device from pageable memory, which waits for the device's queue — ``torch.tensor(values, device=...)``, the same by
-``torch.as_tensor`` and indexing a tensor with a Python list (``hfaccel.device.to_device``, a non-blocking copy from pinned memory, is neither).
+``torch.as_tensor`` and indexing a tensor with a Python list (``hfaccel.device.to_device``, a non-blocking copy from
+pinned memory, is neither).
 
 Code that works on host tensors by design (:func:`host_side`) is not counted: its reads never wait for the device.
 """
