@@ -302,10 +302,33 @@ def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     return generation_config._pad_token_tensor
 
 
-# ---- RoPE and compiled steps: before 5.19 the models' rotary embedding took its frequencies from a transposed matmul,
-# whose concatenation inductor decomposes with a guard on the token count being 1: a decode step compiled at one
-# token specialises on it, so batch 1 gets a graph of its own (5.19 multiplies positions by the frequencies) ----
-ROPE_SPECIALISES_ONE_TOKEN = TRANSFORMERS_VERSION < Version("5.19.0")
+# ---- compiled steps: one graph for every batch size ----
+def inductor_backend(graph: torch.fx.GraphModule, example_inputs) -> Callable:
+    """torch.compile's inductor, given a graph in which no ``cat`` repeats a tensor (:func:`_distinct_cat_inputs`).
+    Inductor decomposes a cat of one tensor repeated into unsqueeze-expand-flatten, and flattening the expanded view
+    of a transposed tensor guards on its size being 1: transformers < 5.19's RoPE concatenates its transposed
+    frequencies with themselves, so a step traced at one token recompiled at two (and back). A cat of distinct
+    inputs is lowered by inductor's own ``cat``, with no guard. (A decomposition table of our own would do the same
+    but makes inductor's graphs uncacheable.)"""
+    from torch._inductor.compile_fx import compile_fx
+
+    _distinct_cat_inputs(graph)
+    return compile_fx(graph, example_inputs)
+
+
+def _distinct_cat_inputs(graph: torch.fx.GraphModule) -> None:
+    """Give every repeat of a tensor in a ``torch.cat`` of dynamo's graph an alias of its own (``view_as``)."""
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.cat or not isinstance(node.args[0], (list, tuple)):
+            continue
+        inputs, seen = list(node.args[0]), set()
+        for i, tensor in enumerate(inputs):
+            if tensor in seen:
+                with graph.graph.inserting_before(node):
+                    inputs[i] = graph.graph.call_function(torch.Tensor.view_as, (tensor, tensor))
+            seen.add(tensor)
+        node.args = (inputs, *node.args[1:])
+    graph.recompile()
 
 
 def marked_sizes_only():

@@ -27,10 +27,10 @@ With ``compile=True`` the step (slot arithmetic, the model's forward, the increm
 the dimensions that vary are symbolic, on purpose (:func:`mark_step_dynamic`): the batch (rows, tokens) and the
 pool's block count — the weights, the block tables' width (``max_model_len``) and every other dimension stay
 static, and while the step traces duck sizing is off (a batch size equal to another dimension never ties the two)
-and sizes 1 are not specialised (:func:`hfaccel.compat.marked_sizes_only`). One compiled graph then serves every
-batch size of a mode, batch 1 included (on transformers < 5.19 batch 1 gets its own:
-``compat.ROPE_SPECIALISES_ONE_TOKEN``), and a pool that grows. With ``capture`` (CUDA) each (size, mode) is
-captured as a CUDA graph from that compiled step after one warm-up run (Triton and inductor compile there), so a
+and sizes 1 are not specialised (:func:`hfaccel.compat.marked_sizes_only`); no cat repeats a tensor (RoPE's
+did: inductor's rewrite of it guards on one token, :func:`hfaccel.compat.inductor_backend`). One compiled graph
+then serves every batch size of a mode, batch 1 included, and a pool that grows. With ``capture`` (CUDA) each
+(size, mode) is captured as a CUDA graph from that compiled step after one warm-up run (Triton and inductor compile there), so a
 step costs one graph launch; a size whose capture fails runs eagerly with its reason in
 :attr:`DecodeGraphs.capture_failures`, the other sizes stay captured. The paged kernel's launch is fixed at capture
 from ``max_model_len``; per-sequence work follows the device-side lengths. Without CUDA the same static step runs
@@ -121,10 +121,8 @@ class DecodeGraphs:
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
         # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
         # serves every batch size and pool size; each size is then captured as its own CUDA graph
-        self._step_fn = torch.compile(_own_code(static_step), fullgraph=True, dynamic=None) if compile \
-            else static_step
-        self._draw_fn = torch.compile(_own_code(draw_step), fullgraph=True, dynamic=None) if compile and draws \
-            else draw_step
+        self._step_fn = _compiled_function(static_step) if compile else static_step
+        self._draw_fn = _compiled_function(draw_step) if compile and draws else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
         self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
@@ -429,6 +427,12 @@ def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
     """Mark a draw's rows (``logits [R, V]``, ``columns [C, R]``) dynamic for torch.compile, the rest static."""
     torch._dynamo.maybe_mark_dynamic(logits, 0)
     torch._dynamo.maybe_mark_dynamic(columns, 1)
+
+
+def _compiled_function(function):
+    """``function`` under ``torch.compile(fullgraph=True)`` (inductor, :func:`hfaccel.compat.inductor_backend`), from
+    a code object of its own; static except the dimensions marked dynamic before each call."""
+    return torch.compile(_own_code(function), fullgraph=True, dynamic=None, backend=compat.inductor_backend)
 
 
 def _own_code(function):

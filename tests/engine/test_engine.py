@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import hfaccel
-from hfaccel import compat
 from hfaccel.engine import Engine, SamplingParams
 from tests.devices import DEVICE
 from tests.models import ARCHITECTURES, char_tokenizer, tiny_model
@@ -363,8 +362,7 @@ def test_the_engine_compiles_its_decode_steps_when_it_is_built():
     before = counters["stats"]["unique_graphs"]
     engine = Engine(model, max_num_seqs=6, num_blocks=60, block_size=4, cuda_graphs=True, compile=True)
     built = counters["stats"]["unique_graphs"]
-    # one graph for every size, batch 1 included (its own where RoPE specialises it); one for the draw
-    assert built - before == 2 + compat.ROPE_SPECIALISES_ONE_TOKEN
+    assert built - before == 2  # one graph for every size, batch 1 included; one for the draw
     assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
     seeded = [SamplingParams(max_tokens=5, temperature=1.3, top_p=0.9, seed=i, ignore_eos=True) for i in range(6)]
     uncompiled = Engine(model, max_num_seqs=6, num_blocks=60, block_size=4, cuda_graphs=True, compile=False)

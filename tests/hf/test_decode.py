@@ -275,8 +275,8 @@ def test_compiled_decode_steps_equal_eager_ones(arch):
 @pytest.mark.slow
 def test_one_compiled_step_serves_every_batch_size_context_and_pool_size():
     """generate() at batch 1, 2, 3, 5, 9 and 17, a long prompt and a pool that has to grow: the decode step is
-    compiled once per model — one graph for every size, batch 1 included (its own on transformers < 5.19, whose RoPE
-    specialises a one-token step) — and neither a new batch size, a longer context nor a larger pool compiles
+    compiled once per model — one graph for every size, batch 1 included, on every supported transformers — and
+    neither a new batch size, a longer context nor a larger pool compiles
     again."""
     from torch._dynamo.utils import counters
 
@@ -292,7 +292,7 @@ def test_one_compiled_step_serves_every_batch_size_context_and_pool_size():
     assert torch.equal(got, expected) and str(model.hfaccel.decode) == "hfaccel"
     assert model.hfaccel.session.runner.pool.num_blocks > blocks  # the pool grew under the same step
     assert model.hfaccel.session.runner.graphs.compiled
-    assert counters["stats"]["unique_graphs"] - before == 1 + compat.ROPE_SPECIALISES_ONE_TOKEN
+    assert counters["stats"]["unique_graphs"] - before == 1
 
 
 def _plain_generate(model, batch: dict, **kwargs) -> torch.Tensor:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 import hfaccel
-from hfaccel import compat
 from hfaccel.engine import Engine, SamplingParams
 from tests.lora.adapters import NEW_TOKENS, PROMPTS, greedy_tokens, save_adapter
 from tests.models import tiny_model
@@ -29,9 +28,7 @@ def test_the_compiled_step_serves_mixed_adapters_exactly(tmp_path):
     engine = Engine(model, lora_adapters=paths, max_lora_rank=16, max_num_seqs=2, num_blocks=64, block_size=4,
                     cuda_graphs=True, compile=True)
     built = counters["stats"]["unique_graphs"]
-    # one graph for every size without LoRA, one with (each with its batch-1 graph where RoPE specialises it), one for
-    # the draw
-    assert built - before == 3 + 2 * compat.ROPE_SPECIALISES_ONE_TOKEN
+    assert built - before == 3  # one graph for every size without LoRA, one with, one for the draw
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     for names in (["r8", "r16"], [None, "r8"], [None, None], ["r16", "r16"]):
         outs = engine.generate(PROMPTS[:2], greedy, lora=names)

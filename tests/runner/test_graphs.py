@@ -38,3 +38,29 @@ def test_compiled_decode_mode_equals_eager_at_every_batch_size(arch):
     for want, have, have_again in zip(expected, got, again):
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(have_again, want, atol=1e-5, rtol=1e-5)
+
+
+def _rope_frequencies(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """transformers < 5.19's RoPE: frequencies from a transposed matmul, concatenated with themselves."""
+    freqs = (inv_freq[None, :, None] @ positions[None, None, :].float()).transpose(1, 2)  # [1, T, D/2]
+    return torch.cat((freqs, freqs), dim=-1).cos()  # [1, T, D]
+
+
+def test_the_steps_backend_serves_one_token_and_many_with_one_graph():
+    """Inductor's rewrite of a cat that repeats one tensor guards on a size of 1; the decode step's backend gives the
+    repeats aliases of their own, so a step traced at one token serves two (and back) without compiling again, with
+    inductor's results."""
+    from torch._dynamo.utils import counters
+
+    from hfaccel import compat
+
+    compiled = torch.compile(_rope_frequencies, fullgraph=True, dynamic=None, backend=compat.inductor_backend)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)  # [4]
+    before = counters["stats"]["unique_graphs"]
+    for tokens in (1, 2, 7, 1):
+        positions = torch.arange(3, 3 + tokens)
+        torch._dynamo.mark_dynamic(positions, 0)
+        with compat.marked_sizes_only():
+            got = compiled(positions, inv_freq)
+        torch.testing.assert_close(got, _rope_frequencies(positions, inv_freq), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1
