@@ -30,8 +30,8 @@ static, and while the step traces duck sizing is off (a batch size equal to anot
 and sizes 1 are not specialised (:func:`hfaccel.compat.marked_sizes_only`); no cat repeats a tensor (RoPE's
 did: inductor's rewrite of it guards on one token, :func:`hfaccel.compat.inductor_backend`). One compiled graph
 then serves every batch size of a mode, batch 1 included, and a pool that grows. With ``capture`` (CUDA) each
-(size, mode) is captured as a CUDA graph from that compiled step after one warm-up run (Triton and inductor compile there), so a
-step costs one graph launch; a size whose capture fails runs eagerly with its reason in
+(size, mode) is captured as a CUDA graph from that compiled step after one warm-up run (Triton and inductor
+compile there), so a step costs one graph launch; a size whose capture fails runs eagerly with its reason in
 :attr:`DecodeGraphs.capture_failures`, the other sizes stay captured. The paged kernel's launch is fixed at capture
 from ``max_model_len``; per-sequence work follows the device-side lengths. Without CUDA the same static step runs
 uncaptured, which is what the CPU tests check.
