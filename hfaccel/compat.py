@@ -302,6 +302,19 @@ def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     return generation_config._pad_token_tensor
 
 
+# ---- transformers' static cache + compile on any device: ``CompileConfig._compile_all_devices`` (private; otherwise
+# generate() compiles its forward on cuda / xpu only) ----
+def compile_config_on_every_device():
+    """A ``CompileConfig`` under which ``generate()`` with a static cache compiles its decode forward on whatever
+    device the model is on (the CPU included): fullgraph, static shapes, inductor's default mode (its
+    "reduce-overhead" adds CUDA graphs, which a CPU has not)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    config._compile_all_devices = True
+    return config
+
+
 # ---- compiled steps: one graph for every batch size ----
 def inductor_backend(graph: torch.fx.GraphModule, example_inputs) -> Callable:
     """torch.compile's inductor, given a graph in which no ``cat`` repeats a tensor (:func:`_distinct_cat_inputs`).

@@ -26,6 +26,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def recompile_limit_per_model():
+    """transformers compiles every model's ``__call__`` (one code object) for its static-cache path, so the models of
+    a process share dynamo's recompile limit (8 graphs): give a test among a worker's many models the room one model
+    has in a user's process."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     """Keep this run's part of the suite (``HFACCEL_TEST_PART=k/n``: whole test files, balanced by their number of
     tests), then start the long tests first so that parallel workers finish together."""

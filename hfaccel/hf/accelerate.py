@@ -84,7 +84,11 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
             still through hfaccel's kernels).
         compile: compile the decode step with ``torch.compile`` (inductor fuses the glue between hfaccel's
             kernels) — ``"auto"``: on CUDA; ``True``: on every device; ``False``: never (on CUDA the steps are
-            still captured as CUDA graphs). The first call per batch / context bucket compiles.
+            still captured as CUDA graphs). The first call compiles (one graph serves every batch size). Where
+            transformers' loop is the faster path (``auto`` attention without Triton: the CPU, MPS), ``True``
+            runs it over transformers' static cache with the decode forward compiled (its own
+            ``cache_implementation="static"`` + compile, on every device, the cache sized by powers of two; a new
+            batch size or a request past the cache compiles again), unless the call chose a cache, a compile config or ``disable_compile``.
         quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
             ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
         merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a

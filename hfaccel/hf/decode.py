@@ -68,6 +68,8 @@ class DecodeSession:
         self.lock = threading.Lock()  # one call at a time runs the loop; a concurrent one runs transformers'
         self.speculative = None  # SpeculativeRunners of assisted generate() calls (made on the first)
         self._logged: set[str] = set()  # the reasons of transformers' loop already logged for this model
+        # why transformers' static cache + compiled forward (compile=True where its loop is faster) failed, if it did
+        self.static_compile_failure: str | None = None
         # a model transformers sharded with tp_plan: every rank runs this loop in lockstep (the same calls, the same
         # forwards, its own pool of its local KV heads), and each step's tokens are the leader's
         self.tp = tensor_parallel(model)

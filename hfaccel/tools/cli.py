@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate with plain transformers and with hfaccel; compare text and speed")
     _model_args(demo)
     demo.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: two examples")
+    demo.add_argument("--compile", default="auto", choices=("auto", "true", "false"),
+                      help="accelerate(compile=...): auto compiles on CUDA; true on every device (on a CPU: "
+                           "transformers' static cache and compiled forward, after a first call that compiles)")
 
     generate = sub.add_parser("generate", help="generate text with an accelerated model")
     _model_args(generate)
@@ -144,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from hfaccel.tools.demo import run_demo
 
-        run_demo(args.model, args.prompt, args.max_new_tokens, args.device, args.dtype, args.attention)
+        compile = {"auto": "auto", "true": True, "false": False}[args.compile]
+        run_demo(args.model, args.prompt, args.max_new_tokens, args.device, args.dtype, args.attention,
+                 compile=compile)
     elif args.command == "generate":
         _generate(args)
     elif args.command == "quantize":

@@ -54,9 +54,10 @@ def _sync(tensor: torch.Tensor) -> None:
 
 def run_demo(model_name: str | None = None, prompts: list[str] | None = None, max_new_tokens: int = 48,
              device: str = "auto", dtype: str = "auto", attention: str = "auto", rounds: int = ROUNDS,
-             console: Console | None = None) -> tuple[Run, Run]:
-    """Generate with plain transformers and with ``hfaccel.accelerate(model)``, interleaved over ``rounds`` rounds
-    (each path's fastest run counts); print both texts, the speeds and the paths that served hfaccel's calls."""
+             console: Console | None = None, compile: bool | str = "auto") -> tuple[Run, Run]:
+    """Generate with plain transformers and with ``hfaccel.accelerate(model, attention=..., compile=...)``,
+    interleaved over ``rounds`` rounds (each path's fastest run counts: not a first call's compiling); print both
+    texts, the speeds and the paths that served hfaccel's calls."""
     console = console or Console()
     torch_device = pick_device(device)
     model, tokenizer = load(model_name, torch_device, pick_dtype(dtype, torch_device), console)
@@ -66,14 +67,14 @@ def run_demo(model_name: str | None = None, prompts: list[str] | None = None, ma
         for round_ in range(rounds):
             for accelerated in (False, True) if round_ % 2 == 0 else (True, False):  # A B, B A, ...: no order wins
                 if accelerated:
-                    hfaccel.accelerate(model, attention=attention)
+                    hfaccel.accelerate(model, attention=attention, compile=compile)
                     label = f"hfaccel ({_backend_label(model)})"
                 else:
                     hfaccel.restore(model)
                     label = "transformers (sdpa)"
                 runs[accelerated].append(timed_generate(model, tokenizer, batch, max_new_tokens, label))
     if not hasattr(model, "hfaccel"):
-        hfaccel.accelerate(model, attention=attention)  # restored last: accelerated again for the report
+        hfaccel.accelerate(model, attention=attention, compile=compile)  # restored last: accelerated again for the report
     plain, accelerated = (min(runs[key], key=lambda run: run.seconds) for key in (False, True))
     _print(console, list(prompts or DEFAULT_PROMPTS), plain, accelerated, model)
     return plain, accelerated
@@ -87,7 +88,8 @@ def _backend_label(model) -> str:
         return "not accelerated"
     device = next(model.parameters()).device
     if info.attention == "auto" and resolve_backend("auto", device) == "torch":
-        return f"transformers' sdpa and loop on {device.type}"
+        compiled = ", static cache, compiled forward" if info.compile is True else ""
+        return f"transformers' sdpa and loop on {device.type}{compiled}"
     return f"{resolve_backend(info.attention, device)} kernels on {device.type}"
 
 

@@ -31,6 +31,14 @@ def test_demo_on_a_local_model(model_dir, capsys):
     assert "served by: decode loop hfaccel; attention" in out
 
 
+def test_demo_with_compile_on_a_cpu(model_dir, capsys, monkeypatch, recompile_limit_per_model):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU as a user has it
+    assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--max-new-tokens", "6",
+                 "--compile", "true"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "identical" in out and "compile=True: its static cache and compiled forward" in out, out
+
+
 def test_generate_prints_text(model_dir, capsys):
     assert main(["generate", "--model", str(model_dir), "--max-new-tokens", "4", "a b c"]) == 0
     assert capsys.readouterr().out.strip()
@@ -44,7 +52,8 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
                  "--output", str(output)]) == 0
     results = json.loads(output.read_text())
     assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
-    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel compile=False"}
+    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel compile=False",
+                                                          "hfaccel compile=True"}
     assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 and row["read_gb_per_s"] > 0
                and row["num_splits"] >= 1 for row in results["paged"])
     memory = {row["cache"]: row["bytes"] for row in results["memory"]}

@@ -4,7 +4,8 @@ real config with random weights (speed does not depend on the weights' values) o
 - transformers sdpa (its eager loop and DynamicCache),
 - transformers static cache + torch.compile (its own fast path; CUDA only),
 - ``hfaccel.accelerate(model)`` (the default: hfaccel's decode loop, compiled and captured steps on CUDA),
-- ``hfaccel.accelerate(model, compile=False)``.
+- ``hfaccel.accelerate(model, compile=False)``,
+- off CUDA, ``hfaccel.accelerate(model, compile=True)`` (there: transformers' static cache and compiled forward).
 
 A second table gives the sampler's share of hfaccel's decode step (``sampling.sample`` on the model's vocabulary at
 each batch size: greedy rows, and seeded rows at temperature 1 with top-p 0.9, keyed noise over the vocabulary;
@@ -82,7 +83,8 @@ def decode_paths(device: torch.device) -> list[str]:
     paths = ["transformers sdpa"]
     if device.type == "cuda":
         paths.append(BASELINE)
-    return paths + ["hfaccel", "hfaccel compile=False"]
+    # off CUDA the default does not compile; compile=True there runs transformers' static cache and compiled forward
+    return paths + ["hfaccel", "hfaccel compile=False"] + ([] if device.type == "cuda" else ["hfaccel compile=True"])
 
 
 def _prepare(model, path: str) -> dict:
@@ -94,6 +96,8 @@ def _prepare(model, path: str) -> dict:
         accelerate(model)
     elif path == "hfaccel compile=False":
         accelerate(model, compile=False)
+    elif path == "hfaccel compile=True":
+        accelerate(model, compile=True)
     elif path == BASELINE:
         return dict(cache_implementation="static", compile_config=CompileConfig())
     return {}
