@@ -35,8 +35,6 @@ def test_compile_on_a_cpu_serves_transformers_compiled_static_path_with_its_toke
     decode = model.hfaccel.decode
     assert decode.path == "transformers" and "faster path on cpu" in decode.reason and COMPILED in decode.reason
     assert counters["stats"]["unique_graphs"] > before  # the decode forward was compiled, not run eagerly
-    single = {key: value[:1] for key, value in batch.items()}
-    assert torch.equal(model.generate(**single, **GREEDY), type(model).generate(model, **single, **GREEDY))
 
 
 def test_longer_requests_within_the_cache_bucket_compile_nothing_more(no_triton, recompile_limit_per_model):
