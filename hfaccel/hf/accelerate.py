@@ -88,7 +88,8 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
             transformers' loop is the faster path (``auto`` attention without Triton: the CPU, MPS), ``True``
             runs it over transformers' static cache with the decode forward compiled (its own
             ``cache_implementation="static"`` + compile, on every device, the cache sized by powers of two; a new
-            batch size or a request past the cache compiles again), unless the call chose a cache, a compile config or ``disable_compile``.
+            batch size or a request past the cache compiles again), unless the call chose a cache, a compile
+            config or ``disable_compile``.
         quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
             ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
         merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a

@@ -23,7 +23,7 @@ from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
-from hfaccel.runner.graphs import context_bucket
+from hfaccel.runner.graphs import context_bucket, failure_reason
 from hfaccel.sampling import token_ids
 
 _log = logging.getLogger("hfaccel")
@@ -109,9 +109,9 @@ def _transformers_is_faster(model) -> str | None:
     """Why transformers' own loop and cache serve this model's calls as the faster path, or None. Where hfaccel's
     kernels do not run (the CPU without Triton, MPS), ``auto`` attention is transformers' SDPA and transformers'
     loop over its DynamicCache was measured faster than hfaccel's decode loop over the paged pool (SmolLM2-135M fp32
-    on a 2-core CPU: 0.78x at batch 1, 0.81x at a padded batch of 4; hfaccel's compiled step, 0.49x against
-    transformers' static cache + compiled forward at 1.13x: :func:`_compiled_static_cache`), so it serves them; the
-    ``torch`` backend keeps hfaccel's loop (the reference kernels, for checking)."""
+    on a 2-core CPU: 0.78x at batch 1, 0.81x at a padded batch of 4; hfaccel's compiled step, 0.49x, where
+    transformers' static cache + compiled forward gives 1.04-1.12x: :func:`_compiled_static_cache`), so it serves
+    them; the ``torch`` backend keeps hfaccel's loop (the reference kernels, for checking)."""
     device = model_device(model)
     if model.hfaccel.attention != "auto" or resolve_backend("auto", device) != "torch":
         return None
@@ -124,21 +124,18 @@ def _generate_where_transformers_is_faster(model, generate: Callable, args: tupl
     later calls eagerly, with its reason in ``model.hfaccel.decode`` and one warning."""
     session = model.hfaccel.session
     compiled = _compiled_static_cache(model, kwargs, request_shape(model, args, kwargs))
-    if compiled is None:
-        failed = f"; compile=True could not compile ({session.static_compile_failure})" \
-            if session.static_compile_failure else ""
-        session.served_by_transformers_by_choice(reason + failed)
-        return generate(*args, **kwargs)
-    session.served_by_transformers_by_choice(f"{reason}; compile=True: its static cache and compiled forward")
-    try:
-        return generate(*args, **compiled)
-    except compat.compile_errors() as error:
-        session.static_compile_failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
-        _log.warning("hfaccel: torch.compile could not compile %s's forward (%s); generate() runs it uncompiled",
-                     type(model).__name__, session.static_compile_failure)
-        session.served_by_transformers_by_choice(
-            f"{reason}; compile=True could not compile ({session.static_compile_failure})")
-        return generate(*args, **kwargs)
+    if compiled is not None:
+        session.served_by_transformers_by_choice(f"{reason}; compile=True: its static cache and compiled forward")
+        try:
+            return generate(*args, **compiled)
+        except compat.compile_errors() as error:
+            session.static_compile_failure = failure_reason(error)
+            _log.warning("hfaccel: torch.compile could not compile %s's forward (%s); generate() runs it uncompiled",
+                         type(model).__name__, session.static_compile_failure)
+    if session.static_compile_failure:
+        reason += f"; compile=True could not compile ({session.static_compile_failure})"
+    session.served_by_transformers_by_choice(reason)
+    return generate(*args, **kwargs)
 
 
 def _compiled_static_cache(model, kwargs: dict, shape: tuple[int, int] | None) -> dict | None:
@@ -147,9 +144,9 @@ def _compiled_static_cache(model, kwargs: dict, shape: tuple[int, int] | None) -
     cache sized for the power of two that holds the request (>= 256 tokens; the caller's ``max_cache_len`` if
     larger), so that most longer requests reuse the cache and its compiled graph; None when the caller chose a
     cache, a cache implementation, a compile config or ``disable_compile``, streams (a failed compile could not be
-    taken back), or compiling failed before. Measured on a 2-core CPU (SmolLM2-135M fp32): 1.13x eager
-    transformers at batch 1 and at a padded batch of 4, the same tokens, after a first call that compiles (~40 s);
-    a new batch size or a request past the cache compiles again (static shapes)."""
+    taken back), or compiling failed before. ``hfaccel demo --device cpu --compile true`` on a 2-core CPU
+    (SmolLM2-135M fp32): 1.04-1.12x eager transformers at batch 1 to 4, the same text, after a first call that
+    compiles (~40 s; docs/benchmarks.md); a new batch size or a request past the cache compiles again."""
     config = kwargs.get("generation_config") or model.generation_config
     chosen = (compat.given_cache(kwargs), _cache_implementation(model, kwargs), kwargs.get("streamer"),
               kwargs.get("compile_config", getattr(config, "compile_config", None)))

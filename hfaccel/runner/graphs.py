@@ -327,7 +327,7 @@ class DecodeGraphs:
             with compat.marked_sizes_only():
                 return function(*args)
         except compat.compile_errors() as error:
-            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+            reason = failure_reason(error)
             _log.warning("hfaccel: torch.compile could not compile the decode step%s (%s); %s uncompiled",
                          "" if is_step else "'s draw", reason, "decode steps run" if is_step else "it runs")
             if is_step:
@@ -370,7 +370,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._memory_pool):
                 captured = self._step(size, advance, lora, draw)
         except Exception as error:  # a forward that cannot be captured at this size: eager here, say why
-            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
+            reason = failure_reason(error)
         if self.agree is not None and not self.agree(reason is None) and reason is None:
             reason = "another tensor-parallel rank could not capture this size"  # none replays: collectives pair up
         if reason is not None:
@@ -427,6 +427,12 @@ def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
     """Mark a draw's rows (``logits [R, V]``, ``columns [C, R]``) dynamic for torch.compile, the rest static."""
     torch._dynamo.maybe_mark_dynamic(logits, 0)
     torch._dynamo.maybe_mark_dynamic(columns, 1)
+
+
+def failure_reason(error: BaseException) -> str:
+    """A fallback's reason in one line: the error's type and the first line of its message (at most 300 chars)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
 def _compiled_function(function):

@@ -74,7 +74,8 @@ def run_demo(model_name: str | None = None, prompts: list[str] | None = None, ma
                     label = "transformers (sdpa)"
                 runs[accelerated].append(timed_generate(model, tokenizer, batch, max_new_tokens, label))
     if not hasattr(model, "hfaccel"):
-        hfaccel.accelerate(model, attention=attention, compile=compile)  # restored last: accelerated again for the report
+        # restored last: accelerated again for the report
+        hfaccel.accelerate(model, attention=attention, compile=compile)
     plain, accelerated = (min(runs[key], key=lambda run: run.seconds) for key in (False, True))
     _print(console, list(prompts or DEFAULT_PROMPTS), plain, accelerated, model)
     return plain, accelerated
