@@ -117,9 +117,6 @@ def _rank_main(index: int, size: int, port: int, target: Callable, args: tuple) 
     if index > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops the others
     target(*args)
-    if dist.is_initialized():  # every rank done, then the group torn down before exit: a group (rank 0 hosts its
-        dist.barrier()  # store) left to the interpreter's exit aborted a rank now and then ("terminate called")
-        dist.destroy_process_group()
 
 
 def _stop_leader(context) -> None:
