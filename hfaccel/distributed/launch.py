@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,18 @@ def _rank_main(index: int, size: int, port: int, target: Callable, args: tuple) 
     if index > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops the others
     target(*args)
+    end_rank()
+
+
+def end_rank() -> NoReturn:
+    """End this rank's process, its work done (exit status 0): its output flushed, then ``os._exit`` — no
+    interpreter finalization, no ``atexit`` handlers. A process group's native threads outlive the Python calls that
+    used them (gloo's workers drop a collective's tensors after its waiter has returned; the group lives as long as
+    the model's device mesh holds it), and a native thread that asks for the GIL while the interpreter finalizes is
+    ended mid-unwind: SIGABRT, "terminate called without an active exception", after every result was written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _stop_leader(context) -> None:

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from hfaccel.distributed.launch import end_rank
+
 
 def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.0, workdir: Path) -> list:
     """``target(*args)`` on ``world_size`` ranks (``torch.distributed`` initialized, gloo); each rank's return
@@ -58,9 +60,7 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: Path, target: Cal
     except BaseException:
         (workdir / f"rank{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    end_rank()  # no interpreter finalization: it could abort a rank whose result is written
 
 
 def _error_of(workdir: Path, rank: int) -> str:
