@@ -123,7 +123,7 @@ def _generate_where_transformers_is_faster(model, generate: Callable, args: tupl
     compiled decode forward (:func:`_compiled_static_cache`). A compile failure runs the call again eagerly, and
     later calls eagerly, with its reason in ``model.hfaccel.decode`` and one warning."""
     session = model.hfaccel.session
-    compiled = _compiled_static_cache(model, kwargs, request_shape(model, args, kwargs))
+    compiled = _compiled_static_cache(model, args, kwargs)
     if compiled is not None:
         session.served_by_transformers_by_choice(f"{reason}; compile=True: its static cache and compiled forward")
         try:
@@ -138,7 +138,7 @@ def _generate_where_transformers_is_faster(model, generate: Callable, args: tupl
     return generate(*args, **kwargs)
 
 
-def _compiled_static_cache(model, kwargs: dict, shape: tuple[int, int] | None) -> dict | None:
+def _compiled_static_cache(model, args: tuple, kwargs: dict) -> dict | None:
     """With ``compile=True`` where transformers' loop is the faster path: ``kwargs`` asking for transformers' own
     static cache and compiled decode forward (``cache_implementation="static"`` + compile, on every device), the
     cache sized for the power of two that holds the request (>= 256 tokens; the caller's ``max_cache_len`` if
@@ -155,6 +155,7 @@ def _compiled_static_cache(model, kwargs: dict, shape: tuple[int, int] | None) -
             or any(choice is not None for choice in chosen):
         return None
     compiled = {**kwargs, "cache_implementation": "static", "compile_config": compat.compile_config_on_every_device()}
+    shape = request_shape(model, args, kwargs)
     if shape is not None:
         wanted = kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)) or 0
         compiled["max_cache_len"] = max(wanted, context_bucket(shape[1], whole=False, model=model))
