@@ -369,6 +369,30 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     return (exc.TorchDynamoException, *limit_hit)
 
 
+# ---- a long cumsum in a compiled step: inductor's split scan (torch < 2.13) ----
+SPLIT_SCAN_FAILS = Version(torch.__version__).release < (2, 13)
+
+
+@torch.library.custom_op("hfaccel::cumsum", mutates_args=())
+def opaque_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.cumsum(x, dim)`` of a float tensor as an op inductor calls rather than generates (contiguous out)."""
+    return torch.cumsum(x.contiguous(), dim)
+
+
+@opaque_cumsum.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.cumsum(x, dim)`` of a float tensor, fit for a compiled step on every torch: before 2.13, inductor turns
+    a scan of more than 128 elements over few rows into a split-scan kernel whose code generation fails when the
+    scan's input reads a per-row value (``x / row_sum[:, None]``): "list indices must be integers or slices, not
+    NoneType" (pytorch#180221, fixed by #180369 in 2.13). On an H200 under torch 2.11 the engine's draw (top-p over
+    a 128k vocabulary) ran uncompiled so; there the cumsum is an opaque op (:func:`opaque_cumsum`) instead."""
+    return opaque_cumsum(x, dim) if SPLIT_SCAN_FAILS else torch.cumsum(x, dim)
+
+
 # ---- tensor parallelism: a model loaded with ``tp_plan="auto"`` (``DistributedConfig`` from 5.18) ----
 # Colwise plans of these projections split the attention's KV heads across the ranks (transformers' own list, in
 # ``get_kv_heads_per_rank`` from 5.24).

@@ -494,9 +494,12 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
                           sliding_window)  # [S, Q, L]
     rows = q.reshape(num_seqs, heads_kv, group * num_q, head_dim)  # [S, Hkv, G * Q, D]: a KV head's query rows
     row_visible = visible[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G * Q, L]
-    if softcap is None:  # SDPA returns zeros for a row that sees no key, as the kernel does (torch >= 2.5)
+    if softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=row_visible,
                                                                scale=scale)
+        # a row that sees no key is zeros, as the kernel gives: SDPA's math backend (the CPU's) returns zeros there,
+        # but CUDA's memory-efficient backend (16-bit) averages every value (seen on an H200, torch 2.11)
+        out = torch.where(row_visible.any(-1, keepdim=True), out, 0.0)
     else:
         out = _softcapped_attention(rows, keys, values, row_visible, scale, softcap)
     out = out.view(num_seqs, heads_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4)  # [S, Q, Hkv, G, D]

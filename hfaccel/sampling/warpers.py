@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hfaccel import compat
 from hfaccel.device import to_device
 from hfaccel.sampling.params import SamplingParams
 
@@ -69,7 +70,7 @@ def keep_mask(sorted_probs: torch.Tensor, warping: Warping) -> torch.Tensor:
     keep = sorted_probs >= kth  # top-k, ties with the k-th included
     in_top_k = sorted_probs * keep
     in_top_k = in_top_k / in_top_k.sum(-1, keepdim=True)
-    before = in_top_k.cumsum(-1) - in_top_k  # mass of the more likely tokens, within top-k
+    before = compat.cumsum(in_top_k, -1) - in_top_k  # mass of the more likely tokens, within top-k
     keep &= (before < warping.top_p[:, None]) & (sorted_probs >= warping.min_p[:, None] * sorted_probs[:, :1])
     # the most likely token survives (an or with a column mask, not a write into the first column: in a compiled
     # step that write specialises the batch size on 1)

@@ -9,7 +9,7 @@ from hfaccel.kernels import flash_attention, flash_attention_reference
 from hfaccel.kernels.flash_attention import (
     FlashConfig, candidate_configs, default_config, pick_config, sdpa_preferred, visibility_mask,
 )
-from tests.devices import on_device
+from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
 
 flash_module = importlib.import_module("hfaccel.kernels.flash_attention")
@@ -184,13 +184,14 @@ def test_whole_block_loop_with_small_tiles(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_tma_descriptors_match_reference(dtype):
-    """K/V through TMA descriptors (emulated by the interpreter): transformers' layout ([B, S, H, D] storage seen as
-    [B, H, S, D]), head dim 80 under a 128-wide box (zeros past the end), keys past the sequence end (zeros)."""
+    """K/V through TMA descriptors (real ones on a GPU, emulated by the interpreter on the CPU): transformers'
+    layout ([B, S, H, D] storage seen as [B, H, S, D]), head dim 80 under a 128-wide box (zeros past the end), keys
+    past the sequence end (zeros)."""
     config = FlashConfig(32, 16, 4, 2, tma=True)
     q = torch.randn(2, 37, 6, 80).to(dtype).transpose(1, 2)
     k = torch.randn(2, 53, 2, 80).to(dtype).transpose(1, 2)
     v = torch.randn(2, 53, 2, 80).to(dtype).transpose(1, 2)
-    k_arg, v_arg = flash_module._kv_arguments(k, v, config, 128)
+    k_arg, v_arg = flash_module._kv_arguments(k.to(DEVICE), v.to(DEVICE), config, 128)
     assert not isinstance(k_arg, torch.Tensor) and not isinstance(v_arg, torch.Tensor)
     _check(q, k, v, q_offset=16, config=config, key_mask=_left_padding(2, 53, (0, 9)), sliding_window=21)
 

@@ -188,12 +188,21 @@ def test_the_in_step_draw_picks_the_samplers_tokens():
         assert got.tolist()[len(rows):] == logits[len(rows):].argmax(-1).tolist()
 
 
-def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host():
+@pytest.mark.parametrize("split_scan_fails", [False, True], ids=["torch-cumsum", "opaque-cumsum"])
+def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host(monkeypatch, split_scan_fails):
     """The draw a captured step ends with: no host read or upload, one fullgraph compile over every batch size
-    (inductor, as the compiled decode step runs it), the eager tokens for greedy and seeded rows."""
+    (inductor, as the compiled decode step runs it), the eager tokens for greedy and seeded rows; also with the
+    top-p cumsum as the opaque op torch < 2.13 compiles it through (``compat.cumsum``)."""
     from torch._dynamo.utils import counters
 
     from hfaccel import compat
+
+    monkeypatch.setattr(compat, "SPLIT_SCAN_FAILS", split_scan_fails)
+    targets = []
+
+    def inductor(graph, example_inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes)
+        return compat.inductor_backend(graph, example_inputs)
 
     rows = _step_rows()
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(5))
@@ -202,7 +211,7 @@ def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host():
     with HostReads() as waits:
         eager = sampler_module.draw_step(logits, columns[:, :len(rows)])
     assert waits.reads == [] and waits.uploads == []
-    compiled = torch.compile(sampler_module.draw_step, fullgraph=True, dynamic=None)
+    compiled = torch.compile(sampler_module.draw_step, fullgraph=True, dynamic=None, backend=inductor)
     before = counters["stats"]["unique_graphs"]
     for size in (len(rows), 1, 3):
         rows_logits, rows_columns = logits[:size], columns[:, :size]
@@ -212,6 +221,7 @@ def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host():
             got = compiled(rows_logits, rows_columns)
         assert got.tolist() == eager[:size].tolist()
     assert counters["stats"]["unique_graphs"] - before == 1
+    assert ("hfaccel.cumsum.default" in targets) == split_scan_fails
 
 
 def test_unseeded_in_step_draws_follow_the_warped_distribution():

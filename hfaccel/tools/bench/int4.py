@@ -3,11 +3,13 @@
 - Kernel: the routed ``w4a16_matmul`` against cuBLAS (``F.linear`` on the dense weight) and against the
   dequantize + cuBLAS path, at Llama-3.1-8B Linear shapes (K x N = 4096 x 4096, 4096 x 14336, 14336 x 4096,
   4096 x 128256) for M = 1, 4, 16, 64, 256, 1024: microseconds, ratios, GB/s of int4 weights (packed words,
-  scales, zeros) read and their share of the measured read bandwidth. do_bench flushes the L2 cache before
-  each call, so weights come from HBM as in a decode step. On a CPU without Triton the int4 column is what
-  ``Int4Linear`` serves there: torch's int4 CPU kernel on the weight repacked once (``int4pack``, bf16); the
-  dequant column is the torch reference (dequantize every call, fp32 matmul), the path it replaced, and the
-  cuBLAS column the dense ``F.linear``.
+  scales, zeros) read and their share of the measured read bandwidth. On CUDA each is timed in a CUDA graph that
+  calls it in turn over copies of its weights twice the L2's size (``timing.cold_graph_time_ms``): the GPU's time
+  with the weights read from HBM, as a captured decode step pays it, without an eager call's host work (the eager
+  timings of an H200 run, 2026-11-26, sat at ~45 us for 8 MB and 29 MB of int4 weights alike). On a CPU without
+  Triton the int4 column is what ``Int4Linear`` serves there: torch's int4 CPU kernel on the weight repacked once
+  (``int4pack``, bf16); the dequant column is the torch reference (dequantize every call, fp32 matmul), the path
+  it replaced, and the cuBLAS column the dense ``F.linear``.
 - End to end: greedy ``generate`` decode steps of a random-weight model (Llama-3.1-8B config on CUDA) accelerated
   in fp16 (or the first ``--dtype``), then the same model RTN-quantized to int4 (g=128, or the largest of 64 and 32 that quantizes every layer) and accelerated, at batch
   1 and 16 (``bench decode``'s step timing); with the weight bytes one step reads and the share of the read
@@ -28,7 +30,8 @@ from hfaccel.kernels.w4a16 import int4pack_device, int4pack_matmul, int4pack_uns
 from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
 from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import step_ms
-from hfaccel.tools.bench.timing import read_bandwidth, read_ms, table, time_ms, weight_read_bytes
+from hfaccel.tools.bench.timing import (cold_graph_time_ms, l2_cold_copies, read_bandwidth, read_ms, table,
+                                        weight_read_bytes)
 from hfaccel.tools.models import build_model
 
 CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
@@ -74,20 +77,33 @@ def random_int4_weight(n: int, k: int, group_size: int, dtype: torch.dtype, devi
     return qweight, scales, zeros
 
 
+def random_int4_weights(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """Copies of :func:`random_int4_weight`, as many as keep each call of a timed replay that takes them in turn
+    reading its weights from HBM (:func:`timing.l2_cold_copies`; one off CUDA)."""
+    weights = [random_int4_weight(n, k, group_size, dtype, device)]
+    nbytes = sum(t.numel() * t.element_size() for t in weights[0])
+    return weights + [random_int4_weight(n, k, group_size, dtype, device)
+                      for _ in range(l2_cold_copies(nbytes, device) - 1)]
+
+
 def bench_int4_kernels(shapes, ms, dtypes, device: torch.device) -> list[Int4KernelRow]:
     bandwidth = read_bandwidth(device)
     return [_kernel_row(k, n, m, dtype, device, bandwidth) for k, n in shapes for dtype in dtypes for m in ms]
 
 
 def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device, bandwidth: float) -> Int4KernelRow:
-    weight = random_int4_weight(n, k, GROUP_SIZE, dtype, device)
-    dense = torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
+    weights = random_int4_weights(n, k, GROUP_SIZE, dtype, device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights[0])  # packed words, scales, zeros
+    denses = [torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
+              for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))]
     x = torch.randn(m, k, device=device, dtype=dtype)
-    int4_fn, path = _int4_path(x, weight, device)
-    int4 = time_ms(int4_fn, device) * 1e3
-    cublas = time_ms(lambda: F.linear(x, dense), device) * 1e3
-    dequant = time_ms(lambda: w4a16_matmul(x, *weight, GROUP_SIZE, config=W4A16Config("dequant")), device) * 1e3
-    weight_bytes = sum(t.numel() * t.element_size() for t in weight)
+    int4_calls, paths = zip(*(_int4_path(x, weight, device) for weight in weights))
+    path = paths[0]
+    int4 = cold_graph_time_ms(int4_calls, device) * 1e3
+    cublas = cold_graph_time_ms([lambda dense=dense: F.linear(x, dense) for dense in denses], device) * 1e3
+    dequant = cold_graph_time_ms([lambda weight=weight: w4a16_matmul(x, *weight, GROUP_SIZE,
+                                                                     config=W4A16Config("dequant"))
+                                  for weight in weights], device) * 1e3
     gb_per_s = weight_bytes / int4 / 1e3
     return Int4KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, int4, cublas, dequant, cublas / int4,
                          gb_per_s, 100 * gb_per_s / bandwidth)

@@ -50,14 +50,42 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int = 5, warmu
     return statistics.median(samples)
 
 
-def graph_time_ms(fn: Callable[[], object], device: torch.device) -> float:
+def graph_time_ms(fn: Callable[[], object], device: torch.device, rep: int = 100) -> float:
     """Median milliseconds of ``fn`` replayed from a CUDA graph (the GPU time alone, without the host work of an
-    eager call: what a captured decode step pays); :func:`time_ms` off CUDA."""
+    eager call: what a captured decode step pays; ``rep``: about the milliseconds each timed replay runs, the calls
+    captured in it being about ``rep`` / the time of one); :func:`time_ms` off CUDA."""
     if device.type != "cuda":
         return time_ms(fn, device)
     import triton.testing
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
+def l2_cold_copies(nbytes: int, device: torch.device) -> int:
+    """How many distinct copies of ``nbytes`` of operands a replay must take in turn so that each call reads its
+    operands from HBM rather than from the L2 the calls before left them in: together at least twice the L2 (at
+    most 64; 1 off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))
+
+
+def cold_graph_time_ms(calls: Sequence[Callable[[], object]], device: torch.device, reps: int = 5,
+                       rep: int = 100) -> float:
+    """Median milliseconds of one of ``calls`` — the same op over distinct copies of its operands, enough of them
+    (:func:`l2_cold_copies`) that each call finds its operands in HBM, as a decode step finds its weights — replayed
+    in turn from one CUDA graph: the GPU's time alone. An eager call's host work (Python, allocations, the launch)
+    can outlast a small kernel and would be timed with it (``rep`` as in :func:`graph_time_ms`). :func:`time_ms` of
+    the first call (``reps`` runs) off CUDA."""
+    if device.type != "cuda":
+        return time_ms(calls[0], device, reps=reps)
+
+    def in_turn() -> None:
+        for call in calls:
+            call()
+
+    return graph_time_ms(in_turn, device, rep) / len(calls)
 
 
 def copy_bandwidth(device: torch.device) -> float:

@@ -3,8 +3,9 @@
 For each Linear shape of the named models (q, k/v, o, gate/up, down projections and the LM head), each M bucket
 and each dtype, every candidate of ``hfaccel.kernels.w4a16_config.candidate_configs`` — GEMV tilings and splits,
 split-K and full tensor-core GEMMs, dequantize + cuBLAS — runs on random weights and the fastest wins. Times are
-``triton.testing.do_bench`` medians with the L2 cache flushed before each call: a decode step reads its weights
-from HBM, not from the L2 a repeated call would leave them in.
+medians of CUDA-graph replays that call the candidate in turn over copies of the weights twice the L2's size
+(``timing.cold_graph_time_ms``): a captured decode step pays the GPU's time with its weights read from HBM, not
+the host work of an eager call nor the L2 hits of a repeated one.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import torch
 
 from hfaccel.kernels.w4a16 import w4a16_matmul
 from hfaccel.kernels.w4a16_config import M_BUCKETS, OP, W4A16Config, candidate_configs, table_key
-from hfaccel.tools.bench.int4 import random_int4_weight
-from hfaccel.tools.bench.timing import time_ms
+from hfaccel.tools.bench.int4 import random_int4_weights
+from hfaccel.tools.bench.timing import cold_graph_time_ms
 
 DTYPES = (torch.float16, torch.bfloat16)
 GROUP_SIZES = (128,)
+TIMED_MS = 5  # GPU milliseconds of each timed replay: a few calls captured per candidate, ten replays timed
 
 __all__ = ["OP", "linear_shapes", "sweep"]
 
@@ -45,10 +47,10 @@ def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M
             for group_size in group_sizes:
                 if k % group_size:
                     continue
-                weight = random_int4_weight(n, k, group_size, dtype, device)
+                weights = random_int4_weights(n, k, group_size, dtype, device)
                 x = torch.randn(max(m_buckets), k, device=device, dtype=dtype)
                 for m in m_buckets:
-                    best, us = _fastest(x[:m], weight, group_size, candidate_configs(m, n, k, dtype, group_size),
+                    best, us = _fastest(x[:m], weights, group_size, candidate_configs(m, n, k, dtype, group_size),
                                         device, reps, console)
                     entries[table_key(m, n, k, dtype, group_size)] = {**best.entry(), "us": round(us, 2)}
                     console.print(f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
@@ -56,15 +58,15 @@ def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M
     return entries
 
 
-def _fastest(x: torch.Tensor, weight, group_size: int, candidates: list[W4A16Config], device: torch.device,
-             reps: int, console) -> tuple[W4A16Config, float]:
+def _fastest(x: torch.Tensor, weights: list[tuple], group_size: int, candidates: list[W4A16Config],
+             device: torch.device, reps: int, console) -> tuple[W4A16Config, float]:
     """The candidate with the smallest median time (ties: the first), and that time in microseconds. A
     candidate that fails to compile or launch (e.g. out of shared memory on this GPU) is skipped."""
     timed = []
     for cfg in candidates:
+        calls = [lambda weight=weight: w4a16_matmul(x, *weight, group_size, config=cfg) for weight in weights]
         try:
-            timed.append((time_ms(lambda: w4a16_matmul(x, *weight, group_size, config=cfg), device, reps=reps,
-                                  warmup=5, rep=15) * 1e3, cfg))
+            timed.append((cold_graph_time_ms(calls, device, reps=reps, rep=TIMED_MS) * 1e3, cfg))
         except Exception as error:  # noqa: BLE001 - a config this GPU cannot run is not a candidate
             if device.type != "cuda":
                 raise
