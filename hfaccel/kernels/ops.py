@@ -19,7 +19,7 @@ import torch
 
 from hfaccel.kernels.flash_attention import flash_attention
 from hfaccel.kernels.keyed_race import keyed_race
-from hfaccel.kernels.lora import lora_expand, lora_shrink
+from hfaccel.kernels.lora import lora_apply
 from hfaccel.kernels.paged_attention import paged_attention
 from hfaccel.kernels.w4a16 import w4a16_matmul
 from hfaccel.kernels.write_kv import write_kv
@@ -89,29 +89,17 @@ def _(x, qweight, scales, zeros, group_size, backend):
     return x.new_empty(x.shape[0], qweight.shape[1])
 
 
-@torch.library.custom_op("hfaccel::lora_shrink", mutates_args=())
-def lora_shrink_op(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, slots: list[int] | None,
-                   backend: str) -> torch.Tensor:
-    """``x [T, K]`` through each row's adapter A, ``a [S, R, K]``, by ``index [T]`` (-1: none) -> ``[T, R]`` float32
-    (``hfaccel.kernels.lora``; ``slots``: the host hint of the slots that may appear, or None)."""
-    return lora_shrink(x, a, index, slots=slots, backend=backend).contiguous()
+@torch.library.custom_op("hfaccel::lora", mutates_args=())
+def lora_op(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
+            slots: list[int] | None, backend: str) -> torch.Tensor:
+    """The base output ``y [T, N]`` plus ``x [T, K]`` through each row's adapter, A ``a [S, R, K]`` then B
+    ``b [S, N, R]``, by ``index [T]`` (-1: none) -> a new ``[T, N]`` in y's dtype (``hfaccel.kernels.lora.lora_apply``;
+    ``slots``: the host hint of the slots that may appear, or None)."""
+    return lora_apply(x, y, a, b, index, slots=slots, backend=backend).contiguous()
 
 
-@lora_shrink_op.register_fake
-def _(x, a, index, slots, backend):
-    return x.new_empty(x.shape[0], a.shape[1], dtype=torch.float32)
-
-
-@torch.library.custom_op("hfaccel::lora_expand", mutates_args=())
-def lora_expand_op(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.Tensor, slots: list[int] | None,
-                   backend: str) -> torch.Tensor:
-    """``y [T, N]`` plus ``v [T, R]`` through each row's adapter B, ``b [S, N, R]``, by ``index [T]`` -> a new
-    ``[T, N]`` in y's dtype (``hfaccel.kernels.lora``)."""
-    return lora_expand(y, v, b, index, slots=slots, backend=backend).contiguous()
-
-
-@lora_expand_op.register_fake
-def _(y, v, b, index, slots, backend):
+@lora_op.register_fake
+def _(x, y, a, b, index, slots, backend):
     return y.new_empty(y.shape)
 
 

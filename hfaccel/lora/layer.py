@@ -4,9 +4,9 @@ each token taking the adapter of its own slot.
 Every wrapped layer of a model shares one :class:`LoRAContext`, which the runner sets for each forward: the slot of
 each packed token (``index [T]``, -1 for the base model) — or None, and then the layer is exactly its base layer
 (no LoRA op runs: a batch without adapters pays nothing). With an index the layer adds, per token,
-``x @ A[slot].T @ B[slot].T`` through the batched kernels (``torch.ops.hfaccel.lora_shrink`` / ``lora_expand``,
-opaque to ``torch.compile`` and capturable in a CUDA graph). The pools are filled in place (``load_slot``), so a
-compiled or captured step keeps reading the right memory whichever adapters come and go.
+``x @ A[slot].T @ B[slot].T`` through the batched kernels (``torch.ops.hfaccel.lora``: one fused launch per layer
+in a decode step; opaque to ``torch.compile`` and capturable in a CUDA graph). The pools are filled in place
+(``load_slot``), so a compiled or captured step keeps reading the right memory whichever adapters come and go.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfaccel.kernels.ops import lora_expand_op, lora_shrink_op
+from hfaccel.kernels.ops import lora_op
 from hfaccel.quant.linear import Int4Linear
 
 LINEAR_TYPES = (nn.Linear, Int4Linear)
@@ -68,8 +68,8 @@ class LoRALinear(nn.Module):
                                "target must see every packed token once (not lm_head, not routed experts)")
         slots = self._slots()
         backend = self.context.backend
-        v = lora_shrink_op(flat, self.lora_a, index, slots, backend)  # [T, R] fp32
-        out = lora_expand_op(y.reshape(-1, self.out_features), v, self.lora_b, index, slots, backend)  # [T, N]
+        out = lora_op(flat, y.reshape(-1, self.out_features), self.lora_a, self.lora_b, index, slots,
+                      backend)  # [T, N]
         return out.reshape(y.shape)
 
     def _slots(self) -> list[int] | None:

@@ -1,15 +1,17 @@
-"""Batched multi-LoRA: lora_shrink / lora_expand (Triton, interpreted) vs their references on odd sizes, mixed slots
-in one tile, zero-padded ranks, rows without an adapter (bit-exact), a split K; the references vs a per-row naive
-matmul and under a fullgraph trace (no host sync); the custom ops compiled vs eager; sm_90 compilation."""
+"""Batched multi-LoRA: lora_shrink / lora_expand and the fused lora_apply (Triton, interpreted) vs their references
+on odd sizes, mixed slots in one tile, zero-padded ranks, rows without an adapter (bit-exact), a split K, a row's
+columns over several programs; the references vs a per-row naive matmul and under a fullgraph trace (no host sync);
+the custom op compiled vs eager; sm_90 compilation."""
 
 import importlib
 
 import pytest
 import torch
+import triton
 
-from hfaccel.kernels.lora import (LoraBlocks, expand_blocks, lora_expand, lora_expand_reference, lora_shrink,
-                                  lora_shrink_reference, shrink_blocks)
-from hfaccel.kernels.ops import lora_expand_op, lora_shrink_op
+from hfaccel.kernels.lora import (FusedBlocks, LoraBlocks, expand_blocks, fused_blocks, lora_apply, lora_expand,
+                                  lora_expand_reference, lora_shrink, lora_shrink_reference, shrink_blocks)
+from hfaccel.kernels.ops import lora_op
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, compile_sm90, launch_like
 
@@ -41,6 +43,15 @@ def _index(rows: int, gen: torch.Generator, dtype=torch.int32) -> torch.Tensor:
     return index.to(dtype)
 
 
+def _case(rows: int, k: int, n: int, rank: int, dtype: torch.dtype):
+    """``a, b`` (:func:`_pool`), ``x [T, K]``, ``y [T, N]`` and an index (:func:`_index`) of one SHAPES entry."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + rank)
+    a, b = _pool(k, n, rank, dtype, gen)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    y = torch.randn(rows, n, generator=gen).to(dtype)
+    return a, b, x, y, _index(rows, gen)
+
+
 def _naive_shrink(x, a, index):
     """Row by row: ``x[t] @ a[index[t]].T`` in fp64 (0 for -1)."""
     rows = [x[t].double() @ a[i].double().T if i >= 0 else torch.zeros(a.shape[1], dtype=torch.float64)
@@ -68,11 +79,7 @@ def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, k, n, rank", SHAPES)
 def test_kernels_match_references(rows, k, n, rank, dtype):
-    gen = torch.Generator().manual_seed(rows * 1000 + k + rank)
-    a, b = _pool(k, n, rank, dtype, gen)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    y = torch.randn(rows, n, generator=gen).to(dtype)
-    index = _index(rows, gen)
+    a, b, x, y, index = _case(rows, k, n, rank, dtype)
     v = on_device(lora_shrink, x, a, index, backend="triton")
     v_ref = lora_shrink_reference(x, a, index)
     assert v.shape == (rows, rank) and v.dtype == torch.float32
@@ -83,6 +90,45 @@ def test_kernels_match_references(rows, k, n, rank, dtype):
     assert _relative_error(out, out_ref) <= EXPAND_TOLERANCE[dtype]
     none = index < 0
     assert (v[none] == 0).all() and _same_bits(out[none], y[none])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, k, n, rank", SHAPES)
+def test_fused_kernel_matches_references(rows, k, n, rank, dtype):
+    a, b, x, y, index = _case(rows, k, n, rank, dtype)
+    out = on_device(lora_apply, x, y, a, b, index, backend="triton", config=fused_blocks(rows, n, rank, k, DEVICE))
+    expected = lora_expand_reference(y, lora_shrink_reference(x, a, index), b, index)
+    assert out.shape == y.shape and out.dtype == dtype
+    assert _relative_error(out, expected) <= EXPAND_TOLERANCE[dtype]
+    none = index < 0
+    assert _same_bits(out[none], y[none])
+
+
+@pytest.mark.parametrize("config", [FusedBlocks(32, 16, programs_per_row=3), FusedBlocks(16, 32, 7, num_warps=4)])
+def test_programs_sharing_a_row_agree_bit_for_bit(config):
+    """A row's columns split over programs (the last share short; more programs asked than column blocks): each
+    recomputes the row's v the same way, so the output is the one-program output, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    a, b = _pool(130, 100, 16, torch.float16, gen)
+    x, y = torch.randn(5, 130, generator=gen).half(), torch.randn(5, 100, generator=gen).half()
+    index = _index(5, gen)
+    one = on_device(lora_apply, x, y, a, b, index, backend="triton", config=FusedBlocks(32, 16))
+    shared = on_device(lora_apply, x, y, a, b, index, backend="triton", config=config)
+    assert _same_bits(shared, one)
+    expected = lora_expand_reference(y, lora_shrink_reference(x, a, index), b, index)
+    assert _relative_error(one, expected) <= EXPAND_TOLERANCE[torch.float16]
+
+
+def test_apply_runs_shrink_then_expand_past_the_fused_rows(monkeypatch):
+    """More rows than a decode step's (a prefill): shrink then expand, bit for bit what the two calls give."""
+    gen = torch.Generator().manual_seed(12)
+    a, b = _pool(64, 96, 16, torch.float32, gen)
+    x, y, index = torch.randn(9, 64, generator=gen), torch.randn(9, 96, generator=gen), _index(9, gen)
+    monkeypatch.setattr(lora_module, "FUSED_MAX_ROWS", 8)
+    monkeypatch.setattr(lora_module, "_fused_triton", lambda *args: pytest.fail("the fused kernel ran"))
+    out = on_device(lora_apply, x, y, a, b, index, backend="triton")
+    v = on_device(lora_shrink, x, a, index, backend="triton")
+    assert _same_bits(out, on_device(lora_expand, y, v, b, index, backend="triton"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -103,6 +149,8 @@ def test_rows_without_adapter_keep_y_bit_for_bit(dtype):
         out = on_device(lora_expand, y, v, b, index, backend=backend)
         assert torch.equal(v[none], torch.zeros(4, 8)) and torch.isfinite(v).all()
         assert _same_bits(out[none], y[none]), backend
+        fused = on_device(lora_apply, x, y, a, b, index, backend=backend)
+        assert _same_bits(fused[none], y[none]) and torch.isfinite(fused[~none]).all(), backend
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
@@ -196,23 +244,26 @@ def test_empty_batch_and_bad_arguments():
         lora_shrink(torch.zeros(3, 7), a, index)
     with pytest.raises(ValueError, match="v must be"):
         lora_expand(torch.zeros(3, 6), torch.zeros(3, 5), b, index)
+    assert on_device(lora_apply, torch.zeros(0, 8), torch.zeros(0, 6), a, b, empty, backend="triton").shape == (0, 6)
+    with pytest.raises(ValueError, match=r"b must be \[S, N, R\] = \[2, 6, 4\]"):
+        lora_apply(torch.zeros(3, 8), torch.zeros(3, 6), a, b[:, :, :3], index)
+    with pytest.raises(ValueError, match="y must be"):
+        lora_apply(torch.zeros(3, 8), torch.zeros(2, 6), a, b, index)
 
 
-def test_custom_ops_compile_without_graph_breaks():
-    """torch.ops.hfaccel.lora_shrink / lora_expand: schema and fake implementations agree (opcheck), and a
-    fullgraph trace of a LoRA'd linear (glue around the ops) equals the eager call."""
+def test_custom_op_compiles_without_graph_breaks():
+    """torch.ops.hfaccel.lora: schema and fake implementation agree (opcheck), and a fullgraph trace of a LoRA'd
+    linear (glue around the op) equals the eager call."""
     gen = torch.Generator().manual_seed(10)
     a, b = (t.to(DEVICE) for t in _pool(64, 96, 16, torch.float16, gen))
     weight = (torch.randn(96, 64, generator=gen) / 8).half().to(DEVICE)
     x = torch.randn(5, 64, generator=gen).half().to(DEVICE)
     index = _index(5, gen).to(DEVICE)
-    v = lora_shrink_op(x, a, index, None, "auto")
-    torch.library.opcheck(lora_shrink_op, (x, a, index, None, "auto"))
-    torch.library.opcheck(lora_expand_op, (x @ weight.T, v, b, index, [0, 1, 2], "auto"))
+    torch.library.opcheck(lora_op, (x, x @ weight.T, a, b, index, None, "auto"))
+    torch.library.opcheck(lora_op, (x, x @ weight.T, a, b, index, [0, 1, 2], "auto"))
 
     def linear(x, index):
-        y = x @ weight.T
-        return lora_expand_op(y, lora_shrink_op(x * 2, a, index, None, "auto"), b, index, None, "auto") + 1
+        return lora_op(x * 2, x @ weight.T, a, b, index, None, "auto") + 1
 
     compiled = torch.compile(linear, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, index), linear(x, index))
@@ -234,8 +285,9 @@ def _sm90_cases():
         for rows, rank, width in GPU_SHAPES:
             cases.add(("shrink", shrink_blocks(rows, rank, width, "cuda"), rank))
             cases.add(("expand", expand_blocks(rows, width, rank, "cuda"), rank))
+            cases.add(("fused", fused_blocks(rows, width, rank, width, "cuda"), rank))
     cases = sorted(cases, key=str)
-    firsts = [next(case for case in cases if case[0] == kernel) for kernel in ("shrink", "expand")]
+    firsts = [next(case for case in cases if case[0] == kernel) for kernel in ("shrink", "expand", "fused")]
     return ([(kernel, torch.float16, torch.int32, cfg, rank) for kernel, cfg, rank in cases]
             + [(kernel, torch.float32, torch.int64, cfg, rank) for kernel, cfg, rank in firsts]
             + [(kernel, torch.bfloat16, torch.int32, cfg, rank) for kernel, cfg, rank in firsts])
@@ -252,6 +304,13 @@ def _sm90_job(kernel_name, dtype, index_dtype, cfg, rank):
             ["T", "K", "R", "S", "k_per_split", "stride_xt", "stride_as", "stride_ar", "stride_vs", "stride_vt"],
             "i32")}
         constexprs = {"BLOCK_T": cfg.block_t, "BLOCK_R": cfg.block_out, "BLOCK_K": cfg.block_red}
+    elif kernel_name == "fused":
+        kernel = lora_module._fused_kernel
+        signature = {"X": f"*{dt}", "A": f"*{dt}", "B": f"*{dt}", "Y": f"*{dt}", "INDEX": f"*{it}", "OUT": f"*{dt}",
+                     **dict.fromkeys(["K", "N", "S", "n_per_program", "stride_xt", "stride_as", "stride_ar",
+                                      "stride_bs", "stride_yt", "stride_ot"], "i32")}
+        constexprs = {"R": rank, "BLOCK_R": triton.next_power_of_2(rank), "BLOCK_K": cfg.block_k,
+                      "BLOCK_N": cfg.block_n}
     else:
         kernel = lora_module._expand_kernel
         signature = {"Y": f"*{dt}", "VV": "*fp32", "B": f"*{dt}", "INDEX": f"*{it}", "OUT": f"*{dt}",
@@ -259,7 +318,8 @@ def _sm90_job(kernel_name, dtype, index_dtype, cfg, rank):
         constexprs = {"R": rank, "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_out, "BLOCK_R": cfg.block_red}
     job = dict(module="hfaccel.kernels.lora", kernel=kernel.__name__, num_warps=cfg.num_warps, num_stages=1,
                ptx_patterns=["ld.global.v4", ".local"], **launch_like(kernel, signature, constexprs))
-    job["divisible"] += [name for name in ("K", "N", "k_per_split") if name in signature]  # 4096 and such: 16 | it
+    job["divisible"] += [name for name in ("K", "N", "k_per_split", "n_per_program")
+                         if name in signature]  # 4096 and such: 16 | it
     return job
 
 

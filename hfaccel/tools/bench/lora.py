@@ -15,10 +15,11 @@ step included). Each path runs once to warm up, then twice in the order 1 2 3 4 
 its two timed runs is reported. Goal on a GPU (issue 32): (4) with 8 rank-16 adapters in a batch of 64 at
 ≥ 0.8× (1).
 
-A second table times the LoRA kernels of one decode step — ``lora_shrink`` + ``lora_expand`` of every wrapped
-layer, on the engine's own slot pools, ``batch`` rows spread over all the slots — against the base model's engine
-step (seconds / steps of run 1). On CUDA the kernels are replayed from a CUDA graph (the GPU time a captured decode
-step pays, timed with CUDA events); off CUDA they run the torch reference (one matmul per slot present), timed
+A second table times the LoRA kernels of one decode step — ``lora_apply`` of every wrapped layer (what the layer runs:
+one fused launch at a decode batch), and beside it ``lora_shrink`` and ``lora_expand`` (the two-launch path, for
+comparison), on the engine's own slot pools, ``batch`` rows spread over all the slots — against the base model's
+engine step (seconds / steps of run 1). On CUDA the kernels are replayed from a CUDA graph (the GPU time a captured
+decode step pays, timed with CUDA events); off CUDA they run the torch reference (one matmul per slot present), timed
 with ``perf_counter``.
 """
 
@@ -35,7 +36,7 @@ import torch
 
 from hfaccel.engine import Engine
 from hfaccel.hf import accelerate, restore
-from hfaccel.kernels.lora import lora_expand, lora_shrink
+from hfaccel.kernels.lora import lora_apply, lora_expand, lora_shrink
 from hfaccel.lora import DEFAULT_TARGET_MODULES
 from hfaccel.sampling import SamplingParams
 from hfaccel.tools.bench.engine import make_workload
@@ -68,9 +69,10 @@ class KernelRow:
     count: int  # wrapped layers of that kind
     k: int | None
     n: int | None
-    shrink_us: float | None  # one layer's lora_shrink
+    apply_us: float | None  # one layer's lora_apply (what the layer runs)
+    shrink_us: float | None  # one layer's lora_shrink (the two-launch path, for comparison)
     expand_us: float | None  # one layer's lora_expand
-    ms_per_step: float  # count x (shrink + expand); "all": measured
+    ms_per_step: float  # count x apply; "all": measured
     base_step_ms: float  # the base model's engine step (run 1: seconds / steps)
     vs_base_step: float  # ms_per_step / base_step_ms
 
@@ -155,8 +157,8 @@ def bench_throughput(model, prompts: list[list[int]], new_tokens: int, adapters:
 
 def bench_kernels(layers: dict, backend: str, batch: int, base_step_ms: float) -> list[KernelRow]:
     """Time one decode step's LoRA kernels on the LoRA layers' slot pools (``layers``: name -> LoRALinear):
-    ``batch`` rows, row ``t`` on slot ``t % max_loras``; per kind of layer (one layer's shrink and expand, times the
-    layers of that kind) and for every wrapped layer in one call ("all")."""
+    ``batch`` rows, row ``t`` on slot ``t % max_loras``; per kind of layer (one layer's ``lora_apply`` times the
+    layers of that kind; its shrink and expand beside it) and for every wrapped layer in one call ("all")."""
     first = next(iter(layers.values()))
     device, dtype = first.lora_a.device, first.lora_a.dtype
     slots = first.lora_a.shape[0]
@@ -179,11 +181,13 @@ def bench_kernels(layers: dict, backend: str, batch: int, base_step_ms: float) -
         _, y, v = inputs[layer.in_features, layer.out_features]
         return lambda: lora_expand(y, v, layer.lora_b, index, slots=present, backend=backend)
 
+    def apply(layer):
+        x, y, _ = inputs[layer.in_features, layer.out_features]
+        return lambda: lora_apply(x, y, layer.lora_a, layer.lora_b, index, slots=present, backend=backend)
+
     def step():
         for layer in layers.values():
-            x, y, _ = inputs[layer.in_features, layer.out_features]
-            v = lora_shrink(x, layer.lora_a, index, slots=present, backend=backend)
-            lora_expand(y, v, layer.lora_b, index, slots=present, backend=backend)
+            apply(layer)()
 
     kinds: dict[str, list] = {}
     order = {kind: i for i, kind in enumerate(TARGETS)}
@@ -192,13 +196,15 @@ def bench_kernels(layers: dict, backend: str, batch: int, base_step_ms: float) -
     rows = []
     for kind, group in kinds.items():
         layer = group[0]
+        apply_ms = graph_time_ms(apply(layer), device)
         shrink_ms, expand_ms = graph_time_ms(shrink(layer), device), graph_time_ms(expand(layer), device)
-        per_step = len(group) * (shrink_ms + expand_ms)
-        rows.append(KernelRow(kind, len(group), layer.in_features, layer.out_features, shrink_ms * 1e3,
-                              expand_ms * 1e3, per_step, base_step_ms, per_step / base_step_ms))
+        per_step = len(group) * apply_ms
+        rows.append(KernelRow(kind, len(group), layer.in_features, layer.out_features, apply_ms * 1e3,
+                              shrink_ms * 1e3, expand_ms * 1e3, per_step, base_step_ms, per_step / base_step_ms))
     sync(device)
     total = graph_time_ms(step, device)
-    rows.append(KernelRow("all", len(layers), None, None, None, None, total, base_step_ms, total / base_step_ms))
+    rows.append(KernelRow("all", len(layers), None, None, None, None, None, total, base_step_ms,
+                          total / base_step_ms))
     return rows
 
 
@@ -226,9 +232,9 @@ def run(options, console) -> dict:
     console.print(table(f"LoRA serving: Engine output tokens/s, {describe}", serving))
     base_step_ms = rows[0].step_ms
     kernels = [asdict(r) for r in bench_kernels(layers, backend, batch, base_step_ms)]
-    console.print(table(f"LoRA kernels per decode step (lora_shrink + lora_expand, {batch} rows over {ADAPTERS} slots, "
-                        f"pool rank {RANK}; {kernels_path}) vs the base engine step, {spec} ({config['dtype']})",
-                        kernels))
+    console.print(table(f"LoRA kernels per decode step (lora_apply; lora_shrink, lora_expand beside it; {batch} rows "
+                        f"over {ADAPTERS} slots, pool rank {RANK}; {kernels_path}) vs the base engine step, {spec} "
+                        f"({config['dtype']})", kernels))
     del layers
     gc.collect()
     restore(model)
