@@ -31,7 +31,7 @@ from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
 from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import step_ms
 from hfaccel.tools.bench.timing import (cold_graph_time_ms, l2_cold_copies, read_bandwidth, read_ms, table,
-                                        weight_read_bytes)
+                                        tensor_bytes, weight_read_bytes)
 from hfaccel.tools.models import build_model
 
 CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
@@ -81,9 +81,8 @@ def random_int4_weights(n: int, k: int, group_size: int, dtype: torch.dtype, dev
     """Copies of :func:`random_int4_weight`, as many as keep each call of a timed replay that takes them in turn
     reading its weights from HBM (:func:`timing.l2_cold_copies`; one off CUDA)."""
     weights = [random_int4_weight(n, k, group_size, dtype, device)]
-    nbytes = sum(t.numel() * t.element_size() for t in weights[0])
     return weights + [random_int4_weight(n, k, group_size, dtype, device)
-                      for _ in range(l2_cold_copies(nbytes, device) - 1)]
+                      for _ in range(l2_cold_copies(tensor_bytes(weights[0]), device) - 1)]
 
 
 def bench_int4_kernels(shapes, ms, dtypes, device: torch.device) -> list[Int4KernelRow]:
@@ -93,7 +92,7 @@ def bench_int4_kernels(shapes, ms, dtypes, device: torch.device) -> list[Int4Ker
 
 def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device, bandwidth: float) -> Int4KernelRow:
     weights = random_int4_weights(n, k, GROUP_SIZE, dtype, device)
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights[0])  # packed words, scales, zeros
+    weight_bytes = tensor_bytes(weights[0])  # packed words, scales, zeros
     denses = [torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
               for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))]
     x = torch.randn(m, k, device=device, dtype=dtype)

@@ -12,7 +12,7 @@ import torch
 from hfaccel import compat
 from hfaccel.hf import accelerate, restore
 from hfaccel.kernels.runtime import triton_can_run
-from hfaccel.tools.bench.timing import table
+from hfaccel.tools.bench.timing import table, tensor_bytes
 from hfaccel.tools.models import build_model
 
 LENGTHS = [400, 650, 900, 1300, 1800, 2400, 3100, 4000]  # prompt lengths of the batch (CUDA)
@@ -36,8 +36,7 @@ def kv_bytes_per_token(model) -> int:
 
 def _cache_bytes(cache) -> int:
     """Bytes of the K/V tensors a transformers cache allocated."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if isinstance(t, torch.Tensor))
+    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
 
 
 def _padded_batch(lengths: list[int], vocab: int, device: torch.device) -> dict[str, torch.Tensor]:

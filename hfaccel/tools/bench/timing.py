@@ -7,7 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
@@ -103,6 +103,11 @@ def read_bandwidth(device: torch.device) -> float:
     numel = (256 << 20) if device.type == "cuda" else (16 << 20)
     src = torch.randn(numel, device=device)
     return src.numel() * src.element_size() / time_ms(lambda: src.sum(), device) / 1e6
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the elements of ``tensors``, each counted as given."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def weight_read_bytes(model: torch.nn.Module) -> int:
