@@ -1,8 +1,8 @@
 """Seeded sampling's draw in one kernel: the exponential race of a row's weights against Exp(1) noise keyed by a
 counter-based hash — ``argmax_i(weights[i] / e_i)``, ``e_i = -log1p(-u_i)``, ``u_i`` the hash of (seed, stream,
-purpose, counter, token ``i``) — without the ``[rows, vocab]`` noise ever being written: one program per row hashes
-its tokens block by block, divides, and keeps the running winner (the first index among equal scores, as
-``torch.argmax``).
+purpose, counter, token ``i``) — without the ``[rows, vocab]`` noise ever being written: each of a row's programs
+hashes its share of the tokens block by block, divides, and keeps the running winner (the first index among equal
+scores, as ``torch.argmax``); the row's winner is the first token with the best of its programs' scores.
 
 :func:`seeded_uniforms` is the hash (pure torch: the definition, used wherever numbers are needed on their own);
 :func:`keyed_race_reference` the race it defines; :func:`keyed_race` picks the Triton kernel on CUDA (``auto``) and
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfaccel.kernels.runtime import resolve_backend
+from hfaccel.kernels.runtime import num_sms, resolve_backend
 
 M32 = 0xFFFFFFFF
 START = 0x9E3779B9  # the hash's starting state: with 0, the key of all zeros would hash to 0 (u = 2**-33)
@@ -85,9 +85,12 @@ def _mix32_tl(x):
 
 
 @triton.jit
-def _keyed_race_kernel(weights_ptr, seeds_ptr, streams_ptr, counters_ptr, purpose_ptr, out_ptr, vocab, stride_row,
-                       START: tl.constexpr, BLOCK: tl.constexpr):
+def _keyed_race_kernel(weights_ptr, seeds_ptr, streams_ptr, counters_ptr, purpose_ptr, score_ptr, index_ptr, vocab,
+                       stride_row, blocks_per_chunk, START: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, chunk): the race over the chunk's ``blocks_per_chunk`` blocks of the row's tokens -> its best
+    score and the first token with it, at ``[row, chunk]`` of the partials (score -1 where the chunk has no token)."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     seed = tl.load(seeds_ptr + row).to(tl.uint64)
     x = _mix32_tl((seed >> 32).to(tl.uint32) ^ tl.full([], START, tl.uint32))
     x = _mix32_tl(x ^ seed.to(tl.uint32))
@@ -97,7 +100,8 @@ def _keyed_race_kernel(weights_ptr, seeds_ptr, streams_ptr, counters_ptr, purpos
     best = tl.full([BLOCK], -1.0, tl.float32)  # per lane: the best score so far (weights >= 0 score >= 0)
     best_index = tl.zeros([BLOCK], tl.int32)
     lanes = tl.arange(0, BLOCK)
-    for start in range(0, vocab, BLOCK):
+    first = chunk * blocks_per_chunk * BLOCK
+    for start in range(first, tl.minimum(first + blocks_per_chunk * BLOCK, vocab), BLOCK):
         tokens = start + lanes  # [BLOCK]
         inside = tokens < vocab
         w = tl.load(weights_ptr + row * stride_row + tokens, mask=inside, other=0.0)
@@ -111,15 +115,25 @@ def _keyed_race_kernel(weights_ptr, seeds_ptr, streams_ptr, counters_ptr, purpos
         best_index = tl.where(better, tokens, best_index)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_index, vocab), axis=0)  # the first index among equal scores
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    partial = row * tl.num_programs(1) + chunk
+    tl.store(score_ptr + partial, top)
+    tl.store(index_ptr + partial, winner.to(tl.int64))
+
+
+def race_chunks(rows: int, vocab: int, device: torch.device) -> int:
+    """How many programs race each row's tokens: enough that ``rows x chunks`` fill the device's SMs twice over (a
+    batch-1 draw over a 128k vocabulary is otherwise one program streaming it all), each with whole blocks."""
+    return max(1, min(triton.cdiv(max(vocab, 1), BLOCK_V), triton.cdiv(2 * num_sms(device), max(rows, 1))))
 
 
 def keyed_race(weights: torch.Tensor, seeds: torch.Tensor | int, streams: torch.Tensor | int,
-               counters: torch.Tensor, purpose: torch.Tensor | int = 0, *, backend: str = "auto") -> torch.Tensor:
+               counters: torch.Tensor, purpose: torch.Tensor | int = 0, *, backend: str = "auto",
+               chunks: int | None = None) -> torch.Tensor:
     """Per row of ``weights [S, V]`` (>= 0, any total, at least one > 0), the token that wins the race against
     Exp(1) noise keyed by (``seeds``, ``streams``, ``purpose``, ``counters``: ``[S]`` int64 tensors or one int for
     every row) -> ``[S]`` int64. Token ``i`` wins with probability ``weights[i] / sum(weights)``; the same key and
-    weights give the same token in any batch. ``backend``: ``auto`` (the kernel on CUDA), ``triton`` or ``torch``."""
+    weights give the same token in any batch. ``backend``: ``auto`` (the kernel on CUDA), ``triton`` or ``torch``.
+    ``chunks``: the kernel's programs per row (default :func:`race_chunks`); the winner is the same for any."""
     rows, vocab = weights.shape
     # an int key is filled on the device (as_tensor would copy it from the host: a sync, and an error in a capture)
     keys = [key.to(torch.int64).expand(rows) if isinstance(key, torch.Tensor)
@@ -130,7 +144,14 @@ def keyed_race(weights: torch.Tensor, seeds: torch.Tensor | int, streams: torch.
     if choice == "torch" or rows == 0:
         return keyed_race_reference(weights, *keys)
     weights = weights.contiguous()
-    out = torch.empty(rows, dtype=torch.int64, device=weights.device)
-    _keyed_race_kernel[(rows,)](weights, *(key.contiguous() for key in keys), out, vocab, weights.stride(0),
-                                START=START, BLOCK=BLOCK_V)
-    return out
+    blocks = triton.cdiv(max(vocab, 1), BLOCK_V)
+    blocks_per_chunk = triton.cdiv(blocks, min(chunks or race_chunks(rows, vocab, weights.device), blocks))
+    chunks = triton.cdiv(blocks, blocks_per_chunk)  # none empty
+    scores = torch.empty(rows, chunks, dtype=torch.float32, device=weights.device)  # [S, C]: each chunk's best
+    index = torch.empty(rows, chunks, dtype=torch.int64, device=weights.device)  # [S, C]: its first token
+    _keyed_race_kernel[(rows, chunks)](weights, *(key.contiguous() for key in keys), scores, index, vocab,
+                                       weights.stride(0), blocks_per_chunk, START=START, BLOCK=BLOCK_V)
+    if chunks == 1:
+        return index[:, 0]
+    top = scores.amax(-1, keepdim=True)  # [S, 1]
+    return torch.where(scores == top, index, vocab).amin(-1)  # the first token among the chunks' equal bests

@@ -371,6 +371,7 @@ class DecodeGraphs:
                 captured = self._step(size, advance, lora, draw)
         except Exception as error:  # a forward that cannot be captured at this size: eager here, say why
             reason = failure_reason(error)
+            release_generator_from_capture(self.device)
         if self.agree is not None and not self.agree(reason is None) and reason is None:
             reason = "another tensor-parallel rank could not capture this size"  # none replays: collectives pair up
         if reason is not None:
@@ -430,9 +431,39 @@ def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
 
 
 def failure_reason(error: BaseException) -> str:
-    """A fallback's reason in one line: the error's type and the first line of its message (at most 300 chars)."""
+    """A fallback's reason in one line: the error's type and the first line of its message (at most 300 chars).
+    Where ``error`` was raised while handling another (a failed capture's ``capture_end`` reports only "operation
+    failed due to a previous error during capture", hiding the error inside the captured step), the first error
+    of the chain leads — that is the cause — and ``error`` follows it."""
+    first = error
+    seen = {id(error)}
+    while (cause := first.__cause__ or first.__context__) is not None and id(cause) not in seen:
+        first = cause
+        seen.add(id(cause))
+    return _one_line(error) if first is error else f"{_one_line(first)}; then {_one_line(error)}"
+
+
+def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+def release_generator_from_capture(device: torch.device) -> None:
+    """Take ``device``'s default CUDA generator out of capture mode after a capture that failed. ``torch.cuda.graph``
+    puts the generator's state in capture mode as the capture begins and back only when ``capture_end`` succeeds;
+    after a failed capture it stays there (torch <= 2.11), and every later random op on the device — transformers'
+    own sampling included — fails with "Offset increment outside graph capture encountered unexpectedly" (seen on
+    an H200, 2026-11-26). A capture that succeeds puts it back: one of a single fill, on a side stream."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    try:
+        with torch.cuda.stream(stream):
+            scratch = torch.empty(1, device=device)
+            with torch.cuda.graph(graph, stream=stream):
+                scratch.fill_(0.0)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    except Exception as error:  # the device is in no state to capture at all: say so, keep the first failure's reason
+        _log.warning("hfaccel: after a failed CUDA graph capture, the generator of %s could not be released (%s); "
+                     "random ops on it may fail", device, failure_reason(error))
 
 
 def _compiled_function(function):

@@ -237,7 +237,10 @@ def test_a_decode_step_never_reads_a_tensor_on_the_host(monkeypatch):
     accelerate()
     modes = _watch_steps(monkeypatch, _FailOnHostReads)
     model.generate(**padded_batch(), max_new_tokens=4, **GREEDY)
-    assert len(modes) == 3
+    graphs_ = model.hfaccel.session.runner.graphs
+    assert not graphs_.capture_failures, graphs_.status()
+    # three decode steps: run one by one, or (CUDA) the first run once then captured, and the rest replayed
+    assert len(modes) == (2 if graphs_.capture else 3)
 
 
 def test_an_eager_decode_step_runs_no_more_ops_than_sdpa(monkeypatch):
@@ -314,7 +317,7 @@ def test_the_recompile_limit_falls_back_to_uncompiled_steps_with_its_reason(capl
         got = model.generate(**batch, max_new_tokens=4, **GREEDY)
     assert torch.equal(got, expected) and str(model.hfaccel.decode) == "hfaccel"
     assert not graphs.compiled and "RecompileLimit" in graphs.compile_failure
-    assert "uncompiled (FailOnRecompileLimitHit" in str(model.hfaccel)
+    assert "uncompiled (" in str(model.hfaccel) and "FailOnRecompileLimitHit" in str(model.hfaccel)
     assert any("could not compile the decode step" in r.getMessage() for r in caplog.records)
 
 

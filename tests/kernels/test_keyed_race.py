@@ -49,6 +49,22 @@ def test_kernel_picks_the_references_token(vocab):
     assert (got % 8 != 1).all()
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_the_rows_programs_pick_the_references_token_however_many(chunks):
+    """A row's tokens raced by several programs (a small batch over a large vocabulary): the same token as one
+    program and as the reference, chunks of whole blocks, the last one short; a row whose best weight sits in a
+    later chunk and one whose only weights sit in the first."""
+    vocab = 4 * BLOCK_V + 37
+    gen = torch.Generator().manual_seed(chunks)
+    weights = torch.rand(5, vocab, generator=gen) ** 6  # [5, V]
+    weights[1, : 3 * BLOCK_V] = 0  # the winner in the fourth or fifth block
+    weights[2, BLOCK_V:] = 0  # every candidate in the first block
+    keys = _keys(5, gen)
+    got = on_device(keyed_race, weights, *keys, backend="triton", chunks=chunks)
+    assert got.tolist() == keyed_race_reference(weights, *keys).tolist()
+    assert got[1] >= 3 * BLOCK_V and got[2] < BLOCK_V
+
+
 def test_int_keys_broadcast_and_a_batch_changes_no_row():
     gen = torch.Generator().manual_seed(1)
     weights = torch.rand(6, 301, generator=gen)
@@ -76,7 +92,8 @@ def test_hash_of_the_all_zero_key_is_not_zero():
 
 def test_kernel_compiles_for_sm90():
     signature = {"weights_ptr": "*fp32", "seeds_ptr": "*i64", "streams_ptr": "*i64", "counters_ptr": "*i64",
-                 "purpose_ptr": "*i64", "out_ptr": "*i64", "vocab": "i32", "stride_row": "i32"}
+                 "purpose_ptr": "*i64", "score_ptr": "*fp32", "index_ptr": "*i64", "vocab": "i32", "stride_row": "i32",
+                 "blocks_per_chunk": "i32"}
     job = dict(module="hfaccel.kernels.keyed_race", kernel="_keyed_race_kernel", signature=signature,
                constexprs={"START": START, "BLOCK": BLOCK_V}, num_warps=4, num_stages=1,
                divisible=["weights_ptr", "stride_row"])

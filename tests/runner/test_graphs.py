@@ -7,6 +7,7 @@ import torch
 from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner
+from tests.devices import DEVICE
 from tests.models import tiny_model
 
 SIZES = list(range(1, 12))  # more batch sizes than dynamo's recompile limit (8): one graph must serve them all
@@ -64,3 +65,49 @@ def test_the_steps_backend_serves_one_token_and_many_with_one_graph():
             got = compiled(positions, inv_freq)
         torch.testing.assert_close(got, _rope_frequencies(positions, inv_freq), rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_a_fallback_reason_leads_with_the_error_that_started_it():
+    """A failed capture surfaces as capture_end's "previous error during capture"; the reason recorded names the
+    error raised inside the captured step first."""
+    from hfaccel.runner.graphs import failure_reason
+
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+        except RuntimeError:
+            raise ValueError("operation failed due to a previous error during capture")
+    except ValueError as error:
+        reason = failure_reason(error)
+    assert reason == ("RuntimeError: CUDA error: operation not permitted when stream is capturing; then "
+                      "ValueError: operation failed due to a previous error during capture")
+    assert failure_reason(KeyError("size")) == "KeyError: 'size'"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+def test_a_failed_capture_runs_that_size_eagerly_and_leaves_random_ops_working(monkeypatch):
+    """A step that cannot be captured (here: it reads a value on the host while capturing) runs eagerly with the
+    cause as its reason; the device's generator leaves capture mode (torch leaves it there after a failed capture,
+    and every later random op failed), and the next size still captures."""
+    from hfaccel.runner import graphs
+
+    real = graphs.static_step
+
+    def reads_on_the_host_while_capturing(runner, rows, *args):
+        logits = real(runner, rows, *args)
+        if torch.cuda.is_current_stream_capturing() and rows[2].shape[0] == 2:
+            logits.sum().item()
+        return logits
+
+    monkeypatch.setattr(graphs, "static_step", reads_on_the_host_while_capturing)
+    model = tiny_model("llama")
+    with hfaccel_attention(model, "torch"):
+        runner = ModelRunner(model, KVPool.for_model(model, num_blocks=64, block_size=4))
+        runner.enable_decode_graphs(4, 64, ladder=[2, 4])
+        runner.forward([0, 1, 2], torch.tensor([5, 6, 7], device=DEVICE), [1, 1, 1])
+        runner.forward([0, 1], torch.tensor([8, 9], device=DEVICE), [1, 1])
+        runner.forward([0, 1, 2], torch.tensor([10, 11, 12], device=DEVICE), [1, 1, 1])
+    (size, *_), reason = next(iter(runner.graphs.capture_failures.items()))
+    assert size == 2 and "stream is capturing" in reason.split("; then")[0], reason  # the cause, first
+    assert len(runner.graphs.capture_failures) == 1 and runner.graphs._graphs  # size 4 captured
+    torch.multinomial(torch.softmax(torch.randn(3, 11, device=DEVICE), -1), 1)  # raised after a failed capture

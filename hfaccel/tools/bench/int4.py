@@ -30,7 +30,7 @@ from hfaccel.kernels.w4a16 import int4pack_device, int4pack_matmul, int4pack_uns
 from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
 from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import step_ms
-from hfaccel.tools.bench.timing import (cold_graph_time_ms, l2_cold_copies, read_bandwidth, read_ms, table,
+from hfaccel.tools.bench.timing import (cold_graph_time_ms, l2_cold_copies, read_bandwidth, read_ms, row_line, table,
                                         tensor_bytes, weight_read_bytes)
 from hfaccel.tools.models import build_model
 
@@ -85,9 +85,17 @@ def random_int4_weights(n: int, k: int, group_size: int, dtype: torch.dtype, dev
                       for _ in range(l2_cold_copies(tensor_bytes(weights[0]), device) - 1)]
 
 
-def bench_int4_kernels(shapes, ms, dtypes, device: torch.device) -> list[Int4KernelRow]:
+def bench_int4_kernels(shapes, ms, dtypes, device: torch.device,
+                       on_row: Callable[[Int4KernelRow], None] = lambda row: None) -> list[Int4KernelRow]:
+    """Each ``(k, n)`` of ``shapes`` at each dtype and M; ``on_row`` sees each row as it is measured."""
     bandwidth = read_bandwidth(device)
-    return [_kernel_row(k, n, m, dtype, device, bandwidth) for k, n in shapes for dtype in dtypes for m in ms]
+    rows = []
+    for k, n in shapes:
+        for dtype in dtypes:
+            for m in ms:
+                rows.append(_kernel_row(k, n, m, dtype, device, bandwidth))
+                on_row(rows[-1])
+    return rows
 
 
 def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device, bandwidth: float) -> Int4KernelRow:
@@ -157,7 +165,7 @@ def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, devi
 def run(options, console) -> dict:
     kernels = [asdict(r) for r in bench_int4_kernels(CUDA_SHAPES if options.cuda else CPU_SHAPES,
                                                      CUDA_MS if options.cuda else CPU_MS, options.dtypes,
-                                                     options.device)]
+                                                     options.device, lambda r: console.print(row_line(r)))]
     console.print(table(f"int4 W4A16 (g={GROUP_SIZE}) vs cuBLAS: x [M, K] @ W [K, N]", kernels))
     decode = [asdict(r) for r in bench_int4_decode(
         options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"), options.batches or [1, 16],

@@ -5,13 +5,14 @@ time alone, as in hfaccel's captured decode steps)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hfaccel.kernels.paged_attention import paged_attention, plan_launch
-from hfaccel.tools.bench.timing import copy_bandwidth, graph_time_ms, read_bandwidth, table, time_ms
+from hfaccel.tools.bench.timing import copy_bandwidth, graph_time_ms, read_bandwidth, row_line, table, time_ms
 
 # (batch, context) of the paged decode grid; heads 32 over 8 KV heads, head_dim 128 (Llama-3-8B shapes).
 CUDA_GRID = [(b, c) for c in (1024, 4096, 16384, 32768) for b in (1, 8, 64)]
@@ -37,11 +38,17 @@ class PagedRow:
 
 
 def bench_paged(grid, dtype: torch.dtype, device: torch.device, heads: int = 32, kv_heads: int = 8,
-                head_dim: int = 128, block_size: int = 16) -> list[PagedRow]:
-    """One decode step of attention over the paged pool (shuffled blocks) vs SDPA on contiguous K/V."""
+                head_dim: int = 128, block_size: int = 16,
+                on_row: Callable[[PagedRow], None] = lambda row: None) -> list[PagedRow]:
+    """One decode step of attention over the paged pool (shuffled blocks) vs SDPA on contiguous K/V; ``on_row``
+    sees each row as it is measured."""
     bandwidth = read_bandwidth(device), copy_bandwidth(device)
     shapes = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
-    return [_row(batch, context, dtype, device, bandwidth, **shapes) for batch, context in grid]
+    rows = []
+    for batch, context in grid:
+        rows.append(_row(batch, context, dtype, device, bandwidth, **shapes))
+        on_row(rows[-1])
+    return rows
 
 
 def _row(batch: int, context: int, dtype: torch.dtype, device: torch.device, bandwidth: tuple[float, float], *,
@@ -66,7 +73,7 @@ def _row(batch: int, context: int, dtype: torch.dtype, device: torch.device, ban
 def run(options, console) -> dict:
     shapes = {} if options.cuda else dict(heads=8, kv_heads=2, head_dim=64)
     rows = [asdict(r) for r in bench_paged(CUDA_GRID if options.cuda else CPU_GRID, options.dtypes[0],
-                                             options.device, **shapes)]
+                                             options.device, **shapes, on_row=lambda r: console.print(row_line(r)))]
     console.print(table("paged decode attention: hfaccel (paged pool) vs SDPA (contiguous K/V), "
                         "eager and in a CUDA graph", rows))
     return {"paged": rows}

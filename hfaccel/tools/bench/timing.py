@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypeVar
@@ -146,6 +147,12 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
         "hfaccel": hfaccel.__version__, "commit": commit or None, "command": " ".join(sys.argv),
     }
+
+
+def row_line(row: object) -> str:
+    """One result row (a dataclass) as a line, printed as soon as it is measured: a run cut short by its time limit
+    or by a crash still leaves the rows before, and the grid's order tells which row it died in."""
+    return "  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in asdict(row).items())
 
 
 def table(title: str, rows: list[dict]) -> Table:
