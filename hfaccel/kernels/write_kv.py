@@ -88,9 +88,33 @@ def write_kv_warps(tile: int) -> int:
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Pure-torch definition of :func:`write_kv`."""
+    """Pure-torch definition of :func:`write_kv`: rows with slot -1 are skipped. On the CPU the kept rows are
+    selected by a mask (nothing waits for it, and it is the fewest ops); elsewhere :func:`write_kv_on_device`."""
+    if slot_mapping.device.type != "cpu":
+        write_kv_on_device(k, v, k_pool, v_pool, slot_mapping)
+        return
     slots = slot_mapping.reshape(-1).long()
     keep = slots >= 0
     heads, head_dim = k_pool.shape[2:]
     k_pool.view(-1, heads, head_dim)[slots[keep]] = k.reshape(-1, heads, head_dim)[keep]
     v_pool.view(-1, heads, head_dim)[slots[keep]] = v.reshape(-1, heads, head_dim)[keep]
+
+
+def write_kv_on_device(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """:func:`write_kv_reference` with no host read, for a device the host would wait for (the ``torch`` backend's
+    decode steps on a GPU, captured in CUDA graphs: a mask's selection waits for its count, and fails a capture).
+    A row with slot -1 writes the same slot and value as the first kept row — a duplicate that changes nothing —
+    or, with no row kept, the pool's last slot its own value."""
+    slots = slot_mapping.reshape(-1).long()  # [T]
+    keep = slots >= 0  # [T]
+    first = keep.int().argmax(0, keepdim=True)  # [1]: the first kept row (0 where none is); indexes by index_select,
+    any_kept = keep.any()  # as a 0-d index would be read on the host
+    last = torch.full_like(first, k_pool.shape[0] * k_pool.shape[1] - 1)  # [1]
+    target = torch.where(keep, slots, torch.where(any_kept, slots.index_select(0, first), last))  # [T]
+    heads, head_dim = k_pool.shape[2:]
+    for new, pool in ((k, k_pool), (v, v_pool)):
+        flat = pool.view(-1, heads, head_dim)  # [num_blocks * block_size, Hkv, D]
+        rows = new.reshape(-1, heads, head_dim)  # [T, Hkv, D]
+        filler = torch.where(any_kept, rows.index_select(0, first), flat.index_select(0, last))  # [1, Hkv, D]
+        flat.index_put_((target,), torch.where(keep[:, None, None], rows, filler))

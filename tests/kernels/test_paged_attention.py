@@ -305,6 +305,33 @@ def test_write_kv_matches_reference(dtype):
     assert torch.equal(k_pool.view(-1, 3, 80)[17], new_k[0, 1])
 
 
+@pytest.mark.parametrize("slots", [[[4, -1, 9], [-1, 0, 11]], [[-1, -1, -1], [-1, -1, -1]], [[-1, 15, 2], [3, 1, -1]]],
+                         ids=["some-skipped", "all-skipped", "first-skipped"])
+def test_write_kv_on_a_device_skips_slot_minus_one_without_reading_on_the_host(slots):
+    """The torch backend on a GPU (attention="torch", inside captured decode steps) writes the kept rows, leaves
+    every other slot alone (the pool's last slot included where no row is kept), and never makes the host wait for
+    the device (the CPU's boolean-mask selection would: a CUDA graph capture of the step failed); the CPU's path
+    writes the same."""
+    from hfaccel.kernels.write_kv import write_kv_on_device
+    from tests.speculative.host_reads import HostReads
+
+    k_pool, v_pool = _pool(4, 3, 16, torch.float32)  # 16 slots
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+    new_k, new_v = torch.randn(2, 3, 3, 16), torch.randn(2, 3, 3, 16)
+    slot_mapping = torch.tensor(slots)
+    for (b, s), slot in zip([(b, s) for b in range(2) for s in range(3)], slot_mapping.flatten().tolist()):
+        if slot >= 0:
+            expected_k.view(-1, 3, 16)[slot] = new_k[b, s]
+            expected_v.view(-1, 3, 16)[slot] = new_v[b, s]
+    on_cpu = k_pool.clone(), v_pool.clone()
+    write_kv(new_k, new_v, *on_cpu, slot_mapping, backend="torch")
+    with HostReads() as waits:
+        write_kv_on_device(new_k, new_v, k_pool, v_pool, slot_mapping)
+    assert not waits.reads and not waits.uploads, (waits.reads, waits.uploads)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+    assert torch.equal(on_cpu[0], expected_k) and torch.equal(on_cpu[1], expected_v)
+
+
 def test_write_kv_bad_inputs():
     k_pool, v_pool = _pool(4, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="slot_mapping must be"):

@@ -2,7 +2,8 @@
 
 On the CPU a device tensor is a CPU tensor and nothing waits, so :class:`HostReads` counts the calls that would wait
 on CUDA. Reads: the op every scalar conversion runs (``item``, ``int``, ``float``, ``bool``, ``if tensor``:
-``aten._local_scalar_dense``), the ops whose output size depends on values (``nonzero``, ``equal``), and the methods
+``aten._local_scalar_dense``), the ops whose output size depends on values (``nonzero``, ``equal``, indexing by a
+boolean mask), and the methods
 that copy values into Python or host memory (``tolist``, ``numpy``, ``cpu``). Blocking uploads: host values put on a
 device from pageable memory, which waits for the device's queue — ``torch.tensor(values, device=...)``, the same by
 ``torch.as_tensor`` and indexing a tensor with a Python list (``hfaccel.device.to_device``, a non-blocking copy from
@@ -32,9 +33,17 @@ class _ReadOps(TorchDispatchMode):
         self.reads = reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith(READ_OPS) and not _host_side[0]:
+        if not _host_side[0] and (str(func).startswith(READ_OPS) or _selects_by_mask(func, args)):
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def _selects_by_mask(func, args) -> bool:
+    """Indexing by a boolean mask (``t[mask]``, ``t[mask] = x``): its size is the mask's count, which the host reads
+    (a ``nonzero`` inside the op, where a dispatch mode does not see it)."""
+    if func not in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
 
 class HostReads(TorchFunctionMode):
