@@ -107,6 +107,8 @@ def write_kv_on_device(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v
     A row with slot -1 writes the same slot and value as the first kept row — a duplicate that changes nothing —
     or, with no row kept, the pool's last slot its own value."""
     slots = slot_mapping.reshape(-1).long()  # [T]
+    if slots.numel() == 0:
+        return
     keep = slots >= 0  # [T]
     first = keep.int().argmax(0, keepdim=True)  # [1]: the first kept row (0 where none is); indexes by index_select,
     any_kept = keep.any()  # as a 0-d index would be read on the host

@@ -451,9 +451,9 @@ def _one_line(error: BaseException) -> str:
 def release_generator_from_capture(device: torch.device) -> None:
     """Take ``device``'s default CUDA generator out of capture mode after a capture that failed. ``torch.cuda.graph``
     puts the generator's state in capture mode as the capture begins and back only when ``capture_end`` succeeds;
-    after a failed capture it stays there (torch <= 2.11), and every later random op on the device — transformers'
-    own sampling included — fails with "Offset increment outside graph capture encountered unexpectedly" (seen on
-    an H200, 2026-11-26). A capture that succeeds puts it back: one of a single fill, on a side stream."""
+    after a failed capture it stays there, and every later random op on the device — transformers' own sampling
+    included — fails with "Offset increment outside graph capture encountered unexpectedly" (torch 2.11 on an H200,
+    2026-11-26). A capture that succeeds puts it back: one of a single fill, on a side stream."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     try:
         with torch.cuda.stream(stream):

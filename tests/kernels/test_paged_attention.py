@@ -330,6 +330,8 @@ def test_write_kv_on_a_device_skips_slot_minus_one_without_reading_on_the_host(s
     assert not waits.reads and not waits.uploads, (waits.reads, waits.uploads)
     assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
     assert torch.equal(on_cpu[0], expected_k) and torch.equal(on_cpu[1], expected_v)
+    write_kv_on_device(new_k[:, :0], new_v[:, :0], k_pool, v_pool, slot_mapping[:, :0])  # no rows: nothing written
+    assert torch.equal(k_pool, expected_k)
 
 
 def test_write_kv_bad_inputs():
