@@ -80,7 +80,7 @@ gpu-smoke: gpu-install
 		"tests/engine/test_engine.py::test_seeded_requests_keep_the_decode_graphs_and_draw_inside_them" \
 		"tests/hf/test_exactness.py::test_greedy_generate_matches_transformers"
 	-TORCH_LOGS=recompiles,graph_breaks timeout 150 $(PYTHON) -m hfaccel.tools.smoke --model llama-3.2-1b
-	-timeout 170 $(PYTHON) -m hfaccel.tools.cli bench decode --model llama-3.2-1b --dtype float16 --batch 1 --batch 16
+	-timeout 170 $(PYTHON) -m hfaccel.tools.cli bench decode --model llama-3.2-1b --dtype float16 --batch 1 --batch 16 --profile
 
 gpu-test: gpu-install
 	HFACCEL_TEST_DEVICE=cuda HFACCEL_TEST_PART=$(GPU_PART) $(PYTHON) -m pytest -n 4 -q -ra tests

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--host", action="store_true",
                        help="engine: the host time per step split into scheduling, metadata, launch, waiting and "
                             "detokenizing at batch 1, 64, 256 (or --batch), instead of the serving comparison")
+    bench.add_argument("--profile", action="store_true",
+                       help="decode: also hfaccel's decode step by kernel (device time per step, torch.profiler: the "
+                            "kernels a CUDA graph replays on a GPU, the ops on the CPU), the top 15 at each batch")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="engine: serve the workload over N tensor-parallel ranks (one GPU each, NCCL; gloo on "
                             "the CPU) and report the all-reduce share of a decode step (--batch: its batch)")
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                   num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, profile=args.profile)
     return 0
 
 

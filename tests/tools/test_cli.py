@@ -48,7 +48,7 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
     output = tmp_path / "bench.json"
     assert main(["bench", "attention", "paged", "memory", "decode", "engine", "--model", "tiny-llama", "--batch", "1",
-                 "--batch", "2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "6",
+                 "--batch", "2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "6", "--profile",
                  "--output", str(output)]) == 0
     results = json.loads(output.read_text())
     assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
@@ -63,6 +63,9 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     assert [(row["batch"], row["rows"].split()[0]) for row in results["decode_sampler"]] == [
         (1, "greedy"), (1, "seeded"), (1, "seeded,"), (2, "greedy"), (2, "seeded"), (2, "seeded,")]
     assert all(row["sample_ms"] > 0 and row["share_of_step"] > 0 for row in results["decode_sampler"])
+    kernels = results["decode_kernels"]  # --profile: hfaccel's step by kernel (here the CPU's ops), at each batch
+    assert {row["batch"] for row in kernels} == {1, 2} and all(0 < row["share_of_step"] <= 1 for row in kernels)
+    assert any(row["kernel"] == "aten::mm" and row["calls_per_step"] >= 1 for row in kernels if row["batch"] == 1)
     assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 and row["routed_ms"] > 0
                for row in results["attention"])
     assert {row["routed_path"] for row in results["attention"]} == {"sdpa"}  # hfaccel's kernels do not run here

@@ -4,7 +4,8 @@
 - paged: decode attention over the paged KV pool vs SDPA on contiguous K/V (eager and in a CUDA graph), against
   the read bandwidth.
 - memory: bytes a mixed-length batch holds in PagedCache vs DynamicCache vs StaticCache.
-- decode: ``generate`` tokens/s — transformers sdpa, static cache + torch.compile, hfaccel (paged / dense cache).
+- decode: ``generate`` tokens/s — transformers sdpa, static cache + torch.compile, hfaccel (paged / dense cache);
+  with ``--profile``, hfaccel's decode step by kernel.
 - engine: serving N requests — sequential / static-batch ``generate``, ``generate_batch``, ``hfaccel.Engine``;
   with ``--host``, the engine's host time per step split by part at batch 1, 64 and 256.
 - serve: the OpenAI-compatible server at concurrency 1, 8, 64 over loopback (not part of "all").
@@ -58,6 +59,7 @@ class BenchOptions:
     host: bool = False  # engine: the host time per step, split by part, instead of the serving comparison
     tokenizer: str | None = None  # structured: the tokenizer folder of a named config (default: SmolLM2's)
     tensor_parallel_size: int = 1  # engine: serve over this many ranks and report the all-reduce share
+    profile: bool = False  # decode: also hfaccel's decode step by kernel
 
     @property
     def cuda(self) -> bool:
@@ -69,7 +71,7 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
               new_tokens: int | None = None, output: str | None = None, console: Console | None = None,
               draft: str = "int4", num_draft_tokens: int = 4, num_requests: int | None = None,
               url: str | None = None, host: bool = False, tokenizer: str | None = None,
-              tensor_parallel_size: int = 1) -> dict:
+              tensor_parallel_size: int = 1, profile: bool = False) -> dict:
     """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
     chosen = {what} if isinstance(what, str) else set(what)
     unknown = sorted(chosen - set(CASES) - {"all"})
@@ -79,7 +81,7 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     names = dtypes or (["float16", "bfloat16"] if dev.type == "cuda" else ["float32"])
     options = BenchOptions(dev, [getattr(torch, d) for d in names], model, batches, prompt_len, new_tokens, draft,
-                           num_draft_tokens, num_requests, url, host, tokenizer, tensor_parallel_size)
+                           num_draft_tokens, num_requests, url, host, tokenizer, tensor_parallel_size, profile)
     results = {"environment": environment(dev)}
     for case in CASES:
         if case in chosen or ("all" in chosen and case not in NOT_IN_ALL):

@@ -10,7 +10,9 @@ real config with random weights (speed does not depend on the weights' values) o
 A second table gives the sampler's share of hfaccel's decode step (``sampling.sample`` on the model's vocabulary at
 each batch size: greedy rows, and seeded rows at temperature 1 with top-p 0.9, keyed noise over the vocabulary;
 and ``sampling.draw_step``, the draw the engine's decode steps end with, on the seeded rows — run on its own here,
-uncompiled).
+uncompiled). With ``--profile`` a third splits hfaccel's decode step by kernel: the device time per step of each
+kernel (the ones a CUDA graph replays, on a GPU; the ops, on the CPU), from ``torch.profiler`` over the same two
+calls the step's time comes from.
 
 Each path is warmed up on the exact call it is then timed on (compiles and captures happen there). A decode
 step's time is ``(t(N new tokens) - t(1 new token)) / (N - 1)``: the prompt's prefill cancels out. The roofline of
@@ -59,7 +61,18 @@ class SamplerRow:
     share_of_step: float  # sample_ms / hfaccel's decode step at this batch
 
 
+@dataclass
+class KernelRow:
+    model: str
+    batch: int
+    kernel: str  # a device kernel's name (an op's on the CPU), its first 100 characters
+    calls_per_step: float
+    us_per_step: float  # its device time (self time on the CPU) in one decode step
+    share_of_step: float  # of the device time of every kernel in the step
+
+
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+PROFILE_TOP = 15  # kernels listed per batch
 
 
 def sampler_rows(decode: list[DecodeRow], device: torch.device) -> list[SamplerRow]:
@@ -124,25 +137,59 @@ def step_ms(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps:
     return max(full - prefill, 1e-9) / (new_tokens - 1) * 1e3
 
 
+def kernel_rows(spec: str, model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> list[KernelRow]:
+    """The prepared path's decode step by kernel, the top :data:`PROFILE_TOP`: per kernel, (its time in a profiled
+    ``generate`` of ``new_tokens`` tokens - in one of 1 token) / (``new_tokens`` - 1), as :func:`step_ms` times the
+    step (the calls are warm: :func:`step_ms` made them just before)."""
+    full = _kernel_times(model, input_ids, new_tokens, kwargs)
+    prefill = _kernel_times(model, input_ids, 1, kwargs)
+    steps = new_tokens - 1
+    per_step = {name: ((us - prefill.get(name, (0.0, 0))[0]) / steps, (calls - prefill.get(name, (0.0, 0))[1]) / steps)
+                for name, (us, calls) in full.items()}
+    total = sum(us for us, _ in per_step.values() if us > 0) or 1.0
+    ranked = sorted(per_step.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]
+    return [KernelRow(spec, input_ids.shape[0], name[:100], calls, us, us / total) for name, (us, calls) in ranked
+            if us > 0]
+
+
+def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> dict[str, tuple[float, int]]:
+    """(self device time in µs, calls) of each kernel of one greedy ``generate`` (each op's self CPU time on the CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = input_ids.device.type == "cuda"
+    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiled:
+        model.generate(input_ids, **args)
+        sync(input_ids.device)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    return {event.key: (event.self_device_time_total if cuda else event.self_cpu_time_total, event.count)
+            for event in profiled.key_averages() if event.device_type == kind}
+
+
 def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int, device: torch.device,
-                 dtype: torch.dtype) -> list[DecodeRow]:
-    """Decode speed of each path at each batch size (greedy, fixed length, random prompts)."""
+                 dtype: torch.dtype, profile: bool = False) -> tuple[list[DecodeRow], list[KernelRow]]:
+    """Decode speed of each path at each batch size (greedy, fixed length, random prompts); with ``profile``
+    hfaccel's decode step by kernel at each batch size."""
     if new_tokens < 2:
         raise ValueError(f"bench decode times decode steps: new_tokens must be >= 2; got {new_tokens}")
     model = build_model(spec, device, dtype)
     weight_ms = read_ms(weight_read_bytes(model), read_bandwidth(device))
-    rows = []
+    rows, kernels = [], []
     for batch in batches:
         input_ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
         measured = {}
         for path in decode_paths(device):
-            measured[path] = step_ms(model, input_ids, new_tokens, _prepare(model, path))
+            kwargs = _prepare(model, path)
+            measured[path] = step_ms(model, input_ids, new_tokens, kwargs)
+            if profile and path == "hfaccel":
+                kernels += kernel_rows(spec, model, input_ids, new_tokens, kwargs)
         restore(model)
         base = measured.get(BASELINE, measured["transformers sdpa"])
         rows += [DecodeRow(spec, str(dtype).removeprefix("torch."), path, batch, prompt_len, new_tokens,
                            batch / ms * 1e3, ms, base / ms, weight_ms / ms * 100, model.config.vocab_size)
                  for path, ms in measured.items()]
-    return rows
+    return rows, kernels
 
 
 def plan(options) -> list[tuple[str, torch.dtype]]:
@@ -155,15 +202,21 @@ def plan(options) -> list[tuple[str, torch.dtype]]:
 
 
 def run(options, console) -> dict:
-    rows, sampler = [], []
+    rows, sampler, kernels = [], [], []
     for spec, dtype in plan(options):
-        measured = bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
-                                options.prompt_len or (128 if options.cuda else 32),
-                                options.new_tokens or (128 if options.cuda else 16), options.device, dtype)
+        measured, profiled = bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
+                                          options.prompt_len or (128 if options.cuda else 32),
+                                          options.new_tokens or (128 if options.cuda else 16), options.device, dtype,
+                                          profile=options.profile)
         sampler += sampler_rows(measured, options.device)
         rows += measured
-    rows, sampler = [asdict(r) for r in rows], [asdict(r) for r in sampler]
+        kernels += profiled
+    rows, sampler, kernels = ([asdict(r) for r in part] for part in (rows, sampler, kernels))
     console.print(table("decode: generate() decode steps (vs_baseline: static+compile on CUDA, sdpa elsewhere; "
                         "pct_roofline: one weight read at the read bandwidth / the step)", rows))
     console.print(table("the sampler's share of hfaccel's decode step", sampler))
-    return {"decode": rows, "decode_sampler": sampler}
+    if not options.profile:
+        return {"decode": rows, "decode_sampler": sampler}
+    console.print(table(f"hfaccel's decode step by kernel (torch.profiler; the top {PROFILE_TOP} by time per step, "
+                        "share of the step's kernel time)", kernels))
+    return {"decode": rows, "decode_sampler": sampler, "decode_kernels": kernels}
