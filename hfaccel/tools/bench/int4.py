@@ -92,18 +92,22 @@ def bench_int4_kernels(shapes, ms, dtypes, device: torch.device,
     rows = []
     for k, n in shapes:
         for dtype in dtypes:
+            weights = random_int4_weights(n, k, GROUP_SIZE, dtype, device)  # made once for every M
+            denses = [torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
+                      for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))]
             for m in ms:
-                rows.append(_kernel_row(k, n, m, dtype, device, bandwidth))
+                rows.append(_kernel_row(torch.randn(m, k, device=device, dtype=dtype), weights, denses, device,
+                                        bandwidth))
                 on_row(rows[-1])
     return rows
 
 
-def _kernel_row(k: int, n: int, m: int, dtype: torch.dtype, device: torch.device, bandwidth: float) -> Int4KernelRow:
-    weights = random_int4_weights(n, k, GROUP_SIZE, dtype, device)
+def _kernel_row(x: torch.Tensor, weights: list[tuple], denses: list[torch.Tensor], device: torch.device,
+                bandwidth: float) -> Int4KernelRow:
+    """``x [M, K]`` times the int4 weight copies ``weights`` (routed, and dequantize + cuBLAS) and the dense
+    ``denses [N, K]`` (cuBLAS), each timed over its copies in turn."""
+    (m, k), n, dtype = x.shape, denses[0].shape[0], x.dtype
     weight_bytes = tensor_bytes(weights[0])  # packed words, scales, zeros
-    denses = [torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
-              for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))]
-    x = torch.randn(m, k, device=device, dtype=dtype)
     int4_calls, paths = zip(*(_int4_path(x, weight, device) for weight in weights))
     path = paths[0]
     int4 = cold_graph_time_ms(int4_calls, device) * 1e3
