@@ -77,7 +77,9 @@ def test_a_compile_failure_runs_the_call_uncompiled_and_says_why(no_triton, reco
         assert torch.equal(model.generate(**batch, **GREEDY), expected)
         assert torch.equal(model.generate(**batch, **GREEDY), expected)
     reason = model.hfaccel.decode.reason
-    assert "could not compile (BackendCompilerFailed" in reason and COMPILED not in reason
+    # the cause first, then the error torch.compile raised over it
+    assert "could not compile (RuntimeError: an inductor failure (made by the test); then BackendCompilerFailed" \
+        in reason and COMPILED not in reason
     assert sum("could not compile" in record.getMessage() for record in caplog.records) == 1
 
 
