@@ -167,12 +167,23 @@ def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict)
             for event in profiled.key_averages() if event.device_type == kind}
 
 
+def _set_up_tracer(device: torch.device) -> None:
+    """Start and stop the profiler's CUDA tracer once, before the first CUDA graph is made: a tracer set up after a
+    graph was made may not report that graph's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        sync(device)
+
+
 def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int, device: torch.device,
                  dtype: torch.dtype, profile: bool = False) -> tuple[list[DecodeRow], list[KernelRow]]:
     """Decode speed of each path at each batch size (greedy, fixed length, random prompts); with ``profile``
     hfaccel's decode step by kernel at each batch size."""
     if new_tokens < 2:
         raise ValueError(f"bench decode times decode steps: new_tokens must be >= 2; got {new_tokens}")
+    if profile and device.type == "cuda":
+        _set_up_tracer(device)
     model = build_model(spec, device, dtype)
     weight_ms = read_ms(weight_read_bytes(model), read_bandwidth(device))
     rows, kernels = [], []
