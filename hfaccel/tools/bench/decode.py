@@ -118,7 +118,7 @@ def _prepare(model, path: str) -> dict:
 
 def _seconds(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps: int) -> float:
     """Median wall seconds of a greedy generate() of exactly ``new_tokens`` tokens (after one untimed call)."""
-    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    args = _greedy_args(new_tokens, kwargs)
     model.generate(input_ids, **args)  # warm-up on this exact call (compiles, captures)
     samples = []
     for _ in range(reps):
@@ -128,6 +128,11 @@ def _seconds(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps
         sync(input_ids.device)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def _greedy_args(new_tokens: int, kwargs: dict) -> dict:
+    """The ``generate`` arguments of a timed or profiled call: greedy, exactly ``new_tokens`` tokens."""
+    return dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
 
 
 def step_ms(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps: int = 3) -> float:
@@ -144,8 +149,10 @@ def kernel_rows(spec: str, model, input_ids: torch.Tensor, new_tokens: int, kwar
     full = _kernel_times(model, input_ids, new_tokens, kwargs)
     prefill = _kernel_times(model, input_ids, 1, kwargs)
     steps = new_tokens - 1
-    per_step = {name: ((us - prefill.get(name, (0.0, 0))[0]) / steps, (calls - prefill.get(name, (0.0, 0))[1]) / steps)
-                for name, (us, calls) in full.items()}
+    per_step = {}  # kernel -> (µs, calls) per decode step
+    for name, (us, calls) in full.items():
+        prefill_us, prefill_calls = prefill.get(name, (0.0, 0))
+        per_step[name] = ((us - prefill_us) / steps, (calls - prefill_calls) / steps)
     total = sum(us for us, _ in per_step.values() if us > 0) or 1.0
     ranked = sorted(per_step.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]
     return [KernelRow(spec, input_ids.shape[0], name[:100], calls, us, us / total) for name, (us, calls) in ranked
@@ -158,7 +165,7 @@ def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict)
     from torch.profiler import ProfilerActivity, profile
 
     cuda = input_ids.device.type == "cuda"
-    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    args = _greedy_args(new_tokens, kwargs)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as profiled:
         model.generate(input_ids, **args)
         sync(input_ids.device)
