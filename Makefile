@@ -19,7 +19,8 @@ LOWEST_PINS ?= transformers==5.17.0
 # What the lowest transformers is tested on: where hfaccel meets transformers' code (accelerate, generate's loop and
 # arguments, the model forwards the runner, speculative decoding and LoRA layers drive, the engine's exactness
 # against generate); the rest of the engine, the server and the kernels do not depend on the transformers release.
-MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py tests/speculative tests/lora
+MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py tests/engine/test_families_engine.py tests/speculative \
+	tests/lora
 MODEL_TESTS_SKIP ?= --deselect tests/hf/test_compile_cache.py
 PYTEST_WORKERS ?= 2
 
@@ -75,10 +76,12 @@ gpu-smoke: gpu-install
 	-HFACCEL_TEST_DEVICE=cuda timeout 150 $(PYTHON) -m pytest -q -n 6 -ra --tb=short \
 		tests/kernels/test_paged_attention.py tests/kernels/test_flash_attention.py tests/kernels/test_w4a16.py \
 		tests/kernels/test_keyed_race.py tests/kernels/test_lora.py -k "not sm90 and not interpret"
-	-HFACCEL_TEST_DEVICE=cuda timeout 180 $(PYTHON) -m pytest -q -n 4 -ra --tb=short --timeout 150 \
+	-HFACCEL_TEST_DEVICE=cuda timeout 240 $(PYTHON) -m pytest -q -n 4 -ra --tb=short --timeout 150 \
 		tests/hf/test_decode.py tests/engine/test_async_scheduling.py \
 		"tests/engine/test_engine.py::test_seeded_requests_keep_the_decode_graphs_and_draw_inside_them" \
-		"tests/hf/test_exactness.py::test_greedy_generate_matches_transformers"
+		"tests/hf/test_exactness.py::test_greedy_generate_matches_transformers" \
+		"tests/hf/test_families.py::test_triton_kernels_give_transformers_tokens" \
+		"tests/engine/test_families_engine.py::test_exactness_with_preemption_and_chunked_prefill"
 	-TORCH_LOGS=recompiles,graph_breaks timeout 150 $(PYTHON) -m hfaccel.tools.smoke --model llama-3.2-1b
 	-timeout 170 $(PYTHON) -m hfaccel.tools.cli bench decode --model llama-3.2-1b --dtype float16 --batch 1 --batch 16 --profile
 

@@ -1,16 +1,31 @@
-"""Where a model lives, and host values as device tensors without waiting for the device."""
+"""Where a model lives, what was worked out about it there, and host values as device tensors without waiting for
+the device."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of the model's first parameter (CPU for a model without parameters)."""
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def per_model(memo: weakref.WeakKeyDictionary, model: torch.nn.Module, compute: Callable[[torch.nn.Module], T]) -> T:
+    """``compute(model)``, worked out once per model, dtype and device: ``memo`` (a module's, weakly keyed) keeps the
+    answer while the model lives, and a model moved or cast is worked out again."""
+    key = (getattr(model, "dtype", None), model_device(model))
+    known = memo.get(model)
+    if known is None or known[0] != key:
+        memo[model] = known = (key, compute(model))
+    return known[1]
 
 
 def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

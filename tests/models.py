@@ -60,6 +60,60 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> 
     return model.to(DEVICE)
 
 
+# This year's families (issue 47), tiny: transformers' default config of each shrunk (tests/hf/tiny_configs.py),
+# the feature that matters switched on. Name -> (model type, config overrides).
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "qwen3_next": ("qwen3_next", {}),  # gated delta-net layers (conv + recurrent state) beside full attention
+    "qwen3_5_moe": ("qwen3_5_moe_text", {}),
+    "falcon_h1": ("falcon_h1", {}),  # Mamba-2 beside attention in every layer
+    "granite_h": ("granitemoehybrid", {}),
+    "jamba": ("jamba", {}),  # Mamba-1
+    "lfm2": ("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2}),  # short convolutions
+    "gpt_oss": ("gpt_oss", {}),  # attention sinks, alternating sliding and full layers
+    "gemma4": ("gemma4_text", {}),  # per-layer head sizes and KV heads, layers sharing K/V (gemma4_config)
+}
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2")
+
+
+def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers.PreTrainedModel:
+    """A tiny random-weight model of one of :data:`FAMILIES` (fp32, eval, on DEVICE)."""
+    from tests.hf.tiny_configs import tiny_config
+
+    model_type, overrides = FAMILIES[name]
+    config = gemma4_config(vocab_size) if name == "gemma4" else tiny_config(model_type, vocab_size=vocab_size,
+                                                                            **overrides)
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # eager attention only (gpt-oss)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if name == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that matter (they start at zero)
+    return model.eval().to(DEVICE)
+
+
+def gemma4_config(vocab_size: int = 96) -> transformers.PretrainedConfig:
+    """Gemma 4's text model, tiny: sliding layers of 2 KV heads x 16 and global layers of 1 KV head x 32 (its
+    ``attention_k_eq_v``: values are the keys), the last two layers reading the K/V of earlier ones."""
+    return transformers.Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=8, num_kv_shared_layers=2,
+        attention_k_eq_v=True, hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab_size,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def wide_head_model() -> transformers.PreTrainedModel:
+    """A tiny Llama whose heads are 640 wide: wider than hfaccel's kernels take (512), so hfaccel cannot serve it."""
+    config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 1, "num_key_value_heads": 1,
+                                         "head_dim": 640})
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval().to(DEVICE)
+
+
 def _sharpen(model: transformers.PreTrainedModel) -> None:
     """Scale weights up so attention is far from uniform and logits rarely tie (random init is very flat)."""
     with torch.no_grad():

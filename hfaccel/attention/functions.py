@@ -158,57 +158,56 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
                value: torch.Tensor, attention_mask, scaling: float | None = None, dropout: float = 0.0,
                **kwargs) -> tuple[torch.Tensor, None]:
     # query: [B, Hq, Sq, D]; key, value: [B, Hkv, Skv, D]; returns ([B, Sq, Hq, D], None)
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("hfaccel attention does not implement attention sinks (s_aux); "
-                                  "hfaccel.accelerate leaves such models on transformers' attention")
-    softcap = kwargs.get("softcap")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
     if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
+        window = kwargs.get("sliding_window") or key.window  # the layer's window, passed or as its cache holds it
         if key.dense is None or not _paged_kernel_serves(attention_mask, dropout, query):
             _record(module, PAGED, backend, query)
-            return _packed(backend, query, key, attention_mask, scaling, softcap, dropout,
-                           kwargs.get("sliding_window")), None
+            return _packed(backend, query, key, attention_mask, scaling, softcap, sinks, dropout, window), None
         # one sequence's whole prompt: causal attention over its own new K/V, as any dense prefill
-        attention_mask = replace(PACKED_MASK, sliding_window=kwargs.get("sliding_window"))
+        attention_mask = replace(PACKED_MASK, sliding_window=window)
     if isinstance(key, PagedKV):
         if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
             _record(module, PAGED, backend, query)
-            return _paged(backend, query, key, attention_mask, scaling, softcap), None
+            return _paged(backend, query, key, attention_mask, scaling, softcap, sinks), None
         key, value = key.gather()  # a prefill's own K/V, or a gather for what the paged kernel lacks
     if attention_mask is None:
         attention_mask = _implicit_mask(module, query, key, kwargs)
     if not isinstance(attention_mask, KernelMask):
         _record(module, TORCH)
-        return _dense_attention(query, key, value, attention_mask, scaling, softcap, dropout), None
+        return _dense_attention(query, key, value, attention_mask, scaling, softcap, sinks, dropout), None
     if dropout > 0.0:
         _warn_fallback("attention dropout is active (model in training mode)")
         _record(module, TORCH)
-        return _dense_attention(query, key, value, _to_dense(attention_mask, query, key), scaling, softcap,
+        return _dense_attention(query, key, value, _to_dense(attention_mask, query, key), scaling, softcap, sinks,
                                 dropout), None
     mask = attention_mask
-    if prefill_route(backend, query, key, mask, softcap) == SDPA:  # exact, and differentiable
+    if prefill_route(backend, query, key, mask, softcap, sinks) == SDPA:  # exact, and differentiable
         _record(module, SDPA)
-        return _sdpa(query, key, value, mask, scaling, softcap), None
+        return _sdpa(query, key, value, mask, scaling, softcap, sinks), None
     if _needs_autograd(query, key, value):  # differentiable
         _record(module, TORCH)
         return flash_attention_reference(query, key, value, scale=scaling, causal=mask.causal,
                                          q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
-                                         sliding_window=mask.sliding_window, softcap=softcap), None
+                                         sliding_window=mask.sliding_window, softcap=softcap, sinks=sinks), None
     _record(module, FLASH, backend, query)
     return flash_attention_op(query, key, value, mask.key_mask, _scale(scaling, query), mask.causal, mask.q_offset,
-                              mask.kv_offset, mask.sliding_window, softcap, backend), None
+                              mask.kv_offset, mask.sliding_window, softcap, sinks, backend), None
 
 
-def sdpa_computes(query: torch.Tensor, key: torch.Tensor, mask: KernelMask, softcap: float | None) -> bool:
+def sdpa_computes(query: torch.Tensor, key: torch.Tensor, mask: KernelMask, softcap: float | None,
+                  sinks: torch.Tensor | None = None) -> bool:
     """Whether ``F.scaled_dot_product_attention(..., is_causal=True)`` computes exactly this call: causal with the
     queries aligned to the keys (same count, same offset: SDPA's causal mask is top-left aligned), no key padding,
-    no sliding window that hides a key, no softcap."""
+    no sliding window that hides a key, no softcap, no sinks."""
     window = mask.sliding_window
-    return (mask.causal and mask.key_mask is None and softcap is None and (window is None or window >= key.shape[2])
+    return (mask.causal and mask.key_mask is None and softcap is None and sinks is None
+            and (window is None or window >= key.shape[2])
             and query.shape[2] == key.shape[2] and mask.q_offset == mask.kv_offset)
 
 
 def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: KernelMask,
-                  softcap: float | None) -> str:
+                  softcap: float | None, sinks: torch.Tensor | None = None) -> str:
     """``"sdpa"`` or ``"hfaccel flash"``: the path of a dense call of the ``backend`` attention. Only ``auto`` routes:
     on a device where hfaccel's kernels do not run (the CPU without the Triton interpreter, MPS), every call to SDPA
     (:func:`_sdpa`); on CUDA, only 16-bit calls that SDPA computes exactly as they are, and only where the GPU's
@@ -218,7 +217,7 @@ def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: Ke
     if backend == "auto" and not triton_can_run(query.device):
         return SDPA
     if not (backend == "auto" and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and sdpa_computes(query, key, mask, softcap)):
+            and sdpa_computes(query, key, mask, softcap, sinks)):
         return FLASH
     if torch.compiler.is_compiling():  # a trace cannot read the table (a file); what the table says without an entry
         return SDPA
@@ -236,14 +235,14 @@ def sees_every_key(query: torch.Tensor, key: torch.Tensor, mask: KernelMask) -> 
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: KernelMask, scaling: float | None,
-          softcap: float | None) -> torch.Tensor:
+          softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """The SDPA route (:func:`prefill_route`) as transformers' ``sdpa`` computes attention: ``is_causal`` when the
-    queries align with the keys, no mask when every query sees every key, else the dense mask (softcap: the exact
-    torch formula). ``[B, Sq, Hq, D]``."""
-    if sdpa_computes(query, key, mask, softcap):
+    queries align with the keys, no mask when every query sees every key, else the dense mask (softcap, sinks: the
+    exact torch formula). ``[B, Sq, Hq, D]``."""
+    if sdpa_computes(query, key, mask, softcap, sinks):
         return sdpa_causal(query, key, value, scaling)
     dense = None if softcap is None and sees_every_key(query, key, mask) else _to_dense(mask, query, key)
-    return _dense_attention(query, key, value, dense, scaling, softcap, 0.0)
+    return _dense_attention(query, key, value, dense, scaling, softcap, sinks, 0.0)
 
 
 def sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -278,15 +277,15 @@ def _paged_kernel_serves(mask, dropout: float, query: torch.Tensor) -> bool:
 
 
 def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,
-           softcap: float | None) -> torch.Tensor:
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
     return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, None, query.shape[2],
                               kv.max_seq_len, _scale(scaling, query), mask.key_mask if kv.padding is None else None,
-                              mask.sliding_window, softcap, backend)
+                              mask.sliding_window, softcap, sinks, backend)
 
 
 def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
-            dropout: float, sliding_window: int | None) -> torch.Tensor:
+            sinks: torch.Tensor | None, dropout: float, sliding_window: int | None) -> torch.Tensor:
     # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]
     if not _paged_kernel_serves(mask, dropout, query):
         raise NotImplementedError(
@@ -295,7 +294,7 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             f"grad {_needs_autograd(query)}")
     out = paged_attention_op(query[0].transpose(0, 1), kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens,
                              kv.cu_seqlens_q, kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None,
-                             sliding_window, softcap, backend)  # [T, Hq, D]
+                             sliding_window, softcap, sinks, backend)  # [T, Hq, D]
     return out[None]
 
 
@@ -334,22 +333,30 @@ def _to_dense(mask: KernelMask, query: torch.Tensor, key: torch.Tensor) -> torch
 
 
 def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float | None, softcap: float | None, dropout: float) -> torch.Tensor:
+                     scaling: float | None, softcap: float | None, sinks: torch.Tensor | None,
+                     dropout: float) -> torch.Tensor:
     """Exact torch attention with a dense mask ``[B, 1|Hq, Sq, Skv]`` (bool: True = attend; float: additive; None:
-    every query sees every key)."""
+    every query sees every key), softcapped logits and sinks ``[Hq]`` (one more logit per query head, as
+    transformers' eager attention appends it)."""
     group = query.shape[1] // key.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                              enable_gqa=group > 1)
         return out.transpose(1, 2).contiguous()
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = softcap * torch.tanh(query @ key.transpose(-1, -2) * scale / softcap)
+    scores = query @ key.transpose(-1, -2) * scale  # [B, Hq, Sq, Skv]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None and mask.dtype == torch.bool:  # the lowest value, as transformers' eager: a query that sees
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # no key (padding) gets no NaN
     elif mask is not None:
         scores = scores + mask
-    probs = F.dropout(torch.softmax(scores.float(), -1).to(value.dtype), p=dropout, training=dropout > 0)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], -1)
+    probs = torch.softmax(scores.float(), -1)[..., :key.shape[2]]
+    probs = F.dropout(probs.to(value.dtype), p=dropout, training=dropout > 0)
     return (probs @ value).transpose(1, 2).contiguous()
 
 

@@ -8,7 +8,6 @@ from transformers import PreTrainedModel
 
 from hfaccel import compat
 from hfaccel.attention.functions import ATTENTION_FUNCTIONS, MASK_FUNCTIONS, PATHS_ATTRIBUTE, AttentionPaths
-from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
 
 # hfaccel's attention implementations, by kernel backend
 ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton", "torch": "hfaccel_torch"}
@@ -70,27 +69,13 @@ def hfaccel_attention(model: PreTrainedModel, backend: str = "auto"):
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why hfaccel cannot serve this model's attention, or None when it can."""
+    """Why hfaccel's attention cannot be put on this model at all, or None (``hfaccel.runner.support`` then checks
+    what its layers cache and runs a trial)."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported (hfaccel serves decoder-only causal LMs)"
-    if getattr(config, "sub_configs", None):
+    if config.get_text_config(decoder=True) is not config:
         return f"composite (multimodal) models are not supported yet (sub-configs: {sorted(config.sub_configs)})"
     if not compat.can_set_attn_implementation(model):
         return "its modeling code does not dispatch attention through transformers' AttentionInterface"
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        return "attention sinks (s_aux) are not implemented by hfaccel's kernels"
-    head_dim = _head_dim(config)
-    if head_dim is not None and head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} is larger than the kernels' maximum {MAX_HEAD_DIM}"
-    v_head_dim = getattr(config, "v_head_dim", None)
-    if v_head_dim is not None and v_head_dim != head_dim:
-        return f"query/key head_dim ({head_dim}) differs from value head_dim ({v_head_dim})"
     return None
-
-
-def _head_dim(config) -> int | None:
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and getattr(config, "num_attention_heads", None):
-        head_dim = config.hidden_size // config.num_attention_heads
-    return head_dim

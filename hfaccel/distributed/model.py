@@ -64,7 +64,8 @@ def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | N
     if len(devices) > 1:
         raise ValueError(f"{what}: {SUPPORTED}; this model is split across devices {sorted(devices)} by "
                          f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
-    local_kv_heads(model)  # raises when the TP size does not divide the KV heads
+    if compat.tp_size(model) > 1:
+        local_kv_heads(model)  # raises when the TP size does not divide the KV heads
     if compat.tp_size(model) > 1 and quantize not in (None, "rtn"):
         raise ValueError(f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
                          f"(quantize=\"rtn\"); quantize={quantize!r} calibrates on one process")

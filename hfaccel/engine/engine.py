@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hfaccel.attention import set_hfaccel_attention, unsupported_reason, uses_hfaccel_attention
+from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
 from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
@@ -47,6 +47,7 @@ from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling.structured import Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
+from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
     IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
     TokenLogprob, draws_in_step, eos_token_ids, sample,
@@ -134,7 +135,7 @@ class Engine:
             self._channel = None  # the TP step broadcast (None: one process)
             if self.tp is None:
                 pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                                        enable_prefix_caching=enable_prefix_caching)
+                                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs)
                 self.runner = ModelRunner(model, pool)
                 self.runner.lora = None if self.loras is None else self.loras.context
             else:
@@ -470,7 +471,13 @@ class Engine:
                  "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
                  "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
                  "kv_cache_bytes": self.kv_budget.bytes,
+                 "prefix_caching": "on" if manager.enable_prefix_caching else (
+                     "off (the model's layers keep recurrent state, which is not kept per block)"
+                     if manager.state_slots else "off"),
                  "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)"}
+        if manager.state_slots:  # a hybrid model: one slot of recurrent state per running sequence
+            stats.update(state_slots=manager.state_slots, state_slots_free=manager.num_free_state_slots,
+                         state_bytes=self.kv_budget.state_bytes)
         if self.loras is not None:  # adapters served, and how many of the max_loras slots hold one
             stats.update(lora_adapters=len(self.loras.adapters), lora_slots_loaded=self.loras.num_loaded)
         return stats
@@ -480,24 +487,37 @@ class Engine:
         """Launch the step. If it raises, run each request's part alone (committing nothing) to find the
         requests whose part fails by itself: those are failed alone and the others launched again without them.
         A failure that is not theirs — every part fails alone, or none does (out of memory) — is raised, and the
-        step changes nothing."""
+        step changes nothing. A model whose layers keep recurrent state cannot write its state twice: there the
+        step's other sequences are computed again from their tokens instead (``Scheduler.recompute``)."""
         try:
             return self._launch(chunks)
         except Exception:
             requests = {chunk.seq.request for chunk in chunks}
             failures = self._failing_alone(chunks) if len(requests) > 1 else {}
             if not 0 < len(failures) < len(requests):
+                self._recompute_states(chunks)
                 raise
         for request, error in failures.items():
             self._fail(request, error)
             touched[request.request_id] = request
         rest = [chunk for chunk in chunks if chunk.seq.request not in failures]
+        if self.runner.pool.states is not None:
+            self._recompute_states(rest)
+            return None
         return self._launch(rest)
+
+    def _recompute_states(self, chunks: list[ScheduledChunk]) -> None:
+        """After a step that did not count, the sequences whose recurrent state its forwards may have advanced are
+        computed again from their tokens (a model without recurrent state rewrites the same K/V: nothing to do)."""
+        if self.runner.pool.states is not None:
+            for chunk in chunks:
+                self.scheduler.recompute(chunk.seq)
 
     def _failing_alone(self, chunks: list[ScheduledChunk]) -> dict[Request, Exception]:
         """The requests whose chunks' forward and sampling raise when run alone, and their errors. Nothing is
-        committed: the K/V the forwards write are written again by the step that counts, and a seeded row's
-        noise depends only on its key (seed, completion, token index), so a trial draw changes nothing."""
+        committed: the K/V the forwards write are written again by the step that counts (recurrent state is
+        recomputed: :meth:`_launch_isolating`), and a seeded row's noise depends only on its key (seed, completion,
+        token index), so a trial draw changes nothing."""
         by_request: dict[Request, list[ScheduledChunk]] = {}
         for chunk in chunks:
             by_request.setdefault(chunk.seq.request, []).append(chunk)
@@ -567,7 +587,8 @@ class Engine:
         params = [seq.request.params for seq in seqs]
         if not (all(draws_in_step(p) for p in params) and not all(p.greedy for p in params)
                 and all(chunk.completes and chunk.seq.request.forked for chunk in chunks)
-                and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))))):
+                and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))),
+                                      [chunk.start for chunk in chunks])):
             return None
         return self._sample_rows(seqs)
 
@@ -884,9 +905,7 @@ class DeltaTracker:
 
 def _use_hfaccel_attention(model) -> None:
     """Put the model on hfaccel's attention (the runner's packed forwards need it), or say why it cannot be."""
-    reason = unsupported_reason(model)
-    if reason is not None:
-        raise ValueError(f"hfaccel.Engine cannot serve {type(model).__name__}: {reason}")
+    check_served(model, "hfaccel.Engine")
     if not uses_hfaccel_attention(model):
         set_hfaccel_attention(model)
 

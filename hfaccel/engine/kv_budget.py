@@ -9,7 +9,8 @@ The rule (:func:`plan_kv_cache`):
 
 So an engine for a small model or short contexts takes only what it can use, and a second engine (another
 model, a pipeline beside a server, a test worker) still finds memory; a server that wants more asks for it
-(``kv_cache_memory``, ``num_blocks`` or a larger ``kv_cache_fraction``).
+(``kv_cache_memory``, ``num_blocks`` or a larger ``kv_cache_fraction``). A model whose layers keep recurrent state
+takes its ``max_num_seqs`` state slots first (``state_bytes``); the KV blocks get what is left.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from hfaccel.device import model_device
-from hfaccel.kv import KVPool, local_kv_heads
+from hfaccel.kv import KVPool
+from hfaccel.kv.layout import ModelLayout, model_layout
 
 CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
 GRAPHS_RESERVE = 1 << 30  # CUDA graph pools, compiled kernels' workspaces, allocator slack
@@ -33,6 +35,7 @@ class KVBudget:
     block_size: int
     block_bytes: int  # one block, every layer, K and V
     reason: str
+    state_bytes: int = 0  # the recurrent state slots of max_num_seqs sequences (hybrid models)
 
     @property
     def tokens(self) -> int:
@@ -43,21 +46,33 @@ class KVBudget:
         return self.num_blocks * self.block_bytes
 
     def __str__(self) -> str:
+        state = f" and {self.state_bytes / (1 << 30):.2f} GiB of recurrent state" if self.state_bytes else ""
         return (f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "
-                f"of {self.block_size}): {self.reason}")
+                f"of {self.block_size}){state}: {self.reason}")
 
 
-def activation_reserve(config, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def activation_reserve(config, layout: ModelLayout, dtype: torch.dtype, max_num_batched_tokens: int,
+                       max_num_seqs: int) -> int:
     """Bytes an engine's own forward and sampling may need beside the pool (an estimate, with margin): twice a
-    full-budget forward's hidden states, MLP and q/k/v activations, the fp32 logits and sampling buffers of
-    ``max_num_seqs`` rows, and :data:`GRAPHS_RESERVE`."""
+    full-budget forward's hidden states, MLP and q/k/v activations (the widest attention layer's), the fp32 logits
+    and sampling buffers of ``max_num_seqs`` rows, and :data:`GRAPHS_RESERVE`."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    per_token = (4 * text.hidden_size + 3 * text.intermediate_size + (heads + 2 * kv_heads) * head_dim)
+    hidden = text.hidden_size
+    heads = _global_int(text, "num_attention_heads", 1)
+    width = max((kv.width for kv in layout.attention.values()), default=hidden // heads)
+    kv_heads = max((kv.kv_heads for kv in layout.attention.values()), default=heads)
+    per_token = 4 * hidden + 3 * _global_int(text, "intermediate_size", 4 * hidden) + (heads + 2 * kv_heads) * width
     logits = max_num_seqs * text.vocab_size * (4 + 4 + 8)  # logits, sorted probabilities, int64 order
     return 2 * max_num_batched_tokens * per_token * dtype.itemsize + logits + GRAPHS_RESERVE
+
+
+def _global_int(config, name: str, default: int) -> int:
+    """A config field that may be missing or, in a per-layer config (Gemma 4), defined per layer: the default."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        value = None
+    return int(value) if isinstance(value, int) else default
 
 
 def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
@@ -69,9 +84,10 @@ def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: i
         raise ValueError(f"give num_blocks or kv_cache_memory, not both; got {num_blocks} and {kv_cache_memory}")
     if not 0 < kv_cache_fraction <= 1:
         raise ValueError(f"kv_cache_fraction must be in (0, 1]; got {kv_cache_fraction}")
-    block_bytes = KVPool(model.config, num_blocks=1, block_size=block_size,
-                         num_kv_heads=local_kv_heads(model)).block_bytes(model.dtype)
-    budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason)  # noqa: E731
+    layout = model_layout(model)
+    block_bytes = KVPool(layout, num_blocks=1, block_size=block_size, max_num_seqs=1).block_bytes(model.dtype)
+    state_bytes = layout.state_bytes() * max_num_seqs
+    budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason, state_bytes)  # noqa: E731
     if num_blocks is not None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
@@ -85,13 +101,13 @@ def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: i
     served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
     device = model_device(model)
     if device.type != "cuda":
-        cap = CPU_POOL_BYTES // block_bytes
+        cap = max(CPU_POOL_BYTES - state_bytes, 0) // block_bytes
         if wanted <= cap:
             return budget(wanted, f"room for {served}")
         return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
     free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve(model.config, model.dtype, max_num_batched_tokens, max_num_seqs)
-    by_fraction = int(total * kv_cache_fraction) // block_bytes
+    reserve = activation_reserve(model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs) + state_bytes
+    by_fraction = max(int(total * kv_cache_fraction) - state_bytes, 0) // block_bytes
     by_free = max(free - reserve, 0) // block_bytes
     if wanted <= min(by_fraction, by_free):
         return budget(wanted, f"room for {served}")

@@ -251,6 +251,12 @@ class Scheduler:
         self._acquire_lora(seq)
         return True
 
+    def recompute(self, seq: Sequence) -> None:
+        """Take a running sequence's blocks (and recurrent state) back now: it goes to the front of the queue and is
+        computed again from its tokens (a step that failed after a hybrid model's layers advanced its state)."""
+        if seq.status is Status.RUNNING:
+            self._preempt(seq, SchedulerOutput([], [], [], []))
+
     def _possible_hits(self, seq: Sequence) -> int:
         return seq.num_tokens // self.manager.block_size if self.manager.enable_prefix_caching else 0
 

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from hfaccel import compat
-from hfaccel.attention import (
-    ATTENTION_NAMES, AttentionPaths, set_hfaccel_attention, track_paths, unsupported_reason, untrack_paths,
-)
+from hfaccel.attention import ATTENTION_NAMES, AttentionPaths, set_hfaccel_attention, track_paths, untrack_paths
 from hfaccel.device import model_device
 from hfaccel.distributed import check_sharding
 from hfaccel.distributed.quant import quantize_shards
@@ -21,7 +19,10 @@ from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
 from hfaccel.quant import quantize as quantize_model
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
+from hfaccel.kv.layout import ModelLayout
+from hfaccel.kv.state import install_mixers, remove_mixers
 from hfaccel.runner import compiles
+from hfaccel.runner.support import model_support
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Acceleration:
     attention_paths: AttentionPaths | None = None  # which path (SDPA, hfaccel's kernels, torch) served each call
     int4_layers: tuple = ()  # the model's Int4Linear layers (their paths are reported)
     lora: LoraState | None = None  # the model's PEFT LoRA layers (merged by hfaccel or not)
+    layout: ModelLayout | None = None  # what each layer keeps (K/V of which shape, recurrent state)
 
     @property
     def decode(self) -> DecodeInfo:
@@ -54,7 +56,7 @@ class Acceleration:
             return (f"hfaccel: not accelerated, attention stays {self.original_attn_implementation!r} "
                     f"({self.fallback_reason})")
         return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
-                f"(backend {self.attention!r}); generate(): "
+                f"(backend {self.attention!r}); {self.layout.describe()}; generate(): "
                 f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
                 f"; last call: {self.decode}"
                 f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
@@ -118,9 +120,12 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     not whole int4 groups). A model spread over devices by
     ``device_map``, or a TP size that does not divide the KV heads, is a ``ValueError``.
 
-    Only this model instance changes (its config's attention implementation). Generation, ``model(...)``
-    and pipelines keep working and give the same results. An architecture hfaccel cannot serve is left
-    on transformers' attention with a warning that names the reason (see ``model.hfaccel``).
+    Only this model instance changes (its config's attention implementation; a hybrid model's recurrent layers get
+    a forward of this instance that runs them per sequence under hfaccel's loop, ``hfaccel.kv.state``). Generation,
+    ``model(...)`` and pipelines keep working and give the same results. Whether hfaccel serves the model is decided
+    here, before any call (``hfaccel.runner.support``: what its layers cache, read off one forward of one token, and a
+    trial of two packed sequences on hfaccel's torch kernels); a model it cannot serve is left on transformers'
+    attention with a warning that names the reason (see ``model.hfaccel``; docs/models.md lists every family).
     Calling ``accelerate`` again re-applies it with the new arguments; :func:`restore` undoes it.
     """
     given, model = model, _check_model(model)  # a PeftModel's wrapped transformers model is the one accelerated
@@ -137,12 +142,15 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         lora.merge()
     _quantize(model, quantize, calib_data, group_size, lora)
     original = compat.attn_implementation(model.config)
-    reason = unsupported_reason(model)
+    support = model_support(model)
+    reason = support.reason
     if reason is not None:
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
         model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason, lora=lora)
         return given
     set_hfaccel_attention(model, attention)
+    if support.layout.hybrid:
+        install_mixers(model, support.layout)
     name = ATTENTION_NAMES[attention]
     session = None
     if paged:
@@ -151,7 +159,8 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     layers = int4_layers(model)
     prepare_int4(layers)
     model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
-                                 attention_paths=track_paths(model), int4_layers=layers, lora=lora)
+                                 attention_paths=track_paths(model), int4_layers=layers, lora=lora,
+                                 layout=support.layout)
     return given
 
 
@@ -177,6 +186,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
     if info.active:
         model.set_attn_implementation(info.original_attn_implementation)
         untrack_paths(model)
+        remove_mixers(model)
     uninstall_generate(model)
     if info.session is not None:
         info.session.release()  # its KV pools and compiled steps, now rather than at the next collection

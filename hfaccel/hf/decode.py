@@ -131,18 +131,19 @@ class DecodeSession:
         size = self.block_size
         needed = sum(-(-c // size) for c in capacities)
         runner = self.runner
-        if runner is not None and (runner.pool.kv.dtype != self.model.dtype
+        if runner is not None and (runner.pool.dtype != self.model.dtype
                                    or runner.pool.device != model_device(self.model)):
             runner.release()  # the model moved or changed dtype: everything is rebuilt for it
             self.runner = runner = None
         if runner is None:
-            runner = self.runner = ModelRunner(self.model, self._pool(needed))
+            runner = self.runner = ModelRunner(self.model, self._pool(needed, rows))
             self._parked.clear()
             self._steps_adapters = self.adapters
         self._steps_for_adapters(runner)
-        if runner.pool.num_blocks < needed:
-            blocks = max(needed, 2 * runner.pool.num_blocks)
-            runner.replace_pool(lambda: self._pool(blocks))
+        states = runner.pool.states
+        if runner.pool.num_blocks < needed or states is not None and states.num_slots < rows:
+            blocks, seqs = max(needed, 2 * runner.pool.num_blocks), max(rows, states.num_slots if states else 0)
+            runner.replace_pool(lambda: self._pool(blocks, seqs))
         graphs = runner.graphs
         context = max(capacities)
         if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
@@ -172,9 +173,12 @@ class DecodeSession:
         runner.graphs = graphs
         self._steps_adapters = self.adapters
 
-    def _pool(self, blocks: int) -> KVPool:
+    def _pool(self, blocks: int, rows: int) -> KVPool:
+        """A pool of at least ``blocks`` blocks, and state slots for ``rows`` sequences where the model keeps
+        recurrent state (the ladder size that holds them: a few sizes are ever made)."""
         blocks = -(-blocks // POOL_GRANULE) * POOL_GRANULE
-        return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size)
+        seqs = next((size for size in DEFAULT_LADDER if size >= rows), rows)
+        return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size, max_num_seqs=seqs)
 
 
 def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,

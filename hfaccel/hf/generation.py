@@ -23,6 +23,7 @@ from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
+from hfaccel.kv.layout import model_layout
 from hfaccel.runner.graphs import context_bucket, failure_reason
 from hfaccel.sampling import token_ids
 
@@ -261,6 +262,8 @@ def generate_arguments(model, args: tuple, kwargs: dict) -> dict | str:
     assistant, tokenizer = kwargs.get("assistant_model"), kwargs.get("tokenizer")
     if kwargs.get("assistant_tokenizer") is not None:
         return "a different assistant tokenizer (universal assisted decoding)"
+    if any(model_layout(m).hybrid for m in (model, assistant) if m is not None):
+        return "a model whose layers keep recurrent state (hfaccel's speculative decoding cannot roll it back)"
     ngram = assistant is None
     input_ids = kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:

@@ -8,6 +8,8 @@ Semantics (what :func:`flash_attention_reference` defines and the kernel compute
   visible to query i iff ``kpos <= qpos``; with ``sliding_window=w`` also iff ``kpos > qpos - w``.
 - ``key_mask: [B, Skv]`` bool, False hides a key from every query of that row (left padding).
 - Scores are ``(q . k) * scale``, then ``softcap * tanh(score / softcap)`` when ``softcap`` is set.
+- ``sinks: [Hq]`` (attention sinks, gpt-oss's ``s_aux``): one more logit per query head in every row's softmax,
+  attached to no value, so the keys' weights sum to less than one.
 - A query that sees no key at all gets a zero output (never NaN).
 - Output ``[B, Sq, Hq, D]`` (the layout transformers' attention functions return), in the input dtype.
 """
@@ -24,7 +26,7 @@ from hfaccel.kernels import tuning
 from hfaccel.kernels.runtime import interpreting, resolve_backend, tma_descriptor, tma_supported
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's global layers
 LOG2E = 1.4426950408889634
 
 
@@ -68,6 +70,16 @@ def _softmax_step(s, v, m_i, l_i, acc, GUARD: tl.constexpr, IEEE_FP32: tl.conste
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _fold_sink(acc, m_i, l_i, SINKS, head, row_ok):
+    """Count each row's sink logit (``SINKS[head]``, in the log2 domain) in its softmax: ``acc`` and ``l_i``
+    rescaled to the new row max, ``l_i`` plus the sink's weight (a row that saw no key then sums to the sink's)."""
+    sink = tl.load(SINKS + head, mask=row_ok, other=0.0)
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_new)
 
 
 @triton.jit
@@ -181,7 +193,7 @@ def _flash_range(
 
 @triton.jit
 def _flash_attention_kernel(
-    Q, K, V, O, KEY_MASK,
+    Q, K, V, O, KEY_MASK, SINKS,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -193,7 +205,7 @@ def _flash_attention_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # One program: BLOCK_M rows of the flattened (query, head-in-group) axis of one (batch, KV head).
     # Row r is query r // GROUP of query head kv_head * GROUP + r % GROUP, so the GROUP query heads
@@ -251,6 +263,8 @@ def _flash_attention_kernel(
             phase != 1, BLOCK_N, BLOCK_D, EVEN_D, TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK,
             UPCAST, IEEE_FP32)
 
+    if HAS_SINKS:
+        acc, l_i = _fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     o_ptrs = (O + batch.to(tl.int64) * stride_ob + q_idx[:, None] * stride_os + head[:, None] * stride_oh
@@ -281,6 +295,7 @@ CANDIDATES = {
     64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
     256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
+    512: [(32, 32, 8, 2), (32, 32, 8, 1), (64, 32, 8, 1), (16, 32, 4, 2)],
 }
 
 
@@ -306,8 +321,10 @@ def default_config(head_dim: int, dtype: torch.dtype, rows: int) -> FlashConfig:
         cfg = FlashConfig(*CANDIDATES[_head_dim_class(head_dim)][0])
     elif block_d <= 128:
         cfg = FlashConfig(128, 32, 4 if block_d <= 64 else 8, 3 if block_d <= 64 else 2)
-    else:
+    elif block_d <= 256:
         cfg = FlashConfig(64, 16, 8, 2)
+    else:
+        cfg = FlashConfig(32, 16, 8, 1)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
     return FlashConfig(block_m, cfg.block_n, cfg.num_warps if block_m > 32 else 4, cfg.num_stages)
 
@@ -359,8 +376,20 @@ def sdpa_preferred(head_dim: int, group: int, seq: int, dtype: torch.dtype, devi
     return entry["sdpa_us"] <= entry["us"]
 
 
+def check_sinks(sinks: torch.Tensor | None, heads_q: int, device: torch.device) -> None:
+    """``sinks`` must be one logit per query head on the queries' device (or None)."""
+    if sinks is not None and (sinks.shape != (heads_q,) or sinks.device != device or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float tensor of shape ({heads_q},) (one logit per query head) on {device}; "
+                         f"got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+
+
+def sink_logits(sinks: torch.Tensor) -> torch.Tensor:
+    """The kernels' sinks: fp32, in the log2 domain of their scores."""
+    return (sinks.float() * LOG2E).contiguous()
+
+
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                  sliding_window: int | None, softcap: float | None) -> None:
+                  sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
@@ -390,6 +419,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive float or None; got {softcap}")
+    check_sinks(sinks, heads_q, q.device)
 
 
 def flash_attention(
@@ -404,6 +434,7 @@ def flash_attention(
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
     config: FlashConfig | None = None,
 ) -> torch.Tensor:
@@ -413,16 +444,18 @@ def flash_attention(
     else the torch reference), ``"triton"`` or ``"torch"``. ``config``: the kernel's tiles (default:
     :func:`pick_config`; ``hfaccel tune`` and the tests pass their own).
     """
-    _check_inputs(q, k, v, key_mask, sliding_window, softcap)
+    _check_inputs(q, k, v, key_mask, sliding_window, softcap, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
         return flash_attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset,
                                          kv_offset=kv_offset, key_mask=key_mask,
-                                         sliding_window=sliding_window, softcap=softcap)
-    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, softcap, config)
+                                         sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, softcap, sinks,
+                   config)
 
 
-def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, softcap, config) -> torch.Tensor:
+def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, softcap, sinks,
+            config) -> torch.Tensor:
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -436,14 +469,14 @@ def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_windo
     mask_strides = key_mask.stride() if key_mask is not None else (0, 0)
     grid = (triton.cdiv(seq_q * group, cfg.block_m), batch * heads_kv)
     _flash_attention_kernel[grid](
-        q, k_arg, v_arg, out, mask,
+        q, k_arg, v_arg, out, mask, sink_logits(sinks) if sinks is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
         heads_kv, seq_q, seq_kv, head_dim,
         q_offset, kv_offset, sliding_window or 0,
         *_score_scales(scale, softcap),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         TMA=k_arg is not k, IS_CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_KEY_MASK=key_mask is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None,
         UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
         IEEE_FP32=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -499,6 +532,7 @@ def flash_attention_reference(
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch definition of :func:`flash_attention` (fp32 math, GQA by broadcasting, not repeating)."""
     batch, heads_q, seq_q, head_dim = q.shape
@@ -507,6 +541,7 @@ def flash_attention_reference(
     scale = head_dim ** -0.5 if scale is None else scale
     if seq_kv == 0:  # no key at all: every query sees nothing and returns zeros
         return q.new_zeros(batch, seq_q, heads_q, head_dim)
+    sink = None if sinks is None else sinks.float().view(1, heads_kv, group, 1, 1)
     qf = q.float().view(batch, heads_kv, group, seq_q, head_dim)
     scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, k.float()) * scale  # [B, Hkv, G, Sq, Skv]
     if softcap is not None:
@@ -515,9 +550,10 @@ def flash_attention_reference(
                               kv_offset=int(kv_offset), key_mask=key_mask,
                               sliding_window=sliding_window, device=q.device)
     scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-    row_max = scores.amax(-1, keepdim=True)
-    probs = torch.exp(scores - torch.where(row_max.isinf(), 0.0, row_max))
-    denom = probs.sum(-1, keepdim=True)
+    row_max = scores.amax(-1, keepdim=True) if sink is None else torch.maximum(scores.amax(-1, keepdim=True), sink)
+    row_max = torch.where(row_max.isinf(), 0.0, row_max)
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(-1, keepdim=True) + (0.0 if sink is None else torch.exp(sink - row_max))
     probs = probs / torch.where(denom > 0, denom, 1.0)
     out = torch.einsum("bhgqk,bhkd->bqhgd", probs, v.float())  # [B, Sq, Hkv, G, D]
     return out.reshape(batch, seq_q, heads_q, head_dim).to(q.dtype)
@@ -531,5 +567,5 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: i
     return flops
 
 
-__all__ = ["FlashConfig", "attention_flops", "candidate_configs", "default_config", "flash_attention",
-           "flash_attention_reference", "pick_config", "sdpa_preferred", "visibility_mask"]
+__all__ = ["FlashConfig", "attention_flops", "candidate_configs", "check_sinks", "default_config", "flash_attention",
+           "flash_attention_reference", "pick_config", "sdpa_preferred", "sink_logits", "visibility_mask"]

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.flash_attention import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, _attend_block, _load_rows, _phase_bounds, _score_scales, _whole_blocks,
-    flash_attention_reference,
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, _attend_block, _fold_sink, _load_rows, _phase_bounds, _score_scales,
+    _whole_blocks, check_sinks, flash_attention_reference, sink_logits,
 )
 from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
 
@@ -91,7 +91,7 @@ def _paged_range(
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, PART_O, PART_LSE,
+    Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, SINKS, PART_O, PART_LSE,
     stride_q_seq, stride_qt, stride_qh, stride_qd,
     stride_o_seq, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -102,7 +102,7 @@ def _paged_attention_kernel(
     score_scale, softcap_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # Program: BLOCK_M rows of (query, head-in-group) of one (sequence, KV head), one key split.
     pid_m = tl.program_id(0)
@@ -157,6 +157,8 @@ def _paged_attention_kernel(
             stride_mask_col, head_dim, block_size, window, hi, start, stop, score_scale, softcap_log2,
             phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
 
+    if HAS_SINKS and not SPLIT:  # split launches count the sinks where they combine the splits
+        acc, l_i = _fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if SPLIT:
@@ -174,11 +176,11 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    O, PART_O, PART_LSE, CU_SEQLENS_Q,
+    O, PART_O, PART_LSE, CU_SEQLENS_Q, SINKS,
     stride_o_seq, stride_ot, stride_oh, stride_od,
     stride_ps, stride_pseq, stride_pt, stride_ph,
     max_q_len, uniform_q_len, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Program: one (sequence, query) row, one query head; merges every split at once by their log-sum-exps
     # ([BLOCK_S] weights, a [BLOCK_S, BLOCK_D] tile of partials: one pass, a fixed reduction order).
@@ -195,9 +197,15 @@ def _combine_splits_kernel(
         row = seq_id.to(tl.int64) * stride_pseq + q_idx * stride_pt + head * stride_ph + splits * stride_ps
         lse = tl.load(PART_LSE + row // head_dim, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
         m = tl.max(lse, 0)
-        weight = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+        if HAS_SINKS:  # the sink: one more term of the softmax's sum, attached to no value
+            sink = tl.load(SINKS + head)
+            m = tl.maximum(m, sink)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        weight = tl.math.exp2(lse - m_ref)
         parts = tl.load(PART_O + row[:, None] + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         total = tl.sum(weight, 0)
+        if HAS_SINKS:
+            total += tl.math.exp2(sink - m_ref)
         out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0.0, total, 1.0)
         o_ptr = O + seq_id.to(tl.int64) * stride_o_seq + (q_start + q_idx) * stride_ot + head * stride_oh
         tl.store(o_ptr + offs_d * stride_od, out.to(O.dtype.element_ty), mask=d_ok)
@@ -219,11 +227,13 @@ class PagedConfig:
 DECODE_CANDIDATES = {
     128: [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)],
     256: [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)],
+    512: [(32, 8, 1), (16, 4, 2), (32, 8, 2), (16, 8, 1)],
 }
 
 
 def _tile_rows(head_dim: int, rows: int) -> int:
-    return min(64 if triton.next_power_of_2(head_dim) > 128 else 128, max(16, triton.next_power_of_2(rows)))
+    block_d = triton.next_power_of_2(head_dim)
+    return min(32 if block_d > 256 else 64 if block_d > 128 else 128, max(16, triton.next_power_of_2(rows)))
 
 
 def default_paged_config(head_dim: int, dtype: torch.dtype, rows: int) -> PagedConfig:
@@ -244,7 +254,7 @@ def candidate_paged_configs(head_dim: int, dtype: torch.dtype, rows: int) -> lis
 
 
 def _head_dim_class(head_dim: int) -> int:
-    return 128 if triton.next_power_of_2(head_dim) <= 128 else 256
+    return min(c for c in DECODE_CANDIDATES if c >= triton.next_power_of_2(head_dim))
 
 
 def choose_num_splits(num_programs: int, max_seqlen_k: int, block_n: int, num_sms: int) -> int:
@@ -304,7 +314,7 @@ def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int
     return replace(config, num_splits=choose_num_splits(programs, max_k, config.block_n, num_sms(device)))
 
 
-def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap):
+def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap, sinks):
     packed = cu_seqlens_q is not None
     if q.dim() != (3 if packed else 4):
         raise ValueError("q must be [batch, heads, seq, head_dim] (dense) or [tokens, heads, head_dim] with "
@@ -338,6 +348,7 @@ def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sl
     tensors = [q, k_pool, v_pool, block_tables, seq_lens] + [t for t in (cu_seqlens_q, key_mask) if t is not None]
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted({str(t.device) for t in tensors})}")
+    check_sinks(sinks, heads_q, q.device)
 
 
 def paged_attention(
@@ -354,6 +365,7 @@ def paged_attention(
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     backend: str = "auto",
     config: PagedConfig | None = None,
@@ -365,18 +377,18 @@ def paged_attention(
     :func:`plan_launch`, from the tuned table or the launch size). Where Triton cannot run (the CPU), the
     ``torch`` backend serves the whole batch in a few tensor ops (:func:`paged_attention_torch`).
     """
-    _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap)
+    _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
         return paged_attention_torch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                                     key_mask=key_mask, sliding_window=sliding_window, softcap=softcap)
+                                     key_mask=key_mask, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-                   key_mask, sliding_window, softcap, num_splits, config)
+                   key_mask, sliding_window, softcap, sinks, num_splits, config)
 
 
 def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-            sliding_window, softcap, num_splits, config):
+            sliding_window, softcap, sinks, num_splits, config):
     packed = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[1], q.shape[-1]
     heads_kv = k_pool.shape[2]
@@ -408,15 +420,17 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
         part_o = part_lse = out  # never touched
         part_strides = (0, 0, 0, 0)
     mask = key_mask if key_mask is not None else seq_lens
+    sink_arg = sink_logits(sinks) if sinks is not None else seq_lens  # a placeholder pointer when there are none
     block_d = max(16, triton.next_power_of_2(head_dim))
     score_scale, softcap_log2 = _score_scales(scale, softcap)
     flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-                 HAS_KEY_MASK=key_mask is not None, SPLIT=split,
+                 HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None, SPLIT=split,
                  UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
                  IEEE_FP32=q.dtype == torch.float32)
     grid = (triton.cdiv(max_q * group, cfg.block_m), num_seqs * heads_kv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_pool, v_pool, out, block_tables, seq_lens, cu_seqlens_q if packed else seq_lens, mask, part_o, part_lse,
+        q, k_pool, v_pool, out, block_tables, seq_lens, cu_seqlens_q if packed else seq_lens, mask, sink_arg,
+        part_o, part_lse,
         *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
         *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
         heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0,
@@ -426,9 +440,10 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
     )
     if split:
         _combine_splits_kernel[(num_seqs * max_q, heads_q)](
-            out, part_o, part_lse, cu_seqlens_q if packed else seq_lens, *o_strides, *part_strides,
+            out, part_o, part_lse, cu_seqlens_q if packed else seq_lens, sink_arg, *o_strides, *part_strides,
             max_q, max_q, head_dim, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), VARLEN=packed,
+            HAS_SINKS=sinks is not None,
             num_warps=combine_warps(num_splits, head_dim),
         )
     return out
@@ -448,18 +463,19 @@ def paged_attention_torch(
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` for every sequence of the call at once, in torch ops (the ``torch`` backend).
 
     Gathers each sequence's blocks into ``[S, Hkv, L, D]`` (``L``: the block table's width in keys, or fewer when
     ``max_seqlen_k`` bounds the lengths), builds one visibility mask from the lengths, query positions, key mask
-    and window, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap,
-    the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q`` rows:
+    and window, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap or
+    sinks, the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q`` rows:
     reads ``cu_seqlens_q`` on the host only when it is not given); a decode batch (one query per sequence) needs
     no layout at all.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, softcap)
+    args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, softcap, sinks)
     if cu_seqlens_q is None:
         return _dense_torch(q, None, *args)
     num_seqs = len(cu_seqlens_q) - 1
@@ -476,8 +492,8 @@ def paged_attention_torch(
 
 def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int | None, scale: float,
-                 key_mask: torch.Tensor | None, sliding_window: int | None,
-                 softcap: float | None) -> torch.Tensor:
+                 key_mask: torch.Tensor | None, sliding_window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
     """Queries ``q [S, Hq, Q, D]`` (sequence ``s``'s first ``q_lens[s]`` rows real, all ``Q`` if None) over the
     pool -> ``[S, Q, Hq, D]``."""
     num_seqs, heads_q, num_q, head_dim = q.shape
@@ -494,14 +510,15 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
                           sliding_window)  # [S, Q, L]
     rows = q.reshape(num_seqs, heads_kv, group * num_q, head_dim)  # [S, Hkv, G * Q, D]: a KV head's query rows
     row_visible = visible[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G * Q, L]
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=row_visible,
                                                                scale=scale)
         # a row that sees no key is zeros, as the kernel gives: SDPA's math backend (the CPU's) returns zeros there,
         # but CUDA's memory-efficient backend (16-bit) averages every value (seen on an H200, torch 2.11)
         out = torch.where(row_visible.any(-1, keepdim=True), out, 0.0)
     else:
-        out = _softcapped_attention(rows, keys, values, row_visible, scale, softcap)
+        row_sinks = None if sinks is None else sinks.float().view(1, heads_kv, group).repeat_interleave(num_q, 2)
+        out = _explicit_attention(rows, keys, values, row_visible, scale, softcap, row_sinks)
     out = out.view(num_seqs, heads_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4)  # [S, Q, Hkv, G, D]
     return out.reshape(num_seqs, num_q, heads_q, head_dim)
 
@@ -532,15 +549,19 @@ def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, 
     return visible
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-                          softcap: float) -> torch.Tensor:
-    """Attention with ``softcap * tanh(scores / softcap)`` logits (which SDPA cannot apply), in fp32:
-    ``q [S, H, R, D]`` over ``k, v [S, H, L, D]`` with ``visible [S, 1, R, L]`` -> ``[S, H, R, D]`` (zeros where a
-    row sees no key)."""
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                        softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with ``softcap * tanh(scores / softcap)`` logits or sink logits (which SDPA cannot apply), in fp32:
+    ``q [S, H, R, D]`` over ``k, v [S, H, L, D]`` with ``visible [S, 1, R, L]`` and ``sinks [1, H, R]`` ->
+    ``[S, H, R, D]`` (zeros where a row sees no key)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [S, H, R, L]
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     hidden = ~visible
-    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1).masked_fill(hidden, 0.0)  # no NaN rows
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:  # one more logit per row, attached to no value
+        scores = torch.cat([scores, sinks[..., None].expand(*scores.shape[:-1], 1)], -1)
+    probs = scores.softmax(-1)[..., :visible.shape[-1]].masked_fill(hidden, 0.0)  # no NaN rows
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
@@ -565,6 +586,7 @@ def paged_attention_reference(
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch definition of :func:`paged_attention`: gather each sequence, then ``flash_attention_reference``."""
     lens = seq_lens.tolist()
@@ -579,7 +601,7 @@ def paged_attention_reference(
         mask = None if key_mask is None else key_mask[s:s + 1, :lens[s]]
         outs.append(flash_attention_reference(query, k[None], v[None], scale=scale, causal=True,
                                               q_offset=lens[s] - query.shape[2], key_mask=mask,
-                                              sliding_window=sliding_window, softcap=softcap))
+                                              sliding_window=sliding_window, softcap=softcap, sinks=sinks))
     if cu_seqlens_q is None:
         return torch.cat(outs) if outs else q.new_empty(0, q.shape[2], q.shape[1], q.shape[3])
     return torch.cat([o[0] for o in outs]) if outs else q.new_empty(0, q.shape[1], q.shape[2])

@@ -21,6 +21,10 @@ Invariants (checked by ``check_invariants`` and property-tested):
   there, and then either unregisters the block (held alone) or copies it first (shared). A caller that computes a
   sequence's K/V later than it allocates them (the engine's chunked prefill) passes ``computed=False`` and
   reports progress with ``mark_computed``, so no other sequence can hit a block before its K/V are written.
+- with ``state_slots`` (a model whose layers keep recurrent state beside K/V), every live sequence also holds one
+  state slot of its own: taken with its first blocks, given back when it is freed; a fork takes a new slot whose
+  state is copied from the parent's (:meth:`BlockManager.take_state_copies`, performed by the pool before the next
+  forward). Such a state cannot be rolled back or shared, so these managers neither crop nor share prefixes.
 """
 
 from __future__ import annotations
@@ -69,9 +73,14 @@ class BlockCopy:
 class BlockManager:
     """Allocates pool blocks to sequences: on demand, ref-counted, with fork, crop and prefix sharing."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks} and {block_size}")
+        if state_slots < 0 or state_slots and enable_prefix_caching:
+            raise ValueError(f"state_slots must be >= 0 and excludes prefix caching (a recurrent state cannot be "
+                             f"shared by prefix); got state_slots={state_slots}, "
+                             f"enable_prefix_caching={enable_prefix_caching}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -82,6 +91,10 @@ class BlockManager:
         self._block_key: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # block -> (parent hash or salt, tokens)
         self.peak_used_blocks = 0  # the most blocks in use at once (set back with ``peak_used_blocks = 0``)
         self._epochs = itertools.count(1)  # table epochs, never reused: a sequence id used again gets a new one
+        self.state_slots = state_slots
+        self._free_states = list(range(state_slots - 1, -1, -1))  # slot 0 taken first
+        self._state_of: dict[Hashable, int] = {}
+        self._state_copies: list[BlockCopy] = []  # forks' state copies (src slot -> dst slot) not performed yet
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -103,6 +116,20 @@ class BlockManager:
 
     def seq_len(self, seq_id: Hashable) -> int:
         return self._get(seq_id).length
+
+    def state_slot(self, seq_id: Hashable) -> int:
+        """The state slot of a sequence (managers with ``state_slots``)."""
+        self._get(seq_id)
+        return self._state_of[seq_id]
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_states)
+
+    def take_state_copies(self) -> list[BlockCopy]:
+        """The forks' state copies (slot ``src`` into slot ``dst``) to perform before the next forward; cleared."""
+        copies, self._state_copies = self._state_copies, []
+        return copies
 
     def table_epoch(self, seq_id: Hashable) -> int:
         """A number that changes whenever an entry of the sequence's block table is replaced or removed (a new
@@ -162,6 +189,7 @@ class BlockManager:
             raise CacheFullError(f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
                                  f"slots; the pool has {self.num_free_blocks - reusable_free} "
                                  f"(of {self.num_blocks})")
+        self._check_state_slot()
         seq = _Sequence(tokens=[] if tokens is not None else None, epoch=next(self._epochs), salt=salt)
         for block in hits:
             self._ref(block)
@@ -173,6 +201,7 @@ class BlockManager:
             seq.tokens = tokens
             self._register_full_blocks(seq)
         self._seqs[seq_id] = seq
+        self._take_state_slot(seq_id)
         return len(hits) * self.block_size
 
     def append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None, *,
@@ -215,17 +244,23 @@ class BlockManager:
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already exists")
         parent = self._get(parent_id)
+        self._check_state_slot()
         for block in parent.blocks:
             self._ref(block)
         self._seqs[child_id] = _Sequence(list(parent.blocks), parent.length,
                                          None if parent.tokens is None else list(parent.tokens),
                                          list(parent.hashes), parent.computed, next(self._epochs), parent.salt)
+        if self._take_state_slot(child_id) is not None:
+            self._state_copies.append(BlockCopy(self._state_of[parent_id], self._state_of[child_id]))
 
     def crop(self, seq_id: Hashable, length: int) -> None:
         """Shorten a sequence to its first ``length`` tokens, releasing blocks no longer needed."""
         seq = self._get(seq_id)
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot crop a sequence of {seq.length} tokens to {length}")
+        if self.state_slots and length != seq.length:
+            raise ValueError(f"sequence {seq_id!r} keeps recurrent state, which cannot be rolled back: it cannot be "
+                             f"cropped from {seq.length} to {length} tokens")
         keep = self.blocks_needed(length)
         if keep < len(seq.blocks):
             seq.epoch = next(self._epochs)
@@ -262,6 +297,10 @@ class BlockManager:
         """End a sequence; blocks no other sequence holds return to the pool."""
         for block in self._seqs.pop(seq_id).blocks:
             self._unref(block)
+        slot = self._state_of.pop(seq_id, None)
+        if slot is not None:
+            self._free_states.append(slot)
+            self._state_copies = [copy for copy in self._state_copies if copy.dst != slot]
 
     def reset(self) -> None:
         for seq_id in list(self._seqs):
@@ -273,6 +312,16 @@ class BlockManager:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"no sequence {seq_id!r} in the block manager") from None
+
+    def _check_state_slot(self) -> None:
+        if self.state_slots and not self._free_states:
+            raise CacheFullError(f"every one of the {self.state_slots} state slots is held by a live sequence")
+
+    def _take_state_slot(self, seq_id: Hashable) -> int | None:
+        if not self.state_slots:
+            return None
+        self._state_of[seq_id] = slot = self._free_states.pop()
+        return slot
 
     def blocks_to_append(self, seq: _Sequence | Hashable, num_tokens: int) -> int:
         """Free blocks that appending ``num_tokens`` to the sequence takes (new blocks + copy-on-write)."""
@@ -354,5 +403,8 @@ class BlockManager:
                 counts[block] += 1
         assert counts == self.ref_counts, "ref-counts differ from the tables"
         assert set(self._free) == {b for b, c in enumerate(counts) if c == 0}, "free pool differs from ref-counts"
+        assert set(self._state_of) == (set(self._seqs) if self.state_slots else set()), "a sequence lacks a state slot"
+        held = list(self._state_of.values())
+        assert sorted(held + self._free_states) == list(range(self.state_slots)), "state slots lost or held twice"
         for digest, block in self._hash_to_block.items():
             assert hash(self._block_key[block]) == digest, "registration points at a block with other content"

@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hfaccel import compat
 from hfaccel.kv.block_manager import BlockManager, CacheFullError, slot_mapping
 from hfaccel.kv.pool import KVPool, PackedStep
+from hfaccel.kv.state import StateStep, StateView
 
 # An attention function that reads PagedKV carries this attribute; its value is the kernel backend ("auto",
 # "triton" or "torch") the cache then also writes with.
@@ -41,8 +42,8 @@ def paged_reader_backend(config) -> str | None:
 class PagedKV:
     """One layer's view of the pool, handed to hfaccel's attention instead of K/V tensors."""
 
-    kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]: the whole pool (the kernels index the layer)
-    layer: int
+    kv_cache: torch.Tensor  # [L_g, 2, num_blocks, block_size, Hkv, D]: the pool tensor holding the layer
+    layer: int  # the layer's index in ``kv_cache`` (the kernels index it)
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32 (tokens held, including this forward's)
     max_seq_len: int  # host copy of seq_lens.max()
@@ -57,6 +58,18 @@ class PagedKV:
     # c is its held token c - padding[b], every held key is real, and the rows span ``padded_len`` positions.
     padding: torch.Tensor | None = None  # [B] int64
     padded_len: int = 0
+    # the layer's sliding window as its cache holds it (``hfaccel.kv.layout``), for models whose attention call does
+    # not pass it (their masks alone apply it)
+    window: int | None = None
+
+    def to(self, device: torch.device | str, *args, **kwargs) -> PagedKV:
+        """Itself, on the pool's device: a layer that reads another layer's K/V moves them to its own device first
+        (Gemma 4's shared layers, transformers 5.17), and hfaccel serves a model on one device."""
+        device = torch.device(device)
+        held = self.kv_cache.device
+        if device.type != held.type or device.index not in (None, held.index):
+            raise ValueError(f"hfaccel's KV pool lives on {held}; a layer asked for its K/V on {device}")
+        return self
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous)."""
@@ -124,25 +137,12 @@ class PoolCache(Cache):
         return self.pool.manager
 
     @property
-    def kv(self) -> torch.Tensor | None:
-        """The pool tensor ``[L, 2, num_blocks, block_size, Hkv, D]`` (None until the first write)."""
-        return self.pool.kv
-
-    @property
     def block_size(self) -> int:
         return self.pool.block_size
 
     @property
     def num_layers(self) -> int:
         return self.pool.num_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.pool.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.pool.head_dim
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states, value_states: [B, Hkv, S_new, D]
@@ -220,7 +220,7 @@ class PagedCache(PoolCache):
             self._begin_forward(key_states.shape[0], key_states.shape[2], key_states)
         self._last_layer = layer_idx
         first_fill = key_states.shape[2] == self.seq_len
-        paged = PagedKV(self.pool.kv, layer_idx, self._step["block_tables"], self._step["seq_lens"],
+        paged = PagedKV(*self.pool.layer_kv(layer_idx), self._step["block_tables"], self._step["seq_lens"],
                         self.seq_len - min(self.padding, default=0), (key_states, value_states) if first_fill else None,
                         padding=self._pads, padded_len=self.seq_len)
         return paged, self._step["slot_mapping"]
@@ -329,7 +329,7 @@ class PagedCache(PoolCache):
     # --------------------------------------------------------------------------------------- internals
     def _begin_forward(self, batch: int, new_tokens: int, like: torch.Tensor) -> None:
         """Reserve slots for this forward's tokens in every row (all or nothing) and build its tensors."""
-        if self.pool.kv is None:
+        if not self.pool.allocated:
             self.pool.allocate(like.device, like.dtype)
         if self.rows and batch != len(self.rows):
             raise ValueError(f"PagedCache holds {len(self.rows)} rows but got a batch of {batch}")
@@ -417,6 +417,13 @@ class SequenceKVCache(PoolCache):
     def __init__(self, config, pool: KVPool):
         super().__init__(config, pool)
         self.step: PackedStep | None = None
+        # the recurrent layers' per-group states, handed to their mixers (a model with recurrent state)
+        self.state_view = StateView(pool.num_layers) if pool.states is not None else None
+
+    @property
+    def states_step(self) -> StateStep | None:
+        """This forward's state slots and groups (None without recurrent state, or outside a forward)."""
+        return None if self.step is None else self.step.state
 
     def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
                      layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
@@ -426,9 +433,9 @@ class SequenceKVCache(PoolCache):
         # one sequence computing its whole prompt: its new K/V are all its keys (attention may read them densely);
         # the static lengths are compared first, so a compiled decode step never branches on its batch size
         fresh = step.max_seq_len == step.max_q_len and step.cu_seqlens_q.shape[0] == 2
-        paged = PagedKV(self.pool.kv, layer_idx, step.block_tables, step.seq_lens, step.max_seq_len,
+        paged = PagedKV(*self.pool.layer_kv(layer_idx), step.block_tables, step.seq_lens, step.max_seq_len,
                         (key_states, value_states) if fresh else None, cu_seqlens_q=step.cu_seqlens_q,
-                        max_seqlen_q=step.max_q_len)
+                        max_seqlen_q=step.max_q_len, window=self.pool.layout.attention[layer_idx].window)
         return paged, step.slot_mapping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

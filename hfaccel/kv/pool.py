@@ -21,6 +21,8 @@ from hfaccel import compat
 from hfaccel.device import model_device, to_device
 from hfaccel.kernels.ops import write_kv_op
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.layout import ModelLayout, model_layout, uniform_layout
+from hfaccel.kv.state import StatePool, StateStep, state_groups
 
 
 def kv_dims(config) -> tuple[int, int, int]:
@@ -59,11 +61,14 @@ class PackedStep:
     positions: torch.Tensor  # [T] int64: position of each new token in its sequence
     max_seq_len: int
     max_q_len: int
+    state: StateStep | None = None  # the sequences' state slots, for a model whose layers keep recurrent state
 
     def to(self, device: torch.device) -> PackedStep:
         """The same metadata on ``device`` (non-blocking copies from pinned memory on CUDA)."""
         moved = {f.name: to_device(getattr(self, f.name), getattr(self, f.name).dtype, device)
                  for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        if self.state is not None:
+            moved["state"] = self.state.to(device)
         return replace(self, **moved)
 
 
@@ -71,31 +76,51 @@ class KVPool:
     """The paged KV memory of one model (module docstring).
 
     Args:
-        config: the model's config (its text config gives layers, KV heads and head dim).
+        layout: what each layer of the model keeps (``hfaccel.kv.layout.model_layout``), or the model's config for a
+            model whose layers all keep K/V of one shape (its text config gives layers, KV heads and head dim).
         num_blocks, block_size: the pool's size in blocks of ``block_size`` token slots.
         device, dtype: of the tensors; when either is None they are allocated by :meth:`allocate`, e.g. from the
             first keys a layer writes.
         enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
-        num_kv_heads: KV heads per layer this process holds; default the config's (a tensor-parallel rank holds
-            its share: :func:`local_kv_heads`, which :meth:`for_model` passes).
+        num_kv_heads: with a config, the KV heads per layer this process holds; default the config's (a
+            tensor-parallel rank holds its share: :func:`local_kv_heads`).
+        max_num_seqs: for a model whose layers keep recurrent state, how many sequences the pool holds at once (one
+            state slot each, ``hfaccel.kv.state``).
     """
 
-    def __init__(self, config, *, num_blocks: int, block_size: int = 16, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, enable_prefix_caching: bool = False,
-                 num_kv_heads: int | None = None):
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(config)
-        self.num_kv_heads = num_kv_heads or self.num_kv_heads
+    def __init__(self, layout: ModelLayout | object, *, num_blocks: int, block_size: int = 16,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 enable_prefix_caching: bool = False, num_kv_heads: int | None = None, max_num_seqs: int = 0):
+        if not isinstance(layout, ModelLayout):
+            layers, heads, head_dim = kv_dims(layout)
+            layout = uniform_layout(layers, num_kv_heads or heads, head_dim)
+        self.layout = layout
         self.block_size = block_size
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.kv: torch.Tensor | None = None  # [L, 2, num_blocks, block_size, Hkv, D]
+        # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them
+        self.group_shapes = sorted({(kv.kv_heads, kv.width) for kv in layout.attention.values()})
+        self.place: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group's tensor)
+        self.layers_per_group = [0] * len(self.group_shapes)
+        for layer in sorted(layout.attention):
+            kv = layout.attention[layer]
+            group = self.group_shapes.index((kv.kv_heads, kv.width))
+            self.place[layer] = (group, self.layers_per_group[group])
+            self.layers_per_group[group] += 1
+        self.states = StatePool(layout, max_num_seqs) if layout.states else None
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                    state_slots=max_num_seqs if layout.states else 0)
+        self.tensors: list[torch.Tensor] | None = None  # per group: [L_g, 2, num_blocks, block_size, Hkv_g, D_g]
         if device is not None and dtype is not None:
             self.allocate(torch.device(device), dtype)
 
     @classmethod
-    def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False) -> KVPool:
-        """A pool on the model's device, in its dtype, for the KV heads this process holds of it."""
-        return cls(model.config, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
-                   dtype=model.dtype, enable_prefix_caching=enable_prefix_caching, num_kv_heads=local_kv_heads(model))
+    def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
+                  max_num_seqs: int = 0) -> KVPool:
+        """A pool on the model's device, in its dtype, laid out as the model's layers keep K/V and state (the KV
+        heads this process holds of them); prefix caching only where no layer keeps recurrent state."""
+        layout = model_layout(model)
+        return cls(layout, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
+                   dtype=model.dtype, enable_prefix_caching=enable_prefix_caching and not layout.hybrid,
+                   max_num_seqs=max_num_seqs)
 
     # ------------------------------------------------------------------------------------------ memory
     @property
@@ -103,29 +128,73 @@ class KVPool:
         return self.manager.num_blocks
 
     @property
+    def num_layers(self) -> int:
+        """Layers of the model's cache (those that keep no K/V included)."""
+        return self.layout.num_layers
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensors is not None
+
+    @property
     def device(self) -> torch.device | None:
-        return None if self.kv is None else self.kv.device
+        return None if self.tensors is None else self._device
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.tensors is None else self._dtype
 
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self._device, self._dtype = device, dtype
+        self.tensors = [torch.zeros(layers, 2, self.num_blocks, self.block_size, heads, width, device=device,
+                                    dtype=dtype)
+                        for layers, (heads, width) in zip(self.layers_per_group, self.group_shapes)]
+        if self.states is not None:
+            self.states.allocate(device)
+
+    def release(self) -> None:
+        """Give the pool's memory back (the pool is not used again)."""
+        self.tensors = None
+        if self.states is not None:
+            self.states.conv.clear()
+            self.states.recurrent.clear()
+
+    def memory_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool holds: K/V per group, then the recurrent states."""
+        states = self.states.tensors() if self.states is not None else []
+        return list(self.tensors or []) + states
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, int]:
+        """The tensor ``[L_g, 2, num_blocks, block_size, Hkv, D]`` holding layer ``layer``'s K/V, and its index there."""
+        if layer not in self.place:
+            raise KeyError(f"layer {layer} keeps no K/V in this pool ({self.layout.describe()})")
+        group, index = self.place[layer]
+        return self.tensors[group], index
 
     def block_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of one block across all layers, K and V (in ``dtype``, default the pool's, else 2-byte)."""
-        itemsize = (dtype or (self.kv.dtype if self.kv is not None else torch.float16)).itemsize
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        itemsize = (dtype or self.dtype or torch.float16).itemsize
+        return sum(layers * 2 * self.block_size * heads * width * itemsize
+                   for layers, (heads, width) in zip(self.layers_per_group, self.group_shapes))
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               backend: str = "auto") -> None:
         """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer."""
-        write_kv_op(keys, values, self.kv, layer, slots, backend)
+        tensor, index = self.layer_kv(layer)
+        write_kv_op(keys, values, tensor, index, slots, backend)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Perform the block manager's copy-on-write copies (every layer, K and V)."""
         if copies:
-            src = to_device([c.src for c in copies], torch.long, self.kv.device)
-            dst = to_device([c.dst for c in copies], torch.long, self.kv.device)
-            self.kv[:, :, dst] = self.kv[:, :, src]
+            src = to_device([c.src for c in copies], torch.long, self.device)
+            dst = to_device([c.dst for c in copies], torch.long, self.device)
+            for tensor in self.tensors:
+                tensor[:, :, dst] = tensor[:, :, src]
+
+    def sync_states(self) -> None:
+        """Perform the forks' state copies the block manager holds (before a forward)."""
+        if self.states is not None:
+            self.states.copy(self.manager.take_state_copies())
 
     # --------------------------------------------------------------------------------------- sequences
     def reserve(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
@@ -185,7 +254,19 @@ class KVPool:
                                                     self.block_size)
         return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
                           cu_seqlens_q=cu.to(torch.int32), positions=positions,
-                          max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=int(width.max()) if len(width) else 0)
+                          max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=int(width.max()) if len(width) else 0,
+                          state=self._state_step(seq_ids, starts, num_new, pad, tokens_per_seq))
+
+    def _state_step(self, seq_ids, starts, num_new, pad: int, tokens_per_seq: int | None) -> StateStep | None:
+        """The state slots and groups of an eager forward (None for a model without recurrent state)."""
+        if self.states is None:
+            return None
+        if tokens_per_seq is not None:
+            raise ValueError("a model whose layers keep recurrent state computes each sequence's own tokens only "
+                             "(no padded multi-token steps: speculative decoding does not serve it)")
+        slots = [self.manager.state_slot(s) for s in seq_ids] + [self.states.scratch] * pad
+        return StateStep(torch.tensor(slots), state_groups(slots, list(starts) + [1] * pad,
+                                                           list(num_new) + [1] * pad))
 
 
 def token_metadata(tables: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, real: torch.Tensor,

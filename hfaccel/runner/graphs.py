@@ -49,7 +49,8 @@ import torch
 
 from hfaccel import compat
 from hfaccel.device import to_device
-from hfaccel.kv import DeviceBlockTables, PackedStep, slot_mapping, token_metadata
+from hfaccel.kv import DeviceBlockTables, KVPool, PackedStep, slot_mapping, token_metadata
+from hfaccel.kv.state import StateStep
 from hfaccel.sampling.sampler import DRAW_COLUMNS, SampleRow, draw_columns, draw_step
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
         self.lora_index = torch.full((tokens,), -1, dtype=torch.long, **on)  # each token's LoRA slot (-1: none)
+        self.state_slots = torch.zeros(max_batch, dtype=torch.long, **on)  # each row's state slot (recurrent layers)
         self.draws = draws  # whether run(draw=...) can draw the tokens inside the step
         self.draw_columns = torch.zeros(len(DRAW_COLUMNS), max_batch, dtype=torch.long, **on)  # [8, B]: draw_step's
         # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
@@ -166,6 +168,7 @@ class DecodeGraphs:
             self.slot_mapping.fill_(-1)
             self.lora_index.fill_(-1)
             self.draw_columns.zero_()
+            self.state_slots.fill_(self._scratch_slot())
             self._size = None
             for lora in (False, True) if self.runner.lora is not None else (False,):
                 for draw in (False, True) if self.draws else (False,):
@@ -267,10 +270,13 @@ class DecodeGraphs:
         the eager forwards follow). The tables hold every block of each sequence, so device-fed steps can read
         ahead."""
         ends = [start + n for start, n in zip(starts, num_new)]
-        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw], size)  # [3 + len(draw), size]
+        states = [self._state_slots(seq_ids, size)] if self.runner.pool.states is not None else []
+        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw, *states], size)  # [3 + ..., size]
         rows, start, real = moved[:3]
         if draw:
-            self.draw_columns[:, :size].copy_(moved[3:])
+            self.draw_columns[:, :size].copy_(moved[3:3 + len(draw)])
+        if states:
+            self.state_slots[:size].copy_(moved[-1])
         torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
         tokens = size * self.tokens_per_seq
         positions, slots, lens, cu = token_metadata(self._tables.table, rows, start, real,
@@ -281,6 +287,15 @@ class DecodeGraphs:
         self.slot_mapping[0, :tokens].copy_(slots)
         if self.last_only:  # each sequence's last real token (a padding row: its first, whose logits are dropped)
             self.keep[:size].copy_(cu[:-1] + (real - 1).clamp_min(0))
+
+    def _state_slots(self, seq_ids, size: int) -> list[int]:
+        """Each row's state slot (the padding rows the scratch slot)."""
+        manager = self.runner.pool.manager
+        return [manager.state_slot(s) for s in seq_ids] + [self._scratch_slot()] * (size - len(seq_ids))
+
+    def _scratch_slot(self) -> int:
+        states = self.runner.pool.states
+        return 0 if states is None else states.scratch
 
     def _fill_lora(self, lora_slots: Sequence[int] | None, size: int) -> bool:
         """Bring each token's LoRA slot into its static buffer (padding rows -1, one non-blocking copy); False (the
@@ -301,7 +316,7 @@ class DecodeGraphs:
             self._views[size] = (self.input_ids[:tokens], self.positions[:tokens], self.seq_lens[:size],
                                  self.slot_mapping[:, :tokens], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
                                  self.keep[:size if self.last_only else tokens], torch.arange(size, device=self.device),
-                                 self.lora_index[:tokens])
+                                 self.lora_index[:tokens], self.state_slots[:size])
         return self._views[size]
 
     def _step(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
@@ -320,7 +335,7 @@ class DecodeGraphs:
             return function(*args)
         is_step = function is self._step_fn
         if is_step:
-            mark_step_dynamic(args[1], self.runner.pool.kv)
+            mark_step_dynamic(args[1], self.runner.pool)
         else:
             mark_draw_dynamic(*args)
         try:
@@ -401,11 +416,12 @@ def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bo
     (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
     and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer. Returns the logits
     of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each sequence's last)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index = rows
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots = rows
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
         slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
+    state = StateStep(state_slots) if runner.pool.states is not None else None
     step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
-                      positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq)
+                      positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq, state=state)
     logits = runner.run_model(input_ids, step, keep, lora_index if lora else None)
     if advance:
         live = (seq_lens > 0).to(seq_lens.dtype)
@@ -414,14 +430,18 @@ def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bo
     return logits
 
 
-def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool_kv: torch.Tensor) -> None:
+def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool: KVPool) -> None:
     """Mark the dimensions of a step's inputs that vary between calls as dynamic for torch.compile: the rows' batch
-    dimension (tokens or sequences) and the pool's block count. Everything else stays static (``dynamic=None``)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index = rows
-    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index, lora_index):
+    dimension (tokens or sequences), the pool's block count and its state slots. Everything else stays static
+    (``dynamic=None``)."""
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots = rows
+    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index, lora_index, state_slots):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     torch._dynamo.maybe_mark_dynamic(slots, 1)
-    torch._dynamo.maybe_mark_dynamic(pool_kv, POOL_BLOCKS_DIM)
+    for tensor in pool.tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, POOL_BLOCKS_DIM)
+    for tensor in pool.states.tensors() if pool.states is not None else ():
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
 def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ from hfaccel.attention.functions import PACKED_MASK
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
 from hfaccel.kv.hf_cache import paged_reader_backend
+from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
 from hfaccel.sampling.sampler import SampleRow
@@ -55,6 +56,8 @@ class ModelRunner:
         self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
         self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
+        if pool.states is not None:
+            install_mixers(model, pool.layout)  # its recurrent layers run per sequence under this runner's cache
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
                              capture: bool | None = None, compile: bool = False,
@@ -109,14 +112,17 @@ class ModelRunner:
             raise ValueError(f"lora_slots needs the model's LoRA layers (runner.lora) and one slot per sequence; got "
                              f"{len(lora_slots)} for {len(num_new)} sequences"
                              + ("" if self.lora is not None else " and no LoRA layers"))
-        if draw is not None and not self.draws(num_new, logits_for):
+        if draw is not None and not self.draws(num_new, logits_for, starts):
             raise ValueError("draw needs a forward of one token per sequence, logits for each, served by decode steps "
-                             f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}")
+                             f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}"
+                             + ("" if starts is None or self._static_serves(starts) else
+                                ", and a sequence starting (its recurrent layers' first tokens run eagerly)"))
         if starts is None:
             self.pool.reserve(seq_ids, num_new, token_ids)
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         input_ids = input_ids.to(self.device)
-        for graphs in self.static_steps():
+        self.pool.sync_states()
+        for graphs in self.static_steps() if self._static_serves(starts) else ():
             if graphs.serves(num_new, logits_for):
                 extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw))
                          if value is not None}
@@ -138,9 +144,18 @@ class ModelRunner:
         """A forward no static step serves, its metadata built (what :meth:`forward` returns)."""
         return self.run_model(input_ids, step, keep, lora_index)
 
-    def draws(self, num_new: Sequence[int], logits_for: str | Sequence[int] = "last") -> bool:
-        """Whether :meth:`forward` can draw the tokens of such a forward inside the decode step."""
-        return self.graphs is not None and self.graphs.draws and self.graphs.serves(num_new, logits_for)
+    def draws(self, num_new: Sequence[int], logits_for: str | Sequence[int] = "last",
+              starts: Sequence[int] | None = None) -> bool:
+        """Whether :meth:`forward` can draw the tokens of such a forward inside the decode step (``starts``: where
+        each sequence's new tokens begin, when known)."""
+        return (self.graphs is not None and self.graphs.draws and self.graphs.serves(num_new, logits_for)
+                and (starts is None or self._static_serves(starts)))
+
+    def _static_serves(self, starts: Sequence[int]) -> bool:
+        """Whether a static step may serve sequences starting at ``starts``: always, unless the model keeps
+        recurrent state and a sequence starts there (its first tokens run the recurrent layers' prefill path, as
+        transformers runs them)."""
+        return self.pool.states is None or all(start > 0 for start in starts)
 
     def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
                   lora_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,7 +197,7 @@ class ModelRunner:
     def replace_pool(self, make_pool) -> None:
         """Swap in a new pool (a larger one, made by ``make_pool()`` once the old one's memory is given back); the
         decode steps keep their compiled step (the pool's block count is symbolic) and drop their captures."""
-        self.pool.kv = None
+        self.pool.release()
         self.pool = make_pool()
         self.cache = SequenceKVCache(self.model.config, self.pool)
         for graphs in self.static_steps():
@@ -192,7 +207,7 @@ class ModelRunner:
         """Give back the pool's memory and the decode steps' graphs now (the runner is not used again); without
         it they go when Python's cycle collector next runs (the runner and its graphs refer to each other)."""
         self.graphs = self.catch_up = None
-        self.pool.kv = None
+        self.pool.release()
 
     # ------------------------------------------------------------------------------------------ sequences
     def crop(self, seq_id: Hashable, length: int) -> None:

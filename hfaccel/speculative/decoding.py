@@ -35,6 +35,7 @@ import torch
 
 from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
+from hfaccel.kv.layout import model_layout
 from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
@@ -581,6 +582,10 @@ def _check_arguments(model, draft_model, draft: str, k: int, rows: list[_Row]) -
         raise ValueError("speculative decoding needs a draft_model (or draft='ngram' to draft by prompt lookup)")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1; got {k!r}")
+    for role, checked in (("target", model), ("draft", draft_model if draft == "model" else None)):
+        reason = None if checked is None else rollback_refusal(checked)
+        if reason is not None:
+            raise ValueError(f"speculative decoding cannot serve the {role} model: {reason}")
     vocab = vocab_size(model)
     if draft == "model" and vocab_size(draft_model) != vocab:
         raise ValueError(f"the draft model's vocabulary ({vocab_size(draft_model)} tokens) differs from the "
@@ -588,6 +593,14 @@ def _check_arguments(model, draft_model, draft: str, k: int, rows: list[_Row]) -
     top = max(max(row.tokens) for row in rows)
     if top >= vocab or min(min(row.tokens) for row in rows) < 0:
         raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values up to {top}")
+
+
+def rollback_refusal(model) -> str | None:
+    """Why speculative decoding cannot run ``model`` (its rejected drafts are rolled back), or None."""
+    if model_layout(model).hybrid:
+        return ("its layers keep recurrent state (a hybrid model), which cannot be rolled back to the accepted tokens "
+                "as K/V can")
+    return None
 
 
 def vocab_size(model) -> int:

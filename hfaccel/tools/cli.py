@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="engine: serve the workload over N tensor-parallel ranks (one GPU each, NCCL; gloo on "
                             "the CPU) and report the all-reduce share of a decode step (--batch: its batch)")
+    bench.add_argument("--layers", type=int, default=None,
+                       help="decode: a named config cut to this many layers (the same layer shapes; a shorter "
+                            "model for a quick GPU check)")
     bench.add_argument("--output", default=None, help="JSON path (default: bench-results/bench-<time>.json)")
     tune = sub.add_parser("tune", help="measure the kernels' configurations on this GPU and write its table")
     tune.add_argument("--model", action="append", help="named config whose shapes to tune for (repeatable; default: "
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                   num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer,
-                  tensor_parallel_size=args.tensor_parallel_size, profile=args.profile)
+                  tensor_parallel_size=args.tensor_parallel_size, profile=args.profile, layers=args.layers)
     return 0
 
 

@@ -28,6 +28,15 @@ NAMED_CONFIGS: dict[str, dict] = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
                          tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    # transformers' Qwen3_5TextConfig defaults (~9B): 3 gated delta-net layers to 1 full-attention layer
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, max_position_embeddings=32768),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        max_position_embeddings=131072),
     "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1024,
                        max_position_embeddings=2048),
@@ -70,15 +79,22 @@ def encode(tokenizer, prompts: list[str], device: torch.device) -> dict[str, tor
     return tokenizer(prompts, return_tensors="pt", padding=True).to(device)
 
 
-def build_model(spec: str, device: torch.device, dtype: torch.dtype):
-    """A random-weight model of a named config's shapes, or the model in a local folder / hub id."""
+def build_model(spec: str, device: torch.device, dtype: torch.dtype, layers: int | None = None):
+    """A random-weight model of a named config's shapes (``layers``: cut to that many layers, the layer pattern
+    kept), or the model in a local folder / hub id. SDPA attention where transformers runs the model so, else
+    eager (gpt-oss's sinks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if spec in NAMED_CONFIGS:
         fields = dict(NAMED_CONFIGS[spec])
+        if layers is not None:
+            fields["num_hidden_layers"] = layers
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            try:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            except ValueError:  # transformers runs this model in eager attention only
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     elif Path(spec).exists() or "/" in spec:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa").to(device)
     else:

@@ -72,8 +72,8 @@ def test_routed_calls_run_sdpa_and_are_counted(monkeypatch):
     paths = AttentionPaths()
     setattr(module, PATHS_ATTRIBUTE, paths)
     monkeypatch.setattr(functions, "prefill_route",
-                        lambda backend, query, key, mask, softcap: SDPA if functions.sdpa_computes(query, key, mask,
-                                                                                                    softcap) else FLASH)
+                        lambda backend, query, key, mask, softcap, sinks: SDPA if functions.sdpa_computes(
+                            query, key, mask, softcap, sinks) else FLASH)
     q, k, v = _qkv()
     out, _ = functions.auto_attention(module, q, k, v, PLAIN, scaling=0.125)
     assert_close(out, flash_attention_reference(q, k, v, scale=0.125))

@@ -13,7 +13,7 @@ import torch
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from tests.devices import DEVICE
-from tests.models import ARCHITECTURES, char_tokenizer, tiny_model
+from tests.models import ARCHITECTURES, char_tokenizer, family_model, tiny_model, wide_head_model
 
 SHARED = list(range(30, 50))  # a 20-token prefix several prompts share (one full block of 16)
 
@@ -245,11 +245,11 @@ def test_abort_frees_blocks_at_once():
 
 
 def test_model_hfaccel_cannot_serve_is_refused():
-    model = tiny_model("llama")
-    model.config.v_head_dim = 3
-    with pytest.raises(ValueError, match="Engine cannot serve LlamaForCausalLM: .*head_dim"):
+    model = wide_head_model()
+    original = model.config._attn_implementation
+    with pytest.raises(ValueError, match="Engine cannot serve LlamaForCausalLM: .*head_dim 640"):
         Engine(model)
-    assert model.config._attn_implementation == "sdpa"  # left as it was
+    assert model.config._attn_implementation == original  # left as it was
 
 
 @pytest.mark.parametrize("attention", ["torch", "triton"])
@@ -383,15 +383,19 @@ def test_n_beyond_max_num_seqs_and_any_seed():
     assert len(negative.outputs[0].token_ids) == 3
 
 
-def test_a_failed_step_changes_nothing(monkeypatch):
-    """If sampling fails (e.g. out of memory) the step does not count: the next one recomputes it."""
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_next"])
+def test_a_failed_step_changes_nothing(monkeypatch, hybrid):
+    """If sampling fails (e.g. out of memory) the step does not count: the next one recomputes it (a hybrid model's
+    sequences from their tokens: the forward already advanced their recurrent state, which cannot be written twice)."""
     import hfaccel.engine.engine as engine_module
 
-    model = tiny_model("llama")
+    model = family_model("qwen3_next") if hybrid else tiny_model("llama")
     prompts, budgets = mixed_prompts(3, seed=6)
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, num_blocks=40, block_size=4)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, num_blocks=40, block_size=4,
+                    async_scheduling=False)
     ids = [engine.add_request(p, greedy(b)) for p, b in zip(prompts, budgets)]
+    engine.step()
     engine.step()
     real = engine_module.sample
     monkeypatch.setattr(engine_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
@@ -401,3 +405,5 @@ def test_a_failed_step_changes_nothing(monkeypatch):
     while engine.has_unfinished_requests():
         engine.step()
     assert [engine.snapshot(engine.requests[i]).outputs[0].token_ids for i in ids] == expected
+    if hybrid:
+        assert engine.stats()["state_slots_free"] == 4

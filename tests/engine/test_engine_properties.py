@@ -2,10 +2,11 @@
 
 Random arrivals (prompts from a few shared stems, so prefix hits happen), n > 1, stop strings, sampling and
 greedy requests, aborts at any time and steps in between, on a pool small enough to force preemption, with
-synchronous and asynchronous scheduling. After
-every operation the block manager's invariants hold (ref-counts = tables, free pool = unreferenced blocks,
-registrations consistent) and no finished sequence holds blocks; when everything has finished, every block
-is free and every request has a finish reason.
+synchronous and asynchronous scheduling, on a classic decoder and on a hybrid one (whose sequences also hold a
+slot of recurrent state each). After every operation the block manager's invariants hold (ref-counts = tables,
+free pool = unreferenced blocks, registrations consistent, one state slot per live sequence) and no finished
+sequence holds blocks; when everything has finished, every block and state slot is free and every request has a
+finish reason.
 """
 
 import functools
@@ -17,20 +18,21 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from hfaccel.engine.scheduler import PENDING, Status
-from tests.models import char_tokenizer, tiny_model
+from tests.models import char_tokenizer, family_model, tiny_model
 
 STEMS = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23], [40, 41, 42]]
 
 
 @functools.cache
-def _model():
-    return hfaccel.accelerate(tiny_model("llama"), attention="torch")
+def _model(hybrid: bool):
+    return hfaccel.accelerate(family_model("qwen3_next") if hybrid else tiny_model("llama"), attention="torch")
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(prefix_caching=st.booleans(), budget=st.sampled_from([3, 8, 64]), async_scheduling=st.booleans())
-    def setup(self, prefix_caching, budget, async_scheduling):
-        self.engine = Engine(_model(), char_tokenizer(), max_num_seqs=4, max_num_batched_tokens=budget,
+    @initialize(prefix_caching=st.booleans(), budget=st.sampled_from([3, 8, 64]), async_scheduling=st.booleans(),
+                hybrid=st.booleans())
+    def setup(self, prefix_caching, budget, async_scheduling, hybrid):
+        self.engine = Engine(_model(hybrid), char_tokenizer(), max_num_seqs=4, max_num_batched_tokens=budget,
                              num_blocks=14, block_size=4, enable_prefix_caching=prefix_caching,
                              async_scheduling=async_scheduling)
         self.ids: list[str] = []
@@ -80,6 +82,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not engine.has_unfinished_requests(), "requests still unfinished after 500 steps"
         manager = engine.scheduler.manager
         assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
+        assert manager.num_free_state_slots == manager.state_slots, "state slots leaked"
         manager.check_invariants()
         for request_id in self.ids:
             out = engine.snapshot(engine.requests[request_id])

@@ -7,6 +7,7 @@ import hfaccel
 import hfaccel.engine.kv_budget as kv_budget
 from hfaccel import Engine, SamplingParams
 from hfaccel.engine.kv_budget import CPU_POOL_BYTES, activation_reserve, plan_kv_cache
+from hfaccel.kv.layout import model_layout
 from tests.models import tiny_model
 
 GIB = 1 << 30
@@ -48,7 +49,7 @@ def test_on_cuda_the_pool_is_capped_by_total_and_free_memory(monkeypatch, free, 
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
     budget = _plan(model, max_num_seqs=10**6, max_model_len=1 << 20, kv_cache_fraction=fraction)
-    reserve = activation_reserve(model.config, model.dtype, 512, 10**6)
+    reserve = activation_reserve(model.config, model_layout(model), model.dtype, 512, 10**6)
     limit = {"fraction": int(80 * GIB * fraction), "free": free - reserve}[expected]
     assert budget.num_blocks == limit // budget.block_bytes
     assert ("kv_cache_fraction" if expected == "fraction" else "free") in budget.reason

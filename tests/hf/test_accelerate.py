@@ -10,7 +10,7 @@ import transformers
 
 import hfaccel
 from tests.devices import DEVICE
-from tests.models import padded_batch, tiny_model
+from tests.models import padded_batch, tiny_model, wide_head_model
 
 
 def _greedy(model, batch, tokens=8):
@@ -101,27 +101,34 @@ def _tokenizer(tmp_path, vocab_size):
 
 
 def test_unsupported_architecture_falls_back_with_warning():
-    model = tiny_model("llama")
-    model.config.head_dim = 512  # as a model with head_dim > 256 would report it
-    with pytest.warns(UserWarning, match="head_dim 512"):
+    model = wide_head_model()
+    original = model.config._attn_implementation
+    with pytest.warns(UserWarning, match="head_dim 640"):
         hfaccel.accelerate(model)
     assert not model.hfaccel.active
-    assert model.config._attn_implementation == "sdpa"
-    assert "head_dim 512" in model.hfaccel.fallback_reason
+    assert model.config._attn_implementation == original
+    assert "head_dim 640, larger than the kernels' maximum 512" in model.hfaccel.fallback_reason
     hfaccel.restore(model)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == original
 
 
-def test_attention_sinks_fall_back():
+def test_attention_sinks_are_served():
+    """gpt-oss's sinks: one more logit per query head in hfaccel's kernels' softmax; its alternating sliding and
+    full layers; its experts as transformers runs them."""
     config = transformers.GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        num_local_experts=2, num_experts_per_tok=1, sliding_window=8)
+    torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(config).eval().to(DEVICE)
-    with pytest.warns(UserWarning, match="sinks"):
-        hfaccel.accelerate(model)
-    assert not model.hfaccel.active
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that matter (they start at zero)
     batch = padded_batch(vocab_size=64)
-    model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)  # still works
+    expected = model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    hfaccel.accelerate(model, attention="torch")
+    assert model.hfaccel.active
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=0), expected)
+    assert str(model.hfaccel.decode) == "hfaccel"
 
 
 def test_chunked_attention_mask_uses_dense_path():

@@ -380,7 +380,7 @@ def test_one_set_of_decode_steps_serves_every_batch_and_restore_gives_the_memory
     assert steps[0].max_batch == 256 and steps[0].max_model_len == model.config.max_position_embeddings
     runner = model.hfaccel.session.runner
     hfaccel.restore(model)
-    assert runner.pool.kv is None and runner.graphs is None
+    assert not runner.pool.allocated and runner.graphs is None
 
 
 def test_compile_argument_is_checked():

@@ -24,6 +24,8 @@ SHAPES = [
     (1, 8, 1, 300, 300, 128, 0),
     (3, 4, 4, 1, 300, 256, 299),
     (2, 6, 2, 7, 130, 64, 123),
+    (1, 4, 2, 11, 11, 512, 0),  # Gemma 4's global layers
+    (2, 2, 1, 1, 37, 320, 36),
 ]
 
 
@@ -68,6 +70,8 @@ def test_causal_matches_reference(shape, dtype):
         {"softcap": 5.0},
         {"key_mask": (3, 0, 120), "sliding_window": 64, "softcap": 30.0},
         {"causal": False, "key_mask": (0, 17, 1)},
+        {"sinks": True},
+        {"sinks": True, "key_mask": (3, 0, 120), "sliding_window": 64},
     ],
     ids=lambda f: "+".join(f),
 )
@@ -77,7 +81,14 @@ def test_masking_features_match_reference(features, dtype):
     kwargs = dict(features)
     if "key_mask" in kwargs:
         kwargs["key_mask"] = _left_padding(3, 300, kwargs["key_mask"])
+    if "sinks" in kwargs:
+        kwargs["sinks"] = _sinks(8, dtype)
     _check(q, k, v, q_offset=shape[6], **kwargs)
+
+
+def _sinks(heads: int, dtype: torch.dtype, seed: int = 5) -> torch.Tensor:
+    """One sink logit per query head, some above the scores' range (they then take most of the weight)."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -105,6 +116,29 @@ def test_non_contiguous_inputs():
     _check(q, k, v)
 
 
+def test_sinks_leave_rows_without_keys_at_zero():
+    """A query that sees no key gives zeros with sinks too (the sink is attached to no value)."""
+    q, k, v = _inputs((2, 4, 2, 9, 9, 64, 0), torch.float32)
+    key_mask = _left_padding(2, 9, (5, 0))
+    out = on_device(flash_attention, q, k, v, backend="triton", key_mask=key_mask, sinks=_sinks(4, torch.float32))
+    assert torch.isfinite(out).all() and out[0, :5].abs().max() == 0
+
+
+def test_reference_sinks_match_transformers_eager_formula():
+    """The reference's sinks against transformers' eager attention with sinks: the sink logit concatenated to each
+    row's scores, the softmax over both, the sink's column dropped."""
+    q, k, v = _inputs((2, 6, 3, 5, 12, 32, 7), torch.float32)
+    sinks = _sinks(6, torch.float32)
+    ref = flash_attention_reference(q, k, v, q_offset=7, sliding_window=6, sinks=sinks)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ kr.transpose(-1, -2)) * 32 ** -0.5
+    visible = visibility_mask(2, 5, 12, causal=True, q_offset=7, kv_offset=0, key_mask=None, sliding_window=6,
+                              device=q.device)
+    scores = torch.cat([scores.masked_fill(~visible, float("-inf")), sinks.view(1, 6, 1, 1).expand(2, 6, 5, 1)], -1)
+    expected = torch.softmax(scores, -1)[..., :-1] @ vr
+    assert_close(ref, expected.transpose(1, 2))
+
+
 def test_reference_matches_naive_softmax_attention():
     """The reference itself against the textbook formula with repeated K/V and an explicit mask."""
     q, k, v = _inputs((2, 6, 3, 5, 12, 32, 7), torch.float32)
@@ -123,7 +157,7 @@ def test_reference_matches_naive_softmax_attention():
     [
         (dict(q=(2, 4, 5, 64), k=(2, 3, 5, 64)), "multiple of KV heads"),
         (dict(q=(2, 4, 5, 64), k=(1, 2, 5, 64)), "batch=2"),
-        (dict(q=(2, 4, 5, 320), k=(2, 2, 5, 320)), "head_dim must be at most 256"),
+        (dict(q=(2, 4, 5, 640), k=(2, 2, 5, 640)), "head_dim must be at most 512"),
         (dict(q=(2, 4, 64), k=(2, 2, 5, 64)), "must be 4-D"),
     ],
 )
@@ -208,11 +242,11 @@ def test_tma_falls_back_to_pointers_where_descriptors_cannot_read():
     _check(q, k, v, config=config)
 
 
-@pytest.mark.parametrize("config", [c for d in (64, 128, 256) for c in candidate_configs(d, torch.float16)],
+@pytest.mark.parametrize("config", [c for d in (64, 128, 256, 512) for c in candidate_configs(d, torch.float16)],
                          ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}{'tma' if c.tma else ''}")
 def test_every_tunable_config_matches_reference(config):
     """Each configuration a tuned table may pick, at the largest head dim of its class (fp16, GQA, padding)."""
-    head_dim = next(d for d in (64, 128, 256) if config in candidate_configs(d, torch.float16))
+    head_dim = next(d for d in (64, 128, 256, 512) if config in candidate_configs(d, torch.float16))
     q, k, v = _inputs((1, 4, 2, 150, 150, head_dim, 0), torch.float16)
     _check(q, k, v, key_mask=_left_padding(1, 150, (3,)), config=config)
 
@@ -244,9 +278,9 @@ def test_sdpa_preference_follows_the_tuned_measurements(tuned_table):
 # every tile height (rows per (batch, KV head) of 1, 24, 48 and thousands select BLOCK_M 16, 32, 64 and the
 # maximum), and every candidate a tuned table can hold (per head-dim class, with and without TMA).
 SM90_CASES = [(dtype, head_dim, default_config(head_dim, dtype, rows), True) for dtype in DTYPES
-              for head_dim in (64, 80, 96, 128, 256) for rows in (1, 24, 48, 4096)]
+              for head_dim in (64, 80, 96, 128, 256, 320, 512) for rows in (1, 24, 48, 4096)]
 SM90_CASES += [(torch.float16, 128, default_config(128, torch.float16, 4096), False)]  # no optional features
-SM90_CASES += [(torch.float16, head_dim, cfg, True) for head_dim in (64, 128, 256)
+SM90_CASES += [(torch.float16, head_dim, cfg, True) for head_dim in (64, 128, 256, 512)
                for cfg in candidate_configs(head_dim, torch.float16)]
 SM90_CASES += [(torch.bfloat16, 80, FlashConfig(128, 64, 8, 3, tma=True), True)]
 
@@ -259,10 +293,12 @@ def _sm90_job(dtype, head_dim, cfg, all_features):
                                           "kv_offset", "window")}
     signature.update({name: "i32" for name in flash_module._flash_attention_kernel.arg_names
                       if name.startswith("stride_")})
-    signature.update(Q=ptr, K=kv, V=kv, O=ptr, KEY_MASK="*i1", score_scale="fp32", softcap_log2="fp32")
+    signature.update(Q=ptr, K=kv, V=kv, O=ptr, KEY_MASK="*i1", SINKS="*fp32", score_scale="fp32",
+                     softcap_log2="fp32")
     constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
                       EVEN_D=block_d == head_dim, TMA=cfg.tma, IS_CAUSAL=True,
                       HAS_WINDOW=all_features, HAS_SOFTCAP=all_features, HAS_KEY_MASK=all_features,
+                      HAS_SINKS=all_features,
                       UPCAST=False, IEEE_FP32=dtype == torch.float32)
     kernel = flash_module._flash_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_ms")

@@ -44,7 +44,7 @@ LENGTHS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads, head_dim", [((4, 4), 64), ((8, 2), 80), ((6, 2), 128), ((8, 1), 256)],
+@pytest.mark.parametrize("heads, head_dim", [((4, 4), 64), ((8, 2), 80), ((6, 2), 128), ((8, 1), 256), ((4, 2), 512)],
                          ids=lambda v: str(v))
 def test_decode_matches_reference(heads, head_dim, dtype):
     k_pool, v_pool = _pool(64, heads[1], head_dim, dtype)
@@ -169,10 +169,11 @@ def test_whole_block_loop_with_small_tiles(dtype, splits):
     assert_close(out, paged_attention_reference(dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask))
 
 
-@pytest.mark.parametrize("config", [c for d in (64, 128, 256) for c in candidate_paged_configs(d, torch.float16, 4)],
+@pytest.mark.parametrize("config", [c for d in (64, 128, 256, 512)
+                                    for c in candidate_paged_configs(d, torch.float16, 4)],
                          ids=lambda c: f"n{c.block_n}w{c.num_warps}s{c.num_stages}")
 def test_every_tunable_decode_config_matches_reference(config):
-    head_dim = 256 if config in candidate_paged_configs(256, torch.float16, 4) else 128
+    head_dim = next(d for d in (128, 256, 512) if config in candidate_paged_configs(d, torch.float16, 4))
     k_pool, v_pool = _pool(48, 2, head_dim, torch.float16)
     tables, lens = _tables([300, 41], 48)
     q = torch.randn(2, 8, 1, head_dim).half()
@@ -200,7 +201,29 @@ def _packed(q_lens, heads_q, head_dim, dtype, seed=0):
     return torch.randn(sum(q_lens), heads_q, head_dim, generator=gen).to(dtype), cu
 
 
-OPTIONS = [dict(), dict(sliding_window=37), dict(softcap=15.0), dict(sliding_window=5, softcap=2.0, scale=0.3)]
+OPTIONS = [dict(), dict(sliding_window=37), dict(softcap=15.0), dict(sliding_window=5, softcap=2.0, scale=0.3),
+           dict(sinks=True), dict(sinks=True, sliding_window=5)]
+
+
+def _sinks(heads: int, dtype: torch.dtype, seed: int = 5) -> torch.Tensor:
+    """One sink logit per query head, some above the scores' range (they then take most of the weight)."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_match_reference(dtype, splits):
+    """Attention sinks in the single-pass kernel and in the combine of a split launch, packed decode tokens beside
+    prefill chunks, and the padding rows of a static step left at zeros."""
+    k_pool, v_pool = _pool(64, 2, 64, dtype)
+    q_lens = [1, 7, 1, 17, 1]
+    tables, lens = _tables([1, 40, 300, 17, 0], 64)
+    q, cu = _packed(q_lens, 8, 64, dtype)
+    sinks = _sinks(8, dtype)
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17,
+                    max_seqlen_k=300, backend="triton", num_splits=splits, sinks=sinks)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # a padding row (length 0)
+    assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, sinks=sinks))
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
@@ -212,6 +235,8 @@ def test_torch_backend_matches_reference(heads, head_dim, dtype, options):
     nothing), packed decode tokens beside prefill chunks, GQA, window, softcap."""
     k_pool, v_pool = _pool(41, heads[1], head_dim, dtype)
     tables, lens = _tables(LENGTHS, 41)
+    if "sinks" in options:
+        options = {**options, "sinks": _sinks(heads[0], dtype)}
     dense_q = torch.randn(len(LENGTHS), heads[0], 3, head_dim).to(dtype)
     out = on_device(paged_attention, dense_q, k_pool, v_pool, tables, lens, backend="torch", **options)
     assert out.shape == (len(LENGTHS), 3, heads[0], head_dim)
@@ -346,9 +371,9 @@ def test_write_kv_bad_inputs():
 # can hold, each flag combination that changes the code path (split or not, varlen or dense), plus the split
 # combine (2 to MAX_SPLITS splits) and the write kernel.
 SM90_CASES = [(dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, varlen) for dtype in DTYPES
-              for head_dim in (64, 80, 96, 128, 256) for rows in (1, 24, 48, 4096)
+              for head_dim in (64, 80, 96, 128, 256, 512) for rows in (1, 24, 48, 4096)
               for split, varlen in ((False, False), (True, True))]
-SM90_CASES += [(torch.float16, head_dim, cfg, True, True) for head_dim in (64, 128, 256)
+SM90_CASES += [(torch.float16, head_dim, cfg, True, True) for head_dim in (64, 128, 256, 512)
                for cfg in candidate_paged_configs(head_dim, torch.float16, 4)]
 UNIT_STRIDES = ("stride_qd", "stride_od", "stride_kd", "stride_vd", "stride_bt_col", "stride_mask_col")
 
@@ -360,11 +385,11 @@ def _attention_job(dtype, head_dim, cfg, split, varlen):
     signature.update({name: "i32" for name in ("num_kv_heads", "head_dim", "block_size", "uniform_q_len",
                                                "window")})
     signature.update(Q=ptr, K_POOL=ptr, V_POOL=ptr, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
-                     CU_SEQLENS_Q="*i32", KEY_MASK="*i1", PART_O="*fp32", PART_LSE="*fp32",
+                     CU_SEQLENS_Q="*i32", KEY_MASK="*i1", SINKS="*fp32", PART_O="*fp32", PART_LSE="*fp32",
                      score_scale="fp32", softcap_log2="fp32")
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-                      VARLEN=varlen, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True, SPLIT=split,
+                      VARLEN=varlen, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True, HAS_SINKS=True, SPLIT=split,
                       UPCAST=False, IEEE_FP32=dtype == torch.float32)
     return dict(module="hfaccel.kernels.paged_attention", kernel="_paged_attention_kernel",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -376,11 +401,13 @@ def _side_jobs():
     write_module = importlib.import_module("hfaccel.kernels.write_kv")
     jobs = []
     for dtype in DTYPES:
-        for head_dim in (64, 256):
-            signature = {name: "i32" for name in combine.arg_names if name not in ("BLOCK_S", "BLOCK_D", "VARLEN")}
-            signature.update(O="*" + TRITON_TYPES[dtype], PART_O="*fp32", PART_LSE="*fp32", CU_SEQLENS_Q="*i32")
+        for head_dim in (64, 256, 512):
+            signature = {name: "i32" for name in combine.arg_names
+                         if name not in ("BLOCK_S", "BLOCK_D", "VARLEN", "HAS_SINKS")}
+            signature.update(O="*" + TRITON_TYPES[dtype], PART_O="*fp32", PART_LSE="*fp32", CU_SEQLENS_Q="*i32",
+                             SINKS="*fp32")
             for splits in (2, paged_module.MAX_SPLITS):
-                constexprs = dict(BLOCK_S=splits, BLOCK_D=head_dim, VARLEN=True)
+                constexprs = dict(BLOCK_S=splits, BLOCK_D=head_dim, VARLEN=True, HAS_SINKS=True)
                 jobs.append(dict(module="hfaccel.kernels.paged_attention", kernel="_combine_splits_kernel",
                                  num_warps=combine_warps(splits, head_dim), num_stages=1,
                                  **launch_like(combine, signature, constexprs, ("stride_od",))))

@@ -60,7 +60,7 @@ def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
     got = model.generate(**batch, max_new_tokens=10, **GREEDY)
     assert torch.equal(got, expected)
     assert len(calls) == 10 * model.config.num_hidden_layers  # the prefill and 9 decode steps, every layer
-    pool = model.hfaccel.session.runner.pool.kv  # every call reads one of its layers
+    pool = model.hfaccel.session.runner.pool.tensors[0]  # every call reads one of its layers
     assert all(kv is pool and layer in range(2) for kv, layer in calls) and not caches
     assert str(model.hfaccel.decode) == "hfaccel"
 
@@ -75,7 +75,7 @@ def test_transformers_loop_reads_a_paged_cache_without_gathering(monkeypatch):
     calls, caches = _watch_pool_reads(monkeypatch)
     assert torch.equal(model.generate(**batch, **kwargs), expected)
     assert len(calls) == 5 * model.config.num_hidden_layers  # every decode step of every layer
-    assert all(kv is caches[0].kv and layer in range(2) for kv, layer in calls)
+    assert all(kv is caches[0].pool.tensors[0] and layer in range(2) for kv, layer in calls)
     assert str(model.hfaccel.decode) == "transformers (generation options ['num_beams'])"
 
 
@@ -202,10 +202,11 @@ def test_plain_model_overflow_raises_clearly_and_keeps_cache_usable():
 
 def _feed(cache, reference, steps, batch=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
+    heads, dim = cache.pool.group_shapes[0]
     for length in steps:
         for layer in range(cache.num_layers):
-            k = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen).to(DEVICE)
-            v = torch.randn(batch, cache.num_kv_heads, length, cache.head_dim, generator=gen).to(DEVICE)
+            k = torch.randn(batch, heads, length, dim, generator=gen).to(DEVICE)
+            v = torch.randn(batch, heads, length, dim, generator=gen).to(DEVICE)
             reference.update(k, v, layer)
             cache.update(k, v, layer)
 
@@ -213,7 +214,8 @@ def _feed(cache, reference, steps, batch=3, seed=0):
 def _assert_same(cache, reference):
     assert cache.get_seq_length() == reference.get_seq_length()
     for layer in range(cache.num_layers):
-        empty = torch.zeros(len(cache.rows), cache.num_kv_heads, 0, cache.head_dim, device=DEVICE)
+        empty = torch.zeros(len(cache.rows), *cache.pool.group_shapes[0][:1], 0, cache.pool.group_shapes[0][1],
+                            device=DEVICE)
         keys, values = cache.update(empty, empty, layer)
         assert torch.equal(keys, reference.layers[layer].keys)
         assert torch.equal(values, reference.layers[layer].values)
@@ -251,7 +253,8 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="max_batch_size"):
         PagedCache(config, max_batch_size=0, max_cache_len=8)
     cache = PagedCache(config, max_batch_size=2, max_cache_len=40, device="cpu", dtype=torch.float16)
-    assert cache.kv.shape == (2, 2, 2 * 3, 16, 2, 16) and cache.kv.dtype == torch.float16
+    kv = cache.pool.tensors[0]
+    assert kv.shape == (2, 2, 2 * 3, 16, 2, 16) and kv.dtype == torch.float16
     assert cache.memory_stats()["blocks_free"] == 6
 
 

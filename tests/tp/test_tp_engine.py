@@ -38,13 +38,13 @@ def _engine_rank(path: str, prompts: list[list[int]], budgets: list[int]) -> dic
     model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), **ENGINE)
     if not engine.is_leader:
-        return {"forwards": engine.follow(), "kv_heads": engine.runner.pool.num_kv_heads}
+        return {"forwards": engine.follow(), "kv_heads": engine.runner.pool.group_shapes[0][0]}
     try:
         outputs = engine.generate(prompts, _params(budgets))
         stats = engine.stats()
     finally:
         engine.shutdown()
-    return {"outputs": _outputs(outputs), "stats": stats, "kv_heads": engine.runner.pool.num_kv_heads,
+    return {"outputs": _outputs(outputs), "stats": stats, "kv_heads": engine.runner.pool.group_shapes[0][0],
             "steps": engine.host_times.steps, "copies": engine.runner.pool.copies_made}
 
 

@@ -36,7 +36,7 @@ def _tp_rank(path: str, batch: dict) -> dict:
     hfaccel.accelerate(model, attention="torch")  # "torch": hfaccel's decode loop on the CPU too
     out = _generate(model, batch)
     session = model.hfaccel.session
-    return {**out, "decode": str(model.hfaccel.decode), "pool_kv_heads": session.runner.pool.num_kv_heads,
+    return {**out, "decode": str(model.hfaccel.decode), "pool_kv_heads": session.runner.pool.group_shapes[0][0],
             "config_kv_heads": model.config.num_key_value_heads}
 
 

@@ -60,6 +60,7 @@ class BenchOptions:
     tokenizer: str | None = None  # structured: the tokenizer folder of a named config (default: SmolLM2's)
     tensor_parallel_size: int = 1  # engine: serve over this many ranks and report the all-reduce share
     profile: bool = False  # decode: also hfaccel's decode step by kernel
+    layers: int | None = None  # decode: a named config with this many layers (its layer shapes kept)
 
     @property
     def cuda(self) -> bool:
@@ -71,7 +72,7 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
               new_tokens: int | None = None, output: str | None = None, console: Console | None = None,
               draft: str = "int4", num_draft_tokens: int = 4, num_requests: int | None = None,
               url: str | None = None, host: bool = False, tokenizer: str | None = None,
-              tensor_parallel_size: int = 1, profile: bool = False) -> dict:
+              tensor_parallel_size: int = 1, profile: bool = False, layers: int | None = None) -> dict:
     """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
     chosen = {what} if isinstance(what, str) else set(what)
     unknown = sorted(chosen - set(CASES) - {"all"})
@@ -81,7 +82,8 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     names = dtypes or (["float16", "bfloat16"] if dev.type == "cuda" else ["float32"])
     options = BenchOptions(dev, [getattr(torch, d) for d in names], model, batches, prompt_len, new_tokens, draft,
-                           num_draft_tokens, num_requests, url, host, tokenizer, tensor_parallel_size, profile)
+                           num_draft_tokens, num_requests, url, host, tokenizer, tensor_parallel_size, profile,
+                           layers)
     results = {"environment": environment(dev)}
     for case in CASES:
         if case in chosen or ("all" in chosen and case not in NOT_IN_ALL):

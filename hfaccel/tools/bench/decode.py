@@ -14,6 +14,8 @@ uncompiled). With ``--profile`` a third splits hfaccel's decode step by kernel: 
 kernel (the ones a CUDA graph replays, on a GPU; the ops, on the CPU), from ``torch.profiler`` over the same two
 calls the step's time comes from.
 
+The ratio column divides by the fastest of transformers' paths that ran the model (named in ``baseline``; a path
+that cannot run it, say static cache + compile on a model it does not compile, is listed in ``decode_failures``).
 Each path is warmed up on the exact call it is then timed on (compiles and captures happen there). A decode
 step's time is ``(t(N new tokens) - t(1 new token)) / (N - 1)``: the prompt's prefill cancels out. The roofline of
 a decode step is one read of the weights it touches (:func:`timing.weight_read_bytes`) at the bandwidth a
@@ -32,9 +34,10 @@ from hfaccel.hf import accelerate, restore
 from hfaccel.device import to_device
 from hfaccel.sampling import SampleRow, SamplingParams, draw_columns, draw_step, sample
 from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, time_ms, weight_read_bytes
+from hfaccel.runner.graphs import failure_reason
 from hfaccel.tools.models import build_model
 
-BASELINE = "transformers static+compile"  # what the ratio column divides by (sdpa where it cannot run)
+STATIC_COMPILE = "transformers static+compile"
 
 
 @dataclass
@@ -47,7 +50,8 @@ class DecodeRow:
     new_tokens: int
     tokens_per_s: float  # decode tokens per second: batch / step
     ms_per_step: float
-    vs_baseline: float  # tokens_per_s / that of the baseline path (static+compile on CUDA, sdpa elsewhere)
+    vs_baseline: float  # tokens_per_s / that of the fastest transformers path that ran (``baseline``)
+    baseline: str
     pct_roofline: float  # one weight read at the read bandwidth / the step
     vocab_size: int
 
@@ -92,10 +96,11 @@ def sampler_rows(decode: list[DecodeRow], device: torch.device) -> list[SamplerR
     return rows
 
 
-def decode_paths(device: torch.device) -> list[str]:
-    paths = ["transformers sdpa"]
+def decode_paths(device: torch.device, attention: str = "sdpa") -> list[str]:
+    """The paths measured; ``attention``: the model's own (sdpa, or eager where transformers runs it so)."""
+    paths = [f"transformers {attention}"]
     if device.type == "cuda":
-        paths.append(BASELINE)
+        paths.append(STATIC_COMPILE)
     # off CUDA the default does not compile; compile=True there runs transformers' static cache and compiled forward
     return paths + ["hfaccel", "hfaccel compile=False"] + ([] if device.type == "cuda" else ["hfaccel compile=True"])
 
@@ -111,7 +116,7 @@ def _prepare(model, path: str) -> dict:
         accelerate(model, compile=False)
     elif path == "hfaccel compile=True":
         accelerate(model, compile=True)
-    elif path == BASELINE:
+    elif path == STATIC_COMPILE:
         return dict(cache_implementation="static", compile_config=CompileConfig())
     return {}
 
@@ -184,28 +189,38 @@ def _set_up_tracer(device: torch.device) -> None:
 
 
 def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int, device: torch.device,
-                 dtype: torch.dtype, profile: bool = False) -> tuple[list[DecodeRow], list[KernelRow]]:
+                 dtype: torch.dtype, profile: bool = False, layers: int | None = None,
+                 failures: dict | None = None) -> tuple[list[DecodeRow], list[KernelRow]]:
     """Decode speed of each path at each batch size (greedy, fixed length, random prompts); with ``profile``
-    hfaccel's decode step by kernel at each batch size."""
+    hfaccel's decode step by kernel at each batch size. A path that raises is left out, its reason put in
+    ``failures`` (path and batch -> reason)."""
     if new_tokens < 2:
         raise ValueError(f"bench decode times decode steps: new_tokens must be >= 2; got {new_tokens}")
     if profile and device.type == "cuda":
         _set_up_tracer(device)
-    model = build_model(spec, device, dtype)
+    model = build_model(spec, device, dtype, layers)
     weight_ms = read_ms(weight_read_bytes(model), read_bandwidth(device))
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     rows, kernels = [], []
     for batch in batches:
-        input_ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
+        input_ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
         measured = {}
-        for path in decode_paths(device):
-            kwargs = _prepare(model, path)
-            measured[path] = step_ms(model, input_ids, new_tokens, kwargs)
+        for path in decode_paths(device, model.config._attn_implementation):
+            try:
+                kwargs = _prepare(model, path)
+                measured[path] = step_ms(model, input_ids, new_tokens, kwargs)
+            except Exception as error:  # a path that cannot run this model: the others are still measured
+                if failures is None:
+                    raise
+                failures[f"{spec} {path} batch {batch}"] = failure_reason(error)
+                continue
             if profile and path == "hfaccel":
                 kernels += kernel_rows(spec, model, input_ids, new_tokens, kwargs)
         restore(model)
-        base = measured.get(BASELINE, measured["transformers sdpa"])
+        theirs = {path: ms for path, ms in measured.items() if path.startswith("transformers")}
+        baseline = min(theirs, key=theirs.get)
         rows += [DecodeRow(spec, str(dtype).removeprefix("torch."), path, batch, prompt_len, new_tokens,
-                           batch / ms * 1e3, ms, base / ms, weight_ms / ms * 100, model.config.vocab_size)
+                           batch / ms * 1e3, ms, theirs[baseline] / ms, baseline, weight_ms / ms * 100, vocab)
                  for path, ms in measured.items()]
     return rows, kernels
 
@@ -220,21 +235,23 @@ def plan(options) -> list[tuple[str, torch.dtype]]:
 
 
 def run(options, console) -> dict:
-    rows, sampler, kernels = [], [], []
+    rows, sampler, kernels, failures = [], [], [], {}
     for spec, dtype in plan(options):
         measured, profiled = bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
                                           options.prompt_len or (128 if options.cuda else 32),
                                           options.new_tokens or (128 if options.cuda else 16), options.device, dtype,
-                                          profile=options.profile)
+                                          profile=options.profile, layers=options.layers, failures=failures)
         sampler += sampler_rows(measured, options.device)
         rows += measured
         kernels += profiled
     rows, sampler, kernels = ([asdict(r) for r in part] for part in (rows, sampler, kernels))
-    console.print(table("decode: generate() decode steps (vs_baseline: static+compile on CUDA, sdpa elsewhere; "
-                        "pct_roofline: one weight read at the read bandwidth / the step)", rows))
+    console.print(table("decode: generate() decode steps (vs_baseline: the fastest transformers path that ran, "
+                        "named in baseline; pct_roofline: one weight read at the read bandwidth / the step)", rows))
+    for where, reason in failures.items():
+        console.print(f"[yellow]could not run {where}: {reason}")
     console.print(table("the sampler's share of hfaccel's decode step", sampler))
     if not options.profile:
-        return {"decode": rows, "decode_sampler": sampler}
+        return {"decode": rows, "decode_sampler": sampler, "decode_failures": failures}
     console.print(table(f"hfaccel's decode step by kernel (torch.profiler; the top {PROFILE_TOP} by time per step, "
                         "share of the step's kernel time)", kernels))
-    return {"decode": rows, "decode_sampler": sampler, "decode_kernels": kernels}
+    return {"decode": rows, "decode_sampler": sampler, "decode_kernels": kernels, "decode_failures": failures}

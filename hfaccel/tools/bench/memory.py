@@ -63,7 +63,7 @@ def memory_comparison(model, lengths: list[int], new_tokens: int = NEW_TOKENS) -
     model.generate(**batch, **args)
     pool = model.hfaccel.session.runner.pool
     peak = pool.manager.peak_used_blocks * pool.block_bytes()
-    rows += [MemoryRow("hfaccel pool allocated", pool.kv.numel() * pool.kv.element_size(), 0.0),
+    rows += [MemoryRow("hfaccel pool allocated", tensor_bytes(pool.memory_tensors()), 0.0),
              MemoryRow("hfaccel pool held at most", peak, 0.0)]
     restore(model)
     for row in rows:

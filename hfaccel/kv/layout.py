@@ -1,0 +1,197 @@
+"""What each layer of a model keeps while it generates: K/V of some width, recurrent state, or nothing.
+
+Read off transformers' own cache after one forward of one token (:func:`probe_layout`), so that every family is
+described by its own modeling code rather than by config fields that differ between families (Gemma 4's per-layer
+head sizes, MLA's key and value widths, hybrid models' convolution and SSM states, layers that share another
+layer's K/V). The forward also records which module reads and writes each recurrent layer's state (its *mixer*),
+the module hfaccel later runs per sequence (``hfaccel.kv.state``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+
+from hfaccel import compat
+from hfaccel.device import model_device, per_model
+
+# the Cache methods through which a mixer reaches its layer's recurrent state (transformers 5.17 and 5.24)
+STATE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state",
+                 "has_previous_state")
+
+
+@dataclass(frozen=True)
+class AttentionKV:
+    """One layer's K/V: ``kv_heads`` heads of keys ``key_dim`` wide and values ``value_dim`` wide; ``window``: the
+    sliding window its queries attend within (None: every earlier key), as transformers' cache and masks hold it."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    window: int | None = None
+
+    @property
+    def width(self) -> int:
+        """The head width the pool stores keys and values in (the narrower of the two zero-padded to it)."""
+        return max(self.key_dim, self.value_dim)
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One tensor of a layer's recurrent state, per sequence: its shape without the batch dimension, its dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """One layer's recurrent state: per state index, its convolution state (``conv``) and its recurrent (SSM,
+    delta-rule) state, each None where the layer keeps none; ``conv_kernel_size`` per state index."""
+
+    conv: tuple[StateShape | None, ...]
+    recurrent: tuple[StateShape | None, ...]
+    conv_kernel_size: tuple[int | None, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.conv + self.recurrent if s is not None)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What each cache layer of a model keeps (module docstring)."""
+
+    num_layers: int  # layers of transformers' cache (what the model indexes its cache with)
+    attention: dict[int, AttentionKV] = field(default_factory=dict)  # layers that write K/V
+    states: dict[int, RecurrentState] = field(default_factory=dict)  # layers with recurrent state
+    mixers: dict[int, str] = field(default_factory=dict)  # state layer -> name of the module that runs it
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer keeps recurrent state (a hybrid or recurrent model)."""
+        return bool(self.states)
+
+    def state_bytes(self) -> int:
+        """Bytes of every layer's recurrent state of one sequence."""
+        return sum(state.bytes for state in self.states.values())
+
+    def describe(self) -> str:
+        """One line: how many layers keep K/V (and of which widths), how many keep state."""
+        widths = sorted({(kv.kv_heads, kv.key_dim, kv.value_dim) for kv in self.attention.values()})
+        shapes = ", ".join(f"{h} heads x {k}" + (f"/{v}" if v != k else "") for h, k, v in widths)
+        text = f"{len(self.attention)} of {self.num_layers} layers keep K/V ({shapes})"
+        return text + (f", {len(self.states)} keep recurrent state" if self.states else "")
+
+
+def uniform_layout(num_layers: int, kv_heads: int, head_dim: int) -> ModelLayout:
+    """Every layer keeping K/V of one shape (a classic decoder; what a config alone describes)."""
+    return ModelLayout(num_layers, {i: AttentionKV(kv_heads, head_dim, head_dim) for i in range(num_layers)})
+
+
+class LayoutError(ValueError):
+    """A model whose cache hfaccel's pool cannot hold; the message says why."""
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((dtype, device), layout)
+
+
+def model_layout(model) -> ModelLayout:
+    """The layout of ``model`` (:func:`probe_layout`), probed once per model, dtype and device."""
+    return per_model(_LAYOUTS, model, probe_layout)
+
+
+def probe_layout(model) -> ModelLayout:
+    """Run ``model`` on one token over transformers' own ``DynamicCache`` and read what each layer stored; a
+    ``LayoutError`` (or the model's own error) where it does not run so or stores something else."""
+    cache = DynamicCache(config=model.config)
+    mixers: dict[int, str] = {}
+    token = torch.ones(1, 1, dtype=torch.long, device=model_device(model))
+    with ExitStack() as stack, torch.inference_mode():
+        _record_mixers(model, cache, mixers, stack)
+        model(input_ids=token, use_cache=True, **{compat.cache_argument(model): cache})
+    return _read_layout(cache, mixers)
+
+
+def _record_mixers(model, cache: DynamicCache, mixers: dict[int, str], stack: ExitStack) -> None:
+    """While ``stack`` is open, note in ``mixers`` the innermost module (with a ``layer_idx``) running when each
+    recurrent layer's state is read or written: the probe's own cache gets recording methods, the modules hooks
+    that keep a stack of the running ones."""
+    running: list[tuple[int, str]] = []
+
+    def leave(*_) -> None:
+        running.pop()
+
+    for name, module in model.named_modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int):
+            stack.enter_context(module.register_forward_pre_hook(
+                lambda _m, _a, entry=(index, name): running.append(entry)))
+            stack.enter_context(module.register_forward_hook(leave, always_call=True))
+    for method in STATE_METHODS:
+        if hasattr(cache, method):
+            setattr(cache, method, _recording(getattr(cache, method), running, mixers))
+
+
+def _recording(method: Callable, running: list[tuple[int, str]], mixers: dict[int, str]) -> Callable:
+    signature = inspect.signature(method)
+
+    def record(*args, **kwargs):
+        layer = signature.bind(*args, **kwargs).arguments.get("layer_idx")
+        owner = next((name for index, name in reversed(running) if index == layer), None)
+        if layer is not None and owner is not None:
+            mixers.setdefault(layer, owner)
+        return method(*args, **kwargs)
+
+    return record
+
+
+def _read_layout(cache: DynamicCache, mixers: dict[int, str]) -> ModelLayout:
+    attention: dict[int, AttentionKV] = {}
+    states: dict[int, RecurrentState] = {}
+    for index, layer in enumerate(cache.layers):
+        known = False
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            states[index] = _state(index, layer)
+            known = True
+        if isinstance(layer, CacheLayerMixin):
+            if type(layer).__name__.endswith("IndexedLayer"):
+                raise LayoutError(f"layer {index} keeps indexer keys beside its K/V (sparse attention with a "
+                                  "lightning indexer), which hfaccel's pool does not hold")
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            window = layer.sliding_window if getattr(layer, "is_sliding", False) else None
+            if isinstance(keys, torch.Tensor) and keys.numel():
+                attention[index] = AttentionKV(keys.shape[1], keys.shape[-1], values.shape[-1], window)
+            known = True
+        if not known and type(layer).__name__ != "DummyLayer":
+            raise LayoutError(f"cache layer {index} is a {type(layer).__name__}, which hfaccel's pool does not hold")
+    missing = sorted(set(states) - set(mixers))
+    if missing:
+        raise LayoutError(f"no module was seen reading the recurrent state of layers {missing}")
+    return ModelLayout(len(cache.layers), attention, states, {i: mixers[i] for i in states})
+
+
+def _state(index: int, layer) -> RecurrentState:
+    """The shapes of one linear-attention cache layer's states (batch dimension dropped)."""
+    count = layer.number_of_states
+
+    def shape(tensors: dict, i: int) -> StateShape | None:
+        tensor = tensors.get(i)
+        return StateShape(tuple(tensor.shape[1:]), tensor.dtype) if isinstance(tensor, torch.Tensor) else None
+
+    state = RecurrentState(tuple(shape(layer.conv_states, i) for i in range(count)),
+                           tuple(shape(layer.recurrent_states, i) for i in range(count)),
+                           tuple(layer.conv_kernel_size.get(i) for i in range(count)))
+    if layer.record_past:
+        raise LayoutError(f"layer {index} records its past states (for rollback), which hfaccel's state slots do not")
+    return state

@@ -1,0 +1,223 @@
+"""Recurrent state of hybrid models (Mamba-2, gated delta-net, short-convolution layers...) in state slots.
+
+A hybrid model's recurrent layers keep, per sequence, a convolution state and a recurrent state instead of K/V.
+:class:`StatePool` holds them for every sequence of a :class:`~hfaccel.kv.KVPool`, one slot per sequence
+(``BlockManager.state_slot``) plus one scratch slot that the padding rows of a static step read and write.
+
+The recurrent layers stay transformers' code. hfaccel's forwards pack every sequence's new tokens into one row
+(``[1, T]``), which a recurrent layer would read as one sequence, so each layer's *mixer* (the module that reads and
+writes its state, found by ``hfaccel.kv.layout``) is given a forward of this instance (:func:`install_mixers`) that,
+under hfaccel's :class:`~hfaccel.kv.SequenceKVCache`, runs transformers' own forward once per group of sequences
+that compute as many new tokens and either all have a state or all start one (``[G, L, H]``, a decode step's rows
+``[B, 1, H]`` in one group): the group's states gathered from their slots into a transformers ``Cache`` of its own
+(:class:`StateView`, transformers' ``LinearAttentionLayer`` per layer, so its padding, concatenation and in-place
+rules are transformers'), and written back to the slots afterwards. Under any other cache the mixer runs as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, LinearAttentionLayer
+
+from hfaccel.kv.layout import ModelLayout
+
+MIXER_FORWARD = "hfaccel_state_mixer"  # the attribute marking a mixer's forward as hfaccel's (install_mixers)
+
+
+@dataclass(frozen=True)
+class StateStep:
+    """What a forward's recurrent layers need: each sequence's state slot and, for an eager forward, its groups
+    (None: a static step, every sequence one token with its state, the padding rows the scratch slot)."""
+
+    slots: torch.Tensor  # [S] int64
+    groups: tuple[StateGroup, ...] | None = None
+
+    def to(self, device: torch.device) -> StateStep:
+        groups = None if self.groups is None else tuple(group.to(device) for group in self.groups)
+        return StateStep(self.slots.to(device, non_blocking=True), groups)
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """Sequences of one packed forward that the recurrent layers run together: ``len(slots)`` sequences of
+    ``length`` new tokens each, at packed rows ``tokens`` (sequence by sequence); ``fresh``: none has a state yet
+    (each starts from the beginning)."""
+
+    tokens: torch.Tensor  # [G * length] int64: rows of the packed forward
+    slots: torch.Tensor  # [G] int64: their state slots
+    length: int
+    fresh: bool
+
+    def to(self, device: torch.device) -> StateGroup:
+        return StateGroup(self.tokens.to(device, non_blocking=True), self.slots.to(device, non_blocking=True),
+                          self.length, self.fresh)
+
+
+def state_groups(slots: Sequence[int], starts: Sequence[int], num_new: Sequence[int]) -> tuple[StateGroup, ...]:
+    """The groups of a packed forward whose sequence ``i`` (state slot ``slots[i]``) computes ``num_new[i]`` tokens
+    from position ``starts[i]``: by token count and by whether the sequence starts (host tensors)."""
+    offsets = [0]
+    for n in num_new:
+        offsets.append(offsets[-1] + n)
+    members: dict[tuple[int, bool], list[int]] = {}
+    for i, (start, n) in enumerate(zip(starts, num_new)):
+        members.setdefault((n, start == 0), []).append(i)
+    return tuple(StateGroup(torch.tensor([t for i in seqs for t in range(offsets[i], offsets[i + 1])]),
+                            torch.tensor([slots[i] for i in seqs]), length, fresh)
+                 for (length, fresh), seqs in members.items())
+
+
+class StatePool:
+    """Every recurrent layer's state for ``num_slots`` sequences plus a scratch slot (module docstring):
+    ``conv[layer][i]`` and ``recurrent[layer][i]`` are ``[num_slots + 1, *shape]`` (None where the layer keeps no
+    such state)."""
+
+    def __init__(self, layout: ModelLayout, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"a model with recurrent state needs state slots (one per sequence); got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.conv: dict[int, list[torch.Tensor | None]] = {}
+        self.recurrent: dict[int, list[torch.Tensor | None]] = {}
+
+    @property
+    def scratch(self) -> int:
+        """The slot that the padding rows of a static step use."""
+        return self.num_slots
+
+    def allocate(self, device: torch.device) -> None:
+        def zeros(shape):
+            return None if shape is None else torch.zeros(self.num_slots + 1, *shape.shape, dtype=shape.dtype,
+                                                          device=device)
+
+        for layer, state in self.layout.states.items():
+            self.conv[layer] = [zeros(shape) for shape in state.conv]
+            self.recurrent[layer] = [zeros(shape) for shape in state.recurrent]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.conv for t in self.conv[layer] + self.recurrent[layer] if t is not None]
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (one sequence's state, every layer)."""
+        return self.layout.state_bytes()
+
+    def copy(self, copies) -> None:
+        """Copy slot ``c.src`` into slot ``c.dst`` for each of ``copies`` (a fork's state)."""
+        if copies:
+            device = self.tensors()[0].device
+            src = torch.tensor([c.src for c in copies], device=device)
+            dst = torch.tensor([c.dst for c in copies], device=device)
+            for tensor in self.tensors():
+                tensor[dst] = tensor[src]
+
+
+class StateView(Cache):
+    """A transformers ``Cache`` of ``num_layers`` linear-attention layers, through which one group's states are
+    handed to a mixer (transformers' own ``LinearAttentionLayer`` rules apply to them)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[LinearAttentionLayer() for _ in range(num_layers)])
+        self.active = 0  # the layer whose mixer runs now
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        # without a layer, transformers asks its last linear-attention layer; here that is the one running
+        return super().has_previous_state(self.active if layer_idx is None else layer_idx, state_idx)
+
+    def load(self, pool: StatePool, layer: int, slots: torch.Tensor, fresh: bool) -> None:
+        """Give layer ``layer`` the states of ``slots`` (or none yet, ``fresh``)."""
+        self.active = layer
+        view = self.layers[layer] = LinearAttentionLayer(number_of_states=len(pool.layout.states[layer].conv))
+        if fresh:
+            return
+        kernels = pool.layout.states[layer].conv_kernel_size
+        for i, (conv, recurrent) in enumerate(zip(pool.conv[layer], pool.recurrent[layer])):
+            if conv is not None:
+                view.conv_states[i] = conv.index_select(0, slots)
+                view.is_conv_states_initialized[i] = True
+                view.conv_kernel_size[i] = kernels[i]
+            if recurrent is not None:
+                view.recurrent_states[i] = recurrent.index_select(0, slots)
+                view.is_recurrent_states_initialized[i] = True
+            view.has_previous_state[i] = True
+
+    def store(self, pool: StatePool, layer: int, slots: torch.Tensor) -> None:
+        """Write layer ``layer``'s states back to ``slots``."""
+        view = self.layers[layer]
+        for i, (conv, recurrent) in enumerate(zip(pool.conv[layer], pool.recurrent[layer])):
+            if conv is not None and view.conv_states[i] is not None:
+                conv.index_copy_(0, slots, view.conv_states[i].to(conv.dtype))
+            if recurrent is not None and view.recurrent_states[i] is not None:
+                recurrent.index_copy_(0, slots, view.recurrent_states[i].to(recurrent.dtype))
+
+
+def install_mixers(model, layout: ModelLayout) -> None:
+    """Give each mixer of ``layout`` (a hybrid model's recurrent-state modules) hfaccel's forward (module docstring;
+    idempotent). :func:`remove_mixers` takes it away."""
+    modules = dict(model.named_modules())
+    for layer, name in layout.mixers.items():
+        module = modules[name]
+        if getattr(module.forward, MIXER_FORWARD, False):
+            continue
+        original = module.forward
+        names = [name for name, p in inspect.signature(original).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+        def forward(*args, _layer=layer, _original=original, _names=names, **kwargs):
+            return _mixer_forward(_layer, _original, {**dict(zip(_names, args)), **kwargs}, args, kwargs)
+
+        setattr(forward, MIXER_FORWARD, True)
+        module.forward = forward
+
+
+def remove_mixers(model) -> None:
+    """Undo :func:`install_mixers`."""
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), MIXER_FORWARD, False):
+            del module.forward
+
+
+def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: dict):
+    """One mixer call (``arguments``: the call's, by name): per state group under hfaccel's cache (module
+    docstring), else transformers' as it is."""
+    cache_name = next((name for name in ("cache", "cache_params", "past_key_values")
+                       if getattr(arguments.get(name), "states_step", None) is not None), None)
+    if cache_name is None:
+        return original(*args, **kwargs)
+    cache = arguments[cache_name]
+    pool, step = cache.pool.states, cache.states_step
+    hidden = arguments.pop(_hidden_name(arguments))  # [1, T, H]
+    if "attention_mask" in arguments:
+        arguments["attention_mask"] = None  # packed sequences hold no padding
+    view = cache.state_view
+    if step.groups is None:  # a static step: one token per sequence, each with its state
+        # one scratch row more, so that the layer's code never sees a batch of one: its reshapes of views would guard
+        # on it, and a compiled step would need a graph of its own for batch 1
+        rows = torch.cat([hidden[0], hidden[0, :1]]).unsqueeze(1)  # [B + 1, 1, H]
+        slots = torch.cat([step.slots, step.slots.new_full((1,), pool.scratch)])  # [B + 1]
+        result = _run_group(original, arguments, cache_name, view, pool, layer, rows, slots, False)
+        return result.reshape(result.shape[0], result.shape[-1])[:-1].unsqueeze(0)  # [1, B, H_out]
+    out = None
+    for group in step.groups:
+        rows = hidden[0].index_select(0, group.tokens).view(len(group.slots), group.length, -1)  # [G, L, H]
+        result = _run_group(original, arguments, cache_name, view, pool, layer, rows, group.slots, group.fresh)
+        if out is None:
+            out = hidden.new_empty(1, hidden.shape[1], result.shape[-1], dtype=result.dtype)
+        out[0].index_copy_(0, group.tokens, result.reshape(-1, result.shape[-1]))
+    return out
+
+
+def _run_group(original, arguments: dict, cache_name: str, view: StateView, pool: StatePool, layer: int,
+               hidden: torch.Tensor, slots: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots``; ``[G, L, H_out]``."""
+    view.load(pool, layer, slots, fresh)
+    result = original(hidden, **{**arguments, cache_name: view})
+    view.store(pool, layer, slots)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _hidden_name(arguments: dict) -> str:
+    return "hidden_states" if "hidden_states" in arguments else next(iter(arguments))

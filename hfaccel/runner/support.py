@@ -1,0 +1,121 @@
+"""Whether hfaccel serves a model, and how: one answer that ``accelerate``, the Engine and the docs' model list read.
+
+A model is served when hfaccel's runner can run it exactly: its attention dispatches through transformers'
+``AttentionInterface``, its forward takes each token's position and the logits to keep, what each layer keeps fits
+the pool (``hfaccel.kv.layout``: K/V of one width per layer, within the kernels' head sizes, or recurrent state),
+and a trial — two sequences packed into one forward, then a decode step, on hfaccel's torch kernels — runs. So a
+family hfaccel cannot serve is told before the user's first call, with the reason, and stays on transformers' path;
+none is accepted and then broken.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from hfaccel import compat
+from hfaccel.attention import hfaccel_attention, unsupported_reason
+from hfaccel.device import model_device, per_model
+from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
+from hfaccel.kv import KVPool
+from hfaccel.kv.layout import ModelLayout, model_layout
+from hfaccel.runner.graphs import failure_reason
+from hfaccel.runner.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """hfaccel's answer for one model: its layout where it is served, else why not (``reason``)."""
+
+    layout: ModelLayout | None
+    reason: str | None = None
+
+    @property
+    def served(self) -> bool:
+        return self.reason is None
+
+    def __str__(self) -> str:
+        return f"served: {self.layout.describe()}" if self.served else f"not served: {self.reason}"
+
+
+_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((dtype, device), ModelSupport)
+
+
+def model_support(model) -> ModelSupport:
+    """Whether hfaccel serves ``model`` (module docstring); worked out once per model, dtype and device."""
+    return per_model(_ANSWERS, model, _support)
+
+
+def check_served(model, who: str) -> ModelLayout:
+    """The model's layout, or a ``ValueError`` saying why ``who`` cannot serve it."""
+    support = model_support(model)
+    if not support.served:
+        raise ValueError(f"{who} cannot serve {type(model).__name__}: {support.reason}")
+    return support.layout
+
+
+def _support(model) -> ModelSupport:
+    reason = unsupported_reason(model) or _forward_reason(model)
+    if reason is not None:
+        return ModelSupport(None, reason)
+    try:
+        layout = model_layout(model)
+    except Exception as error:  # the model's own forward over transformers' cache, or a layout the pool cannot hold
+        return ModelSupport(None, f"reading what its layers cache failed ({failure_reason(error)})")
+    reason = _layout_reason(model, layout) or _trial_reason(model)
+    return ModelSupport(layout, reason)
+
+
+def _forward_reason(model) -> str | None:
+    """Why the model's forward cannot take hfaccel's packed sequences, or None."""
+    if "chunked_attention" in (getattr(model.config, "layer_types", None) or ()):
+        return ("chunked attention (attention_chunk_size, Llama 4) is not implemented by hfaccel's kernels yet; its "
+                "masks are built from the padding mask, which hfaccel's packed sequences do not have")
+    parameters = inspect.signature(type(model).forward).parameters
+    if "position_ids" not in parameters:
+        return ("its forward takes no position_ids (it derives positions from the cache length), which hfaccel's "
+                "packed sequences need")
+    if "logits_to_keep" not in parameters:
+        return "its forward takes no logits_to_keep (the logits of each sequence's last token)"
+    return None
+
+
+def _layout_reason(model, layout: ModelLayout) -> str | None:
+    """Why the pool and kernels cannot hold what the model's layers cache, or None."""
+    if not layout.attention:
+        return "no layer keeps K/V (no attention for hfaccel's kernels to serve)"
+    for layer, kv in sorted(layout.attention.items()):
+        if kv.key_dim != kv.value_dim:
+            return (f"layer {layer} caches keys {kv.key_dim} wide and values {kv.value_dim} wide (multi-head latent "
+                    "attention caches its compressed latent and decompresses it after the cache), which hfaccel's "
+                    "kernels do not read")
+        if kv.width > MAX_HEAD_DIM:
+            return f"layer {layer} has head_dim {kv.width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
+    if layout.hybrid and compat.tp_size(model) > 1:
+        return "recurrent state (a hybrid model) under tensor parallelism is not supported yet"
+    return None
+
+
+def _trial_reason(model) -> str | None:
+    """Run two sequences (3 and 2 tokens) packed into one forward, then one decode step of each, on hfaccel's torch
+    kernels over a small pool; the error it raises, or None."""
+    config = model.config.get_text_config(decoder=True)
+    vocab = int(getattr(config, "vocab_size", 0) or 2)
+    tokens = (torch.arange(5) % (vocab - 1) + 1).to(model_device(model))
+    pool = KVPool.for_model(model, num_blocks=4, block_size=16, max_num_seqs=2)
+    runner = ModelRunner(model, pool)
+    try:
+        with hfaccel_attention(model, "torch"), torch.inference_mode():
+            prefill = runner.forward([0, 1], tokens, [3, 2])
+            decode = runner.forward([0, 1], tokens[:2], [1, 1])
+        if prefill.shape[0] != 2 or decode.shape[0] != 2:
+            return (f"its forward ignores logits_to_keep (logits of {prefill.shape[0]} tokens for the last tokens of "
+                    "2 sequences)")
+    except Exception as error:
+        return f"hfaccel's packed forward fails on it ({failure_reason(error)})"
+    finally:
+        runner.release()
+    return None

@@ -1,0 +1,67 @@
+"""This year's families in the Engine: each prompt's own greedy tokens under preemption, chunked prefill and both
+schedulings; hybrid models' state slots allocated, forked, preempted and freed with the sequences' blocks."""
+
+import pytest
+
+import hfaccel
+from hfaccel.engine import Engine, SamplingParams
+from tests.engine.test_engine import greedy, mixed_prompts, reference, run
+from tests.models import HYBRID_FAMILIES, family_model
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "lfm2", "gpt_oss", "gemma4"])
+def test_exactness_with_preemption_and_chunked_prefill(name, async_scheduling):
+    model = family_model(name)
+    prompts, budgets = mixed_prompts(12, seed=1)
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=6, num_blocks=14, block_size=4,
+                    max_num_batched_tokens=11, async_scheduling=async_scheduling)
+    outputs = run(engine, prompts, budgets)
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert out.outputs[0].token_ids == want, f"{name}: prompt {i} differs"
+    assert sum(out.metrics.num_preemptions for out in outputs) > 0, "the tiny pool should have forced preemption"
+    stats = engine.stats()
+    assert stats["blocks_used"] == 0
+    if name in HYBRID_FAMILIES:
+        assert stats["prefix_caching"].startswith("off (the model's layers keep recurrent state")
+        assert stats["state_slots_free"] == stats["state_slots"] == 6 and stats["state_bytes"] > 0
+        assert sum(out.metrics.num_cached_tokens for out in outputs) == 0
+    else:
+        assert "state_slots" not in stats and stats["prefix_caching"] == "on"
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba"])
+def test_n_completions_fork_the_state(name):
+    """n > 1: the completions forked from the first one's prompt each start from a copy of its state."""
+    model = family_model(name)
+    prompt = list(range(5, 19))
+    want = reference(model, [prompt], [7])[0]
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, num_blocks=40, block_size=4)
+    out = engine.generate(prompt, greedy(7, n=3))[0]
+    assert [o.token_ids for o in out.outputs] == [want] * 3
+    assert engine.stats()["state_slots_free"] == 4
+
+
+def test_abort_frees_the_state_slot():
+    engine = Engine(hfaccel.accelerate(family_model("falcon_h1"), attention="torch"), max_num_seqs=3,
+                    num_blocks=32, block_size=4)
+    ids = [engine.add_request(list(range(3, 20)), greedy(30)) for _ in range(3)]
+    engine.step()
+    assert engine.stats()["state_slots_free"] == 0
+    assert engine.abort(ids[1])
+    assert engine.stats()["state_slots_free"] == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["state_slots_free"] == 3
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched():
+    """Seeded requests on a hybrid model draw the same tokens alone and beside others (each row its own state)."""
+    model = hfaccel.accelerate(family_model("qwen3_next"), attention="torch")
+    prompts, _ = mixed_prompts(5, seed=3)
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(5)]
+    settings = dict(max_num_seqs=8, num_blocks=60, block_size=4)
+    together = Engine(model, **settings).generate(prompts, params)
+    alone = [Engine(model, **settings).generate([p], [q])[0] for p, q in zip(prompts, params)]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

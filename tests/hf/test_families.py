@@ -1,0 +1,95 @@
+"""This year's families in ``generate``: hybrid models (their recurrent state in the pool's state slots), attention
+sinks (gpt-oss), per-layer head sizes and shared K/V (Gemma 4) — transformers' tokens from hfaccel's loop, on the
+Triton kernels (interpreted on the CPU) and compiled; speculative decoding refused where state cannot roll back."""
+
+import copy
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.runner.support import model_support
+from tests.devices import DEVICE
+from tests.models import FAMILIES, HYBRID_FAMILIES, family_model, padded_batch
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_triton_kernels_give_transformers_tokens(name):
+    """A left-padded batch through hfaccel's loop and Triton kernels (fp32): transformers' own tokens."""
+    model = family_model(name)
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=8, **GREEDY)
+    hfaccel.accelerate(model, attention="triton", compile=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), expected)
+    assert str(model.hfaccel.decode) == "hfaccel"
+    assert model.hfaccel.attention_paths.counts  # hfaccel's kernels served the calls
+    assert all(path.startswith("hfaccel") for path in model.hfaccel.attention_paths.counts)
+    layout = model_support(model).layout
+    assert layout.hybrid == (name in HYBRID_FAMILIES)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss"])
+def test_compiled_decode_step_keeps_one_graph(name):
+    """The decode step compiled (torch.compile, fullgraph), the recurrent layers' state written in place inside it:
+    the eager tokens, and one graph for every batch size."""
+    from torch._dynamo.utils import counters
+
+    model = family_model(name)
+    batches = [padded_batch(lengths) for lengths in ((11, 7, 4), (6,), (5, 9))]
+    expected = [model.generate(**batch, max_new_tokens=5, **GREEDY) for batch in batches]
+    hfaccel.accelerate(model, attention="torch", compile=True)
+    before = counters["stats"]["unique_graphs"]
+    for batch, want in zip(batches, expected):
+        assert torch.equal(model.generate(**batch, max_new_tokens=5, **GREEDY), want)
+    assert model.hfaccel.session.runner.graphs.compiled, model.hfaccel.session.steps()
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_state_slots_grow_with_the_batch():
+    """A larger batch than the pool's state slots hold replaces the pool (the decode steps kept): still exact."""
+    model = family_model("falcon_h1")
+    batches = [padded_batch(lengths) for lengths in ((5,), (9, 4, 7), tuple(range(3, 12)))]
+    expected = [model.generate(**batch, max_new_tokens=6, **GREEDY) for batch in batches]
+    hfaccel.accelerate(model, attention="torch")
+    slots = []
+    for batch, want in zip(batches, expected):
+        assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), want)
+        runner = model.hfaccel.session.runner
+        slots.append(runner.pool.states.num_slots)
+        assert runner.pool.manager.num_free_state_slots == slots[-1]  # every row's slot given back
+    assert slots == [1, 4, 16]
+
+
+def test_speculative_decoding_refuses_recurrent_state():
+    """Rejected drafts cannot be taken back out of a recurrent state: hfaccel's speculative decoding refuses such a
+    model with the reason, and generate(assistant_model=...) leaves the call to transformers."""
+    model = family_model("qwen3_next")
+    draft = copy.deepcopy(model)
+    hfaccel.accelerate(model, attention="torch")
+    with pytest.raises(ValueError, match="target model: its layers keep recurrent state"):
+        hfaccel.speculative_generate(model, draft, **padded_batch(), max_new_tokens=4)
+    with pytest.warns(UserWarning, match="recurrent state"):
+        try:
+            model.generate(**padded_batch(), assistant_model=draft, max_new_tokens=4, **GREEDY)
+        except Exception as error:  # transformers' own assisted generation may not run such a model either
+            assert "hfaccel" not in str(type(error).__module__)
+
+
+def test_a_model_that_cannot_be_served_keeps_transformers_path():
+    """A family whose cache hfaccel's pool cannot hold (multi-head latent attention caching its compressed latent,
+    on transformers releases that do) is declined before the first call, with the reason, its tokens unchanged."""
+    from tests.hf.tiny_configs import tiny_config
+
+    config = tiny_config("deepseek_v3", vocab_size=96)
+    torch.manual_seed(0)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=4, **GREEDY)
+    hfaccel.accelerate(model, attention="torch")
+    assert torch.equal(model.generate(**batch, max_new_tokens=4, **GREEDY), expected)
+    if not model.hfaccel.active:
+        assert "latent" in model.hfaccel.fallback_reason
