@@ -300,4 +300,6 @@ class OutputAccumulator:
             target.finish_reason, target.stop_reason = out.finish_reason, out.stop_reason
         self.full.outputs.sort(key=lambda out: out.index)
         self.full.finished, self.full.error, self.full.metrics = delta.finished, delta.error, delta.metrics
+        if delta.prompt_logprobs is not None:  # sent once, in one delta
+            self.full.prompt_logprobs = delta.prompt_logprobs
         return self.full

@@ -41,11 +41,12 @@ from hfaccel.device import model_device, to_device
 from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
 from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
 from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.lora import LoRAAdapter, LoRAManager
-from hfaccel.sampling.structured import Constraint, Grammars, apply_masks
+from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
@@ -227,6 +228,7 @@ class Engine:
         request = Request(request_id, text, prompt_ids, params,
                           RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()),
                           lora=prepared.lora)
+        request.prompt_logprobs = empty_prompt_logprobs(request)
         request.seqs.append(self._new_sequence(request, 0, list(prompt_ids)))
         request.forked = params.n == 1
         self.requests[request_id] = request
@@ -460,7 +462,8 @@ class Engine:
                                             None if out.logprobs is None else list(out.logprobs),
                                             out.finish_reason, out.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.error, request.metrics)
+                             request.finished, request.error, request.metrics,
+                             None if request.prompt_logprobs is None else list(request.prompt_logprobs))
 
     def stats(self) -> dict[str, int | str]:
         """Requests and KV blocks now, the KV memory reserved, and how decode steps run (``decode_steps``:
@@ -544,13 +547,18 @@ class Engine:
         computes; the step counts (computed tokens, forks, pending tokens) only once nothing can fail."""
         now = time.perf_counter()
         draw = self._draw_in_step(chunks)
+        prompt = None
         if draw is not None:  # the decode step draws the tokens itself: [C]
             targets, children = [chunk.seq for chunk in chunks], []
             sampled = SampledTokens(self._forward(chunks, draw=draw))
         else:
-            logits = self._forward(chunks)  # [C, V]: one row per completing chunk
+            prompt_rows = PromptRows.of(chunks)
+            logits = self._forward(chunks, prompt_rows=prompt_rows)  # [C (+ P), V]: a row per completing chunk
+            completing = sum(chunk.completes for chunk in chunks)
+            if prompt_rows is not None:  # then the rows that give prompt logprobs
+                prompt = prompt_rows.logprobs(logits[completing:])
             targets, rows, children = self._targets([c for c in chunks if c.completes])
-            sampled = self._sample(logits, rows, targets) if targets else None
+            sampled = self._sample(logits[:completing], rows, targets) if targets else None
         if sampled is not None and self.async_scheduling:
             sampled.start_copy()
         for chunk in chunks:
@@ -561,11 +569,13 @@ class Engine:
             self._register_fork(parent, child)
         for seq in targets:
             self._add_pending(seq)
-        return _Launched(chunks, targets, sampled)
+        return _Launched(chunks, targets, sampled, prompt)
 
-    def _forward(self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None) -> torch.Tensor:
+    def _forward(self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None,
+                 prompt_rows: PromptRows | None = None) -> torch.Tensor:
         """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks (with
-        ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``)."""
+        ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``; with
+        ``prompt_rows``, their logits after those)."""
         start = time.perf_counter()
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         completing = [i for i, c in enumerate(chunks) if c.completes]
@@ -577,7 +587,7 @@ class Engine:
         lora_slots = None if self.loras is None else [self.loras.slot_of(c.seq.request.lora) for c in chunks]
         return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
                                    starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots,
-                                   draw=draw)
+                                   draw=draw, prompt_rows=None if prompt_rows is None else prompt_rows.rows)
 
     def _draw_in_step(self, chunks: list[ScheduledChunk]) -> list[SampleRow] | None:
         """The sampling rows of a decode step whose tokens the step can draw itself, or None: every chunk one
@@ -641,11 +651,15 @@ class Engine:
 
     @staticmethod
     def _sample_rows(seqs: list[Seq]) -> list[SampleRow]:
-        """What the sampler needs of each sequence: its params, seed and stream, and the index of the token it
-        draws now (tokens in flight counted)."""
-        return [SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
-                          counter=len(seq.output.token_ids) + seq.num_pending, stream=seq.index, key=seq.seq_id)
-                for seq in seqs]
+        """What the sampler needs of each sequence: its params, seed and stream, the index of the token it draws
+        now (tokens in flight counted), and the stop tokens it may not draw yet (below its ``min_tokens``)."""
+        rows = []
+        for seq in seqs:
+            counter = len(seq.output.token_ids) + seq.num_pending
+            banned = sorted(seq.stopper.stop_token_ids) if counter < seq.stopper.min_tokens else ()
+            rows.append(SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
+                                  counter=counter, stream=seq.index, key=seq.seq_id, banned=banned))
+        return rows
 
     def _grammars(self) -> Grammars:
         """The compiled grammars of this engine's tokenizer (made on the first structured request)."""
@@ -654,7 +668,7 @@ class Engine:
                 self._grammar_cache = Grammars(self.tokenizer, self.vocab_size)
         return self._grammar_cache
 
-    def _constraint(self, seq: Seq) -> Constraint | None:
+    def _constraint(self, seq: Seq) -> Constraint | AfterReasoning | None:
         """The sequence's place in its grammar (None: unconstrained); made at its first draw."""
         spec = seq.request.params.structured_outputs
         if spec is not None and seq.constraint is None:
@@ -688,6 +702,8 @@ class Engine:
         if not any(seq.status is not Status.FINISHED for seq in launched.sequences()):
             return  # all stopped or aborted meanwhile: nothing to wait for
         start = time.perf_counter()
+        if launched.prompt is not None:
+            launched.prompt.fill()
         tokens, logprobs = launched.sampled.result() if launched.sampled is not None else ([], [])
         collected = time.perf_counter()
         self.host_times.waiting += collected - start
@@ -763,7 +779,7 @@ class Engine:
                                                  params.skip_special_tokens)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)  # or the context ends it
-        stopper = StopChecker(stop_ids, detokenizer, budget)
+        stopper = StopChecker(stop_ids, detokenizer, budget, params.min_tokens)
         output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         # the completion's stream: the request's seed with its index (SampleRow.stream)
         return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, params.seed)
@@ -771,14 +787,14 @@ class Engine:
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             self._need_tokenizer("text prompts")
-            _check_text(prompt, "the prompt")
+            check_text(prompt, "the prompt")
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             self._need_tokenizer("chat messages")
             for i, message in enumerate(prompt):
                 for key, value in message.items():
                     if isinstance(value, str):
-                        _check_text(value, f"message {i}'s {key!r}")
+                        check_text(value, f"message {i}'s {key!r}")
             try:
                 ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             except Exception as error:  # jinja2 template errors ("roles must alternate", ...)
@@ -851,6 +867,7 @@ class _Launched:
     chunks: list[ScheduledChunk]
     targets: list[Seq]  # the sequences that sampled, in the order of ``sampled``'s rows
     sampled: SampledTokens | None
+    prompt: PendingPromptLogprobs | None = None  # prompt logprobs the step computed
 
     def __post_init__(self):
         self.row_of = {seq.seq_id: row for row, seq in enumerate(self.targets)}
@@ -874,14 +891,24 @@ class DeltaTracker:
         self.text: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.done: set[int] = set()
+        self.prompt_sent = False
 
     def delta(self, request: Request) -> RequestOutput | None:
         outputs = [delta for seq in sorted(request.seqs, key=lambda s: s.index)
                    if (delta := self._completion_delta(seq)) is not None]
-        if not outputs and not request.finished:
+        prompt = self._prompt_logprobs(request)
+        if not outputs and not request.finished and prompt is None:
             return None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.error, request.metrics)
+                             request.finished, request.error, request.metrics, prompt)
+
+    def _prompt_logprobs(self, request: Request) -> list | None:
+        """The request's prompt logprobs the first time they are all known (the first token's is always None)."""
+        known = request.prompt_logprobs
+        if self.prompt_sent or known is None or any(entry is None for entry in known[1:]):
+            return None
+        self.prompt_sent = True
+        return list(known)
 
     def _completion_delta(self, seq: Seq) -> CompletionOutput | None:
         out = seq.output
@@ -938,7 +965,7 @@ def _is_single_prompt(prompts) -> bool:
     return False
 
 
-def _check_text(text: str, what: str) -> None:
+def check_text(text: str, what: str) -> None:
     """ValueError if ``text`` is not valid Unicode (a lone surrogate, as JSON's "\\ud800" escapes can make)."""
     try:
         text.encode("utf-8")

@@ -38,6 +38,9 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None  # why it could not be served, or why it failed (its finish_reason is "error")
     metrics: RequestMetrics | None = None
+    # each prompt token's logprob given those before it (the first None), when the request asked for them: in a
+    # snapshot once known; in a stream, in the first delta after they all are
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
 from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
-from hfaccel.sampling.structured import Constraint
+from hfaccel.sampling.structured import AfterReasoning, Constraint
 
 if TYPE_CHECKING:
     from hfaccel.lora import LoRAAdapter, LoRAManager
@@ -63,7 +63,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_pending: int = 0
     finishing: bool = False
-    constraint: Constraint | None = None  # its place in its grammar (structured outputs), made when it samples
+    constraint: Constraint | AfterReasoning | None = None  # its place in its grammar (structured outputs), made when it samples
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +93,9 @@ class Request:
     forked: bool = False  # the n completions exist (made from the first one when its prompt is computed)
     error: str | None = None  # why the engine failed this request alone (its completions end with "error")
     lora: LoRAAdapter | None = None  # the LoRA adapter its tokens run through (None: the base model)
+    # each prompt token's logprob given those before it (None: not asked for; an entry None: not computed yet, and
+    # always for the first token)
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -288,5 +291,7 @@ class Scheduler:
 
 
 def _cache_salt(seq: Sequence):
-    """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model)."""
-    return None if seq.request.lora is None else seq.request.lora.cache_key
+    """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model). A request that
+    asks for prompt logprobs has a salt of its own: its prompt is computed, not taken from the prefix cache."""
+    adapter = None if seq.request.lora is None else seq.request.lora.cache_key
+    return adapter if seq.request.params.prompt_logprobs is None else (adapter, "prompt logprobs", seq.request.request_id)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from hfaccel.sampling.structured import Constraint, Grammars, StructuredOutputs, apply_masks
+from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, StructuredOutputs, apply_masks
 
 
 class StructuredLogitsProcessor(LogitsProcessor):
@@ -21,7 +21,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
         self.tokenizer, self.spec = tokenizer, spec
         self._grammars = Grammars(tokenizer, len(tokenizer))
         self._grammars.compile(spec)  # a spec that does not compile raises now
-        self._rows: list[Constraint] = []
+        self._rows: list[Constraint | AfterReasoning] = []
         self._seen: torch.Tensor | None = None  # the last call's input_ids: a call not one token past them starts over
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

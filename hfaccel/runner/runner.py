@@ -89,7 +89,8 @@ class ModelRunner:
     def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
                 logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None,
                 token_ids: Sequence[Sequence[int]] | None = None,
-                lora_slots: Sequence[int] | None = None, draw: Sequence[SampleRow] | None = None) -> torch.Tensor:
+                lora_slots: Sequence[int] | None = None, draw: Sequence[SampleRow] | None = None,
+                prompt_rows: Sequence[int] | None = None) -> torch.Tensor:
         """One packed forward; returns logits ``[S, V]`` (``logits_for="last"``: each sequence's last new
         token), ``[T, V]`` (``"all"``: every new token, in packed order) or ``[len(logits_for), V]`` (the last
         new token of the sequences at those indices of ``seq_ids``).
@@ -100,6 +101,8 @@ class ModelRunner:
         sequence's new tokens begin. ``lora_slots``: the LoRA slot of each sequence (-1: none; needs ``self.lora``).
         ``draw``: one sampling row per sequence, for a forward the decode steps serve (:meth:`draws`): each
         sequence's next token drawn inside the step is returned instead of the logits, ``[S]`` int64.
+        ``prompt_rows``: packed token indices whose logits follow those ``logits_for`` asks for (a prompt's
+        logprobs; ``logits_for`` then a list of sequence indices); such a forward runs eagerly.
         """
         if input_ids.dim() != 1 or input_ids.shape[0] != sum(num_new):
             raise ValueError(f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got "
@@ -122,14 +125,14 @@ class ModelRunner:
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
         input_ids = input_ids.to(self.device)
         self.pool.sync_states()
-        for graphs in self.static_steps() if self._static_serves(starts) else ():
+        for graphs in self.static_steps() if self._static_serves(starts) and not prompt_rows else ():
             if graphs.serves(num_new, logits_for):
                 extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw))
                          if value is not None}
                 return self._static_forward(graphs, seq_ids, input_ids, starts, num_new, extra)
         start = time.perf_counter()
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
-        keep = self._logits_index(step, num_new, logits_for)
+        keep = self._logits_index(step, num_new, logits_for, prompt_rows)
         lora_index = self._lora_index(lora_slots, num_new)
         self.metadata_seconds += time.perf_counter() - start
         return self._eager_forward(input_ids, step, keep, lora_index)
@@ -186,13 +189,15 @@ class ModelRunner:
         self.lora.slots = present
         return to_device([slot for slot, n in zip(lora_slots, num_new) for _ in range(n)], torch.long, self.device)
 
-    def _logits_index(self, step: PackedStep, num_new: Sequence[int], logits_for) -> torch.Tensor | int:
+    def _logits_index(self, step: PackedStep, num_new: Sequence[int], logits_for,
+                      prompt_rows: Sequence[int] | None = None) -> torch.Tensor | int:
         if isinstance(logits_for, str):
-            if logits_for not in ("last", "all"):
-                raise ValueError(f"logits_for must be 'last', 'all' or sequence indices; got {logits_for!r}")
+            if logits_for not in ("last", "all") or prompt_rows:
+                raise ValueError(f"logits_for must be 'last', 'all' or sequence indices (with prompt_rows: sequence "
+                                 f"indices); got {logits_for!r}")
             return step.cu_seqlens_q[1:].long() - 1 if logits_for == "last" else 0  # 0: every position
         ends = list(itertools.accumulate(num_new))
-        return to_device([ends[i] - 1 for i in logits_for], torch.long, self.device)
+        return to_device([ends[i] - 1 for i in logits_for] + list(prompt_rows or ()), torch.long, self.device)
 
     def replace_pool(self, make_pool) -> None:
         """Swap in a new pool (a larger one, made by ``make_pool()`` once the old one's memory is given back); the

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hfaccel.sampling.structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_STOP_STRINGS = 16  # each one is searched for after every token (TGI allows 4, OpenAI 4)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily, as vLLM does (far below, logits / t overflow)
 INT64_MAX = (1 << 63) - 1
@@ -37,6 +38,11 @@ class SamplingParams:
         stop: up to 16 strings that end the output when they appear (cut from the text, even across token
             boundaries).
         stop_token_ids: token ids that end the output (the model's EOS tokens always do unless ``ignore_eos``).
+        ignore_eos: the model's EOS tokens do not end the output (a fixed length: load generators, benchmarks).
+        min_tokens: the output's first ``min_tokens`` tokens are never EOS or a stop token, and no stop string ends
+            the output before them.
+        logit_bias: token id -> a number in [-100, 100] added to that token's logit before sampling (greedy rows
+            too), as OpenAI's ``logit_bias``: -100 all but bans a token, 100 all but forces it.
         seed: any int; makes this request's sampling reproducible. Its random numbers are a fixed function of
             (seed, completion index, output position, token id) — the same on any device, in any batch, after
             preemption, across restarts — and each token is drawn by an exponential race that depends on the
@@ -48,6 +54,9 @@ class SamplingParams:
             The n completions of a request each have their own stream. None: torch's global generator.
         n: completions per prompt; they share the prompt's KV blocks.
         logprobs: return the chosen token's log-probability and this many top alternatives (None: none).
+        prompt_logprobs: return each prompt token's log-probability given the tokens before it, and this many top
+            alternatives (None: none; the first token has none). The prompt is computed again for them (no prefix
+            cache hits).
         skip_special_tokens: leave special tokens out of the text.
         structured_outputs: constrain the output to a JSON schema, a regex, a choice of strings or a grammar
             (:class:`hfaccel.StructuredOutputs`, or the dict vLLM's clients send: ``{"json": schema}``, ...); EOS
@@ -65,9 +74,12 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | dict | None = None
 
@@ -116,11 +128,19 @@ class SamplingParams:
         _check(all(_integer(t) and 0 <= t < vocab for t in self.stop_token_ids), "stop_token_ids", ids,
                self.stop_token_ids)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _check(_integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, dict) and all(
+            _integer(t) and 0 <= t < vocab and _number(v) and abs(v) <= MAX_LOGIT_BIAS for t, v in bias.items()),
+            "logit_bias", f"a dict of {ids} to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
         _check(self.seed is None or _integer(self.seed), "seed", "an int or None", self.seed)
         _check(_integer(self.n) and 1 <= self.n <= 128, "n", "an int in [1, 128]", self.n)
         most = min(MAX_LOGPROBS, vocab)
-        _check(self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= most), "logprobs",
-               f"None or an int in [0, {most}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_integer(value) and 0 <= value <= most), name, f"None or an int in [0, {most}]",
+                   value)
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool", self.skip_special_tokens)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                "structured_outputs", "None, a StructuredOutputs or a dict", self.structured_outputs)

@@ -63,6 +63,7 @@ class SampleRow:
     counter: int = 0  # index in the output of the token drawn now (keys a seeded row's noise)
     stream: int = 0  # which of the seed's streams: the completion's index among the request's n (keys it too)
     key: Hashable | None = None  # whose token counts the penalties read, with ``sample(counts=...)``
+    banned: Sequence[int] = ()  # tokens this row may not draw now (EOS and stop tokens before ``min_tokens``)
 
 
 @dataclass
@@ -115,6 +116,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tenso
     """
     logits = logits.float()
     logits = _apply_penalties(logits, rows, pending, counts)
+    logits = _apply_bias(logits, rows)
     tokens = logits.argmax(-1)  # [R]
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:
@@ -154,6 +156,19 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: t
     return logits
 
 
+def _apply_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added to its logits, and the tokens it may not draw now (``banned``) masked out:
+    one upload of (row, token, value) triples for the whole batch."""
+    cells = [(i, token, float(value)) for i, row in enumerate(rows)
+             for token, value in (row.params.logit_bias or {}).items()]
+    cells += [(i, token, float("-inf")) for i, row in enumerate(rows) for token in row.banned]
+    if not cells:
+        return logits
+    where = to_device([[i for i, _, _ in cells], [t for _, t, _ in cells]], torch.long, logits.device)  # [2, C]
+    values = to_device([v for _, _, v in cells], torch.float32, logits.device)  # [C]
+    return logits.index_put((where[0], where[1]), values, accumulate=True)
+
+
 def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Exponential race over ``logits [R, V]`` after each row's temperature / top-k / top-p / min-p -> ``[R]``:
     seeded rows against their keyed noise (:func:`hfaccel.kernels.keyed_race.keyed_race`: one fused kernel on CUDA),
@@ -178,8 +193,10 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 
 def draws_in_step(params: SamplingParams) -> bool:
     """Whether a row with ``params`` can draw inside a static step (:func:`draw_step`): it needs its token only —
-    no penalties (token counts), logprobs or structured outputs (a mask from the host)."""
-    return not params.penalized and params.logprobs is None and params.structured_outputs is None
+    no penalties (token counts), logprobs, structured outputs (a mask from the host), logit bias or min_tokens (a
+    bias and a ban from the host)."""
+    return (not params.penalized and params.logprobs is None and params.structured_outputs is None
+            and not params.logit_bias and not params.min_tokens)
 
 
 def draw_columns(rows: Sequence[SampleRow]) -> list[list[int]]:
@@ -236,9 +253,16 @@ def _with_logprobs(result: SampledTokens, logits: torch.Tensor, rows: Sequence[S
     if not wanted:
         return result
     index = to_device(wanted, torch.long, logits.device)
-    logprobs = torch.log_softmax(logits[index], -1)  # [W, V]
-    counts = [rows[i].params.logprobs for i in wanted]
-    result.logprob_rows, result.logprob_counts = wanted, counts
-    result.chosen = logprobs.gather(1, result.tokens[index][:, None])[:, 0]  # [W]
+    return add_logprobs(result, logits[index], result.tokens[index], wanted,
+                        [rows[i].params.logprobs for i in wanted])
+
+
+def add_logprobs(result: SampledTokens, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
+                 counts: list[int]) -> SampledTokens:
+    """``result`` with the log-probability of ``tokens [W]`` under ``logits [W, V]`` and the top ``counts[j]``
+    alternatives, for its rows ``rows`` (on the device until ``result`` is asked for)."""
+    logprobs = torch.log_softmax(logits.float(), -1)  # [W, V]
+    result.logprob_rows, result.logprob_counts = rows, counts
+    result.chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [W]
     result.top_values, result.top_ids = logprobs.topk(max(max(counts), 1), -1)  # [W, K]
     return result

@@ -28,14 +28,16 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped_by: str | None = None
 
-    def add(self, token_id: int) -> str | None:
-        """Add a token; returns the stop string if the text now contains one (the text is cut before it)."""
+    def add(self, token_id: int, find_stops: bool = True) -> str | None:
+        """Add a token; returns the stop string if the text now contains one (the text is cut before it).
+        ``find_stops=False``: the text grows and no stop string is looked for (an output below its
+        ``min_tokens``)."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return self._append(full[len(prefix):])
+            return self._append(full[len(prefix):], find_stops)
         return None
 
     def flush(self) -> None:
@@ -54,9 +56,11 @@ class IncrementalDetokenizer:
     def stable_text(self, finished: bool) -> str:
         return self.text[:self.stable_length(finished)]
 
-    def _append(self, delta: str) -> str | None:
+    def _append(self, delta: str, find_stops: bool = True) -> str | None:
         search_from = max(0, len(self.text) - self.hold)
         self.text += delta
+        if not find_stops:
+            return None
         hits = [(self.text.find(s, search_from), s) for s in self.stop]
         hits = [(at, s) for at, s in hits if at >= 0]
         if hits:
@@ -94,20 +98,24 @@ class StopChecker:
         stop_token_ids: tokens that end the output (kept in it): EOS ids and any others.
         detokenizer: the output's text, for stop strings (None: no stop strings).
         max_tokens: the token budget (None: no limit here).
+        min_tokens: no stop token or string ends the output before this many tokens (the sampler never draws a
+            stop token then: ``SampleRow.banned``).
     """
 
     def __init__(self, stop_token_ids: Iterable[int], detokenizer: IncrementalDetokenizer | None = None,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, min_tokens: int = 0):
         self.stop_token_ids = frozenset(stop_token_ids)
         self.detokenizer = detokenizer
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
 
     def check(self, token: int, num_generated: int) -> tuple[str, int | str | None] | None:
         """After appending ``token`` as output token number ``num_generated``: ``("stop", the token)``,
         ``("stop", the stop string)`` (the text is cut before it), ``("length", None)``, or None to go on."""
-        if token in self.stop_token_ids:
+        stops = num_generated > self.min_tokens  # the output's first min_tokens tokens end nothing
+        if stops and token in self.stop_token_ids:
             return "stop", token
-        stop = self.detokenizer.add(token) if self.detokenizer is not None else None
+        stop = self.detokenizer.add(token, stops) if self.detokenizer is not None else None
         if stop is not None:
             return "stop", stop
         if self.max_tokens is not None and num_generated >= self.max_tokens:

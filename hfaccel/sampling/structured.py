@@ -7,19 +7,24 @@ for a constraint (``pip install 'hfaccel[structured]'``). :class:`Grammars` comp
 token bitmask before each draw and accepts each token drawn. The mask is applied to the logits on the device
 (:func:`apply_masks`) before penalties, warping and the race, so a masked token can never be drawn, greedy or
 seeded; EOS is allowed only where the grammar may end.
+
+A reasoning model's output may first think, unconstrained, between two tags (``reasoning``: ``"open"`` when its
+prompt ended inside the opening tag, ``"optional"`` when the output may open it with its first token); the
+grammar applies to the answer after the closing tag (:class:`AfterReasoning`). Each tag must be one token.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+REASONING = (None, "open", "optional")
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[10:53:16] /project/cpp/regex_converter.cc:83: "
 
 
@@ -34,6 +39,10 @@ class StructuredOutputs:
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's / GBNF syntax, ``root ::= ...``).
         json_object: ``True``: any JSON object, on one line (OpenAI's ``response_format={"type": "json_object"}``).
+        reasoning: ``"open"``: the output reasons first, unconstrained, until ``reasoning_tags[1]`` (its prompt ended
+            inside ``reasoning_tags[0]``); ``"optional"``: it may open a reasoning block with its first token; None:
+            the grammar applies from the first token.
+        reasoning_tags: the tokens that open and close a reasoning block.
     """
 
     json: dict | str | None = None
@@ -41,6 +50,8 @@ class StructuredOutputs:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning: str | None = None
+    reasoning_tags: tuple[str, str] = ("<think>", "</think>")
     _key: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -59,6 +70,11 @@ class StructuredOutputs:
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{kind} must be a non-empty string; got {value!r}")
+        if self.reasoning not in REASONING:
+            raise ValueError(f"reasoning must be one of {REASONING}; got {self.reasoning!r}")
+        tags = self.reasoning_tags
+        if not (isinstance(tags, tuple) and len(tags) == 2 and all(isinstance(t, str) and t for t in tags)):
+            raise ValueError(f"reasoning_tags must be two non-empty strings (opening, closing); got {tags!r}")
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json" and isinstance(value, dict):
@@ -76,9 +92,12 @@ class StructuredOutputs:
         if not isinstance(spec, dict):
             raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}; got "
                              f"{type(spec).__name__}")
-        unknown = sorted(set(spec) - set(KINDS))
+        unknown = sorted(set(spec) - set(KINDS) - {"reasoning", "reasoning_tags"})
         if unknown:
-            raise ValueError(f"structured_outputs: unknown fields {unknown}; expected one of {', '.join(KINDS)}")
+            raise ValueError(f"structured_outputs: unknown fields {unknown}; expected one of {', '.join(KINDS)} (and "
+                             f"reasoning, reasoning_tags)")
+        if isinstance(spec.get("reasoning_tags"), list):
+            spec = {**spec, "reasoning_tags": tuple(spec["reasoning_tags"])}
         return cls(**spec)
 
 
@@ -98,20 +117,30 @@ class Grammars:
         if tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer (give the Engine a tokenizer)")
         xgr = _xgrammar()
-        self.vocab_size = vocab_size
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: dict[tuple, Any] = {}
 
     def compile(self, spec: StructuredOutputs):
-        """The compiled grammar of ``spec``."""
+        """The compiled grammar of ``spec`` (its reasoning tags checked)."""
+        if spec.reasoning is not None:
+            tag_ids(self.tokenizer, spec.reasoning_tags, self.vocab_size)
         if spec._key not in self._compiled:
             self._compiled[spec._key] = self._compile(spec)
         return self._compiled[spec._key]
 
-    def constraint(self, spec: StructuredOutputs) -> Constraint:
+    def constraint(self, spec: StructuredOutputs) -> Constraint | AfterReasoning:
         """A fresh matcher of ``spec``'s grammar, at the start of the output."""
-        return Constraint(_xgrammar().GrammarMatcher(self.compile(spec)), self.vocab_size)
+        compiled = self.compile(spec)
+
+        def grammar() -> Constraint:
+            return Constraint(_xgrammar().GrammarMatcher(compiled), self.vocab_size)
+
+        if spec.reasoning is None:
+            return grammar()
+        start, end = tag_ids(self.tokenizer, spec.reasoning_tags, self.vocab_size)
+        return AfterReasoning(grammar, start, end, opened=spec.reasoning == "open")
 
     def _compile(self, spec: StructuredOutputs):
         compiler, kind = self._compiler, spec.kind
@@ -129,6 +158,18 @@ class Grammars:
             lines = str(error).strip().splitlines()
             message = _SOURCE_PREFIX.sub("", lines[0]) if lines else type(error).__name__
             raise ValueError(f"structured_outputs: the {kind} does not compile: {message}") from error
+
+
+def tag_ids(tokenizer, tags: Sequence[str], vocab_size: int) -> tuple[int, ...]:
+    """The token id of each tag, or a ValueError when one is not a single token of the vocabulary."""
+    ids = []
+    for tag in tags:
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1 or encoded[0] >= vocab_size:
+            raise ValueError(f"structured_outputs: the reasoning tag {tag!r} must be one token of the model's "
+                             f"vocabulary; the tokenizer makes it {encoded}")
+        ids.append(encoded[0])
+    return tuple(ids)
 
 
 def _choice_grammar(choices: Sequence[str]) -> str:
@@ -156,7 +197,44 @@ class Constraint:
         return bool(self.matcher.is_terminated())
 
 
-def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | None]) -> torch.Tensor:
+class AfterReasoning:
+    """A grammar that waits for the output's reasoning: every token is allowed while the output reasons (from its
+    start when ``opened``, or from the opening tag when it draws that first — the first token is the grammar's or
+    the opening tag), and the grammar starts after the closing tag."""
+
+    def __init__(self, grammar: Callable[[], Constraint], start: int, end: int, opened: bool):
+        self._grammar, self.start, self.end = grammar, start, end
+        self.state = "reasoning" if opened else "first"  # then "answer"
+        self.answer: Constraint | None = None if opened else grammar()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.state == "reasoning":
+            return  # the row stays all ones: anything may be drawn
+        self.answer.fill(bitmask, row)
+        if self.state == "first":  # the opening tag too
+            word, bit = divmod(self.start, 32)
+            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32's bits
+
+    def accept(self, token: int) -> bool:
+        if self.state == "reasoning":
+            if token == self.end:
+                self.state, self.answer = "answer", self._grammar()
+            return True
+        if self.state == "first" and token == self.start:
+            self.state, self.answer = "reasoning", None
+            return True
+        if not self.answer.accept(token):
+            return False
+        self.state = "answer"
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "answer" and self.answer.finished
+
+
+def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | AfterReasoning | None]) -> torch.Tensor:
     """``logits [R, V]`` with each constrained row's disallowed tokens at -inf (rows whose constraint is None are
     left as they are), as a new float32 tensor (the caller's logits are not changed: transformers keeps its raw
     scores beside the processed ones); ``logits`` itself when no row is constrained.

@@ -3,9 +3,11 @@
 Fields OpenAI defines are typed strictly, as OpenAI's API does (``true`` is not a number, ``"yes"`` not a bool):
 a wrong type is a 400 with OpenAI's error shape. Values are checked where the Python API's are, by
 :class:`SamplingParams` and :meth:`Engine.check_params`; only the limits OpenAI's API sets below the engine's
-are checked here (``temperature`` ≤ 2, completions ``logprobs`` ≤ 5). Fields OpenAI does not define are
-accepted and ignored, as OpenAI's own server does with new client fields. hfaccel extensions (``top_k``,
-``min_p``, ``repetition_penalty``) follow vLLM's names.
+are checked here (``temperature`` ≤ 2, completions ``logprobs`` ≤ 5). Every field that changes the output is
+honoured; an OpenAI field this server does not implement is a 400 naming it (:data:`REFUSED`), never silently
+ignored; fields OpenAI does not define are accepted and ignored, as OpenAI's own server does with new client fields.
+hfaccel extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``prompt_logprobs``, ``chat_template_kwargs``, ...) follow vLLM's names.
 
 Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) or vLLM's
 ``structured_outputs`` field (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) — one of them — becomes
@@ -18,6 +20,7 @@ chat.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +28,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from hfaccel.sampling import InvalidSamplingParams, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI fields this server does not implement, with the values that change nothing (a request sending another
+# value gets a 400 naming the field): what LangChain, the Agents SDK and instructor send by default passes.
+REFUSED: dict[str, tuple] = {
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "store": (None, False), "service_tier": (None, "auto", "default"), "suffix": (None, ""),
+    "background": (None, False), "conversation": (None,), "prompt": (None,), "include": (None, []),
+    "truncation": (None, "disabled"), "max_tool_calls": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -33,7 +45,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
+    """The sampling fields every generating endpoint shares."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
@@ -52,30 +66,65 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     response_format: dict | None = None  # OpenAI's
     structured_outputs: dict | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def refused_field(self, also: tuple[str, ...] = ()) -> str | None:
+        """The first OpenAI field of :data:`REFUSED` (or ``also``: fields of this endpoint's API that no value of
+        makes sense here) the request sends with a value that would change the output, or None."""
+        extra = self.model_extra or {}
+        for name, harmless in REFUSED.items():
+            if name in extra and extra[name] not in harmless:
+                return name
+        return next((name for name in also if extra.get(name) is not None), None)
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with token-id keys (OpenAI sends them as strings); an empty one is none."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.lstrip("-").isdigit() or len(key) > 20:
+                raise InvalidSamplingParams("logit_bias", f"logit_bias keys must be token ids; got {key!r:.40}")
+            bias[int(key)] = value
+        return bias
 
     @property
     def structured_field(self) -> str:
         """The request field a structured-outputs error names."""
         return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters (``SamplingParams`` checks every value; InvalidSamplingParams names it)."""
+    def structured_request(self) -> dict | None:
+        """The request's own constraint (``response_format`` or ``structured_outputs``) as a ``StructuredOutputs``
+        dict; None: none."""
+        return structured_spec(self.response_format, self.structured_outputs)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, *, n: int | None = None,
+                        structured: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters (``SamplingParams`` checks every value; InvalidSamplingParams names it);
+        ``structured``: a constraint of the server's own (tool calls) instead of the request's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        spec = structured if structured is not None else self.structured_request()
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, stop=stop, seed=self.seed, n=self.n,
-                              logprobs=logprobs,
-                              structured_outputs=structured_spec(self.response_format, self.structured_outputs))
+                              frequency_penalty=self.frequency_penalty, stop=stop, seed=self.seed,
+                              n=self.n if n is None else n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logit_bias=self.token_bias(), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                              stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
+                              structured_outputs=spec)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = COMPLETION_MAX_TOKENS
     logprobs: int | None = Field(None, le=5)  # OpenAI's limit for completions
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's
 
     @property
     def max_new_tokens(self) -> int:
@@ -87,15 +136,23 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to one
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: passed to the chat template (enable_thinking, ...)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -103,17 +160,70 @@ class ChatCompletionRequest(_Sampling):
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a completion prompt, or chat messages rendered as ``/v1/chat/completions`` renders them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt's: as /v1/completions tokenizes it
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Chat messages as the tokenizer's chat template takes them (text parts of a content list joined)."""
-    out = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise ValueError("only text content parts are supported (no images or audio)")
-            content = "".join(str(part.get("text", "")) for part in content)
-        out.append({"role": message.role, "content": content or ""})
+    """Chat messages as the tokenizer's chat template takes them: text parts of a content list joined, an
+    assistant's ``tool_calls`` with their arguments as objects (what chat templates render), a tool message's
+    ``tool_call_id`` and ``name``. A malformed message is a ValueError naming its field."""
+    return [_message_dict(i, message) for i, message in enumerate(messages)]
+
+
+def _message_dict(i: int, message: ChatMessage) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        if any(part.get("type") not in ("text", "input_text", "output_text") for part in content):
+            raise ValueError(f"messages[{i}].content: only text content parts are supported (no images or audio)")
+        content = "".join(str(part.get("text", "")) for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+        out["tool_calls"] = [_history_call(i, j, call) for j, call in enumerate(message.tool_calls)]
+    if message.role == "tool":
+        if not isinstance(message.tool_call_id, str) or not message.tool_call_id:
+            raise ValueError(f"messages[{i}].tool_call_id: a tool message answers a call (tool_call_id)")
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _history_call(i: int, j: int, call: dict) -> dict:
+    """An assistant's earlier tool call, its arguments parsed (chat templates render objects)."""
+    where = f"messages[{i}].tool_calls[{j}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where}: a tool call is {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                         f"\"arguments\"}}}}; got {str(call)[:120]}")
+    arguments = function.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object (as text); got {str(arguments)[:120]}")
+    return {"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": parsed}}
 
 
 def structured_spec(response_format: dict | None, structured_outputs: dict | None) -> dict | None:

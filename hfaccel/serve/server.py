@@ -1,8 +1,12 @@
 """``hfaccel serve``: an OpenAI-compatible HTTP service over :class:`AsyncEngine` (FastAPI + uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream=true`` as server-sent
-events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (Prometheus text format, from a registry of this app's own).
+events in OpenAI's chunk format, ending with ``data: [DONE]``), ``POST /v1/responses`` (OpenAI's Responses API,
+streamed as its own events; ``hfaccel.serve.responses``) and ``GET /v1/responses/{id}``, ``GET /v1/models``,
+vLLM's ``POST /tokenize`` and ``/detokenize``, ``GET /version``, ``GET /health`` and ``GET /metrics`` (Prometheus
+text format, from a registry of this app's own). Chat requests carry tools, tool choices and reasoning
+(``hfaccel.serve.chat``: the model's chat template renders them, its output becomes the assistant message).
+Every answer carries an ``X-Request-Id`` header; ``allowed_origins`` turns CORS on.
 
 With LoRA adapters (``hfaccel serve BASE --lora name=path``), a request's ``model`` names the adapter it runs through
 (the served model's own name: the base model); ``/v1/models`` lists the base and each adapter (``parent``: the base).
@@ -23,14 +27,15 @@ within ``read_timeout`` close the connection (``hfaccel.serve.http``). One bad r
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import reprlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,19 +44,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestFailed, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
+from hfaccel.engine.engine import check_text
 from hfaccel.lora import LoRAAdapter
 from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
-from hfaccel.serve.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+from hfaccel.sampling.structured import tag_ids
+from hfaccel.serve.chat import ChatShape, ChoiceStream, render_chat
+from hfaccel.serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                                    SamplingRequest, TokenizeRequest, message_dicts)
+from hfaccel.serve.reasoning import PARSERS as REASONING_PARSERS
+from hfaccel.serve.reasoning import END, START, detect_reasoning
+from hfaccel.serve.responses import (OutputItems, ResponsesRequest, ResponseStore, StoredResponse, input_messages,
+                                     response_body, response_usage)
+from hfaccel.serve.tools import PARSERS as TOOL_PARSERS
+from hfaccel.serve.tools import Tool, ToolError, ToolParser, constrained_schema, detect_parser, parse_tool_choice, \
+    parse_tools
 
 MAX_BODY_BYTES = 8 << 20
 REQUEST_TIMEOUT_S = 600.0  # the openai client's own default timeout: no one waits for a longer answer
 READ_TIMEOUT_S = 30.0  # for a request's headers, then for its body
 FINAL_WRITE_S = 5.0  # after shutdown's grace period: time to write the final events before uvicorn cancels
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ERROR_TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error"}
 _short = reprlib.Repr()  # client input quoted in an error message: bounded in length and depth
@@ -119,6 +136,18 @@ class ServerConfig:
     request_timeout: float | None = REQUEST_TIMEOUT_S  # seconds a request may run; None: no limit
     read_timeout: float = READ_TIMEOUT_S  # seconds a client gets to send a request's headers, then its body
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str = "auto"  # a name of tools.PARSERS, "auto" (from the chat template) or "none"
+    reasoning_parser: str = "auto"  # a name of reasoning.PARSERS, "auto" (from the chat template) or "none"
+    allowed_origins: tuple[str, ...] = ()  # origins browsers may call from (CORS); "*": any
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (oldest dropped); 0: none
+
+    def __post_init__(self):
+        for field_name, names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, field_name) not in ("auto", "none", *names):
+                raise ValueError(f"{field_name} must be 'auto', 'none' or one of {', '.join(names)}; got "
+                                 f"{getattr(self, field_name)!r}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0; got {self.max_stored_responses}")
 
 
 @dataclass
@@ -126,6 +155,10 @@ class _State:
     engine: AsyncEngine
     config: ServerConfig
     metrics: Metrics
+    tool_parser: type[ToolParser] | None  # how tool_choice="auto" reads calls (None: it reads none)
+    reasoning: bool  # outputs' <think> text goes to reasoning_content
+    reasoning_tags_are_tokens: bool  # <think> and </think> are single tokens: a constraint can wait for the answer
+    responses: ResponseStore
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # shutdown began: new requests get 503
@@ -140,7 +173,9 @@ class _State:
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``engine`` (shut down with the app)."""
-    state = _State(engine, config, Metrics(engine))
+    tool_parser, reasoning = _chat_features(config, engine.engine.tokenizer)
+    state = _State(engine, config, Metrics(engine), tool_parser, reasoning, _single_tokens(engine.engine, (START, END)),
+                   ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -150,6 +185,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="hfaccel", lifespan=lifespan)
     app.state.hfaccel = state
     app.add_middleware(_AuthorizeAndCount, state=state)
+    app.add_middleware(_RequestId)
+    if config.allowed_origins:  # outermost: a browser's preflight is answered before the API key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -190,17 +229,85 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [base] + [
             {**base, "id": adapter.name, "root": adapter.path, "parent": config.model_name} for adapter in adapters]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = _parse(CompletionRequest, await _json_body(request, config))
-        return await _completions(state, body, request)
+    for path, model, handler in (("/v1/completions", CompletionRequest, _completions),
+                                 ("/v1/chat/completions", ChatCompletionRequest, _chat),
+                                 ("/v1/responses", ResponsesRequest, _responses)):
+        app.add_api_route(path, _generating(state, model, handler), methods=["POST"])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = _parse(ChatCompletionRequest, await _json_body(request, config))
-        return await _chat(state, body, request)
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        record = state.responses.get(response_id)
+        if record is None:
+            raise APIError(404, f"no stored response has the id {response_id!r:.80}", param="response_id",
+                           code="response_not_found")
+        return record.body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = _parse(TokenizeRequest, await _json_body(request, config))
+        return await _tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = _parse(DetokenizeRequest, await _json_body(request, config))
+        return _detokenize(state, body)
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("hfaccel")}
 
     return app
+
+
+def _generating(state: _State, model: type[BaseModel], handler):
+    """The endpoint of a generating route: its body parsed as ``model``, then ``handler(state, body, request)``."""
+
+    async def endpoint(request: Request):
+        return await handler(state, _parse(model, await _json_body(request, state.config)), request)
+
+    return endpoint
+
+
+def _chat_features(config: ServerConfig, tokenizer) -> tuple[type[ToolParser] | None, bool]:
+    """(the parser of ``tool_choice="auto"``'s calls, whether reasoning is split out): as configured, or ("auto")
+    from what the tokenizer's chat template writes."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: what any of them writes
+        template = "\n".join(template.values())
+    parser = detect_parser(template) if config.tool_call_parser == "auto" else config.tool_call_parser
+    reasoning = detect_reasoning(template) if config.reasoning_parser == "auto" else config.reasoning_parser != "none"
+    return (None if parser in (None, "none") else TOOL_PARSERS[parser]), reasoning
+
+
+def _single_tokens(engine, tags: tuple[str, ...]) -> bool:
+    if engine.tokenizer is None:
+        return False
+    try:
+        tag_ids(engine.tokenizer, tags, engine.vocab_size)
+    except ValueError:
+        return False
+    return True
+
+
+class _RequestId:
+    """ASGI middleware: every HTTP answer carries an ``X-Request-Id`` header — the request's own, or a new one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if 0 < len(given) <= 200 and given.isprintable() and given.isascii() else uuid.uuid4().hex
+
+        async def tagged(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 class _AuthorizeAndCount:
@@ -369,40 +476,202 @@ class _Admission:
 # -------------------------------------------------------------------------------------------- handlers
 async def _completions(state: _State, req: CompletionRequest, request: Request):
     lora = _check_model(state, req.model)
-    if req.echo or req.suffix:
-        raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
-    if req.best_of not in (None, req.n):
-        raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
-    prepared = [await _prepare(state, p, req.max_new_tokens, lambda m: req.sampling_params(m, req.logprobs),
+    _refuse_fields(req)
+    best_of = req.n if req.best_of is None else req.best_of
+    if best_of < req.n or best_of != req.n and req.stream:
+        raise APIError(400, f"best_of must be at least n={req.n}, and equal to it when streaming; got {best_of}",
+                       param="best_of")
+    # the prompt's logprobs: echoed with the output's (OpenAI's echo), or vLLM's prompt_logprobs field
+    prompt_logprobs = max((n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None),
+                          default=None)
+    # best_of ranks its completions by their tokens' logprobs
+    logprobs = req.logprobs if best_of == req.n else (req.logprobs or 0)
+    prepared = [await _prepare(state, p, req.max_new_tokens,
+                               lambda m: req.sampling_params(m, logprobs, n=best_of, prompt_logprobs=prompt_logprobs),
                                structured_param=req.structured_field, lora=lora) for p in _prompt_list(req.prompt)]
-    ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False, model=req.model)
+    ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False, model=req.model, echo=req.echo,
+                prompt_logprobs=req.prompt_logprobs is not None)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
         return outputs
-    choices = [{"index": i * req.n + o.index, "text": o.text, "finish_reason": _finish(o.finish_reason),
-                "logprobs": ctx.completion_logprobs(o.logprobs)} for i, out in enumerate(outputs) for o in out.outputs]
+    choices = []
+    for i, out in enumerate(outputs):
+        for rank, o in enumerate(_best(out.outputs, req.n)):
+            choices.append(ctx.completion_choice(i * req.n + rank, out, o, None if req.logprobs is None else o.logprobs))
     return ctx.body(choices, _usage(outputs))
+
+
+def _best(outputs: list, n: int) -> list:
+    """The ``n`` completions of the highest total logprob (all of them, in order, when there are only ``n``)."""
+    if len(outputs) == n:
+        return outputs
+    return sorted(outputs, key=lambda o: -sum(entry.logprob for entry in o.logprobs or []))[:n]
 
 
 async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
     lora = _check_model(state, req.model)
-    if req.tools:
-        raise APIError(400, "tools (function calling) are not supported", param="tools")
+    _refuse_fields(req)
     try:
+        tools = parse_tools(req.tools)
+        choice = parse_tool_choice(req.tool_choice, tools)
         messages = message_dicts(req.messages)
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
+    plan = await _plan_chat(state, req, messages, tools, choice, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prepared = [await _prepare(state, messages, req.max_new_tokens, lambda m: req.sampling_params(m, logprobs),
-                               param="messages", structured_param=req.structured_field, lora=lora)]
-    ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True, model=req.model)
+    prepared = [await _prepare(state, plan.ids, req.max_new_tokens,
+                               lambda m: req.sampling_params(m, logprobs, structured=plan.structured),
+                               param="messages", structured_param=plan.structured_param, lora=lora)]
+    ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True, model=req.model, shape=plan.shape)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
         return outputs
-    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                "finish_reason": _finish(o.finish_reason), "logprobs": ctx.chat_logprobs(o.logprobs)}
-               for o in outputs[0].outputs]
+    choices = []
+    for o in outputs[0].outputs:
+        message, called = plan.shape.message(o.text)
+        choices.append({"index": o.index, "message": message, "logprobs": ctx.chat_logprobs(o.logprobs),
+                        "finish_reason": _finish(o.finish_reason, called)})
     return ctx.body(choices, _usage(outputs))
+
+
+@dataclass(frozen=True)
+class _ChatPlan:
+    """A chat-shaped call's prompt, how its outputs become messages, and the constraint of its answer."""
+
+    ids: list[int]
+    shape: ChatShape
+    structured: dict | None  # SamplingParams.structured_outputs: the tool calls' or the request's own constraint
+    structured_param: str  # the request field a constraint that does not compile came from
+
+
+async def _plan_chat(state: _State, req: SamplingRequest, messages: list[dict], tools: list[Tool],
+                     choice: str | Tool, *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> _ChatPlan:
+    """The prompt rendered by the model's chat template, and the answer's constraint: a ``required`` or named tool
+    choice's calls, else the request's own structured outputs — after the output's reasoning where the model
+    reasons (the reasoning tags are single tokens), else from its first token with no reasoning split out."""
+    schema = constrained_schema(choice, tools, req.parallel_tool_calls)
+    try:
+        own = req.structured_request()
+    except InvalidSamplingParams as error:
+        raise APIError(400, str(error), param=error.param) from None
+    if schema is not None and own is not None:
+        raise APIError(400, f"tool_choice={_shown_choice(choice)} constrains the output to tool calls; it cannot also "
+                            f"follow {req.structured_field}", param="tool_choice")
+    prompt, ids = await _render(state, messages, tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                template_arguments=req.chat_template_kwargs)
+    shape = ChatShape.of(choice, state.tool_parser, state.reasoning, prompt, schema is not None)
+    structured = {"json": schema} if schema is not None else own
+    if structured is not None and shape.reasoning is not None and "reasoning" not in structured:
+        if state.reasoning_tags_are_tokens:
+            structured = {**structured, "reasoning": shape.reasoning}
+        else:  # the grammar cannot wait for a multi-token tag: the answer is constrained from its first token
+            shape = replace(shape, reasoning=None)
+    return _ChatPlan(ids, shape, structured, "tools" if schema is not None else req.structured_field)
+
+
+async def _render(state: _State, messages: list[dict], tools: list[Tool], **template) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a conversation through the chat template (in a worker thread), or a 400."""
+    try:
+        return await asyncio.to_thread(render_chat, state.engine.engine.tokenizer, messages, tools, **template)
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages") from None
+
+
+async def _responses(state: _State, req: ResponsesRequest, request: Request):
+    """``POST /v1/responses``: the input (after the stored conversation it continues) as a chat, its output as
+    Responses items."""
+    lora = _check_model(state, req.model)
+    _refuse_fields(req, also=("top_logprobs",))
+    if req.n != 1:
+        raise APIError(400, f"the Responses API makes one output; got n={req.n}", param="n")
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        stored = state.responses.get(req.previous_response_id)
+        if stored is None:
+            reason = "this server keeps none (--max-stored-responses 0)" if state.responses.capacity == 0 else \
+                f"it is not among the {state.responses.capacity} this server keeps (or was made with store=false)"
+            raise APIError(400, f"previous_response_id {req.previous_response_id!r:.80}: no such stored response; "
+                                f"{reason}", param="previous_response_id", code="previous_response_not_found")
+        history = stored.messages
+    try:
+        tools = parse_tools(req.tools, flat=True)
+        choice = parse_tool_choice(req.tool_choice, tools, flat=True)
+        new = message_dicts([ChatMessage.model_validate(m) for m in input_messages(req.input)])
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.param) from None
+    except (ValueError, ValidationError) as error:
+        raise APIError(400, f"input: {_short.repr(error.errors()) if isinstance(error, ValidationError) else error}",
+                       param="input") from None
+    instructions = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    plan = await _plan_chat(state, req, instructions + history + new, tools, choice)
+    prepared = [await _prepare(state, plan.ids, req.max_output_tokens,
+                               lambda m: req.sampling_params(m, None, structured=plan.structured),
+                               param="input", structured_param=plan.structured_param, lora=lora)]
+    ctx = _ResponseCall(state, req, plan.shape, history + new)
+    outputs = await _run(ctx, req, prepared, request)
+    if isinstance(outputs, StreamingResponse):
+        return outputs
+    return ctx.complete(outputs[0])
+
+
+async def _tokenize(state: _State, req: TokenizeRequest) -> dict:
+    """vLLM's ``/tokenize``: a prompt's ids as ``/v1/completions`` makes them, or chat messages' as
+    ``/v1/chat/completions`` renders them."""
+    if req.model is not None:
+        _check_model(state, req.model)
+    engine = state.engine.engine
+    if engine.tokenizer is None:
+        raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send a prompt or messages (one of them)", param="prompt")
+    if req.prompt is not None:
+        try:
+            check_text(req.prompt, "the prompt")
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from None
+        ids = list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+    else:
+        try:
+            tools = parse_tools(req.tools)
+            messages = message_dicts(req.messages)
+        except ToolError as error:
+            raise APIError(400, str(error), param=error.param) from None
+        except ValueError as error:
+            raise APIError(400, str(error), param="messages") from None
+        _, ids = await _render(state, messages, tools, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               template_arguments=req.chat_template_kwargs)
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+
+def _detokenize(state: _State, req: DetokenizeRequest) -> dict:
+    if req.model is not None:
+        _check_model(state, req.model)
+    engine = state.engine.engine
+    if engine.tokenizer is None:
+        raise APIError(400, "the served model has no tokenizer", param="tokens")
+    bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: {bad} is not a token id of this model (0 to {engine.vocab_size - 1})",
+                       param="tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+
+def _refuse_fields(req, also: tuple[str, ...] = ()) -> None:
+    """A 400 naming the first OpenAI field of the request this server does not implement (``protocol.REFUSED``)."""
+    name = req.refused_field(also)
+    if name is not None:
+        raise APIError(400, f"{name} is not supported by this server (its value would change the output; send it "
+                            f"unset)", param=name)
+
+
+def _shown_choice(choice) -> str:
+    return repr(choice.name) if isinstance(choice, Tool) else repr(choice)
 
 
 async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse | list[RequestOutput]:
@@ -420,9 +689,14 @@ async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse
 class _Call:
     """One API call: its id and object names, and how its outputs become OpenAI JSON."""
 
-    def __init__(self, state: _State, prefix: str, obj: str, n: int, chat: bool, model: str):
+    def __init__(self, state: _State, prefix: str, obj: str, n: int, chat: bool, model: str,
+                 shape: ChatShape | None = None, echo: bool = False, prompt_logprobs: bool = False):
         self.state, self.obj, self.n, self.chat = state, obj, n, chat
         self.model = model  # the name the request used: the served model's or a LoRA adapter's
+        self.shape = shape or ChatShape()  # chat: how outputs become messages (reasoning, tool calls)
+        self.echo, self.prompt_logprobs = echo, prompt_logprobs  # completions: what of the prompt is returned
+        self._choice_streams: dict[int, ChoiceStream] = {}
+        self._echoed: set[int] = set()
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.tokenizer = state.engine.engine.tokenizer
@@ -451,19 +725,18 @@ class _Call:
         deadline = self._deadline()
         finals: list[RequestOutput | None] = [None] * len(prepared)
         try:
-            if self.chat:
-                yield _event(self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None} for i in range(self.n)]))
+            for line in self.opening():
+                yield line
             pending = len(tasks)
             while pending:
                 get = asyncio.ensure_future(queue.get())
                 ended = await _first_end(self.state, [get], deadline)
                 if ended is not None:
-                    yield _event(ended.body())
+                    yield self.error_event(ended)
                     break
                 item = get.result()
                 if isinstance(item, BaseException):
-                    yield _event(_engine_error(item).body())
+                    yield self.error_event(_engine_error(item))
                     break
                 prompt_index, delta = item
                 if delta is None:
@@ -471,16 +744,33 @@ class _Call:
                     continue
                 if delta.finished:
                     finals[prompt_index] = delta
-                choices = [self._delta_choice(prompt_index, o) for o in delta.outputs]
-                if choices:
-                    yield _event(self.chunk(choices))
-            if include_usage and all(f is not None for f in finals):
-                yield _event(self.chunk([], usage=_usage_from_counts(self._counts)))
-            yield "data: [DONE]\n\n"
+                for o in delta.outputs:
+                    for line in self.delta_events(prompt_index, delta, o):
+                        yield line
+            for line in self.closing(finals if all(f is not None for f in finals) else None, include_usage):
+                yield line
         finally:
             for task in tasks:
                 task.cancel()  # a disconnect or timeout: each request's stream closes and aborts it
             admission.release()
+
+    def opening(self) -> list[str]:
+        """The events a stream starts with: a chat stream's assistant role."""
+        if not self.chat:
+            return []
+        return [_event(self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None} for i in range(self.n)]))]
+
+    def delta_events(self, prompt_index: int, request: RequestOutput, out) -> list[str]:
+        return [_event(self.chunk([choice])) for choice in self._delta_choices(prompt_index, request, out)]
+
+    def error_event(self, error: APIError) -> str:
+        return _event(error.body())
+
+    def closing(self, finals: list[RequestOutput] | None, include_usage: bool) -> list[str]:
+        """The events a stream ends with (``finals``: each prompt's last delta; None when it was cut short)."""
+        usage = [_event(self.chunk([], usage=_usage_from_counts(self._counts)))] if include_usage and finals else []
+        return usage + ["data: [DONE]\n\n"]
 
     def _deadline(self) -> float | None:
         timeout = self.state.config.request_timeout
@@ -502,15 +792,22 @@ class _Call:
         finally:
             await queue.put((prompt_index, None))
 
-    def _delta_choice(self, prompt_index: int, out) -> dict:
+    def _delta_choices(self, prompt_index: int, request: RequestOutput, out) -> list[dict]:
+        """The chunk choices of one completion's delta: a completion's text, or a chat completion's message deltas
+        (reasoning, content, tool calls: ``ChoiceStream``), the finish reason on the last."""
         index = prompt_index * self.n + out.index
-        finish = _finish(out.finish_reason)
-        if self.chat:
-            delta = {"content": out.text} if out.text or not finish else {}
-            return {"index": index, "delta": delta, "logprobs": self.chat_logprobs(out.logprobs),
-                    "finish_reason": finish}
-        return {"index": index, "text": out.text, "logprobs": self.completion_logprobs(out.logprobs),
-                "finish_reason": finish}
+        if not self.chat:
+            return [self.completion_choice(index, request, out, out.logprobs)]
+        stream = self._choice_streams.setdefault(index, self.shape.stream())
+        deltas = stream.feed(out.text) + (stream.finish() if out.finish_reason else [])
+        finish = _finish(out.finish_reason, stream.called)
+        if not deltas:
+            if not finish and not out.logprobs:
+                return []
+            deltas = [{}]
+        logprobs = self.chat_logprobs(out.logprobs)
+        return [{"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                 "finish_reason": finish if i == len(deltas) - 1 else None} for i, delta in enumerate(deltas)]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -527,17 +824,48 @@ class _Call:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def completion_logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def completion_choice(self, index: int, request: RequestOutput, out, logprobs: list | None) -> dict:
+        """One completions choice (a stream's delta too): with ``echo`` the prompt's text and logprobs lead the
+        first one of each completion; with ``prompt_logprobs`` vLLM's per-token dicts beside it."""
+        text, entries, prompt_ids = out.text, logprobs, None
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            prompt_ids = request.prompt_token_ids
+            text = (request.prompt if request.prompt is not None else self._decode(prompt_ids)) + text
+            if entries is not None:
+                entries = (request.prompt_logprobs or [None] * len(prompt_ids)) + list(entries)
+        choice = {"index": index, "text": text, "finish_reason": _finish(out.finish_reason),
+                  "logprobs": self.completion_logprobs(entries, prompt_ids)}
+        if self.prompt_logprobs and request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = [self._vllm_logprobs(entry) for entry in request.prompt_logprobs]
+        return choice
+
+    def completion_logprobs(self, entries: list[TokenLogprob | None] | None,
+                            prompt_ids: Sequence[int] | None = None) -> dict | None:
+        """OpenAI's legacy logprobs; an echoed prompt's entries first (``prompt_ids``; the first one's logprob is
+        null, as OpenAI's)."""
         if entries is None:
             return None
-        tokens = [self._token(e.token_id) for e in entries]
+        ids = list(prompt_ids or []) + [e.token_id for e in entries[len(prompt_ids or []):]]
+        tokens = [self._token(t) for t in ids]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(t): lp for t, lp in e.top.items()} for e in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {self._token(t): lp for t, lp in e.top.items()}
+                                 for e in entries],
                 "text_offset": offsets}
+
+    def _vllm_logprobs(self, entry: TokenLogprob | None) -> dict | None:
+        """vLLM's ``prompt_logprobs`` entry: token id -> logprob and text, the prompt's token and the top ones."""
+        if entry is None:
+            return None
+        top = {entry.token_id: entry.logprob, **entry.top}
+        return {str(t): {"logprob": lp, "decoded_token": self._token(t)} for t, lp in top.items()}
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
 
     def chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         if entries is None:
@@ -549,6 +877,70 @@ class _Call:
 
         return {"content": [{**item(e.token_id, e.logprob),
                              "top_logprobs": [item(t, lp) for t, lp in e.top.items()]} for e in entries]}
+
+
+class _ResponseCall(_Call):
+    """A ``/v1/responses`` call: its output as Responses items, whole or streamed as the Responses events (each
+    with its ``sequence_number``), and the response stored for ``previous_response_id``."""
+
+    def __init__(self, state: _State, req: ResponsesRequest, shape: ChatShape, messages: list[dict]):
+        super().__init__(state, "resp", "response", 1, chat=True, model=req.model, shape=shape)
+        self.req, self.messages = req, messages
+        self.items, self.choice = OutputItems(), shape.stream()
+        self._sequence = 0
+
+    def complete(self, output: RequestOutput) -> dict:
+        """The Response of a finished output (stored if asked)."""
+        out = output.outputs[0]
+        self.items.feed(self.choice.feed(out.text) + self.choice.finish())
+        self.items.finish()
+        return self._finished(output, len(out.token_ids), out.finish_reason)
+
+    def _finished(self, last: RequestOutput, output_tokens: int, finish_reason: str | None) -> dict:
+        """The finished Response (``last``: the output, or a stream's last delta), stored if asked."""
+        incomplete = "max_output_tokens" if finish_reason == "length" else None
+        reasoning = "".join(item["content"][0]["text"] for item in self.items.items if item["type"] == "reasoning")
+        usage = response_usage(len(last.prompt_token_ids), output_tokens,
+                               last.metrics.num_cached_tokens if last.metrics is not None else 0,
+                               len(self.tokenizer(reasoning, add_special_tokens=False).input_ids) if reasoning else 0)
+        body = self._body("incomplete" if incomplete else "completed", usage, incomplete)
+        if self.req.store:
+            reply = message_dicts([ChatMessage.model_validate(self.items.message())])  # as the template takes it
+            self.state.responses.put(self.id, StoredResponse(body, self.messages + reply))
+        return body
+
+    def _body(self, status: str, usage: dict | None = None, incomplete: str | None = None) -> dict:
+        return response_body(self.id, self.created, self.req, self.model, self.items.items, status, usage, incomplete)
+
+    def _events(self, events: list[dict]) -> list[str]:
+        lines = []
+        for event in events:
+            lines.append(f"event: {event['type']}\n" + _event({**event, "sequence_number": self._sequence}))
+            self._sequence += 1
+        return lines
+
+    def opening(self) -> list[str]:
+        body = self._body("in_progress")
+        return self._events([{"type": "response.created", "response": body},
+                             {"type": "response.in_progress", "response": body}])
+
+    def delta_events(self, prompt_index: int, request: RequestOutput, out) -> list[str]:
+        deltas = self.choice.feed(out.text) + (self.choice.finish() if out.finish_reason else [])
+        events = self.items.feed(deltas)
+        if out.finish_reason:
+            events += self.items.finish()
+        return self._events(events)
+
+    def error_event(self, error: APIError) -> str:
+        return self._events([{"type": "error", "code": error.code, "message": error.message,
+                              "param": error.param}])[0]
+
+    def closing(self, finals: list[RequestOutput] | None, include_usage: bool) -> list[str]:
+        if finals is None:
+            return []
+        last = finals[0]
+        body = self._finished(last, self._counts["completion"], last.outputs[0].finish_reason if last.outputs else None)
+        return self._events([{"type": f"response.{body['status']}", "response": body}])
 
 
 def _prompt_list(prompt) -> list:
@@ -611,7 +1003,10 @@ def _engine_error(error: BaseException) -> APIError:
     return APIError(503, f"the engine could not serve the request: {error}")
 
 
-def _finish(reason: str | None) -> str | None:
+def _finish(reason: str | None, called: bool = False) -> str | None:
+    """OpenAI's finish reason of an output's (``called``: it made tool calls; one cut short is still "length")."""
+    if called and reason not in (None, "length"):
+        return "tool_calls"
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 

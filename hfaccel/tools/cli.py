@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from hfaccel.kernels.runtime import BACKENDS
+from hfaccel.serve.reasoning import PARSERS as REASONING_PARSERS
+from hfaccel.serve.tools import PARSERS as TOOL_PARSERS
 from hfaccel.tools.bench import CASES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -146,6 +148,16 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-loras", type=int, default=8,
                        help="LoRA adapters one step serves at most (slots on the device; others wait)")
     serve.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank served")
+    serve.add_argument("--tool-call-parser", default="auto", choices=("auto", "none", *TOOL_PARSERS),
+                       help="the format tool_choice=auto reads the model's tool calls in (default: found in the chat "
+                            "template; none: calls stay content)")
+    serve.add_argument("--reasoning-parser", default="auto", choices=("auto", "none", *REASONING_PARSERS),
+                       help="split <think> reasoning into the message's reasoning_content (default: when the chat "
+                            "template writes <think> blocks)")
+    serve.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                       help="origins a browser may call the server from (CORS), e.g. https://app.example.com; * any")
+    serve.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="/v1/responses kept for previous_response_id, oldest dropped first (0: none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +381,9 @@ def _server_config(args: argparse.Namespace):
     from hfaccel.serve.server import ServerConfig
 
     return ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
-                        request_timeout=args.request_timeout or None, read_timeout=args.read_timeout)
+                        request_timeout=args.request_timeout or None, read_timeout=args.read_timeout,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                        allowed_origins=tuple(args.allowed_origins), max_stored_responses=args.max_stored_responses)
 
 
 def load_for_serving(args: argparse.Namespace, device, dtype):

@@ -161,6 +161,51 @@ def test_a_spec_that_does_not_compile_is_refused_and_the_engine_goes_on(model, t
         Engine(model, None, num_blocks=64).add_request([5, 6], SamplingParams(structured_outputs={"choice": ["a"]}))
 
 
+@pytest.fixture(scope="module")
+def think_model():
+    """SmolLM2's tokenizer with <think> and </think> as single tokens (as Qwen3's and DeepSeek-R1's are)."""
+    from tests.serve.agent_models import smollm2_tokenizer, tiny_model_over
+
+    tokenizer = smollm2_tokenizer(qwen_style=True)
+    return hfaccel.accelerate(tiny_model_over(tokenizer), attention="torch"), tokenizer
+
+
+def test_the_grammar_waits_for_the_reasoning(think_model):
+    """``reasoning="open"``: every token until </think> is the unconstrained one (equal to a request without the
+    constraint), the answer after it validates; ``"optional"``: the first token is the grammar's or <think>."""
+    model, tokenizer = think_model
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    engine = _engine(model, tokenizer)
+    schema = SCHEMAS[1]
+    free, opened = engine.generate(["Think:"] * 2, [
+        SamplingParams(max_tokens=9, temperature=0),
+        SamplingParams(max_tokens=9, temperature=0, structured_outputs={"json": schema, "reasoning": "open"})])
+    assert opened.outputs[0].token_ids == free.outputs[0].token_ids and end not in free.outputs[0].token_ids
+    closing = SamplingParams(max_tokens=40, temperature=0, logit_bias={end: 100.0},
+                             structured_outputs={"json": schema, "reasoning": "open"})
+    answer = engine.generate("Think:", closing)[0].outputs[0]
+    assert answer.token_ids[0] == end and answer.finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.text.removeprefix("</think>")), schema)
+    # optional: </think> is not allowed first (so <think> is drawn), then it closes the block at once
+    optional = SamplingParams(max_tokens=40, temperature=0, logit_bias={start: 50.0, end: 100.0},
+                              structured_outputs={"json": schema, "reasoning": "optional"})
+    answer = engine.generate("Think:", optional)[0].outputs[0]
+    assert answer.token_ids[:2] == [start, end] and answer.finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.text.removeprefix("<think></think>")), schema)
+    # without reasoning the grammar holds from the first token: neither tag can be drawn
+    strict = SamplingParams(max_tokens=40, temperature=0, logit_bias={start: 100.0, end: 100.0},
+                            structured_outputs={"json": schema})
+    jsonschema.validate(json.loads(engine.generate("Think:", strict)[0].outputs[0].text), schema)
+
+
+def test_reasoning_tags_must_be_single_tokens(model, tokenizer):
+    with pytest.raises(ValueError, match="the reasoning tag '<think>' must be one token"):
+        _engine(model, tokenizer).add_request("x", SamplingParams(
+            structured_outputs={"json_object": True, "reasoning": "open"}))
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        StructuredOutputs(json_object=True, reasoning="sometimes")
+
+
 def test_bad_specs_are_clear_errors():
     with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object; got none"):
         StructuredOutputs()

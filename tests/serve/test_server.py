@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +43,7 @@ class Server:
     def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = ()):
         """``hfaccel serve model_dir *extra``, run by ``python *launcher -m hfaccel.tools.cli`` (e.g. torchrun's
         module and options)."""
+        self.model_dir = model_dir
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -165,7 +165,12 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny", "prompt": "a", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": "tiny", "prompt": "a", "top_k": 2**70}).encode(), 400, "top_k"),  # no int64 holds it
     (json.dumps({"model": "tiny", "prompt": "a", "top_k": 97}).encode(), 400, "top_k"),  # beyond the vocabulary
-    (json.dumps({"model": "tiny", "prompt": "a", "stop_token_ids": [96]}).encode(), 200, None),  # not an API field
+    (json.dumps({"model": "tiny", "prompt": "a", "stop_token_ids": [96]}).encode(), 400, "stop_token_ids"),
+    (json.dumps({"model": "tiny", "prompt": "a", "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "tiny", "prompt": "a", "min_tokens": 17}).encode(), 400, "min_tokens"),  # > max_tokens
+    (json.dumps({"model": "tiny", "prompt": "a", "suffix": "z"}).encode(), 400, "suffix"),  # not implemented
+    (json.dumps({"model": "tiny", "prompt": "a", "best_of": 1, "n": 2}).encode(), 400, "best_of"),
     (json.dumps({"model": "tiny", "prompt": "a", "n": 65}).encode(), 400, "n"),  # beyond --max-num-seqs
     (json.dumps({"model": "tiny", "prompt": "a", "top_p": float("nan")}).encode(), 400, "top_p"),
     (json.dumps({"model": "tiny", "prompt": "a", "stop": ["x"] * 17}).encode(), 400, "stop"),

@@ -5,7 +5,6 @@ bounded in time (tests.serve.test_server.Server waits 120 s at most to come up; 
 
 from __future__ import annotations
 
-import signal
 import socket
 import threading
 import time
