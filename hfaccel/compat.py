@@ -297,6 +297,28 @@ def transformers_sample(model, input_ids, logits_processor, stopping_criteria, g
                                    stopping_criteria=stopping_criteria, generation_config=generation_config, **kwargs)
 
 
+def transformers_prefill(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict):
+    """transformers' own prefill of a ``generate`` call (``GenerationMixin._prefill``, private; the same signature
+    from 5.17 to 5.24): the model's forward over the prompt with the inputs ``prepare_inputs_for_generation`` makes of
+    ``model_kwargs`` — a multimodal model's images encoded and merged as its generate() does. Returns its outputs."""
+    return model._prefill(input_ids, generation_config, model_kwargs)
+
+
+def takes_encoded_media(model) -> bool:
+    """Whether the model's forward takes images encoded beforehand (``mm_encoder_outputs``: transformers >= 5.24)."""
+    supports = getattr(model, "_supports_mm_encoder_outputs", None)
+    return supports is not None and supports()
+
+
+def encode_media(model, inputs: dict) -> dict | None:
+    """A prompt's images (videos) encoded as ``generate`` encodes them before its prefill — the model's
+    ``mm_encoder_outputs`` (``GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation``, private) — or None
+    where the model cannot take them (:func:`takes_encoded_media`; 5.17: the forward encodes its pixels)."""
+    if not takes_encoded_media(model):
+        return None
+    return model._prepare_multimodal_encoder_kwargs_for_generation(dict(inputs)).get("mm_encoder_outputs") or None
+
+
 def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     """The pad token ``generate`` prepared for finished rows (a tensor on the inputs' device, or None)."""
     return generation_config._pad_token_tensor

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from hfaccel import compat
 from hfaccel.attention.functions import ATTENTION_FUNCTIONS, MASK_FUNCTIONS, PATHS_ATTRIBUTE, AttentionPaths
@@ -25,12 +26,35 @@ def uses_hfaccel_attention(model: PreTrainedModel) -> bool:
 
 
 def set_hfaccel_attention(model: PreTrainedModel, backend: str = "auto") -> None:
-    """Switch this model instance to hfaccel's attention (``ValueError`` naming the reason if it cannot serve)."""
+    """Switch this model instance to hfaccel's attention (``ValueError`` naming the reason if it cannot serve). A
+    multimodal model's language model switches; its vision (or audio) encoders keep their own attention."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"{type(model).__name__} cannot run on hfaccel's paged attention: {reason}")
     register()
-    model.set_attn_implementation(ATTENTION_NAMES[backend])
+    name = ATTENTION_NAMES[backend]
+    text_key = text_config_key(model.config)
+    model.set_attn_implementation(name if text_key is None else {"": name, text_key: name})
+
+
+def attention_implementations(model: PreTrainedModel) -> str | dict[str, str]:
+    """What ``model.set_attn_implementation`` takes to put the model's current attention back: its implementation,
+    or for a multimodal model the top config's and each sub-config's."""
+    config = model.config
+    if not config.sub_configs:
+        return compat.attn_implementation(config)
+    subs = {key: compat.attn_implementation(getattr(config, key)) for key in config.sub_configs
+            if getattr(config, key, None) is not None}
+    return {"": compat.attn_implementation(config), **subs}
+
+
+def text_config_key(config) -> str | None:
+    """The sub-config key of a multimodal model's language model (``"text_config"``), or None for a text-only
+    model."""
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return None
+    return next(key for key in config.sub_configs if getattr(config, key, None) is text)
 
 
 def track_paths(model: PreTrainedModel) -> AttentionPaths:
@@ -60,12 +84,18 @@ def hfaccel_attention(model: PreTrainedModel, backend: str = "auto"):
     if uses_hfaccel_attention(model):
         yield model
         return
-    current = compat.attn_implementation(model.config)
+    current = attention_implementations(model)
     set_hfaccel_attention(model, backend)
     try:
         yield model
     finally:
         model.set_attn_implementation(current)
+
+
+def is_image_text_to_text(model: PreTrainedModel) -> bool:
+    """Whether ``model`` is one of transformers' image-text-to-text models (a vision encoder feeding a causal
+    language model: ``AutoModelForImageTextToText``)."""
+    return type(model).__name__ in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -74,8 +104,12 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported (hfaccel serves decoder-only causal LMs)"
-    if config.get_text_config(decoder=True) is not config:
-        return f"composite (multimodal) models are not supported yet (sub-configs: {sorted(config.sub_configs)})"
+    text = config.get_text_config(decoder=True)
+    if text is not config and not is_image_text_to_text(model):
+        return (f"multimodal models other than image-text-to-text ones are not supported yet (sub-configs: "
+                f"{sorted(config.sub_configs)})")
+    if text is not config and text_config_key(config) is None:
+        return "its language model's config is not one of its sub-configs"
     if not compat.can_set_attn_implementation(model):
         return "its modeling code does not dispatch attention through transformers' AttentionInterface"
     return None

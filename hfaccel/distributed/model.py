@@ -66,6 +66,9 @@ def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | N
                          f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
     if compat.tp_size(model) > 1:
         local_kv_heads(model)  # raises when the TP size does not divide the KV heads
+    if compat.tp_size(model) > 1 and quantize == "fp8":
+        raise ValueError(f"{what}: quantize=\"fp8\" under tensor parallelism is not supported yet (int4 is: "
+                         f"quantize=\"rtn\" quantizes each rank's shard)")
     if compat.tp_size(model) > 1 and quantize not in (None, "rtn"):
         raise ValueError(f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
                          f"(quantize=\"rtn\"); quantize={quantize!r} calibrates on one process")

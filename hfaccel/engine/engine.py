@@ -36,10 +36,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
+from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
 from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
+from hfaccel.engine.media import MediaInputs, is_processor, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
@@ -48,13 +49,15 @@ from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
+from hfaccel.runner.multimodal import EncoderCache, prefill_sequence
 from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
     IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
     TokenLogprob, draws_in_step, eos_token_ids, sample,
 )
 
-Prompt = str | Sequence[int] | Sequence[dict]
+# a text prompt, token ids, chat messages, or (image-text-to-text models) {"prompt": text or messages, "images": [...]}
+Prompt = str | Sequence[int] | Sequence[dict] | dict
 _log = logging.getLogger("hfaccel")
 
 
@@ -63,7 +66,13 @@ class Engine:
 
     Args:
         model: the model (put on hfaccel's attention here if it is not yet: ``ValueError`` if it cannot be).
-        tokenizer: its tokenizer (needed for text prompts, chat messages, stop strings and output text).
+        tokenizer: its tokenizer (needed for text prompts, chat messages, stop strings and output text) — or, for an
+            image-text-to-text model, its processor (``AutoProcessor``), which also takes prompts with images
+            (``hfaccel.engine.media``): ``{"prompt": text_or_messages, "images": [...]}`` or chat messages with image
+            parts; prompts a processor made already are ``{"prompt_token_ids": [...], "multimodal_inputs": {...}}``
+            (its outputs for that prompt but the ids and mask). Such a prompt is prefilled whole, alone, through the
+            model's own forward (vision encoder, projector, merge) into the pool, then decodes in the batch with every
+            other request.
         max_num_seqs: sequences decoded together at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
         num_blocks: KV pool size in blocks. Default (``hfaccel.engine.kv_budget``): room for ``max_num_seqs``
@@ -123,7 +132,9 @@ class Engine:
         if self.loras is not None:
             weakref.finalize(self, self.loras.close)  # the model's own layers back even without close()
         try:
-            self.model, self.tokenizer = model, tokenizer
+            self.model = model
+            self.processor = tokenizer if is_processor(tokenizer) else None  # takes prompts with images
+            self.tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
             text_config = model.config.get_text_config(decoder=True)
             limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
             self.max_model_len = min(max_model_len or limit, limit)
@@ -149,7 +160,7 @@ class Engine:
             _log.info("hfaccel Engine: %s", self.kv_budget)
             self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, loras=self.loras)
-            self.eos_token_ids = eos_token_ids(model.generation_config, tokenizer)
+            self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
             on_cuda = self.runner.device.type == "cuda"
             if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
                 self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
@@ -168,6 +179,7 @@ class Engine:
             self._grammar_cache: Grammars | None = None  # structured outputs' compiled grammars (on first use)
             self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
             self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
+            self.encoder_cache = EncoderCache()  # the vision encoder's outputs of recent requests' images
         except BaseException:  # a start that fails leaves the model's layers as they were
             if self.loras is not None:
                 self.loras.undo()
@@ -227,7 +239,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, text, prompt_ids, params,
                           RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()),
-                          lora=prepared.lora)
+                          lora=prepared.lora, media=prepared.media)
         request.prompt_logprobs = empty_prompt_logprobs(request)
         request.seqs.append(self._new_sequence(request, 0, list(prompt_ids)))
         request.forked = params.n == 1
@@ -240,6 +252,9 @@ class Engine:
         ValueError saying why it cannot be served (``lora``: the name of its LoRA adapter, None for the base)."""
         adapter = self.lora_adapter(lora)
         self.check_params(params)
+        if _has_images(prompt):
+            text, ids, media = self.process_prompt(prompt)
+            return self.prepared(text, ids, params, params_checked=True, lora=adapter, media=media)
         return self.prepared(*self.tokenize_prompt(prompt), params, params_checked=True, lora=adapter)
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -250,13 +265,16 @@ class Engine:
         return text, prompt_ids
 
     def prepared(self, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
-                 params_checked: bool = False, lora: str | LoRAAdapter | None = None) -> PreparedPrompt:
-        """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` gave, ``params`` checked (unless they were),
-        run through the LoRA adapter ``lora`` (a name, or the adapter :meth:`lora_adapter` gave; None: the base)."""
+                 params_checked: bool = False, lora: str | LoRAAdapter | None = None,
+                 media: MediaInputs | None = None) -> PreparedPrompt:
+        """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` (or :meth:`process_prompt`, with its ``media``)
+        gave, ``params`` checked (unless they were), run through the LoRA adapter ``lora`` (a name, or the adapter
+        :meth:`lora_adapter` gave; None: the base)."""
         adapter = lora if isinstance(lora, LoRAAdapter) else self.lora_adapter(lora)
         if not params_checked:
             self.check_params(params)
-        return PreparedPrompt(text, tuple(prompt_ids), params, adapter)
+        self.check_media(media, params, adapter)
+        return PreparedPrompt(text, tuple(prompt_ids), params, adapter, media)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise :class:`~hfaccel.sampling.InvalidSamplingParams` (a ValueError) if this engine cannot serve
@@ -370,7 +388,8 @@ class Engine:
         self.host_times.scheduling += scheduled - start
         if plan.chunks:
             self.runner.pool.copy_blocks(plan.copies)
-            launched = self._launch_isolating(plan.chunks, touched)
+            chunks = sorted(plan.chunks, key=_prefills_images)  # the packed forward's chunks first (_forward)
+            launched = self._launch_isolating(chunks, touched)
             self.host_times.steps += 1
         if launched is not None:
             self._in_flight.append(launched)
@@ -481,6 +500,8 @@ class Engine:
         if manager.state_slots:  # a hybrid model: one slot of recurrent state per running sequence
             stats.update(state_slots=manager.state_slots, state_slots_free=manager.num_free_state_slots,
                          state_bytes=self.kv_budget.state_bytes)
+        if self.processor is not None:  # prompts with images: the encoder's outputs kept for their images
+            stats["encoder_cache"] = str(self.encoder_cache)
         if self.loras is not None:  # adapters served, and how many of the max_loras slots hold one
             stats.update(lora_adapters=len(self.loras.adapters), lora_slots_loaded=self.loras.num_loaded)
         return stats
@@ -575,15 +596,36 @@ class Engine:
                  prompt_rows: PromptRows | None = None) -> torch.Tensor:
         """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks (with
         ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``; with
-        ``prompt_rows``, their logits after those)."""
+        ``prompt_rows``, their logits after those). Chunks that prefill a prompt with images come last (the
+        step sorts them so): each runs the multimodal prefill of its own, its row after the packed forward's."""
         start = time.perf_counter()
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
-        completing = [i for i, c in enumerate(chunks) if c.completes]
         input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
         device_tokens = self._device_tokens(chunks)
         if device_tokens is not None:
             input_ids.index_copy_(0, *device_tokens)
         self.host_times.inputs += time.perf_counter() - start
+        packed = [c for c in chunks if not _prefills_images(c)]
+        logits = self._packed_forward(packed, input_ids[:sum(c.length for c in packed)], draw, prompt_rows)
+        if len(packed) == len(chunks):
+            return logits
+        rows, offset, completing = [], sum(c.length for c in packed), sum(c.completes for c in packed)
+        for chunk in chunks[len(packed):]:  # [1, V] each
+            media = chunk.seq.request.media
+            inputs = self.encoder_cache.inputs(self.model, media.digest, media.for_tokens(chunk.length))
+            rows.append(prefill_sequence(self.model, self.runner, chunk.seq.seq_id,
+                                         input_ids[offset:offset + chunk.length], inputs))
+            offset += chunk.length
+        if logits is None:
+            return torch.cat(rows)
+        return torch.cat([logits[:completing], *rows, logits[completing:]])  # the prompt rows stay last
+
+    def _packed_forward(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor, draw: list[SampleRow] | None,
+                        prompt_rows: PromptRows | None) -> torch.Tensor | None:
+        """The packed forward of ``chunks`` (what :meth:`_forward` returns for them; None for no chunk)."""
+        if not chunks:
+            return None
+        completing = [i for i, c in enumerate(chunks) if c.completes]
         lora_slots = None if self.loras is None else [self.loras.slot_of(c.seq.request.lora) for c in chunks]
         return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
                                    starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots,
@@ -596,6 +638,7 @@ class Engine:
         seqs = [chunk.seq for chunk in chunks]
         params = [seq.request.params for seq in seqs]
         if not (all(draws_in_step(p) for p in params) and not all(p.greedy for p in params)
+                and not any(map(_prefills_images, chunks))
                 and all(chunk.completes and chunk.seq.request.forked for chunk in chunks)
                 and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))),
                                       [chunk.start for chunk in chunks])):
@@ -790,6 +833,9 @@ class Engine:
             check_text(prompt, "the prompt")
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if self.processor is not None:  # a multimodal model's chat template is its processor's
+                text, ids, _ = self.process_prompt(prompt)
+                return text, ids
             self._need_tokenizer("chat messages")
             for i, message in enumerate(prompt):
                 for key, value in message.items():
@@ -807,6 +853,42 @@ class Engine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a list of chat messages (dicts); got "
                          f"{type(prompt).__name__}")
+
+    def process_prompt(self, prompt: Prompt, **template) -> tuple[str | None, list[int], MediaInputs | None]:
+        """(prompt text, token ids, multimodal inputs or None) of a prompt with images (or chat messages), by the
+        engine's processor (``template``: chat-template arguments), or a ValueError saying why it cannot be served.
+        Thread-safe (a server runs it off its event loop)."""
+        processed = isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        if not is_image_text_to_text(self.model) or self.processor is None and not processed:
+            raise ValueError("prompts with images need an image-text-to-text model and its processor "
+                             "(Engine(model, processor)); this engine has "
+                             + ("no processor" if self.processor is None else f"a {type(self.model).__name__}"))
+        if processed:
+            if sorted(prompt) != ["multimodal_inputs", "prompt_token_ids"]:
+                raise ValueError(f"a processed prompt dict has the keys 'prompt_token_ids' and 'multimodal_inputs'; "
+                                 f"got {sorted(prompt)}")
+            text, ids, media = None, self._tokenize(prompt["prompt_token_ids"])[1], processed_media(
+                prompt["multimodal_inputs"])
+        elif isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "images"})
+            if unknown or "prompt" not in prompt:
+                raise ValueError(f"a prompt dict has the keys 'prompt' and 'images'; got {sorted(prompt)}")
+            text, ids, media = process(self.processor, prompt["prompt"], prompt.get("images"), **template)
+        else:
+            text, ids, media = process(self.processor, prompt, None, **template)
+        self._check_prompt(ids)
+        return text, ids, media
+
+    def check_media(self, media: MediaInputs | None, params: SamplingParams, adapter: LoRAAdapter | None) -> None:
+        """ValueError for what a request with images cannot have yet (a no-op without images)."""
+        if media is None:
+            return
+        refused = {"a LoRA adapter": adapter is not None, "prompt_logprobs": params.prompt_logprobs is not None,
+                   "tensor parallelism": self.tp is not None,
+                   "a model whose layers keep recurrent state": self.runner.pool.states is not None}
+        refused = [what for what, present in refused.items() if present]
+        if refused:
+            raise ValueError(f"requests with images are not supported with {', '.join(refused)} yet")
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -957,11 +1039,11 @@ def _agree_on_static_steps(tp, graphs) -> None:
 
 
 def _is_single_prompt(prompts) -> bool:
-    if isinstance(prompts, str) or isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
+    if isinstance(prompts, (str, dict)) or isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
         return True
     if isinstance(prompts, (list, tuple)) and prompts:
         first = prompts[0]
-        return isinstance(first, int) or isinstance(first, dict)
+        return isinstance(first, int) or isinstance(first, dict) and "role" in first  # chat messages
     return False
 
 
@@ -988,6 +1070,22 @@ class PreparedPrompt:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     lora: LoRAAdapter | None = None  # the LoRA adapter it runs through (None: the base model)
+    media: MediaInputs | None = None  # its images' inputs (an image-text-to-text model's processor made them)
+
+
+def _prefills_images(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk computes a prompt with images (from its first token: the multimodal prefill)."""
+    return chunk.seq.request.media is not None and chunk.start == 0
+
+
+def _has_images(prompt) -> bool:
+    """Whether a prompt brings images: a ``{"prompt", "images"}`` dict, or chat messages with image parts."""
+    if isinstance(prompt, dict):
+        return True
+    return isinstance(prompt, (list, tuple)) and any(
+        isinstance(message, dict) and isinstance(message.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") == "image" for part in message["content"])
+        for message in prompt)
 
 
 def _warm_up(graphs) -> None:

@@ -7,7 +7,9 @@ Every step packs, within ``max_num_batched_tokens``:
    freed, to be recomputed from its tokens when it is admitted again) until the older one fits;
 2. then waiting sequences, first come first served, while sequences and tokens remain in the budget and the
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
-   budget is computed in chunks over several steps (chunked prefill), so running decodes never stall.
+   budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
+   images is computed whole in one step (its images' tokens are never split), when the budget left holds it (one
+   longer than the whole budget goes past it).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
@@ -31,6 +33,7 @@ from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
 from hfaccel.sampling.structured import AfterReasoning, Constraint
 
 if TYPE_CHECKING:
+    from hfaccel.engine.media import MediaInputs
     from hfaccel.lora import LoRAAdapter, LoRAManager
 
 
@@ -93,6 +96,7 @@ class Request:
     forked: bool = False  # the n completions exist (made from the first one when its prompt is computed)
     error: str | None = None  # why the engine failed this request alone (its completions end with "error")
     lora: LoRAAdapter | None = None  # the LoRA adapter its tokens run through (None: the base model)
+    media: MediaInputs | None = None  # its images' inputs: its prompt is computed whole, by the multimodal prefill
     # each prompt token's logprob given those before it (None: not asked for; an entry None: not computed yet, and
     # always for the first token)
     prompt_logprobs: list | None = None
@@ -197,10 +201,13 @@ class Scheduler:
             if seq.request.lora is not None and (passed or not self._lora_slot_ready(seq)):
                 passed.append(self.waiting.popleft())
                 continue
+            whole = seq.request.media is not None  # computed in one chunk, from its first token
+            if whole and budget < seq.num_tokens <= self.max_num_batched_tokens:
+                break  # when the budget left holds it (FCFS: the requests behind it wait)
             if not self._admit(seq):
                 break
             self.waiting.popleft()
-            length = min(seq.num_tokens - seq.num_computed, budget)
+            length = seq.num_tokens - seq.num_computed if whole else min(seq.num_tokens - seq.num_computed, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
         self.waiting.extendleft(reversed(passed))
@@ -292,6 +299,9 @@ class Scheduler:
 
 def _cache_salt(seq: Sequence):
     """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model). A request that
-    asks for prompt logprobs has a salt of its own: its prompt is computed, not taken from the prefix cache."""
+    asks for prompt logprobs, or brings images, has a salt of its own: its prompt is computed, not taken from the
+    prefix cache."""
     adapter = None if seq.request.lora is None else seq.request.lora.cache_key
+    if seq.request.media is not None:  # its prompt is computed whole, from its images: no block of it is taken
+        return adapter, "images", seq.request.request_id
     return adapter if seq.request.params.prompt_logprobs is None else (adapter, "prompt logprobs", seq.request.request_id)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from hfaccel import compat
-from hfaccel.attention import ATTENTION_NAMES, AttentionPaths, set_hfaccel_attention, track_paths, untrack_paths
+from hfaccel.attention import (ATTENTION_NAMES, AttentionPaths, attention_implementations, set_hfaccel_attention,
+                               text_config_key, track_paths, untrack_paths)
 from hfaccel.device import model_device
 from hfaccel.distributed import check_sharding
 from hfaccel.distributed.quant import quantize_shards
@@ -18,6 +19,7 @@ from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
 from hfaccel.quant import quantize as quantize_model
+from hfaccel.quant.fp8 import fp8_layers, fp8_summary
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.kv.layout import ModelLayout
 from hfaccel.kv.state import install_mixers, remove_mixers
@@ -30,16 +32,19 @@ class Acceleration:
     """What :func:`accelerate` did to a model; found on the model as ``model.hfaccel``."""
 
     attention: str  # the backend asked for: "auto", "triton" or "torch"
-    attn_implementation: str  # the attention implementation the model now runs
-    original_attn_implementation: str  # what restore() puts back
+    attn_implementation: str  # the attention implementation the model (a multimodal one's language model) now runs
+    # what restore() puts back: the model's implementation, or a multimodal model's per sub-config ("": its own)
+    original_attn_implementation: str | dict[str, str]
     fallback_reason: str | None = None  # set when the model was left on transformers' own attention
     paged: bool = False  # generate() runs hfaccel's decode loop / a PagedCache sized for each request
     compile: bool | str = "auto"  # decode steps compiled with torch.compile: "auto" = on CUDA
     session: DecodeSession | None = None  # the runner generate() keeps between calls
     attention_paths: AttentionPaths | None = None  # which path (SDPA, hfaccel's kernels, torch) served each call
     int4_layers: tuple = ()  # the model's Int4Linear layers (their paths are reported)
+    fp8_layers: tuple = ()  # the model's Fp8Linear layers (their scales' granularity is reported)
     lora: LoraState | None = None  # the model's PEFT LoRA layers (merged by hfaccel or not)
     layout: ModelLayout | None = None  # what each layer keeps (K/V of which shape, recurrent state)
+    text_config_key: str | None = None  # a multimodal model's language-model sub-config ("text_config")
 
     @property
     def decode(self) -> DecodeInfo:
@@ -47,21 +52,34 @@ class Acceleration:
         return self.session.info if self.session is not None else DecodeInfo("transformers", "paged=False")
 
     @property
+    def encoders(self) -> dict[str, str]:
+        """A multimodal model's encoders (vision, audio: their sub-config names) and the attention they keep, which
+        is transformers' (empty for a text-only model)."""
+        original = self.original_attn_implementation
+        if isinstance(original, str):
+            return {}
+        return {key: name for key, name in original.items() if key and key != self.text_config_key}
+
+    @property
     def active(self) -> bool:
         """True when the model's attention runs through hfaccel."""
         return self.fallback_reason is None
 
     def __str__(self) -> str:
+        original = self.original_attn_implementation
+        language = original if isinstance(original, str) else original[self.text_config_key]
         if not self.active:
-            return (f"hfaccel: not accelerated, attention stays {self.original_attn_implementation!r} "
-                    f"({self.fallback_reason})")
-        return (f"hfaccel: attention {self.original_attn_implementation!r} -> {self.attn_implementation!r} "
-                f"(backend {self.attention!r}); {self.layout.describe()}; generate(): "
+            return f"hfaccel: not accelerated, attention stays {language!r} ({self.fallback_reason})"
+        encoders = "".join(f"; {key} keeps transformers' {name!r} attention" for key, name in self.encoders.items())
+        return (f"hfaccel: {'language model ' if self.encoders else ''}attention {language!r} -> "
+                f"{self.attn_implementation!r} (backend {self.attention!r}){encoders}; {self.layout.describe()}; "
+                f"generate(): "
                 f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
                 f"; last call: {self.decode}"
                 f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
                 f"; attention calls: {self.attention_paths}"
                 f"{'; int4 layers: ' + int4_paths(self.int4_layers) if self.int4_layers else ''}"
+                f"{'; fp8 layers: ' + fp8_summary(self.fp8_layers) if self.fp8_layers else ''}"
                 f"{'; ' + str(self.lora) if self.lora is not None else ''}")
 
 
@@ -92,8 +110,9 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
             ``cache_implementation="static"`` + compile, on every device, the cache sized by powers of two; a new
             batch size or a request past the cache compiles again), unless the call chose a cache, a compile
             config or ``disable_compile``.
-        quantize: quantize the Linear layers to int4 in place first (``hfaccel.quantize`` with this method,
-            ``calib_data`` and ``group_size``); ``restore`` does not undo quantization.
+        quantize: quantize the Linear layers in place first (``hfaccel.quantize`` with this method, ``calib_data``
+            and ``group_size``): int4 (``"rtn"``, ``"awq"``, ``"gptq"``) or fp8 (``"fp8"``: e4m3 weights, one scale
+            per output channel); ``restore`` does not undo quantization.
         merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a
             model without LoRA layers.
 
@@ -141,12 +160,13 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if merge_lora:
         lora.merge()
     _quantize(model, quantize, calib_data, group_size, lora)
-    original = compat.attn_implementation(model.config)
+    original = attention_implementations(model)
     support = model_support(model)
     reason = support.reason
     if reason is not None:
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
-        model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason, lora=lora)
+        model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason, lora=lora,
+                                     text_config_key=text_config_key(model.config))
         return given
     set_hfaccel_attention(model, attention)
     if support.layout.hybrid:
@@ -159,8 +179,9 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     layers = int4_layers(model)
     prepare_int4(layers)
     model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
-                                 attention_paths=track_paths(model), int4_layers=layers, lora=lora,
-                                 layout=support.layout)
+                                 attention_paths=track_paths(model), int4_layers=layers,
+                                 fp8_layers=fp8_layers(model), lora=lora,
+                                 layout=support.layout, text_config_key=text_config_key(model.config))
     return given
 
 

@@ -21,9 +21,10 @@ says which loop served the last call and why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +32,15 @@ import torch
 from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.distributed import tensor_parallel
+from hfaccel.hf import multimodal
 from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
+from hfaccel.runner.multimodal import prefill_batch
 
 _log = logging.getLogger("hfaccel")
 POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
 PARKED_STEPS = 8  # decode steps kept for adapter states other than the current one (a PEFT model's)
-# model inputs the loop understands; any other (images, token types...) goes to transformers' loop
-_KNOWN_INPUTS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", "output_attentions",
-                 "output_hidden_states", "return_dict", *compat.CACHE_ARGUMENTS}
 
 
 @dataclass
@@ -188,7 +188,11 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
     if streamer is not None:
         streamer.put(input_ids.cpu())  # generate() puts the prompt itself only when it holds the streamer
     mask = model_kwargs.get("attention_mask")
-    reason = _unsupported(input_ids, generation_config, synced_gpus, model_kwargs)
+    images = multimodal.multimodal_inputs(model, model_kwargs)
+    reason = _unsupported(input_ids, generation_config, synced_gpus, model_kwargs, images)
+    images = images if multimodal.carries_images(images) else []  # token types alone: a text prompt
+    if reason is None and images:
+        reason = multimodal.unsupported_reason(model)
     pads = [0] * input_ids.shape[0]
     if reason is None and mask is not None:
         pads = left_padding(mask)  # one read of the mask per call
@@ -205,6 +209,9 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
         lengths = [input_ids.shape[1] - pad for pad in pads]
         packed = input_ids[mask.bool()] if mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
         loop = _Loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+        if images:
+            return loop.run(lengths, functools.partial(prefill_batch, model, input_ids=input_ids,
+                                                       generation_config=generation_config, model_kwargs=model_kwargs))
         return loop.run(lengths, packed)
     finally:
         session.lock.release()
@@ -219,13 +226,16 @@ def left_padding(mask: torch.Tensor) -> list[int] | None:
     return (~host).sum(1).tolist()
 
 
-def _unsupported(input_ids: torch.Tensor, config, synced_gpus: bool, model_kwargs: dict) -> str | None:
-    """Why this call needs transformers' loop (before looking at the mask's values), or None."""
+def _unsupported(input_ids: torch.Tensor, config, synced_gpus: bool, model_kwargs: dict,
+                 images: list[str]) -> str | None:
+    """Why this call needs transformers' loop (before looking at the mask's values), or None. ``images``: the
+    multimodal inputs the loop's multimodal prefill takes."""
     if synced_gpus:
         return "synced_gpus"
     if config.return_dict_in_generate:
         return "return_dict_in_generate"
-    extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_INPUTS and v is not None)
+    extra = sorted(k for k, v in model_kwargs.items()
+                   if k not in multimodal.TEXT_INPUTS and k not in images and multimodal.given(v))
     if extra:
         return f"model inputs {extra}"
     if model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states"):
@@ -252,15 +262,19 @@ class _Loop:
         self.unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
         self.deferred = defers_stop_checks(input_ids.device)
 
-    def run(self, lengths: list[int], packed: torch.Tensor) -> torch.Tensor:
-        """Prefill the rows' real tokens (``lengths[i]`` of them for row ``i``, ``packed [T]``), then decode."""
+    def run(self, lengths: list[int], prompt: torch.Tensor | Callable) -> torch.Tensor:
+        """Prefill the rows' real tokens (``lengths[i]`` of them for row ``i``: ``prompt [T]`` packed, or
+        ``prompt(runner, seq_ids, lengths)`` the multimodal prefill into the runner's sequences), then decode."""
         batch, new_tokens = len(lengths), self.max_length - self.prompt_len
         capacities = [n + new_tokens for n in lengths]
         runner = self.session.runner_for(batch, capacities)
         seq_ids = list(range(batch))
         runner.pool.reserve(seq_ids, capacities)
         try:
-            logits = runner.forward(seq_ids, packed, lengths, starts=[0] * batch)  # [B, V]
+            if callable(prompt):
+                logits = prompt(runner, seq_ids, lengths)  # [B, V]
+            else:
+                logits = runner.forward(seq_ids, prompt, lengths, starts=[0] * batch)  # [B, V]
             runner.graphs.begin(seq_ids, lengths)
             return self._decode(runner, logits)
         finally:

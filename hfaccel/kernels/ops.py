@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from hfaccel.kernels.flash_attention import flash_attention
+from hfaccel.kernels.fp8 import fp8_matmul
 from hfaccel.kernels.keyed_race import keyed_race
 from hfaccel.kernels.lora import lora_apply
 from hfaccel.kernels.paged_attention import paged_attention
@@ -87,6 +88,18 @@ def w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 @w4a16_matmul_op.register_fake
 def _(x, qweight, scales, zeros, group_size, backend):
     return x.new_empty(x.shape[0], qweight.shape[1])
+
+
+@torch.library.custom_op("hfaccel::fp8_matmul", mutates_args=())
+def fp8_matmul_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int,
+                  backend: str) -> torch.Tensor:
+    """``x [M, K]`` times the fp8 weight ``[K, N]`` -> ``[M, N]`` (``hfaccel.kernels.fp8``)."""
+    return fp8_matmul(x, weight, scales, group_k, group_n, backend=backend).contiguous()
+
+
+@fp8_matmul_op.register_fake
+def _(x, weight, scales, group_k, group_n, backend):
+    return x.new_empty(x.shape[0], weight.shape[1])
 
 
 @torch.library.custom_op("hfaccel::lora", mutates_args=())

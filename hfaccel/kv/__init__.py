@@ -2,10 +2,11 @@
 layer of a model keeps, and transformers ``Cache`` views over the pool."""
 
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
-from hfaccel.kv.hf_cache import PagedCache, PagedKV, PoolCache, SequenceKVCache, paged_reader_backend
+from hfaccel.kv.hf_cache import (PagedCache, PagedKV, PoolCache, PromptCache, SequenceKVCache,
+                                  paged_reader_backend)
 from hfaccel.kv.layout import ModelLayout, model_layout
 from hfaccel.kv.pool import DeviceBlockTables, KVPool, PackedStep, kv_dims, local_kv_heads, token_metadata
 
 __all__ = ["BlockCopy", "BlockManager", "CacheFullError", "DeviceBlockTables", "KVPool", "ModelLayout", "PackedStep",
-           "PagedCache", "PagedKV", "PoolCache", "SequenceKVCache", "kv_dims", "local_kv_heads", "model_layout",
-           "paged_reader_backend", "slot_mapping", "token_metadata"]
+           "PagedCache", "PagedKV", "PoolCache", "PromptCache", "SequenceKVCache", "kv_dims", "local_kv_heads",
+           "model_layout", "paged_reader_backend", "slot_mapping", "token_metadata"]

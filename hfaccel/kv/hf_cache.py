@@ -3,6 +3,9 @@
 - :class:`PagedCache`, for ``generate``: usable by any model (``model.generate(..., cache=PagedCache(
   model.config, max_batch_size=B, max_cache_len=L))``, ``past_key_values=`` before transformers 5.24); each batch row is one sequence of the pool,
   blocks are allocated as tokens arrive.
+- :class:`PromptCache`, for a prompt's prefill through the model's own forward (a multimodal one's: its images
+  encoded and merged as transformers does it) into sequences of a pool whose slots are reserved: a left-padded batch,
+  row ``b``'s real tokens written to sequence ``seq_ids[b]`` from position 0.
 - :class:`SequenceKVCache`, for hfaccel's :class:`~hfaccel.runner.ModelRunner`: any number of independent
   sequences packed into one ``[1, T]`` row; the runner sets each forward's metadata (``step``).
 
@@ -16,8 +19,8 @@ ordinary ``[B, Hkv, S, D]`` tensors gathered from the pool.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -404,6 +407,65 @@ class PagedCache(PoolCache):
             self.manager.free(seq_id)
         self.padding = [self.padding[source] for source in sources]
         self.rows, self._step, self._tables_dirty, self._pads = new, None, True, None
+
+
+class PromptCache(PoolCache):
+    """One prefill forward over a left-padded batch ``[B, L]``, its rows' real tokens written into sequences of a
+    pool (module docstring): row ``b`` has ``padding[b]`` tokens of padding, which take no slot, and its token at
+    cache position ``c`` goes to position ``c - padding[b]`` of sequence ``seq_ids[b]``, which must hold those slots
+    already (``KVPool.reserve``, or the engine's scheduler)."""
+
+    def __init__(self, config, pool: KVPool, seq_ids: Sequence[Hashable], padding: Sequence[int]):
+        super().__init__(config, pool)
+        if len(seq_ids) != len(padding):
+            raise ValueError(f"one padding per sequence; got {len(padding)} for {len(seq_ids)} sequences")
+        self.seq_ids, self.padding = list(seq_ids), [int(pad) for pad in padding]
+        self.seq_len = 0  # cache positions filled (padding included); one forward fills them
+        self._view: tuple[PagedKV, torch.Tensor] | None = None  # the forward's view and slots, shared by its layers
+
+    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+        batch, _, width, _ = key_states.shape  # [B, Hkv, L, D]
+        if self._view is None:
+            self._view = self._prefill_view(batch, width, key_states.device)
+        paged, slots = self._view
+        return replace(paged, kv_cache=self.pool.layer_kv(layer_idx)[0], layer=self.pool.layer_kv(layer_idx)[1],
+                       dense=(key_states, value_states)), slots
+
+    def _prefill_view(self, batch: int, width: int, device: torch.device) -> tuple[PagedKV, torch.Tensor]:
+        if batch != len(self.seq_ids) or self.seq_len:
+            raise ValueError(f"PromptCache takes one prefill of its {len(self.seq_ids)} sequences; got a forward of "
+                             f"{batch} rows" + (" after its prefill" if self.seq_len else ""))
+        for seq_id, pad in zip(self.seq_ids, self.padding):
+            if self.manager.seq_len(seq_id) < width - pad:
+                raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; its prompt has "
+                                 f"{width - pad} tokens")
+        tables = self.pool.block_tables(self.seq_ids).to(device)  # [B, W]
+        pads = torch.tensor(self.padding, dtype=torch.int64).to(device)  # [B]
+        held = torch.arange(width, device=device)[None] - pads[:, None]  # [B, L]: position in the sequence
+        rows = torch.arange(batch, device=device)[:, None]
+        slots = torch.where(held >= 0, slot_mapping(tables, rows, held.clamp(min=0), self.block_size), -1)
+        self.seq_len = width
+        kv, layer = self.pool.layer_kv(0)
+        paged = PagedKV(kv, layer, tables, (width - pads).to(torch.int32), width - min(self.padding),
+                        padding=pads if any(self.padding) else None, padded_len=width)
+        return paged, slots
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seq_len + query_length if self._view is None else self.seq_len, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
 
 
 class SequenceKVCache(PoolCache):

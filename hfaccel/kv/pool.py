@@ -62,6 +62,14 @@ class PackedStep:
     max_seq_len: int
     max_q_len: int
     state: StateStep | None = None  # the sequences' state slots, for a model whose layers keep recurrent state
+    # [T] int64 added to ``positions`` for the model's position ids (None: none): a multimodal model's text after an
+    # image continues from where the image's positions end (Qwen's M-RoPE), not from its cache position
+    offsets: torch.Tensor | None = None
+
+    @property
+    def model_positions(self) -> torch.Tensor:
+        """The position ids the model's forward takes: ``[T]``."""
+        return self.positions if self.offsets is None else self.positions + self.offsets
 
     def to(self, device: torch.device) -> PackedStep:
         """The same metadata on ``device`` (non-blocking copies from pinned memory on CUDA)."""

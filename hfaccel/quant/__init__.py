@@ -1,4 +1,5 @@
-"""int4 weight-only quantization: ``Int4Linear``, AWQ/GPTQ checkpoints, and quantizers."""
+"""Weight quantization: int4 (``Int4Linear``, AWQ/GPTQ checkpoints, RTN/AWQ/GPTQ quantizers) and fp8
+(``Fp8Linear``)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,32 @@ from torch import nn
 from hfaccel.quant.calibrate import calibrate
 from hfaccel.quant.checkpoint import load_quantized, save_quantized
 from hfaccel.quant.formats import Int4Weight
+from hfaccel.quant.fp8 import Fp8Linear
 from hfaccel.quant.linear import Int4Linear
 from hfaccel.quant.rtn import quantize_rtn
 
-METHODS = ("rtn", "awq", "gptq")
+METHODS = ("rtn", "awq", "gptq", "fp8")
 
-__all__ = ["Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn", "replace_module",
-           "rtn_targets", "save_quantized"]
+__all__ = ["Fp8Linear", "Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn",
+           "replace_module", "rtn_targets", "save_quantized"]
 
 
 def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_size: int = 128,
              act_order: bool = False, calib_device=None, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
-    """Replace the model's Linear layers (except ``skip``) by :class:`Int4Linear`, in place; returns the model.
+    """Replace the model's Linear layers (except ``skip``) by :class:`Int4Linear` — or, ``method="fp8"``, by
+    :class:`Fp8Linear` — in place; returns the model.
 
     ``method``: ``"rtn"`` (round to nearest, no calibration data), ``"awq"`` or ``"gptq"`` (calibrated on
     ``calib_data``: token ids ``[num_samples, seq_len]``, run layer by layer, each layer on ``calib_device``
     if given; ``act_order`` for GPTQ). Layers whose shapes the int4 kernels cannot take (in_features not a
     multiple of ``group_size``, out_features not a multiple of 8) stay in full precision, with a warning.
+    ``"fp8"``: float8 e4m3 weights with one scale per output channel (every Linear layer but ``skip``; no
+    calibration, ``group_size`` unused).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if method == "fp8":
+        return _quantize_fp8(model, skip)
     if method != "rtn":
         return calibrate(model, method, _calibration_ids(calib_data, method), group_size, act_order=act_order,
                          calib_device=calib_device, skip=skip)
@@ -38,6 +45,14 @@ def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_si
             weight = quantize_rtn(linear.weight, group_size)
             replace_module(model, name, Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype))
             progress.advance(task)
+    return model
+
+
+def _quantize_fp8(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear
+               and not any(name == s or name.endswith("." + s) for s in skip)]
+    for name, linear in targets:
+        replace_module(model, name, Fp8Linear.from_linear(linear))
     return model
 
 

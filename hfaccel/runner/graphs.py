@@ -114,6 +114,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
         self.lora_index = torch.full((tokens,), -1, dtype=torch.long, **on)  # each token's LoRA slot (-1: none)
         self.state_slots = torch.zeros(max_batch, dtype=torch.long, **on)  # each row's state slot (recurrent layers)
+        self.position_offsets = torch.zeros(tokens, dtype=torch.long, **on)  # each token's (runner.position_offsets)
         self.draws = draws  # whether run(draw=...) can draw the tokens inside the step
         self.draw_columns = torch.zeros(len(DRAW_COLUMNS), max_batch, dtype=torch.long, **on)  # [8, B]: draw_step's
         # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
@@ -138,7 +139,7 @@ class DecodeGraphs:
 
     def status(self) -> str:
         """How the steps run, in one line: compiled or not, captured sizes, and the reasons of any fallback."""
-        parts = [f"compiled" if self.compiled else ("uncompiled" if self.compile_failure is None
+        parts = ["compiled" if self.compiled else ("uncompiled" if self.compile_failure is None
                                                      else f"uncompiled ({self.compile_failure})")]
         if self.draw_compile_failure is not None:
             parts.append(f"draw uncompiled ({self.draw_compile_failure})")
@@ -169,6 +170,7 @@ class DecodeGraphs:
             self.lora_index.fill_(-1)
             self.draw_columns.zero_()
             self.state_slots.fill_(self._scratch_slot())
+            self.position_offsets.zero_()
             self._size = None
             for lora in (False, True) if self.runner.lora is not None else (False,):
                 for draw in (False, True) if self.draws else (False,):
@@ -271,12 +273,16 @@ class DecodeGraphs:
         ahead."""
         ends = [start + n for start, n in zip(starts, num_new)]
         states = [self._state_slots(seq_ids, size)] if self.runner.pool.states is not None else []
-        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw, *states], size)  # [3 + ..., size]
+        offsets = [[self.runner.position_offsets.get(s, 0) for s in seq_ids]] if self.runner.offsets_positions else []
+        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw, *states, *offsets],
+                                    size)  # [3 + ..., size]
         rows, start, real = moved[:3]
         if draw:
             self.draw_columns[:, :size].copy_(moved[3:3 + len(draw)])
         if states:
-            self.state_slots[:size].copy_(moved[-1])
+            self.state_slots[:size].copy_(moved[3 + len(draw)])
+        if offsets:
+            self.position_offsets[:size * self.tokens_per_seq].copy_(moved[-1].repeat_interleave(self.tokens_per_seq))
         torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
         tokens = size * self.tokens_per_seq
         positions, slots, lens, cu = token_metadata(self._tables.table, rows, start, real,
@@ -316,7 +322,7 @@ class DecodeGraphs:
             self._views[size] = (self.input_ids[:tokens], self.positions[:tokens], self.seq_lens[:size],
                                  self.slot_mapping[:, :tokens], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
                                  self.keep[:size if self.last_only else tokens], torch.arange(size, device=self.device),
-                                 self.lora_index[:tokens], self.state_slots[:size])
+                                 self.lora_index[:tokens], self.state_slots[:size], self.position_offsets[:tokens])
         return self._views[size]
 
     def _step(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
@@ -416,12 +422,13 @@ def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bo
     (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
     and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer. Returns the logits
     of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each sequence's last)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots = rows
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets = rows
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
         slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
     state = StateStep(state_slots) if runner.pool.states is not None else None
     step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
-                      positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq, state=state)
+                      positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq, state=state,
+                      offsets=offsets if runner.offsets_positions else None)
     logits = runner.run_model(input_ids, step, keep, lora_index if lora else None)
     if advance:
         live = (seq_lens > 0).to(seq_lens.dtype)
@@ -434,8 +441,8 @@ def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool: KVPool) -> None:
     """Mark the dimensions of a step's inputs that vary between calls as dynamic for torch.compile: the rows' batch
     dimension (tokens or sequences), the pool's block count and its state slots. Everything else stays static
     (``dynamic=None``)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots = rows
-    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index, lora_index, state_slots):
+    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets = rows
+    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets):
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
     torch._dynamo.maybe_mark_dynamic(slots, 1)
     for tensor in pool.tensors:

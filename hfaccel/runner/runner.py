@@ -25,10 +25,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 
 import torch
 
 from hfaccel import compat
+from hfaccel.attention import is_image_text_to_text
 from hfaccel.attention.functions import PACKED_MASK
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
@@ -56,6 +58,10 @@ class ModelRunner:
         self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
         self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
+        # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
+        # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
+        self.offsets_positions = is_image_text_to_text(model)
+        self.position_offsets: dict[Hashable, int] = {}
         if pool.states is not None:
             install_mixers(model, pool.layout)  # its recurrent layers run per sequence under this runner's cache
 
@@ -131,11 +137,18 @@ class ModelRunner:
                          if value is not None}
                 return self._static_forward(graphs, seq_ids, input_ids, starts, num_new, extra)
         start = time.perf_counter()
-        step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
+        step = self._with_offsets(self.pool.packed_step(seq_ids, starts, num_new), seq_ids, num_new).to(self.device)
         keep = self._logits_index(step, num_new, logits_for, prompt_rows)
         lora_index = self._lora_index(lora_slots, num_new)
         self.metadata_seconds += time.perf_counter() - start
         return self._eager_forward(input_ids, step, keep, lora_index)
+
+    def _with_offsets(self, step: PackedStep, seq_ids: Sequence[Hashable], num_new: Sequence[int]) -> PackedStep:
+        """``step`` with its tokens' position offsets (:attr:`position_offsets`), where a sequence has one."""
+        offsets = [self.position_offsets.get(seq_id, 0) for seq_id in seq_ids]
+        if not any(offsets):
+            return step
+        return replace(step, offsets=torch.tensor(offsets).repeat_interleave(torch.tensor(list(num_new))))
 
     def _static_forward(self, graphs: DecodeGraphs, seq_ids: Sequence[Hashable], input_ids: torch.Tensor,
                         starts: Sequence[int], num_new: Sequence[int], extra: dict) -> torch.Tensor:
@@ -172,8 +185,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.index = lora_index
         try:
-            out = self.model(input_ids=input_ids[None], attention_mask=PACKED_MASK, position_ids=step.positions[None],
-                             use_cache=True, logits_to_keep=keep, **{self._cache_argument: self.cache})
+            out = self.model(input_ids=input_ids[None], attention_mask=PACKED_MASK,
+                             position_ids=step.model_positions[None], use_cache=True, logits_to_keep=keep, **{self._cache_argument: self.cache})
         finally:
             self.cache.step = None
             if self.lora is not None:
@@ -220,6 +233,7 @@ class ModelRunner:
         self.pool.manager.crop(seq_id, length)
 
     def free(self, seq_id: Hashable) -> None:
+        self.position_offsets.pop(seq_id, None)
         if seq_id in self.pool.manager:
             self.pool.manager.free(seq_id)
 

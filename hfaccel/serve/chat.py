@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hfaccel.engine.engine import check_text
+from hfaccel.engine.media import MediaInputs
 from hfaccel.serve.reasoning import ReasoningStream, reasoning_mode, split_reasoning
 from hfaccel.serve.tools import Tool, ToolCall, ToolParser, ToolStream, constrained_calls
 
@@ -15,11 +16,14 @@ RESERVED_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents",
                                "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask")
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_arguments: dict | None = None) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of a conversation through the tokenizer's chat template; a ValueError saying why
-    the template cannot render it."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def render_chat(engine, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False,
+                template_arguments: dict | None = None) -> tuple[str, list[int], MediaInputs | None]:
+    """(prompt text, token ids, the images' inputs or None) of a conversation through the engine's chat template —
+    its processor's for an image-text-to-text model, which also makes the inputs of the messages' images (their
+    parts hold the encoded images) — or a ValueError saying why it cannot be rendered."""
+    template = engine.processor or engine.tokenizer
+    if template is None or not getattr(template, "chat_template", None):
         raise ValueError("the served model's tokenizer has no chat template; send the prompt to /v1/completions")
     arguments = dict(template_arguments or {})
     reserved = sorted(set(arguments) & set(RESERVED_TEMPLATE_ARGUMENTS))
@@ -27,14 +31,18 @@ def render_chat(tokenizer, messages: list[dict], tools: list[Tool], *, add_gener
         raise ValueError(f"chat_template_kwargs may not set {reserved}: the request's own fields do")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message continues the last message: send add_generation_prompt=false with it")
+    arguments.update(tools=[tool.template_dict() for tool in tools] or None,
+                     add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    if engine.processor is not None:
+        text, ids, media = engine.process_prompt(messages, **arguments)
+        check_text(text, "the chat's text")
+        return text, ids, media
     try:
-        text = tokenizer.apply_chat_template(messages, tools=[tool.template_dict() for tool in tools] or None,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **arguments)
+        text = template.apply_chat_template(messages, tokenize=False, **arguments)
     except Exception as error:  # jinja2's template errors ("roles must alternate", a raise_exception call, ...)
         raise ValueError(f"the tokenizer's chat template rejected the messages: {error}") from None
     check_text(text, "the chat's text")
-    return text, tokenizer(text, add_special_tokens=False).input_ids
+    return text, template(text, add_special_tokens=False).input_ids, None
 
 
 @dataclass(frozen=True)

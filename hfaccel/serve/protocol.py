@@ -192,9 +192,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 def _message_dict(i: int, message: ChatMessage) -> dict:
     content = message.content
     if isinstance(content, list):
-        if any(part.get("type") not in ("text", "input_text", "output_text") for part in content):
-            raise ValueError(f"messages[{i}].content: only text content parts are supported (no images or audio)")
-        content = "".join(str(part.get("text", "")) for part in content)
+        content = _content_parts(i, content)
     out = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
@@ -207,6 +205,34 @@ def _message_dict(i: int, message: ChatMessage) -> dict:
             raise ValueError(f"messages[{i}].tool_call_id: a tool message answers a call (tool_call_id)")
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _content_parts(i: int, parts: list[dict]) -> str | list[dict]:
+    """A message's content parts: their text joined, or — with images — the parts as chat templates take them
+    (``{"type": "text", "text"}``, ``{"type": "image", "url"}``: the server fetches the URL before rendering)."""
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text", "output_text"):
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind in ("image_url", "input_image"):  # Chat Completions' and the Responses API's
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise ValueError(f"messages[{i}].content[{j}].image_url: an image part has an image_url.url")
+            out.append({"type": "image", "url": url})
+        else:
+            raise ValueError(f"messages[{i}].content[{j}]: content parts are text or image_url; got {kind!r}")
+    if all(part["type"] == "text" for part in out):
+        return "".join(part["text"] for part in out)
+    return out
+
+
+def image_parts(messages: list[dict]) -> list[tuple[str, dict]]:
+    """Each image part of :func:`message_dicts`' messages, with where it is (``messages[i].content[j]``)."""
+    return [(f"messages[{i}].content[{j}]", part) for i, message in enumerate(messages)
+            if isinstance(message["content"], list) for j, part in enumerate(message["content"])
+            if part["type"] == "image"]
 
 
 def _history_call(i: int, j: int, call: dict) -> dict:

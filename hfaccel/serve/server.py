@@ -50,12 +50,14 @@ from starlette.requests import ClientDisconnect
 from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestFailed, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
 from hfaccel.engine.engine import check_text
+from hfaccel.engine.media import MAX_IMAGES, MediaInputs
 from hfaccel.lora import LoRAAdapter
 from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
 from hfaccel.sampling.structured import tag_ids
 from hfaccel.serve.chat import ChatShape, ChoiceStream, render_chat
 from hfaccel.serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                    SamplingRequest, TokenizeRequest, message_dicts)
+                                    SamplingRequest, TokenizeRequest, image_parts, message_dicts)
+from hfaccel.serve.media import image_bytes
 from hfaccel.serve.reasoning import PARSERS as REASONING_PARSERS
 from hfaccel.serve.reasoning import END, START, detect_reasoning
 from hfaccel.serve.responses import (OutputItems, ResponsesRequest, ResponseStore, StoredResponse, input_messages,
@@ -140,6 +142,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # a name of reasoning.PARSERS, "auto" (from the chat template) or "none"
     allowed_origins: tuple[str, ...] = ()  # origins browsers may call from (CORS); "*": any
     max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (oldest dropped); 0: none
+    allowed_media_domains: tuple[str, ...] = ()  # hosts (and subdomains) http(s) image URLs come from; (): any
 
     def __post_init__(self):
         for field_name, names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
@@ -173,7 +176,7 @@ class _State:
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``engine`` (shut down with the app)."""
-    tool_parser, reasoning = _chat_features(config, engine.engine.tokenizer)
+    tool_parser, reasoning = _chat_features(config, engine.engine.processor or engine.engine.tokenizer)
     state = _State(engine, config, Metrics(engine), tool_parser, reasoning, _single_tokens(engine.engine, (START, END)),
                    ResponseStore(config.max_stored_responses))
 
@@ -418,11 +421,13 @@ def _check_model(state: _State, name: str) -> LoRAAdapter | None:
 
 
 async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt",
-                   structured_param: str = "structured_outputs", lora: LoRAAdapter | None = None) -> PreparedPrompt:
+                   structured_param: str = "structured_outputs", lora: LoRAAdapter | None = None,
+                   media: MediaInputs | None = None) -> PreparedPrompt:
     """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
     by the engine's own rules, with its sampling parameters (``max_tokens`` None: the rest of the context), or a
     400 saying what is wrong (``structured_param``: the field a structured-outputs spec that does not compile came
-    from). ``lora``: the LoRA adapter it runs through (None: the base model)."""
+    from). ``lora``: the LoRA adapter it runs through (None: the base model); ``media``: the images' inputs of a
+    chat prompt (token ids) the processor made."""
     engine = state.engine.engine
     try:
         text, ids = await asyncio.to_thread(engine.tokenize_prompt, prompt)
@@ -437,10 +442,16 @@ async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, pa
                        code="context_length_exceeded")
     try:
         params = params_for(max_tokens)
+        engine.check_media(media, params, lora)
+    except InvalidSamplingParams as error:
+        raise APIError(400, str(error), param=error.param) from None
+    except ValueError as error:
+        raise APIError(400, str(error), param=param) from None
+    try:
         if params.structured_outputs is None:
-            return engine.prepared(text, ids, params, lora=lora)
+            return engine.prepared(text, ids, params, lora=lora, media=media)
         # compiling a grammar can take a while (the first one also indexes the vocabulary): in a worker thread
-        return await asyncio.to_thread(engine.prepared, text, ids, params, lora=lora)
+        return await asyncio.to_thread(engine.prepared, text, ids, params, lora=lora, media=media)
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:  # a structured-outputs spec that does not compile: the compiler's message
@@ -519,12 +530,14 @@ async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
         raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
+    await _fetch_images(state, messages)
     plan = await _plan_chat(state, req, messages, tools, choice, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = [await _prepare(state, plan.ids, req.max_new_tokens,
                                lambda m: req.sampling_params(m, logprobs, structured=plan.structured),
-                               param="messages", structured_param=plan.structured_param, lora=lora)]
+                               param="messages", structured_param=plan.structured_param, lora=lora,
+                               media=plan.media)]
     ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True, model=req.model, shape=plan.shape)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
@@ -545,6 +558,7 @@ class _ChatPlan:
     shape: ChatShape
     structured: dict | None  # SamplingParams.structured_outputs: the tool calls' or the request's own constraint
     structured_param: str  # the request field a constraint that does not compile came from
+    media: MediaInputs | None = None  # the prompt's images, as the model's processor made them
 
 
 async def _plan_chat(state: _State, req: SamplingRequest, messages: list[dict], tools: list[Tool],
@@ -561,9 +575,9 @@ async def _plan_chat(state: _State, req: SamplingRequest, messages: list[dict], 
     if schema is not None and own is not None:
         raise APIError(400, f"tool_choice={_shown_choice(choice)} constrains the output to tool calls; it cannot also "
                             f"follow {req.structured_field}", param="tool_choice")
-    prompt, ids = await _render(state, messages, tools, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message,
-                                template_arguments=req.chat_template_kwargs)
+    prompt, ids, media = await _render(state, messages, tools, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       template_arguments=req.chat_template_kwargs)
     shape = ChatShape.of(choice, state.tool_parser, state.reasoning, prompt, schema is not None)
     structured = {"json": schema} if schema is not None else own
     if structured is not None and shape.reasoning is not None and "reasoning" not in structured:
@@ -571,15 +585,39 @@ async def _plan_chat(state: _State, req: SamplingRequest, messages: list[dict], 
             structured = {**structured, "reasoning": shape.reasoning}
         else:  # the grammar cannot wait for a multi-token tag: the answer is constrained from its first token
             shape = replace(shape, reasoning=None)
-    return _ChatPlan(ids, shape, structured, "tools" if schema is not None else req.structured_field)
+    return _ChatPlan(ids, shape, structured, "tools" if schema is not None else req.structured_field, media)
 
 
-async def _render(state: _State, messages: list[dict], tools: list[Tool], **template) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of a conversation through the chat template (in a worker thread), or a 400."""
+async def _render(state: _State, messages: list[dict], tools: list[Tool],
+                  **template) -> tuple[str, list[int], MediaInputs | None]:
+    """(prompt text, token ids, images' inputs) of a conversation through the chat template (in a worker thread),
+    or a 400."""
     try:
-        return await asyncio.to_thread(render_chat, state.engine.engine.tokenizer, messages, tools, **template)
+        return await asyncio.to_thread(render_chat, state.engine.engine, messages, tools, **template)
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
+
+
+async def _fetch_images(state: _State, messages: list[dict]) -> None:
+    """Put each image part's encoded image in place of its URL (``data:`` decoded, http(s) fetched in worker
+    threads), or a 400 naming the part; a model that takes no images refuses them."""
+    parts = image_parts(messages)
+    if not parts:
+        return
+    if state.engine.engine.processor is None:
+        raise APIError(400, f"{parts[0][0]}: the served model takes no images (an image-text-to-text model and its "
+                            "processor do)", param="messages")
+    if len(parts) > MAX_IMAGES:
+        raise APIError(400, f"a request takes at most {MAX_IMAGES} images; got {len(parts)}", param="messages")
+    domains = state.config.allowed_media_domains
+    try:
+        loaded = await asyncio.gather(*(asyncio.to_thread(image_bytes, part["url"], domains, where)
+                                        for where, part in parts))
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages") from None
+    for (_, part), data in zip(parts, loaded):
+        del part["url"]
+        part["image"] = data
 
 
 async def _responses(state: _State, req: ResponsesRequest, request: Request):
@@ -608,10 +646,12 @@ async def _responses(state: _State, req: ResponsesRequest, request: Request):
         raise APIError(400, f"input: {_short.repr(error.errors()) if isinstance(error, ValidationError) else error}",
                        param="input") from None
     instructions = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    await _fetch_images(state, new)
     plan = await _plan_chat(state, req, instructions + history + new, tools, choice)
     prepared = [await _prepare(state, plan.ids, req.max_output_tokens,
                                lambda m: req.sampling_params(m, None, structured=plan.structured),
-                               param="input", structured_param=plan.structured_param, lora=lora)]
+                               param="input", structured_param=plan.structured_param, lora=lora,
+                               media=plan.media)]
     ctx = _ResponseCall(state, req, plan.shape, history + new)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
@@ -643,9 +683,10 @@ async def _tokenize(state: _State, req: TokenizeRequest) -> dict:
             raise APIError(400, str(error), param=error.param) from None
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
-        _, ids = await _render(state, messages, tools, add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message,
-                               template_arguments=req.chat_template_kwargs)
+        await _fetch_images(state, messages)
+        _, ids, _ = await _render(state, messages, tools, add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  template_arguments=req.chat_template_kwargs)
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
 

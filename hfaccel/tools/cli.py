@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark hfaccel against transformers and torch baselines")
     bench.add_argument("what", nargs="*", metavar="CASE",
                        help=f"benchmarks to run: {', '.join(BENCH_CASES)} "
-                            "(default: all, which leaves out int4, serve, structured and lora)")
+                            "(default: all, which leaves out int4, fp8, serve, structured, lora and vlm)")
     bench.add_argument("--serve", action="store_true", help="also benchmark the HTTP server (same as 'serve')")
     bench.add_argument("--url", default=None, help="serve: a running server's base URL (…/v1); default: start one")
     bench.add_argument("--model", default=None,
@@ -50,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "tiny-llama) "
                             "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
                             "on CPU; speculative: the target, a model folder, default SmolLM2-135M-Instruct; "
-                            "structured: default SmolLM2-135M-Instruct, a named config over SmolLM2's tokenizer)")
+                            "structured: default SmolLM2-135M-Instruct, a named config over SmolLM2's tokenizer; "
+                            "vlm: qwen2.5-vl-3b (default) or tiny)")
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", action="append", choices=("float32", "float16", "bfloat16"),
                        help="repeatable (default: float16 and bfloat16 on CUDA, float32 on CPU)")
     bench.add_argument("--batch", type=int, action="append",
                        help="batch sizes (default: decode 1 and 16; speculative 1, 4, 16; lora: one batch, 64 CUDA, "
-                            "16 CPU)")
+                            "16 CPU; vlm: transformers' padded batches, 16)")
     bench.add_argument("--prompt-len", type=int, default=None)
     bench.add_argument("--new-tokens", type=int, default=None,
                        help="tokens generated per request (structured: default 256 CUDA; on CPU 96 for the mask "
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "SmolLM2's; on a machine without the SmolLM2 assets, a folder with its tokenizer files)")
     bench.add_argument("--requests", type=int, default=None,
                        help="engine: requests served (256 CUDA, 32 CPU); structured: requests in the throughput "
-                            "batch (256 CUDA, 16 CPU)")
+                            "batch (256 CUDA, 16 CPU); vlm: image requests served (64)")
     bench.add_argument("--host", action="store_true",
                        help="engine: the host time per step split into scheduling, metadata, launch, waiting and "
                             "detokenizing at batch 1, 64, 256 (or --batch), instead of the serving comparison")
@@ -158,6 +159,9 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
                        help="origins a browser may call the server from (CORS), e.g. https://app.example.com; * any")
     serve.add_argument("--max-stored-responses", type=int, default=1000,
                        help="/v1/responses kept for previous_response_id, oldest dropped first (0: none)")
+    serve.add_argument("--allowed-media-domains", nargs="+", default=(), metavar="DOMAIN",
+                       help="hosts (and their subdomains) http(s) image URLs are fetched from (default: any); data: "
+                            "URLs are always taken")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,12 +387,14 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
                         request_timeout=args.request_timeout or None, read_timeout=args.read_timeout,
                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        allowed_origins=tuple(args.allowed_origins), max_stored_responses=args.max_stored_responses)
+                        allowed_origins=tuple(args.allowed_origins), max_stored_responses=args.max_stored_responses,
+                        allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains))
 
 
 def load_for_serving(args: argparse.Namespace, device, dtype):
-    """(model, tokenizer) of ``args.model``: an int4 checkpoint through hfaccel.load_quantized, else
-    transformers, quantized with ``--quantize`` if asked."""
+    """(model, tokenizer) of ``args.model``: an int4 checkpoint through hfaccel.load_quantized; an image-text-to-text
+    model with its processor (in the tokenizer's place: the engine takes prompts with images through it); else a
+    causal LM; quantized with ``--quantize`` if asked."""
     import json
     from pathlib import Path
 
@@ -398,20 +404,46 @@ def load_for_serving(args: argparse.Namespace, device, dtype):
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = Path(args.model) / "config.json"
-    method = json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if \
-        config.exists() else None
+    settings = json.loads(config.read_text()) if config.exists() else {}
+    method = settings.get("quantization_config", {}).get("quant_method")
     if method in ("awq", "gptq"):
         return hfaccel.load_quantized(args.model, dtype=dtype, device=device), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device)
+    if settings.get("model_type") in _image_text_to_text_types():
+        model, tokenizer = _load_image_text_to_text(args.model, dtype, tokenizer)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device)
     if args.quantize:
         calib = None
         if args.quantize != "rtn":
             from hfaccel.tools.assets import shakespeare_text
 
             text = Path(args.calib).read_text() if args.calib else shakespeare_text("hamlet")
-            calib = calibration_ids(tokenizer, text, 64, 512)
+            calib = calibration_ids(getattr(tokenizer, "tokenizer", tokenizer), text, 64, 512)
         hfaccel.quantize(model, args.quantize, calib_data=calib, group_size=args.group_size, calib_device=device)
     return model.eval(), tokenizer
+
+
+def _image_text_to_text_types() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _load_image_text_to_text(path: str, dtype, tokenizer):
+    """(model, its processor) of an image-text-to-text checkpoint; the tokenizer alone, and a warning, when the
+    processor cannot be loaded (the server then takes text only)."""
+    import logging
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    try:
+        return model, AutoProcessor.from_pretrained(path)
+    except Exception as error:  # a processor that needs what is not installed (torchvision, ...)
+        logging.getLogger("hfaccel").warning("hfaccel serve: the processor of %s could not be loaded (%s: %s); "
+                                             "serving text prompts only", path, type(error).__name__, error)
+        return model, tokenizer
 
 
 def calibration_ids(tokenizer, text: str, samples: int, seq_len: int):

@@ -12,9 +12,14 @@
 - speculative: ``speculative_generate`` against the accelerated target alone, with acceptance and cost ratio.
 - int4: the W4A16 op vs cuBLAS (and dequantize + cuBLAS) at Llama-3.1-8B shapes, and int4 vs dense decode
   tokens/s of an accelerated model (not part of "all": it builds a Llama-3.1-8B-shaped model on CUDA).
+- fp8: fp8 weights (e4m3, weight-only) — the op vs cuBLAS at Llama-3.1-8B shapes, and fp8 vs 16-bit decode
+  tokens/s of an accelerated model (not part of "all": it builds a Llama-3.1-8B-shaped model on CUDA).
 - structured: structured outputs — the host's mask time per token (p50 / p99) over real constrained generations,
   and Engine throughput with 0%, 50% and 100% structured requests (not part of "all": it needs xgrammar, the
   ``hfaccel[structured]`` extra, and SmolLM2's tokenizer).
+- vlm: a vision-language model (Qwen2.5-VL-3B-shaped, one 448×448 image per prompt): batch-1 decode after the prompt
+  against transformers' paths, and ``hfaccel.Engine`` serving image requests against transformers' padded batches
+  (not part of "all": it builds a 3.8B-parameter model).
 - lora: serving LoRA adapters — Engine output tokens/s of a batch on the base model (no LoRA engine), on the LoRA
   engine with base requests, one adapter and 8 adapters mixed, and the LoRA kernels' time per decode step against
   the base step (not part of "all": it makes its adapters with peft, a dev dependency).
@@ -37,9 +42,11 @@ from rich.console import Console
 from hfaccel.tools.bench.timing import environment
 
 # case -> module of hfaccel.tools.bench with ``run(options, console) -> dict`` (result sections)
-CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "int4", "serve", "structured", "lora")
-NOT_IN_ALL = ("int4", "serve", "structured", "lora")  # int4 builds an 8B-shaped model; serve starts (or needs) a
-# server; structured needs the optional xgrammar; lora makes its adapters with peft (a dev dependency)
+CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "int4", "fp8", "serve", "structured",
+         "lora", "vlm")
+NOT_IN_ALL = ("int4", "fp8", "serve", "structured", "lora", "vlm")  # int4, fp8, vlm build multi-billion models;
+# serve starts (or needs) a server; structured needs the optional xgrammar; lora makes its adapters with peft (a dev
+# dependency)
 
 
 @dataclass

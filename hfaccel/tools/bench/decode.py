@@ -255,3 +255,39 @@ def run(options, console) -> dict:
     console.print(table(f"hfaccel's decode step by kernel (torch.profiler; the top {PROFILE_TOP} by time per step, "
                         "share of the step's kernel time)", kernels))
     return {"decode": rows, "decode_sampler": sampler, "decode_kernels": kernels, "decode_failures": failures}
+
+
+@dataclass
+class QuantizedDecodeRow:
+    model: str
+    weights: str
+    batch: int
+    new_tokens: int
+    tokens_per_s: float  # decode tokens per second: batch / step
+    ms_per_step: float
+    speedup: float  # vs the 16-bit weights at the same batch
+    weight_gb: float  # bytes one decode step reads from the weights
+    pct_roofline: float  # one read of those bytes at the read bandwidth / the step
+
+
+def dense_then_quantized(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
+                         dtype: torch.dtype, quantize_model) -> list[QuantizedDecodeRow]:
+    """Accelerated generate() decode steps with the model's 16-bit weights, then with the same model quantized in
+    place by ``quantize_model(model)`` (which returns the weights' label), so the dense run always comes first."""
+    model = build_model(spec, device, dtype)
+    bandwidth = read_bandwidth(device)
+    inputs = {b: torch.randint(3, model.config.vocab_size, (b, prompt_len), device=device) for b in batches}
+    rows: list[QuantizedDecodeRow] = []
+    for quantized in (False, True):
+        weights = quantize_model(model) if quantized else str(dtype).removeprefix("torch.")
+        accelerate(model)
+        step_bytes = weight_read_bytes(model)
+        for batch in batches:
+            ms = step_ms(model, inputs[batch], new_tokens, {})
+            dense = next((r.ms_per_step for r in rows if r.batch == batch), None)
+            rows.append(QuantizedDecodeRow(spec, weights, batch, new_tokens, batch / ms * 1e3, ms,
+                                           dense / ms if dense else 1.0, step_bytes / 1e9,
+                                           100 * read_ms(step_bytes, bandwidth) / ms))
+        restore(model)
+    return rows
+

@@ -24,15 +24,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from hfaccel.hf import accelerate, restore
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.w4a16 import int4pack_device, int4pack_matmul, int4pack_unsupported, pack_int4_cpu, w4a16_matmul
 from hfaccel.kernels.w4a16_config import W4A16Config, pick_w4a16_config
 from hfaccel.quant import quantize
-from hfaccel.tools.bench.decode import step_ms
-from hfaccel.tools.bench.timing import (cold_graph_time_ms, l2_cold_copies, read_bandwidth, read_ms, row_line, table,
-                                        tensor_bytes, weight_read_bytes)
-from hfaccel.tools.models import build_model
+from hfaccel.tools.bench.decode import QuantizedDecodeRow, dense_then_quantized
+from hfaccel.tools.bench.timing import cold_graph_time_ms, l2_cold_copies, read_bandwidth, row_line, table, tensor_bytes
 
 CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
 CPU_SHAPES = [(256, 384)]
@@ -54,19 +51,6 @@ class Int4KernelRow:
     speedup: float  # cublas_us / int4_us
     int4_gb_per_s: float  # int4 weight bytes (packed words + scales + zeros) / int4_us
     read_bw_pct: float  # int4_gb_per_s against the measured read bandwidth
-
-
-@dataclass
-class Int4DecodeRow:
-    model: str
-    weights: str
-    batch: int
-    new_tokens: int
-    tokens_per_s: float  # decode tokens per second: batch / step
-    ms_per_step: float
-    speedup: float  # vs the dense weights at the same batch
-    weight_gb: float  # bytes one decode step reads from the weights
-    pct_roofline: float  # one read of those bytes at the read bandwidth / the step
 
 
 def random_int4_weight(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device):
@@ -143,27 +127,14 @@ def whole_group_size(model: torch.nn.Module) -> int:
 
 
 def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
-                      dtype: torch.dtype) -> list[Int4DecodeRow]:
-    """Accelerated generate() tokens/s with dense weights, then with the same model quantized in place (so the
-    dense run always comes first)."""
-    model = build_model(spec, device, dtype)
-    bandwidth = read_bandwidth(device)
-    inputs = {b: torch.randint(3, model.config.vocab_size, (b, prompt_len), device=device) for b in batches}
-    rows: list[Int4DecodeRow] = []
-    group_size = whole_group_size(model)
-    for weights in (str(dtype).removeprefix("torch."), f"int4 rtn g{group_size}"):
-        if weights.startswith("int4"):
-            quantize(model, "rtn", group_size=group_size)
-        accelerate(model)
-        step_bytes = weight_read_bytes(model)
-        for batch in batches:
-            ms = step_ms(model, inputs[batch], new_tokens, {})
-            dense = next((r.ms_per_step for r in rows if r.batch == batch), None)
-            rows.append(Int4DecodeRow(spec, weights, batch, new_tokens, batch / ms * 1e3, ms,
-                                      dense / ms if dense else 1.0, step_bytes / 1e9,
-                                      100 * read_ms(step_bytes, bandwidth) / ms))
-        restore(model)
-    return rows
+                      dtype: torch.dtype) -> list[QuantizedDecodeRow]:
+    """Accelerated generate() tokens/s with dense weights, then RTN int4 (:func:`whole_group_size`)."""
+    def int4(model) -> str:
+        group_size = whole_group_size(model)
+        quantize(model, "rtn", group_size=group_size)
+        return f"int4 rtn g{group_size}"
+
+    return dense_then_quantized(spec, batches, prompt_len, new_tokens, device, dtype, int4)
 
 
 def run(options, console) -> dict:

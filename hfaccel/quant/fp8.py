@@ -1,0 +1,109 @@
+"""``Fp8Linear``: an ``nn.Linear`` replacement holding float8 (e4m3) weights and their scales, running the fp8
+kernels (``hfaccel.kernels.fp8``: the weight's bytes halved, the math 16-bit).
+
+Scales are kept as the checkpoint gives them, in one block layout: ``weight_scale [ceil(K / group_k),
+ceil(N / group_n)]`` — per output channel (``group_k = K, group_n = 1``), per 128×128 block, or per tensor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from hfaccel.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize
+from hfaccel.kernels.ops import fp8_matmul_op
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W[n, k] = weight[k, n] * weight_scale[k // group_k, n // group_n]``.
+
+    Buffers: ``weight [K, N]`` float8_e4m3fn (the transpose of ``nn.Linear.weight``), ``weight_scale`` fp32 (module
+    docstring); ``bias [N]`` in the activation dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group_k: int | None = None, group_n: int = 1,
+                 bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_k, self.group_n = group_k or in_features, group_n
+        groups = (-(-in_features // self.group_k), -(-out_features // group_n))
+        self.register_buffer("weight", torch.zeros(in_features, out_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale", torch.ones(groups, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """``linear`` quantized per output channel: each row of its weight scaled so its largest magnitude is
+        e4m3's largest value (448), rounded to the nearest e4m3."""
+        weight = linear.weight.detach().to(torch.float32)  # [N, K]
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX  # [N]
+        quantized = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return cls.from_checkpoint(quantized, scale[:, None], None, linear.bias, dtype=linear.weight.dtype)
+
+    @classmethod
+    def from_checkpoint(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                        bias: torch.Tensor | None = None, *, dtype: torch.dtype = torch.bfloat16) -> Fp8Linear:
+        """A layer of a checkpoint's fp8 ``weight [N, K]`` and its scales as the formats store them: ``scale``
+        ``[N, 1]`` or ``[N]`` per output channel, ``[1]`` / ``[]`` per tensor, or ``[ceil(N / bn), ceil(K / bk)]``
+        per ``block = (bn, bk)`` (block FP8's ``weight_scale_inv``)."""
+        if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+            raise ValueError(f"an fp8 checkpoint weight is a 2-D {FP8_DTYPE} tensor; got {weight.dtype} "
+                             f"{list(weight.shape)}")
+        n, k = weight.shape
+        scale = scale.to(torch.float32)
+        if block is not None:
+            group_n, group_k = block
+            layout = scale.t()  # [ceil(K / bk), ceil(N / bn)]
+        elif scale.numel() == 1:
+            group_n, group_k, layout = n, k, scale.reshape(1, 1)
+        elif scale.numel() == n:
+            group_n, group_k, layout = 1, k, scale.reshape(1, n)
+        else:
+            raise ValueError(f"fp8 scales of shape {list(scale.shape)} fit neither per-channel ([{n}, 1]) nor "
+                             f"per-tensor scales of a [{n}, {k}] weight, and no weight_block_size was given")
+        module = cls(k, n, group_k=group_k, group_n=group_n, bias=bias is not None, dtype=dtype, device=weight.device)
+        if tuple(layout.shape) != tuple(module.weight_scale.shape):
+            raise ValueError(f"fp8 block scales {list(scale.shape)} do not fit a [{n}, {k}] weight in blocks of "
+                             f"{block}")
+        module.weight.copy_(weight.t())
+        module.weight_scale.copy_(layout)
+        if bias is not None:
+            module.bias.data.copy_(bias.to(dtype))
+        return module
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight ``[N, K]`` (``nn.Linear``'s layout) in ``dtype``."""
+        return dequantize(self.weight, self.weight_scale, self.group_k, self.group_n, dtype).t()
+
+    @property
+    def granularity(self) -> str:
+        """How the scales are laid out: "per channel", "per tensor" or "blocks of BN x BK"."""
+        if self.group_n == 1 and self.group_k >= self.in_features:
+            return "per channel"
+        if self.group_n >= self.out_features and self.group_k >= self.in_features:
+            return "per tensor"
+        return f"blocks of {self.group_n}x{self.group_k}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)
+        out = fp8_matmul_op(flat, self.weight, self.weight_scale, self.group_k, self.group_n, "auto")
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.granularity}, "
+                f"bias={self.bias is not None}")
+
+
+def fp8_layers(model: nn.Module) -> tuple[Fp8Linear, ...]:
+    """The :class:`Fp8Linear` layers of ``model``, in module order."""
+    return tuple(m for m in model.modules() if isinstance(m, Fp8Linear))
+
+
+def fp8_summary(layers: tuple[Fp8Linear, ...]) -> str:
+    """``"14 × fp8 e4m3 per channel"``-style summary of ``layers``."""
+    counts = Counter(layer.granularity for layer in layers)
+    return ", ".join(f"{n} × fp8 e4m3 {granularity}" for granularity, n in counts.items())

@@ -1,0 +1,124 @@
+"""A multimodal prompt's prefill over the runner's pool: transformers' own forward — the vision encoder, the
+projector, the merge of image features into the text, each family's positions and masks (Qwen's 3-D M-RoPE
+positions, Gemma 3's bidirectional attention over an image's tokens) — with its K/V written into the runner's
+sequences (a :class:`~hfaccel.kv.PromptCache`); the decode steps then run over that pool.
+
+What the decode steps must carry over from the prefill is where each sequence's positions continue: transformers
+continues a row's text past the largest position its prompt used (an image spans fewer positions than tokens under
+M-RoPE), so each sequence's position offset (``ModelRunner.position_offsets``) is read off the positions the language
+model was given.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from hfaccel import compat
+from hfaccel.kv import PromptCache
+
+# transformers' names of the pixels a vision encoder reads
+PIXEL_INPUTS = frozenset({"pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches"})
+# Qwen's M-RoPE position ids as transformers passes them to the language model: [4, B, L], the text positions then the
+# temporal, height and width axes
+MROPE_WITH_TEXT_ROW = 4
+
+
+@torch.inference_mode()
+def prefill_batch(model, runner, seq_ids: Sequence[Hashable], lengths: Sequence[int], *, input_ids: torch.Tensor,
+                  generation_config, model_kwargs: dict) -> torch.Tensor:
+    """``generate``'s prefill of the rows of ``input_ids [B, L]`` (left-padded: row ``i`` holds ``lengths[i]`` real
+    tokens) through transformers' own prefill, their K/V into the runner's sequences ``seq_ids`` (their slots
+    reserved), each sequence's position offset set (``runner.position_offsets``). Returns the logits of each row's
+    last token, ``[B, V]``."""
+    width = input_ids.shape[1]
+    pads = [width - n for n in lengths]
+    kwargs = {name: value for name, value in model_kwargs.items() if name not in compat.CACHE_ARGUMENTS}
+    kwargs[compat.cache_argument(model)] = PromptCache(model.config, runner.pool, seq_ids, pads)
+    with _positions_given(model) as seen:
+        logits = compat.transformers_prefill(model, input_ids, generation_config, kwargs).logits[:, -1]
+    _set_offsets(runner, seq_ids, lengths, _next_positions(seen, len(seq_ids), width, pads))
+    return logits
+
+
+@torch.inference_mode()
+def prefill_sequence(model, runner, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """The Engine's prefill of one sequence's tokens ``input_ids [L]`` (its slots held) with its multimodal
+    ``inputs`` (the processor's pixel values, image sizes, token types... of its prompt) through the model's forward;
+    its position offset set. Returns the logits of its last token, ``[1, V]``."""
+    length = input_ids.shape[0]
+    cache = PromptCache(model.config, runner.pool, [seq_id], [0])
+    with _positions_given(model) as seen:
+        out = model(input_ids=input_ids[None], attention_mask=torch.ones_like(input_ids)[None], use_cache=True,
+                    logits_to_keep=1, **{compat.cache_argument(model): cache}, **inputs)
+    _set_offsets(runner, [seq_id], [length], _next_positions(seen, 1, length, [0]))
+    return out.logits[:, -1]
+
+
+def _set_offsets(runner, seq_ids: Sequence[Hashable], lengths: Sequence[int], ends: Sequence[int]) -> None:
+    """Each sequence's position offset: where its positions continue (``ends``) less its length."""
+    for seq_id, length, end in zip(seq_ids, lengths, ends):
+        if end != length:
+            runner.position_offsets[seq_id] = end - length
+        else:
+            runner.position_offsets.pop(seq_id, None)
+
+
+@contextmanager
+def _positions_given(model):
+    """Record the position ids the model's language model is given during the block (a list that gets them, or
+    None where the language model derives them itself)."""
+    seen: list[torch.Tensor | None] = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs.get("position_ids"))
+
+    handle = model.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _next_positions(seen: list[torch.Tensor | None], batch: int, width: int, pads: Sequence[int]) -> list[int]:
+    """The position each row's next token takes, as transformers continues it: one past the largest position of the
+    row's real tokens (its cache position where the language model derived positions itself)."""
+    if not seen or seen[0] is None:
+        return [width] * batch
+    positions = seen[0].reshape(-1, batch, seen[0].shape[-1])  # [R, B, L]: R = 1 or the M-RoPE axes
+    if positions.shape[0] == MROPE_WITH_TEXT_ROW:
+        positions = positions[1:]  # the text positions (the mask's) lead the three M-RoPE axes
+    return [int(positions[:, row, pad:].max()) + 1 for row, pad in enumerate(pads)]
+
+
+class EncoderCache:
+    """The vision encoder's outputs of recent prompts' images, keyed by their content hash, at most ``size`` of them
+    (least recently used dropped first): a request whose images were encoded before skips the encoder. Where the
+    installed transformers cannot take encoded images (5.17), every request encodes its own."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self.hits = self.misses = 0
+        self._outputs: OrderedDict[str, dict] = OrderedDict()
+
+    def inputs(self, model, digest: str, inputs: dict) -> dict:
+        """``inputs`` with their pixels replaced by the encoder's outputs (cached, or computed and kept)."""
+        encoded = self._outputs.get(digest)
+        if encoded is None:
+            self.misses += 1
+            encoded = compat.encode_media(model, inputs)
+            if encoded is None:
+                return inputs
+            self._outputs[digest] = encoded
+            while len(self._outputs) > self.size:
+                self._outputs.popitem(last=False)
+        else:
+            self.hits += 1
+            self._outputs.move_to_end(digest)
+        return {**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": encoded}
+
+    def __str__(self) -> str:
+        return f"{len(self._outputs)} of {self.size} held, {self.hits} hits, {self.misses} misses"

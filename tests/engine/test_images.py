@@ -1,0 +1,158 @@
+"""The Engine with images: prompts with images (chat messages with image parts, or a prompt and its images) prefilled
+whole through the model's own forward, decoded in the batch with every other request — each request's tokens those
+of transformers' ``generate`` on it alone (fp32), mixed with text-only requests, after preemption too; bad images
+fail their request alone."""
+
+import io
+
+import pytest
+from PIL import Image
+
+import hfaccel
+from hfaccel import compat
+from tests.hf.vlm_models import image, llava_with_processor
+
+GREEDY = hfaccel.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def chat(text: str, *images) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image", "image": picture} for picture in images),
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return llava_with_processor()
+
+
+def transformers_tokens(model, processor, prompt, max_new_tokens: int = 10) -> list[int]:
+    """transformers' greedy tokens for one prompt alone (a chat, a ``{"prompt", "images"}`` dict or a text)."""
+    if isinstance(prompt, dict):
+        inputs = processor(text=[prompt["prompt"]], images=prompt["images"], return_tensors="pt")
+    elif isinstance(prompt, str):
+        inputs = processor(text=[prompt], return_tensors="pt")
+    else:
+        inputs = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                               return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _prompts() -> list:
+    """Chats with one and two images, a text prompt, a prompt and its images (a PIL image, then encoded PNG bytes),
+    a chat with no image."""
+    png = io.BytesIO()
+    image(25, 35, 4).save(png, format="PNG")
+    return [chat("What is this?", image(40, 50)),
+            chat("Compare these", image(30, 30, 1), image(60, 20, 2)),
+            "user: hello there\nassistant:",
+            {"prompt": "user: <image> and <image>, again?\nassistant:", "images": [image(40, 50), png.getvalue()]},
+            chat("Only text in a chat")]
+
+
+def test_mixed_batch_equals_each_request_alone(llava):
+    model, processor = llava
+    prompts = _prompts()
+    expected = [transformers_tokens(model, processor, _decoded(p)) for p in prompts]
+    engine = hfaccel.Engine(model, processor, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64)
+    outputs = engine.generate(prompts, GREEDY)
+    assert [o.error for o in outputs] == [None] * len(prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def _decoded(prompt):
+    """The prompt with its encoded images opened (what transformers' processor takes)."""
+    if isinstance(prompt, dict):
+        return {**prompt, "images": [Image.open(io.BytesIO(p)).convert("RGB") if isinstance(p, bytes) else p
+                                     for p in prompt["images"]]}
+    return prompt
+
+
+def test_preempted_image_requests_are_computed_again_with_their_images(llava):
+    """A pool too small for every request at once: image requests are preempted and recomputed (their prompt and
+    the tokens they had, through the multimodal prefill again) — the same tokens."""
+    model, processor = llava
+    prompts = [chat("What is this?", image(40, 50)), chat("Compare", image(30, 30, 1)),
+               chat("Once more?", image(20, 30, 3))]
+    params = hfaccel.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [transformers_tokens(model, processor, p, 24) for p in prompts]
+    engine = hfaccel.Engine(model, processor, max_num_seqs=3, max_num_batched_tokens=64, num_blocks=6, block_size=16,
+                            enable_prefix_caching=False)
+    outputs = engine.generate(prompts, params)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_bad_images_fail_their_request_alone(llava):
+    model, processor = llava
+    engine = hfaccel.Engine(model, processor, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64)
+    good = chat("What is this?", image(40, 50))
+    bad = [chat("Broken", b"not an image"), {"prompt": "user: <image>\nassistant:", "images": []},
+           {"prompt": "user: <image>\nassistant:", "images": [image(20, 20), image(20, 20)]},
+           chat("Too big", Image.new("1", (9000, 8000))), {"prompt": "x", "images": [image(10, 10)], "extra": 1}]
+    outputs = engine.generate([good, *bad], GREEDY)
+    assert outputs[0].error is None
+    assert outputs[0].outputs[0].token_ids == transformers_tokens(model, processor, good)
+    errors = [o.error for o in outputs[1:]]
+    assert "not an image that can be decoded" in errors[0]
+    assert "processor rejected" in errors[1]
+    # more images than placeholders: transformers 5.24's processor refuses them; 5.17's lets them through and the
+    # model's forward refuses them in the step, which fails this request alone
+    assert "processor rejected" in errors[2] or "image tokens do not match" in errors[2]
+    assert "pixels" in errors[3]
+    assert "'prompt' and 'images'" in errors[4]
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_a_text_model_refuses_images():
+    from tests.serve.agent_models import smollm2_tokenizer, tiny_model_over
+
+    tokenizer = smollm2_tokenizer()
+    engine = hfaccel.Engine(tiny_model_over(tokenizer), tokenizer, num_blocks=16)
+    with pytest.raises(ValueError, match="image-text-to-text model and its processor"):
+        engine.add_request(chat("What is this?", image(40, 50)), GREEDY)
+    assert not engine.has_unfinished_requests()
+
+
+def test_refused_combinations_say_so(llava):
+    model, processor = llava
+    engine = hfaccel.Engine(model, processor, num_blocks=32)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.add_request(chat("What?", image(40, 50)), hfaccel.SamplingParams(max_tokens=2, prompt_logprobs=1))
+
+
+def test_the_same_image_again_skips_the_encoder(llava):
+    """A request whose images were encoded before takes the encoder's outputs from the cache (transformers >= 5.24,
+    which takes encoded images): the same tokens."""
+    model, processor = llava
+    engine = hfaccel.Engine(model, processor, num_blocks=32)
+    prompt = chat("What is this?", image(40, 50))
+    first = engine.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    again = engine.generate([chat("What is this?", image(40, 50))], GREEDY)[0].outputs[0].token_ids
+    assert first == again == transformers_tokens(model, processor, prompt)
+    if compat.takes_encoded_media(model):
+        assert (engine.encoder_cache.hits, engine.encoder_cache.misses) == (1, 1)
+    else:  # transformers 5.17: the forward encodes its pixels, every request its own
+        assert engine.encoder_cache.hits == 0
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager steps", "static steps"])
+def test_processed_prompts_continue_their_mrope_positions(cuda_graphs):
+    """Prompts a processor made already (Qwen2.5-VL: its processor needs torchvision, so the test builds its inputs
+    as tests/hf/vlm_models does) — text after an image continues from the image's M-RoPE positions in the engine's
+    decode steps too: each request's tokens those of transformers on it alone, mixed with a text-only request."""
+    from tests.hf.vlm_models import CASES
+
+    case = CASES["qwen2_5_vl"]
+    model = case.model()
+    prompts = [[5, 6, image(120, 90), 7, 8], [20, 21, 22, 23], [9, image(40, 40, 1), 10, image(60, 30, 2), 11]]
+    singles = [case.inputs([prompt]) for prompt in prompts]
+    expected = [model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist() for inputs in singles]
+    engine = hfaccel.Engine(model, max_num_seqs=4, num_blocks=32, cuda_graphs=cuda_graphs)
+    requests = [{"prompt_token_ids": inputs["input_ids"][0].tolist(),
+                 "multimodal_inputs": {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}}
+                for inputs in singles]
+    requests[1] = singles[1]["input_ids"][0].tolist()  # the text-only one as plain token ids
+    outputs = engine.generate(requests, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert engine.stats()["decode_steps"].startswith("uncompiled") == cuda_graphs

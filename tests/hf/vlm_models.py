@@ -1,0 +1,273 @@
+"""Tiny random image-text-to-text models of the families users serve, and prompts with generated images, built with
+no download: each family's config at test sizes, its own (PIL) image processor, and the token layout its processor
+writes for an image (placeholders, begin / end / break tokens, token types).
+
+A prompt is a list of segments — token ids and ``PIL.Image`` images; :meth:`VlmCase.inputs` turns a batch of prompts
+into ``generate``'s inputs, left-padded as a processor pads them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+VOCAB = 320
+PAD, BOS, EOS = 0, 1, 2
+IMAGE, IMAGE_START, IMAGE_END, IMAGE_BREAK = 300, 301, 302, 303  # placeholder, begin / end of image, row break
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=PAD, bos_token_id=BOS,
+            eos_token_id=EOS)
+
+
+def image(height: int, width: int, seed: int = 0) -> Image.Image:
+    """A random RGB image."""
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@dataclass
+class VlmCase:
+    """One family: ``build()`` makes the model; ``process(images)`` its image processor's outputs for images in
+    prompt order, ``tokens(pixels, i)`` the tokens that stand for image ``i`` in the text; ``per_row``: the
+    processor batches pixel values per prompt (Idefics3's ``[B, images, 3, H, W]``); ``token_types``: the name of
+    the token-type input marking image tokens (1), if the family takes one."""
+
+    name: str
+    build: Callable[[], transformers.PreTrainedModel]
+    process: Callable[[list[Image.Image]], dict]
+    tokens: Callable[[dict, int], list[int]]
+    token_types: str | None = None
+    per_row: bool = False
+
+    def model(self, seed: int = 0) -> transformers.PreTrainedModel:
+        torch.manual_seed(seed)
+        return self.build().eval()
+
+    def inputs(self, prompts: Sequence[Sequence[int | Image.Image]]) -> dict[str, torch.Tensor]:
+        """``generate`` inputs of a batch of prompts (token ids and images), left-padded."""
+        images = [part for prompt in prompts for part in prompt if isinstance(part, Image.Image)]
+        pixels = self._pixels(prompts, images)
+        rows, index = [], 0
+        for prompt in prompts:
+            row = []
+            for part in prompt:
+                if isinstance(part, Image.Image):
+                    row += self.tokens(pixels, index)
+                    index += 1
+                else:
+                    row.append(part)
+            rows.append(row)
+        width = max(map(len, rows))
+        ids = torch.tensor([[PAD] * (width - len(row)) + row for row in rows])
+        inputs = {"input_ids": ids,
+                  "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])}
+        if self.token_types is not None:
+            inputs[self.token_types] = (ids == IMAGE).long()
+        return {**inputs, **{name: value for name, value in pixels.items() if name != "tokens"}}
+
+    def _pixels(self, prompts, images: list[Image.Image]) -> dict:
+        if not images:
+            return {}
+        if not self.per_row:
+            return self.process(images)
+        per_prompt = [[part for part in prompt if isinstance(part, Image.Image)] for prompt in prompts]
+        return self.process(per_prompt)
+
+
+def _qwen_tokens(merge: int) -> Callable[[dict, int], list[int]]:
+    def tokens(pixels: dict, i: int) -> list[int]:
+        return [IMAGE_START] + [IMAGE] * (int(pixels["image_grid_thw"][i].prod()) // merge ** 2) + [IMAGE_END]
+    return tokens
+
+
+def _qwen_processor(patch: int, merge: int):
+    processor = transformers.Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge,
+                                                      min_pixels=(patch * merge) ** 2 * 4,
+                                                      max_pixels=(patch * merge) ** 2 * 24)
+    return lambda images: dict(processor(images=images, return_tensors="pt"))
+
+
+def _qwen2_5_vl() -> transformers.PreTrainedModel:
+    text = {**TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 20.0}}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                             out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                                             temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, video_token_id=304)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen3_vl() -> transformers.PreTrainedModel:
+    text = {**TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                        "rope_theta": 20.0}}
+    config = transformers.Qwen3VLConfig(
+        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                             out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                                             temporal_patch_size=2, num_position_embeddings=64,
+                                             deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, video_token_id=304)
+    return transformers.Qwen3VLForConditionalGeneration(config)
+
+
+def _qwen3_5() -> transformers.PreTrainedModel:
+    """Qwen3.5: Qwen3-VL's vision encoder over a hybrid language model (linear-attention layers keep recurrent
+    state)."""
+    from tests.hf.tiny_configs import tiny_config
+
+    text = tiny_config("qwen3_5_text", vocab_size=VOCAB).to_dict()
+    text["rope_parameters"] = {**text.get("rope_parameters", {}), "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                             out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
+                                             temporal_patch_size=2, num_position_embeddings=64),
+        image_token_id=IMAGE, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, video_token_id=304)
+    return transformers.Qwen3_5ForConditionalGeneration(config)
+
+
+GEMMA3_IMAGE, GEMMA3_TOKENS = 28, 16  # SigLIP input side; tokens per image after pooling
+
+
+def _gemma3() -> transformers.PreTrainedModel:
+    text = {**TEXT, "num_hidden_layers": 3, "sliding_window": 8, "layer_types": ["sliding_attention",
+                                                                                  "sliding_attention",
+                                                                                  "full_attention"],
+            "query_pre_attn_scalar": 16}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=GEMMA3_IMAGE, patch_size=7),
+        mm_tokens_per_image=GEMMA3_TOKENS, image_token_index=IMAGE, boi_token_index=IMAGE_START,
+        eoi_token_index=IMAGE_END)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+def _gemma3_processor():
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE})
+    return lambda images: {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]}
+
+
+LLAVA_IMAGE, LLAVA_PATCH = 28, 7
+
+
+def _llava() -> transformers.PreTrainedModel:
+    config = transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(**TEXT),
+        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                    num_attention_heads=2, image_size=LLAVA_IMAGE,
+                                                    patch_size=LLAVA_PATCH, projection_dim=32),
+        image_token_index=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="default")
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+def _llava_processor():
+    processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
+                                                   crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+    return lambda images: dict(processor(images=images, return_tensors="pt"))
+
+
+MISTRAL3_PATCH, MISTRAL3_MERGE = 8, 2
+
+
+def _mistral3() -> transformers.PreTrainedModel:
+    config = transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(**TEXT),
+        vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                       num_attention_heads=2, head_dim=16, image_size=64,
+                                                       patch_size=MISTRAL3_PATCH),
+        image_token_index=IMAGE, spatial_merge_size=MISTRAL3_MERGE, vision_feature_layer=-1)
+    return transformers.Mistral3ForConditionalGeneration(config)
+
+
+def _mistral3_processor():
+    processor = transformers.PixtralImageProcessorPil(size={"longest_edge": 64},
+                                                      patch_size={"height": MISTRAL3_PATCH, "width": MISTRAL3_PATCH})
+    return lambda images: dict(processor(images=images, return_tensors="pt"))
+
+
+def _mistral3_tokens(pixels: dict, i: int) -> list[int]:
+    """Pixtral's layout: a row of placeholders per merged patch row, each closed by a break, the last by the end."""
+    height, width = (int(side) // (MISTRAL3_PATCH * MISTRAL3_MERGE) for side in pixels["image_sizes"][i])
+    rows = [[IMAGE] * width + [IMAGE_BREAK] for _ in range(height)]
+    rows[-1][-1] = IMAGE_END
+    return [token for row in rows for token in row]
+
+
+SMOLVLM_IMAGE, SMOLVLM_PATCH, SMOLVLM_SCALE = 32, 8, 2
+
+
+def _smolvlm() -> transformers.PreTrainedModel:
+    config = transformers.SmolVLMConfig(
+        text_config=transformers.LlamaConfig(**TEXT),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=SMOLVLM_IMAGE, patch_size=SMOLVLM_PATCH),
+        image_token_id=IMAGE, scale_factor=SMOLVLM_SCALE)
+    return transformers.SmolVLMForConditionalGeneration(config)
+
+
+def _smolvlm_pixels(per_prompt: list[list[Image.Image]]) -> dict:
+    """What SmolVLM's processor gives without image splitting (its image processor needs torchvision under
+    transformers 5.17): each image resized to one square crop, scaled to [-1, 1], ``[B, images, 3, H, W]`` padded
+    with empty crops that ``pixel_attention_mask`` marks."""
+    most = max(map(len, per_prompt))
+    pixels = torch.zeros(len(per_prompt), most, 3, SMOLVLM_IMAGE, SMOLVLM_IMAGE)
+    mask = torch.zeros(len(per_prompt), most, SMOLVLM_IMAGE, SMOLVLM_IMAGE, dtype=torch.long)
+    for row, images in enumerate(per_prompt):
+        for i, picture in enumerate(images):
+            array = np.asarray(picture.resize((SMOLVLM_IMAGE, SMOLVLM_IMAGE)), dtype=np.float32) / 255.0
+            pixels[row, i] = (torch.from_numpy(array).permute(2, 0, 1) - 0.5) / 0.5
+            mask[row, i] = 1
+    return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def _smolvlm_tokens(pixels: dict, i: int) -> list[int]:
+    tokens = (SMOLVLM_IMAGE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE ** 2
+    return [IMAGE_START] + [IMAGE] * tokens + [IMAGE_END]
+
+
+CASES = {
+    "qwen2_5_vl": VlmCase("qwen2_5_vl", _qwen2_5_vl, _qwen_processor(14, 2), _qwen_tokens(2),
+                          token_types="mm_token_type_ids"),
+    "qwen3_vl": VlmCase("qwen3_vl", _qwen3_vl, _qwen_processor(16, 2), _qwen_tokens(2),
+                        token_types="mm_token_type_ids"),
+    "qwen3_5": VlmCase("qwen3_5", _qwen3_5, _qwen_processor(16, 2), _qwen_tokens(2), token_types="mm_token_type_ids"),
+    "gemma3": VlmCase("gemma3", _gemma3, _gemma3_processor(),
+                      lambda pixels, i: [IMAGE_START] + [IMAGE] * GEMMA3_TOKENS + [IMAGE_END],
+                      token_types="token_type_ids"),
+    "llava": VlmCase("llava", _llava, _llava_processor(),
+                     lambda pixels, i: [IMAGE] * (LLAVA_IMAGE // LLAVA_PATCH) ** 2),
+    "mistral3": VlmCase("mistral3", _mistral3, _mistral3_processor(), _mistral3_tokens),
+    "smolvlm": VlmCase("smolvlm", _smolvlm, _smolvlm_pixels, _smolvlm_tokens, per_row=True),
+}
+
+
+# a LLaVA-style chat template: each image content part becomes the processor's <image> placeholder
+LLAVA_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for c in m.content %}{% if c.type == 'image' %}<image>{% else %}{{ c.text }}{% endif %}"
+                  "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def llava_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
+    """A tiny random LLaVA over SmolLM2's real tokenizer (``<image>`` added) and its real processor, as
+    ``AutoProcessor`` would load one: what pipelines, the Engine and the server take."""
+    from tests.assets import smollm2_or_skip
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_or_skip())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = transformers.CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
+                                                crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=LLAVA_PATCH,
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                            chat_template=LLAVA_TEMPLATE)
+    text = transformers.LlamaConfig(**{**TEXT, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                                       "pad_token_id": tokenizer.pad_token_id or 0})
+    config = transformers.LlavaConfig(
+        text_config=text,
+        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                    num_attention_heads=2, image_size=LLAVA_IMAGE,
+                                                    patch_size=LLAVA_PATCH, projection_dim=32),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    return transformers.LlavaForConditionalGeneration(config).eval(), processor

@@ -1,0 +1,153 @@
+"""Fp8Linear in a model: ``quantize(model, "fp8")`` and ``accelerate(quantize="fp8")``, and the fp8 checkpoint
+formats users download — compressed-tensors (written by ``save_quantized(format="fp8")``, read back by hfaccel and by
+transformers' own loader), block FP8 (transformers' ``FineGrainedFP8Config`` layout: ``weight_scale_inv`` per block)
+and FBGEMM fp8 — each giving the greedy tokens of the same model with its weights dequantized to fp32 (Llama and
+Qwen3, a left-padded batch)."""
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import hfaccel
+from hfaccel.kernels.fp8 import FP8_DTYPE
+from hfaccel.quant import Fp8Linear, replace_module
+from tests.models import padded_batch, tiny_model
+
+GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+ARCHITECTURES = ["llama", "qwen3"]
+
+
+def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with each Fp8Linear replaced by an fp32 Linear holding its dequantized weight."""
+    copied = copy.deepcopy(model)
+    for name, module in list(copied.named_modules()):
+        if isinstance(module, Fp8Linear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight.data = module.dequantized(torch.float32)
+            if module.bias is not None:
+                linear.bias.data = module.bias.data.float()
+            replace_module(copied, name, linear)
+    return copied
+
+
+def test_fp8_linear_equals_its_dequantized_weight():
+    linear = torch.nn.Linear(200, 77, bias=True)
+    module = Fp8Linear.from_linear(linear)
+    x = torch.randn(3, 5, 200)
+    torch.testing.assert_close(module(x), x @ module.dequantized().t() + linear.bias, atol=1e-5, rtol=1e-5)
+    error = (module.dequantized() - linear.weight).abs().max(dim=1).values
+    assert (error <= linear.weight.abs().max(dim=1).values / 16).all()  # e4m3: 3 mantissa bits
+    assert "fp8 e4m3 per channel" in repr(module)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_quantize_and_accelerate_give_the_dequantized_models_tokens(arch):
+    model = hfaccel.quantize(tiny_model(arch), "fp8")
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 2 * 7
+    assert not isinstance(model.lm_head, Fp8Linear)
+    batch = padded_batch()
+    expected = dequantized_copy(model).generate(**batch, **GREEDY)
+    assert torch.equal(model.generate(**batch, **GREEDY), expected)
+    accelerated = hfaccel.accelerate(tiny_model(arch), quantize="fp8", attention="triton", compile=False)
+    assert torch.equal(accelerated.generate(**batch, **GREEDY), expected)
+    assert str(accelerated.hfaccel.decode) == "hfaccel"
+    assert "14 × fp8 e4m3 per channel" in str(accelerated.hfaccel)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_compressed_tensors_checkpoint_round_trip(tmp_path, arch):
+    """save_quantized(format="fp8") writes compressed-tensors; hfaccel reads it back bit-exactly, and transformers'
+    own loader (the compressed-tensors package) reads it too, decompressing to the same weights."""
+    pytest.importorskip("compressed_tensors")
+    model = hfaccel.quantize(tiny_model(arch), "fp8")
+    batch = padded_batch()
+    expected = dequantized_copy(model).generate(**batch, **GREEDY)
+    path = hfaccel.save_quantized(model, tmp_path / "fp8", format="fp8")
+    spec = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert spec["quant_method"] == "compressed-tensors" and spec["format"] == "float-quantized"
+    loaded = hfaccel.load_quantized(path, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            assert torch.equal(loaded.get_submodule(name).weight.view(torch.uint8), module.weight.view(torch.uint8))
+            assert torch.equal(loaded.get_submodule(name).weight_scale, module.weight_scale)
+    assert torch.equal(loaded.generate(**batch, **GREEDY), expected)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert torch.equal(theirs.generate(**batch, **GREEDY), expected)
+
+
+def _block_fp8_checkpoint(path, arch: str, block: int) -> torch.nn.Module:
+    """A block-FP8 checkpoint as transformers' FineGrainedFP8 writes one (``weight [N, K]`` e4m3,
+    ``weight_scale_inv [ceil(N / b), ceil(K / b)]`` fp32, ``quant_method: fp8``, ``weight_block_size``), made from a
+    tiny model; returns the model with those weights dequantized to fp32."""
+    model = tiny_model(arch)
+    tensors = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear and name != "lm_head":
+            weight = module.weight.detach()  # [N, K]
+            n, k = weight.shape
+            padded = torch.nn.functional.pad(weight, (0, -k % block, 0, -n % block))
+            blocks = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [N/b, b, K/b, b]
+            scale = blocks.abs().amax(dim=(1, 3)) / 448  # [N/b, K/b]
+            expanded = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+            quantized = (weight / expanded).to(FP8_DTYPE)
+            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = quantized, scale
+            module.weight.data = quantized.float() * expanded
+    tensors.update({k: v.contiguous() for k, v in model.state_dict().items() if k not in tensors})
+    path.mkdir()
+    save_file(tensors, path / "model.safetensors")
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (path / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_block_fp8_checkpoint_loads(tmp_path, arch):
+    reference = _block_fp8_checkpoint(tmp_path / "block", arch, block=32)
+    batch = padded_batch()
+    loaded = hfaccel.load_quantized(tmp_path / "block", dtype=torch.float32)
+    layers = [m for m in loaded.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 14 and {m.granularity for m in layers} == {"blocks of 32x32"}
+    assert torch.equal(loaded.generate(**batch, **GREEDY), reference.generate(**batch, **GREEDY))
+    hfaccel.accelerate(loaded, attention="triton", compile=False)
+    assert torch.equal(loaded.generate(**batch, **GREEDY), reference.generate(**batch, **GREEDY))
+
+
+def test_fbgemm_fp8_checkpoint_loads(tmp_path):
+    """FBGEMM fp8: ``weight`` e4m3 with ``weight_scale [N, 1]`` per channel and an activation bound
+    ``input_scale_ub`` (not used: activations stay 16-bit)."""
+    model = hfaccel.quantize(tiny_model("llama"), "fp8")
+    tensors = {k: v for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            tensors[f"{name}.weight"] = module.weight.t().contiguous()
+            tensors[f"{name}.weight_scale"] = module.weight_scale.t().contiguous()
+            tensors[f"{name}.input_scale_ub"] = torch.tensor([1200.0])
+    (tmp_path / "fbgemm").mkdir()
+    save_file(tensors, tmp_path / "fbgemm" / "model.safetensors")
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
+    (tmp_path / "fbgemm" / "config.json").write_text(json.dumps(config))
+    batch = padded_batch()
+    loaded = hfaccel.load_quantized(tmp_path / "fbgemm", dtype=torch.float32)
+    assert torch.equal(loaded.generate(**batch, **GREEDY), dequantized_copy(model).generate(**batch, **GREEDY))
+
+
+def test_unread_formats_say_which_are_read(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                     "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="reads compressed-tensors fp8 checkpoints"):
+        hfaccel.load_quantized(tmp_path)
+    config["quantization_config"] = {"quant_method": "bitnet"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="fp8 ones"):
+        hfaccel.load_quantized(tmp_path)

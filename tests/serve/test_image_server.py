@@ -1,0 +1,87 @@
+"""``hfaccel serve`` on an image-text-to-text model (a tiny LLaVA over SmolLM2's tokenizer, its real processor): chat
+requests with OpenAI ``image_url`` parts (``data:`` URLs) through the ``openai`` client, streamed and not, give the
+Engine's tokens for the same prompt; bad images are 400s naming the part, and the server keeps serving."""
+
+import base64
+import io
+
+import openai
+import pytest
+
+import hfaccel
+from tests.hf.vlm_models import image, llava_with_processor
+from tests.serve.test_server import Server
+
+
+def data_url(picture, kind: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format=kind)
+    return f"data:image/{kind.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def user(text: str, *urls: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llava")
+    model, processor = llava_with_processor()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    server = Server(path, "--allowed-media-domains", "images.example.com")
+    yield server, model, processor
+    server.stop()
+
+
+def engine_text(model, processor, messages: list[dict]) -> str:
+    """What the Engine answers to the same chat, its images opened from their URLs."""
+    from PIL import Image
+
+    opened = [{**m, "content": [{"type": "image", "image": Image.open(io.BytesIO(base64.b64decode(
+        p["image_url"]["url"].split(",", 1)[1])))} if p["type"] == "image_url" else p for p in m["content"]]}
+              for m in messages]
+    engine = hfaccel.Engine(model, processor, num_blocks=32)
+    out = engine.generate([opened], hfaccel.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    return out.outputs[0].text
+
+
+def test_chat_with_images_streamed_and_not(served):
+    server, model, processor = served
+    client = server.client()
+    messages = user("What is in these?", data_url(image(40, 50)), data_url(image(30, 20, 1), "JPEG"))
+    expected = engine_text(model, processor, messages)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens > 2 * 16  # each image's placeholder expanded to its 16 tokens
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True}, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+    assert server.wait_idle()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("url,message", [
+    ("data:image/png;base64,bm90IGFuIGltYWdl", "not an image that can be decoded"),
+    ("data:image/png;base64,@@@", "base64"),
+    ("data:image/png,raw", "data:<mime type>;base64"),
+    ("ftp://images.example.com/a.png", r"data: URL or an http\(s\) URL"),
+    ("https://elsewhere.example.org/a.png", "not among the domains"),
+])
+def test_bad_images_are_400s_and_the_server_keeps_serving(served, url, message):
+    server, _, _ = served
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match=message) as caught:
+        client.chat.completions.create(model="tiny", messages=user("What?", url), max_tokens=2)
+    assert "messages" in str(caught.value)
+    reply = client.chat.completions.create(model="tiny", messages=user("And this?", data_url(image(40, 50))),
+                                           max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_too_many_images_are_a_400(served):
+    server, _, _ = served
+    with pytest.raises(openai.BadRequestError, match="at most 16 images"):
+        server.client().chat.completions.create(model="tiny", messages=user("Many", *[data_url(image(8, 8))] * 17),
+                                                max_tokens=2)
