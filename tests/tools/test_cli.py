@@ -129,6 +129,32 @@ def test_bench_int4(tmp_path, monkeypatch):
     assert decode[2]["weight_gb"] < decode[0]["weight_gb"] / 3  # int4 layers hold ~1/7 of the fp32 bytes
 
 
+def test_bench_fp8(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
+    output = tmp_path / "bench.json"
+    assert main(["bench", "fp8", "--batch", "1", "--prompt-len", "8", "--new-tokens", "3", "--output",
+                 str(output)]) == 0
+    results = json.loads(output.read_text())
+    kernels, decode = results["fp8_kernels"], results["fp8_decode"]
+    assert [(row["m"], row["path"]) for row in kernels] == [(1, "torch reference"), (16, "torch reference")]
+    assert all(row["fp8_us"] > 0 and row["cublas_us"] > 0 for row in kernels)
+    assert [row["weights"] for row in decode] == ["float32", "fp8 e4m3 per channel"]
+    assert decode[1]["weight_gb"] < decode[0]["weight_gb"] / 2  # fp8 layers hold 1/4 of the fp32 bytes
+
+
+def test_bench_vlm(tmp_path, monkeypatch):
+    """The VLM case's plumbing on its tiny model: decode rows of each path that ran, the serving comparison."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    output = tmp_path / "bench.json"
+    assert main(["bench", "vlm", "--model", "tiny", "--requests", "3", "--batch", "2", "--new-tokens", "3",
+                 "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert [row["path"] for row in results["vlm_decode"]] == ["transformers sdpa", "hfaccel"]
+    serve = results["vlm_serve"]
+    assert [row["path"] for row in serve] == ["transformers generate (padded batches of 2)", "hfaccel Engine"]
+    assert all(row["output_tokens_per_s"] > 0 and row["requests"] == 3 for row in serve)
+
+
 def test_bench_structured(tmp_path, monkeypatch):
     """Mask times over real constrained generations and the 0 / 50 / 100% structured throughput rows (a tiny random
     model over SmolLM2's tokenizer files alone, as a GPU machine without the assets gets them, a few tokens)."""
