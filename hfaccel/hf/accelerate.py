@@ -19,7 +19,7 @@ from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
 from hfaccel.quant import quantize as quantize_model
-from hfaccel.quant.fp8 import fp8_layers, fp8_summary
+from hfaccel.quant.fp8 import adopt_fp8_layers, fp8_layers, fp8_summary, put_back
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.kv.layout import ModelLayout
 from hfaccel.kv.state import install_mixers, remove_mixers
@@ -42,6 +42,7 @@ class Acceleration:
     attention_paths: AttentionPaths | None = None  # which path (SDPA, hfaccel's kernels, torch) served each call
     int4_layers: tuple = ()  # the model's Int4Linear layers (their paths are reported)
     fp8_layers: tuple = ()  # the model's Fp8Linear layers (their scales' granularity is reported)
+    fp8_adopted: tuple = ()  # (name, transformers' fp8 layer) each Fp8Linear replaced; restore() puts them back
     lora: LoraState | None = None  # the model's PEFT LoRA layers (merged by hfaccel or not)
     layout: ModelLayout | None = None  # what each layer keeps (K/V of which shape, recurrent state)
     text_config_key: str | None = None  # a multimodal model's language-model sub-config ("text_config")
@@ -116,6 +117,10 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a
             model without LoRA layers.
 
+    fp8 models: transformers' own fp8 layers (a block-FP8 or FBGEMM fp8 checkpoint loaded on a GPU; on a CPU
+    transformers dequantizes them) are replaced by hfaccel's ``Fp8Linear``, their weights and scales as they are, and
+    ``restore`` puts them back; a model from ``hfaccel.load_quantized`` has ``Fp8Linear`` layers already.
+
     PEFT models: ``accelerate(peft_model)`` accelerates the transformers model the ``PeftModel`` wraps
     (``peft_model.get_base_model()``), its LoRA layers in place, and returns ``peft_model``; ``peft_model.generate``
     then runs hfaccel's loop, and ``peft_model.hfaccel`` describes it (the LoRA layers and adapters included).
@@ -160,10 +165,12 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if merge_lora:
         lora.merge()
     _quantize(model, quantize, calib_data, group_size, lora)
+    adopted = tuple(adopt_fp8_layers(model, model.dtype))  # transformers' fp8 layers -> hfaccel's kernels
     original = attention_implementations(model)
     support = model_support(model)
     reason = support.reason
     if reason is not None:
+        put_back(model, list(adopted))
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
         model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason, lora=lora,
                                      text_config_key=text_config_key(model.config))
@@ -180,7 +187,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     prepare_int4(layers)
     model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
                                  attention_paths=track_paths(model), int4_layers=layers,
-                                 fp8_layers=fp8_layers(model), lora=lora,
+                                 fp8_layers=fp8_layers(model), fp8_adopted=adopted, lora=lora,
                                  layout=support.layout, text_config_key=text_config_key(model.config))
     return given
 
@@ -197,7 +204,8 @@ def _quantize(model, method: str | None, calib_data, group_size: int, lora: Lora
 def restore(model: PreTrainedModel) -> PreTrainedModel:
     """Undo :func:`accelerate` on ``model`` (a no-op on a model that was never accelerated); returns ``model``. A
     ``PeftModel`` gets back its wrapped model's attention and ``generate``, and the LoRA layers a
-    ``merge_lora=True`` replaced (the same modules, their weights never changed)."""
+    ``merge_lora=True`` replaced (the same modules, their weights never changed); transformers' fp8 layers come
+    back likewise."""
     given = model
     if compat.is_peft_model(model):
         model = compat.peft_base_model(model)
@@ -213,6 +221,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         info.session.release()  # its KV pools and compiled steps, now rather than at the next collection
     if info.lora is not None:
         info.lora.unmerge()
+    put_back(model, list(info.fp8_adopted))
     del model.hfaccel
     return given
 

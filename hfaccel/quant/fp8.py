@@ -98,6 +98,46 @@ class Fp8Linear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
+# transformers' own fp8 layers (on a GPU; on a CPU transformers dequantizes such checkpoints to 16-bit Linear layers)
+# and the attribute holding their scales: FineGrainedFP8 (block FP8), FBGEMM fp8
+TRANSFORMERS_FP8_LAYERS = {"FP8Linear": "weight_scale_inv", "FbgemmFp8Linear": "weight_scale"}
+
+
+def from_transformers_layer(module: nn.Module, dtype: torch.dtype) -> Fp8Linear | None:
+    """An :class:`Fp8Linear` of one of transformers' fp8 layers (its weight and scales as they are, ``dtype`` the
+    activations'), or None for any other module."""
+    scale_name = TRANSFORMERS_FP8_LAYERS.get(type(module).__name__)
+    if scale_name is None or not type(module).__module__.startswith("transformers.integrations") \
+            or getattr(module, "weight", None) is None or module.weight.dtype != FP8_DTYPE:
+        return None
+    block = getattr(module, "block_size", None)
+    return Fp8Linear.from_checkpoint(module.weight.detach(), getattr(module, scale_name).detach(),
+                                     None if block is None else tuple(block), module.bias, dtype=dtype)
+
+
+def adopt_fp8_layers(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, nn.Module]]:
+    """Replace transformers' fp8 layers in ``model`` by :class:`Fp8Linear` ones; returns ``(name, the original
+    layer)`` of each, for :func:`put_back`."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        ours = from_transformers_layer(module, dtype)
+        if ours is not None:
+            _set(model, name, ours)
+            replaced.append((name, module))
+    return replaced
+
+
+def put_back(model: nn.Module, replaced: list[tuple[str, nn.Module]]) -> None:
+    """Undo :func:`adopt_fp8_layers`: the original layers back where they were."""
+    for name, module in replaced:
+        _set(model, name, module)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
 def fp8_layers(model: nn.Module) -> tuple[Fp8Linear, ...]:
     """The :class:`Fp8Linear` layers of ``model``, in module order."""
     return tuple(m for m in model.modules() if isinstance(m, Fp8Linear))

@@ -151,3 +151,34 @@ def test_unread_formats_say_which_are_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="fp8 ones"):
         hfaccel.load_quantized(tmp_path)
+
+
+def test_accelerate_adopts_transformers_fp8_layers_and_restore_puts_them_back():
+    """A block-FP8 model as transformers loads it on a GPU (its FineGrainedFP8 ``FP8Linear`` layers; on a CPU it
+    dequantizes them, so the test builds them): accelerate() serves them by Fp8Linear with the same weights and
+    scales — the dequantized model's tokens — and restore() puts the same layer objects back."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    block = 32
+    originals = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear and name != "lm_head":
+            n, k = module.weight.shape
+            layer = FP8Linear(k, n, block_size=(block, block))
+            weight = module.weight.detach()
+            scale = weight.unflatten(0, (-1, block)).unflatten(2, (-1, block)).abs().amax(dim=(1, 3)) / 448
+            expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+            layer.weight.data = (weight / expanded).to(FP8_DTYPE)
+            layer.weight_scale_inv.data = scale
+            reference.get_submodule(name).weight.data = layer.weight.data.float() * expanded
+            replace_module(model, name, layer)
+            originals[name] = layer
+    batch = padded_batch()
+    hfaccel.accelerate(model, attention="torch")
+    assert {type(model.get_submodule(name)) for name in originals} == {Fp8Linear}
+    assert "14 × fp8 e4m3 blocks of 32x32" in str(model.hfaccel)
+    assert torch.equal(model.generate(**batch, **GREEDY), reference.generate(**batch, **GREEDY))
+    hfaccel.restore(model)
+    assert all(model.get_submodule(name) is layer for name, layer in originals.items())
