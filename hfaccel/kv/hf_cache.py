@@ -429,8 +429,8 @@ class PromptCache(PoolCache):
         if self._view is None:
             self._view = self._prefill_view(batch, width, key_states.device)
         paged, slots = self._view
-        return replace(paged, kv_cache=self.pool.layer_kv(layer_idx)[0], layer=self.pool.layer_kv(layer_idx)[1],
-                       dense=(key_states, value_states)), slots
+        kv_cache, layer = self.pool.layer_kv(layer_idx)
+        return replace(paged, kv_cache=kv_cache, layer=layer, dense=(key_states, value_states)), slots
 
     def _prefill_view(self, batch: int, width: int, device: torch.device) -> tuple[PagedKV, torch.Tensor]:
         if batch != len(self.seq_ids) or self.seq_len:
@@ -455,7 +455,8 @@ class PromptCache(PoolCache):
         return self.seq_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.seq_len + query_length if self._view is None else self.seq_len, 0
+        # the masks are made before the first layer: the keys are the prompt's
+        return (self.seq_len + query_length if self._view is None else self.seq_len), 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
