@@ -145,6 +145,8 @@ class ModelRunner:
 
     def _with_offsets(self, step: PackedStep, seq_ids: Sequence[Hashable], num_new: Sequence[int]) -> PackedStep:
         """``step`` with its tokens' position offsets (:attr:`position_offsets`), where a sequence has one."""
+        if not self.position_offsets:  # a text model's sequences, or no image prompt among them
+            return step
         offsets = [self.position_offsets.get(seq_id, 0) for seq_id in seq_ids]
         if not any(offsets):
             return step

@@ -522,15 +522,11 @@ def _best(outputs: list, n: int) -> list:
 async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
     lora = _check_model(state, req.model)
     _refuse_fields(req)
+    tools, messages = await _chat_input(state, req)
     try:
-        tools = parse_tools(req.tools)
         choice = parse_tool_choice(req.tool_choice, tools)
-        messages = message_dicts(req.messages)
     except ToolError as error:
         raise APIError(400, str(error), param=error.param) from None
-    except ValueError as error:
-        raise APIError(400, str(error), param="messages") from None
-    await _fetch_images(state, messages)
     plan = await _plan_chat(state, req, messages, tools, choice, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -596,6 +592,20 @@ async def _render(state: _State, messages: list[dict], tools: list[Tool],
         return await asyncio.to_thread(render_chat, state.engine.engine, messages, tools, **template)
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
+
+
+async def _chat_input(state: _State, req) -> tuple[list[Tool], list[dict]]:
+    """A chat request's tools and messages as the chat template takes them, their images fetched; a 400 naming
+    what is malformed."""
+    try:
+        tools = parse_tools(req.tools)
+        messages = message_dicts(req.messages)
+    except ToolError as error:
+        raise APIError(400, str(error), param=error.param) from None
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages") from None
+    await _fetch_images(state, messages)
+    return tools, messages
 
 
 async def _fetch_images(state: _State, messages: list[dict]) -> None:
@@ -676,14 +686,7 @@ async def _tokenize(state: _State, req: TokenizeRequest) -> dict:
             raise APIError(400, str(error), param="prompt") from None
         ids = list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
     else:
-        try:
-            tools = parse_tools(req.tools)
-            messages = message_dicts(req.messages)
-        except ToolError as error:
-            raise APIError(400, str(error), param=error.param) from None
-        except ValueError as error:
-            raise APIError(400, str(error), param="messages") from None
-        await _fetch_images(state, messages)
+        tools, messages = await _chat_input(state, req)
         _, ids, _ = await _render(state, messages, tools, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message,
                                   template_arguments=req.chat_template_kwargs)
