@@ -69,10 +69,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "granite_h": ("granitemoehybrid", {}),
     "jamba": ("jamba", {}),  # Mamba-1
     "lfm2": ("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2}),  # short convolutions
+    "minimax": ("minimax", {}),  # lightning (linear) attention, its state kept in MiniMax's own cache class
     "gpt_oss": ("gpt_oss", {}),  # attention sinks, alternating sliding and full layers
     "gemma4": ("gemma4_text", {}),  # per-layer head sizes and KV heads, layers sharing K/V (gemma4_config)
+    # chunked attention (chunks of 8, shorter than prompt + new tokens) on the RoPE layers, full attention with the
+    # attention temperature on the no-RoPE ones
+    "llama4": ("llama4_text", {"attention_chunk_size": 8, "num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0],
+                               "layer_types": ["chunked_attention", "full_attention"] * 2}),
 }
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax")
 
 
 def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers.PreTrainedModel:

@@ -68,10 +68,27 @@ class KernelMask:
     kv_offset: int  # absolute position of key 0
     causal: bool
     sliding_window: int | None
+    chunk_size: int | None = None  # chunked attention (Llama 4): keys from the start of the query's chunk on
+    q_length: int | None = None  # how many queries it covers, where known (for slicing them)
 
     # transformers treats a prepared 4-D mask (e.g. from generate()'s create_masks_for_generate with a static
     # cache) as final; a KernelMask passed back into the model is final too (see kernel_mask).
     ndim = 4
+
+    def __getitem__(self, index) -> KernelMask:
+        """The mask of a run of its queries, ``mask[:, :, queries, :]``, as of the ``[B, 1, Sq, Skv]`` mask it stands
+        for (Gemma 4's KV-shared layers keep only the last queries of a prefill)."""
+        whole = slice(None)
+        if not (isinstance(index, tuple) and len(index) == 4 and index[0] == index[1] == index[3] == whole
+                and isinstance(index[2], slice) and index[2].step in (None, 1)):
+            raise TypeError(f"a KernelMask takes only mask[:, :, start:stop, :] (a run of its queries); got {index!r}")
+        queries = index[2]
+        if queries.start in (None, 0) and queries.stop is None:
+            return self
+        if self.q_length is None:
+            raise TypeError("this KernelMask does not know its query count, so its queries cannot be sliced")
+        start, stop, _ = queries.indices(self.q_length)
+        return replace(self, q_offset=self.q_offset + start, q_length=max(stop - start, 0))
 
     def contiguous(self) -> KernelMask:
         # generate() makes static-cache masks contiguous before compiled decode steps.
@@ -81,10 +98,22 @@ class KernelMask:
 
 
 # What the runner passes as ``attention_mask``: each packed sequence attends causally to its own blocks, each layer
-# with the sliding window its module passes (``sliding_window``, as transformers' varlen flash path reads it). A
+# with the sliding window its module passes (``sliding_window``, as transformers' varlen flash path reads it) or the
+# window or chunk its cache layer holds (``PagedKV``). A
 # given KernelMask is final, so the model's mask functions are never introspected inside a compiled step (dynamo
 # cannot read a closure built in the graph) and a decode forward builds no mask at all.
 PACKED_MASK = KernelMask(key_mask=None, q_offset=0, kv_offset=0, causal=True, sliding_window=None)
+
+
+def packed_mask(config) -> KernelMask | dict[str, KernelMask]:
+    """The ``attention_mask`` of a packed forward of a model with this (text) config: :data:`PACKED_MASK`, or where
+    a layer type's mask function reads the padding mask before any mask interface sees it (chunked attention:
+    transformers' ``create_chunked_causal_mask`` counts the left padding), the mapping of each layer type to it,
+    which such models take as their masks already made."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" not in layer_types:
+        return PACKED_MASK
+    return dict.fromkeys(layer_types, PACKED_MASK)
 
 
 def kernel_mask(
@@ -120,7 +149,7 @@ def kernel_mask(
     if on_device:
         return _one_query_mask(pattern, batch_size, kv_length, q_offset, int(kv_offset), key_mask)
     return KernelMask(key_mask=key_mask, q_offset=int(q_offset), kv_offset=int(kv_offset),
-                      causal=pattern.causal, sliding_window=pattern.sliding_window)
+                      causal=pattern.causal, sliding_window=pattern.sliding_window, q_length=q_length)
 
 
 def auto_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0, kv_offset: int = 0,
@@ -165,7 +194,7 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
             _record(module, PAGED, backend, query)
             return _packed(backend, query, key, attention_mask, scaling, softcap, sinks, dropout, window), None
         # one sequence's whole prompt: causal attention over its own new K/V, as any dense prefill
-        attention_mask = replace(PACKED_MASK, sliding_window=window)
+        attention_mask = replace(PACKED_MASK, sliding_window=window, chunk_size=key.chunk)
     if isinstance(key, PagedKV):
         if key.dense is None and _paged_kernel_serves(attention_mask, dropout, query):
             _record(module, PAGED, backend, query)
@@ -189,20 +218,21 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
         _record(module, TORCH)
         return flash_attention_reference(query, key, value, scale=scaling, causal=mask.causal,
                                          q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
-                                         sliding_window=mask.sliding_window, softcap=softcap, sinks=sinks), None
+                                         sliding_window=mask.sliding_window, chunk_size=mask.chunk_size,
+                                         softcap=softcap, sinks=sinks), None
     _record(module, FLASH, backend, query)
     return flash_attention_op(query, key, value, mask.key_mask, _scale(scaling, query), mask.causal, mask.q_offset,
-                              mask.kv_offset, mask.sliding_window, softcap, sinks, backend), None
+                              mask.kv_offset, mask.sliding_window, mask.chunk_size, softcap, sinks, backend), None
 
 
 def sdpa_computes(query: torch.Tensor, key: torch.Tensor, mask: KernelMask, softcap: float | None,
                   sinks: torch.Tensor | None = None) -> bool:
     """Whether ``F.scaled_dot_product_attention(..., is_causal=True)`` computes exactly this call: causal with the
     queries aligned to the keys (same count, same offset: SDPA's causal mask is top-left aligned), no key padding,
-    no sliding window that hides a key, no softcap, no sinks."""
+    no sliding window or chunk that hides a key, no softcap, no sinks."""
     window = mask.sliding_window
     return (mask.causal and mask.key_mask is None and softcap is None and sinks is None
-            and (window is None or window >= key.shape[2])
+            and (window is None or window >= key.shape[2]) and _one_chunk(query, key, mask)
             and query.shape[2] == key.shape[2] and mask.q_offset == mask.kv_offset)
 
 
@@ -226,12 +256,20 @@ def prefill_route(backend: str, query: torch.Tensor, key: torch.Tensor, mask: Ke
 
 
 def sees_every_key(query: torch.Tensor, key: torch.Tensor, mask: KernelMask) -> bool:
-    """Whether every query of this call sees every key (no padding, no window hiding a key, causal or not, the
-    first query at or past the last key): SDPA with no mask computes it exactly (a decode step)."""
+    """Whether every query of this call sees every key (no padding, no window or chunk hiding a key, causal or not,
+    the first query at or past the last key): SDPA with no mask computes it exactly (a decode step)."""
     last_key = mask.kv_offset + key.shape[2] - 1
     window = mask.sliding_window
     return (mask.key_mask is None and (not mask.causal or mask.q_offset >= last_key)
-            and (window is None or mask.q_offset + query.shape[2] - 1 - mask.kv_offset < window))
+            and (window is None or mask.q_offset + query.shape[2] - 1 - mask.kv_offset < window)
+            and _one_chunk(query, key, mask))
+
+
+def _one_chunk(query: torch.Tensor, key: torch.Tensor, mask: KernelMask) -> bool:
+    """Whether the call's first key and last query share one chunk (no chunk hides a key), or there are none."""
+    chunk = mask.chunk_size
+    last_query = mask.q_offset + query.shape[2] - 1
+    return chunk is None or mask.kv_offset // chunk == last_query // chunk
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: KernelMask, scaling: float | None,
@@ -281,7 +319,7 @@ def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, sca
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
     return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, None, query.shape[2],
                               kv.max_seq_len, _scale(scaling, query), mask.key_mask if kv.padding is None else None,
-                              mask.sliding_window, softcap, sinks, backend)
+                              mask.sliding_window, mask.chunk_size, softcap, sinks, backend)
 
 
 def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
@@ -294,7 +332,7 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             f"grad {_needs_autograd(query)}")
     out = paged_attention_op(query[0].transpose(0, 1), kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens,
                              kv.cu_seqlens_q, kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None,
-                             sliding_window, softcap, sinks, backend)  # [T, Hq, D]
+                             sliding_window, kv.chunk, softcap, sinks, backend)  # [T, Hq, D]
     return out[None]
 
 
@@ -329,7 +367,7 @@ for _backend, _function in ATTENTION_FUNCTIONS.items():
 def _to_dense(mask: KernelMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return visibility_mask(query.shape[0], query.shape[2], key.shape[2], causal=mask.causal,
                            q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
-                           sliding_window=mask.sliding_window, device=query.device)
+                           sliding_window=mask.sliding_window, chunk_size=mask.chunk_size, device=query.device)
 
 
 def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

@@ -50,6 +50,7 @@ from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.multimodal import EncoderCache, prefill_sequence
+from hfaccel.runner.runner import packed_token_limit
 from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
     IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
@@ -82,7 +83,9 @@ class Engine:
         kv_cache_memory: KV pool size in bytes instead (not with ``num_blocks``).
         block_size: token slots per block.
         enable_prefix_caching: requests sharing a prompt prefix share its KV blocks.
-        max_model_len: longest sequence (prompt + output); default the model's ``max_position_embeddings``.
+        max_model_len: longest sequence (prompt + output); default the model's ``max_position_embeddings``. A model
+            whose packed forward is exact only up to some length (``hfaccel.runner.runner.packed_token_limit``:
+            Llama 4) caps this, ``max_num_batched_tokens`` and ``max_num_seqs`` there.
         kv_cache_fraction: on CUDA, the most of the device's total memory the default pool takes.
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
@@ -137,6 +140,10 @@ class Engine:
             self.tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
             text_config = model.config.get_text_config(decoder=True)
             limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
+            packed = packed_token_limit(model.config)
+            if packed is not None:  # every sequence, forward and decode batch within what the runner is exact for
+                limit = min(limit, packed)
+                max_num_batched_tokens, max_num_seqs = min(max_num_batched_tokens, packed), min(max_num_seqs, packed)
             self.max_model_len = min(max_model_len or limit, limit)
             self.vocab_size = int(text_config.vocab_size)
             self.kv_budget = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs,

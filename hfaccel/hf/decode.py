@@ -37,6 +37,7 @@ from hfaccel.kv import KVPool
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 from hfaccel.runner.multimodal import prefill_batch
+from hfaccel.runner.runner import packed_token_limit
 
 _log = logging.getLogger("hfaccel")
 POOL_GRANULE = 64  # the pool grows in multiples of this many blocks
@@ -148,7 +149,8 @@ class DecodeSession:
         context = max(capacities)
         if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
             compile = compiles(self.compile, runner.device)
-            max_batch = max(rows, DEFAULT_LADDER[-1], graphs.max_batch if graphs else 0)
+            max_batch = max(rows, min(DEFAULT_LADDER[-1], runner.max_tokens or DEFAULT_LADDER[-1]),
+                            graphs.max_batch if graphs else 0)
             max_len = max(context_bucket(context, whole=compile or runner.device.type == "cuda", model=self.model),
                           graphs.max_model_len if graphs else 0)
             if compile:
@@ -198,6 +200,9 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
         pads = left_padding(mask)  # one read of the mask per call
         if pads is None:
             reason = "an attention mask that is not left padding"
+    if reason is None:
+        reason = _beyond_limit(model, [input_ids.shape[1] - pad for pad in pads],
+                               int(generation_config.max_length) - input_ids.shape[1])
     if reason is None and not session.lock.acquire(blocking=False):
         reason = "another generate() call on this model is running hfaccel's decode loop"
     if reason is not None:
@@ -244,6 +249,17 @@ def _unsupported(input_ids: torch.Tensor, config, synced_gpus: bool, model_kwarg
     if mask is not None and (mask.dim() != 2 or mask.shape != input_ids.shape):
         return f"an attention mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}"
     return None
+
+
+def _beyond_limit(model, lengths: list[int], new_tokens: int) -> str | None:
+    """Why rows of ``lengths`` prompt tokens growing by ``new_tokens`` are past what hfaccel's packed forward is exact
+    for on this model (``hfaccel.runner.runner.packed_token_limit``), or None."""
+    limit = packed_token_limit(model.config)
+    if limit is None or (sum(lengths) <= limit and max(lengths) + new_tokens <= limit):
+        return None
+    return (f"prompts of {sum(lengths)} tokens growing to {max(lengths) + new_tokens}: past the {limit} tokens per "
+            "sequence and per forward hfaccel's packed forward is exact for on this model (its attention temperature "
+            "reads one position per forward)")
 
 
 class _Loop:

@@ -23,7 +23,7 @@ from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
-from hfaccel.kv.layout import model_layout
+from hfaccel.kv.layout import model_layout, own_cache_class
 from hfaccel.runner.graphs import context_bucket, failure_reason
 from hfaccel.sampling import token_ids
 
@@ -84,13 +84,24 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
             _tell_padding(cache, kwargs.get("attention_mask"), shape[0])
             cache.check_request(*shape)  # before any forward pass; the cache stays usable
         return generate(*args, **kwargs)
-    if cache is not None or shape is None or _cache_implementation(model, kwargs) is not None:
+    if (cache is not None or shape is None or _cache_implementation(model, kwargs) is not None
+            or not _paged_cache_holds(model)):
         return generate(*args, **kwargs)
     rows, total_len = shape
     kwargs[compat.generate_cache_argument()] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
                                            left_padding=_left_padding(kwargs.get("attention_mask"), rows),
                                            num_kv_heads=local_kv_heads(model))
     return generate(*args, **kwargs)
+
+
+def _paged_cache_holds(model) -> bool:
+    """Whether a ``PagedCache`` made from the config holds what the model's layers keep: K/V of one shape in every
+    layer, no recurrent state and no cache class of the model's own (else transformers' loop keeps its own cache:
+    Gemma 4's per-layer heads and shared layers, hybrid models, MiniMax)."""
+    layout = model_layout(model)
+    shapes = {(kv.kv_heads, kv.key_dim, kv.value_dim) for kv in layout.attention.values()}
+    return (not layout.states and len(layout.attention) == layout.num_layers and len(shapes) == 1
+            and own_cache_class(model) is None)
 
 
 def _read_adapters(model, session) -> str | None:

@@ -5,7 +5,9 @@ Semantics (what :func:`flash_attention_reference` defines and the kernel compute
 - ``q: [B, Hq, Sq, D]``, ``k, v: [B, Hkv, Skv, D]`` with ``Hq % Hkv == 0``; query head ``h`` reads KV head
   ``h // (Hq // Hkv)`` (the ``repeat_kv`` order) without K/V ever being repeated in memory.
 - Positions: query ``i`` sits at ``q_offset + i`` and key ``j`` at ``kv_offset + j``. With ``causal``, key j is
-  visible to query i iff ``kpos <= qpos``; with ``sliding_window=w`` also iff ``kpos > qpos - w``.
+  visible to query i iff ``kpos <= qpos``; with ``sliding_window=w`` also iff ``kpos > qpos - w``; with
+  ``chunk_size=c`` (chunked attention, Llama 4; causal only) also iff ``kpos >= (qpos // c) * c``, the start of
+  the query's chunk (chunks of ``c`` positions counted from position 0).
 - ``key_mask: [B, Skv]`` bool, False hides a key from every query of that row (left padding).
 - Scores are ``(q . k) * scale``, then ``softcap * tanh(score / softcap)`` when ``softcap`` is set.
 - ``sinks: [Hq]`` (attention sinks, gpt-oss's ``s_aux``): one more logit per query head in every row's softmax,
@@ -83,14 +85,26 @@ def _fold_sink(acc, m_i, l_i, SINKS, head, row_ok):
 
 
 @triton.jit
-def _visible(k_pos, q_pos, key_ok, row_ok, n_ok, window,
-             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
-    """Bool ``[M, N]``: which keys of a block each row may attend (bounds, causal, window, key mask)."""
+def _key_floor(pos, window, chunk, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """The first key position a query at ``pos`` (>= 0) may see under the window and the chunk (0 without
+    either); non-decreasing in ``pos``, so a tile's first and last rows bound its range."""
+    floor = pos * 0
+    if HAS_WINDOW:
+        floor = tl.maximum(floor, pos - window + 1)
+    if HAS_CHUNK:
+        floor = tl.maximum(floor, (pos // chunk) * chunk)
+    return floor
+
+
+@triton.jit
+def _visible(k_pos, q_pos, key_ok, row_ok, n_ok, window, chunk,
+             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+    """Bool ``[M, N]``: which keys of a block each row may attend (bounds, causal, window, chunk, key mask)."""
     visible = n_ok[None, :] & row_ok[:, None]
     if IS_CAUSAL:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    if HAS_WINDOW:
-        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    if HAS_WINDOW or HAS_CHUNK:
+        visible = visible & (k_pos[None, :] >= _key_floor(q_pos, window, chunk, HAS_WINDOW, HAS_CHUNK)[:, None])
     if HAS_KEY_MASK:
         visible = visible & key_ok[None, :]
     return visible
@@ -98,17 +112,17 @@ def _visible(k_pos, q_pos, key_ok, row_ok, n_ok, window,
 
 @triton.jit
 def _whole_blocks(lo, hi, seen_below, seen_from, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr):
+                  HAS_FLOOR: tl.constexpr):
     """Split a tile's key range ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``) at ``b <= c``: ``[b, c)`` are whole
     ``BLOCK_N`` blocks that every row of the tile sees (key indices below ``seen_below`` under causality, from
-    ``seen_from`` on under the window), so only ``[lo, b)`` and ``[c, hi)`` need masks. Divisions see only
+    ``seen_from`` on under a window or chunk), so only ``[lo, b)`` and ``[c, hi)`` need masks. Divisions see only
     values >= 0 (Triton's integer division truncates)."""
     full_hi = hi
     if IS_CAUSAL:
         full_hi = tl.minimum(full_hi, seen_below)
     full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
     full_lo = lo
-    if HAS_WINDOW:
+    if HAS_FLOOR:
         full_lo = tl.maximum(lo, ((tl.maximum(seen_from, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
     b = tl.minimum(full_lo, hi)
     c = tl.minimum(tl.maximum(full_hi, b), hi)
@@ -141,8 +155,8 @@ def _load_rows(base, rows, offs_d, stride_d, rows_ok, head_dim, MASK_ROWS: tl.co
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, key_mask_row, stride_ms, window,
-                  score_scale, softcap_log2,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  chunk, score_scale, softcap_log2,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr,
                   IEEE_FP32: tl.constexpr):
     """One key block ``k, v [BLOCK_N, BLOCK_D]`` folded into the tile's softmax state. ``MASKED``: the whole
@@ -155,8 +169,8 @@ def _attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, ke
     if HAS_KEY_MASK:
         key_ok = tl.load(key_mask_row + offs_n * stride_ms, mask=n_ok, other=0) != 0
     if MASKED:
-        s = tl.where(_visible(k_pos, q_pos, key_ok, row_ok, n_ok, window, IS_CAUSAL, HAS_WINDOW, HAS_KEY_MASK),
-                     s, float("-inf"))
+        s = tl.where(_visible(k_pos, q_pos, key_ok, row_ok, n_ok, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK,
+                              HAS_KEY_MASK), s, float("-inf"))
     elif HAS_KEY_MASK:
         s = tl.where(key_ok[None, :], s, float("-inf"))
     m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, MASKED or HAS_KEY_MASK, IEEE_FP32)
@@ -167,10 +181,10 @@ def _attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, ke
 def _flash_range(
     acc, m_i, l_i, q, q_pos, row_ok, K, V, key_mask_row, batch, kv_head, k_base, v_base,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-    seq_kv, head_dim, kv_offset, window, start, stop, score_scale, softcap_log2,
+    seq_kv, head_dim, kv_offset, window, chunk, start, stop, score_scale, softcap_log2,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     """Attend the tile's rows to the dense keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``), read
     through TMA descriptors (zeros past the ends) or pointers."""
@@ -186,8 +200,8 @@ def _flash_range(
             k = _load_rows(k_base, offs_n * stride_ks, offs_d, stride_kd, n_ok, head_dim, MASKED, EVEN_D)
             v = _load_rows(v_base, offs_n * stride_vs, offs_d, stride_vd, n_ok, head_dim, MASKED, EVEN_D)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, offs_n, kv_offset + offs_n, q_pos, row_ok, n_ok,
-                                      key_mask_row, stride_ms, window, score_scale, softcap_log2, MASKED,
-                                      IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+                                      key_mask_row, stride_ms, window, chunk, score_scale, softcap_log2, MASKED,
+                                      IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
     return acc, m_i, l_i
 
 
@@ -200,11 +214,11 @@ def _flash_attention_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_mb, stride_ms,
     num_kv_heads, seq_q, seq_kv, head_dim,
-    q_offset, kv_offset, window,
+    q_offset, kv_offset, window, chunk,
     score_scale, softcap_log2,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # One program: BLOCK_M rows of the flattened (query, head-in-group) axis of one (batch, KV head).
@@ -239,11 +253,12 @@ def _flash_attention_kernel(
     if IS_CAUSAL:
         hi = tl.minimum(seq_kv, tl.maximum(last_pos - kv_offset + 1, 0))
     lo = 0
-    if HAS_WINDOW:
-        lo = tl.minimum(tl.maximum(0, first_pos - window - kv_offset + 1), hi)
+    seen_from = 0
+    if HAS_WINDOW or HAS_CHUNK:
+        lo = tl.minimum(tl.maximum(0, _key_floor(first_pos, window, chunk, HAS_WINDOW, HAS_CHUNK) - kv_offset), hi)
         lo = (lo // BLOCK_N) * BLOCK_N
-    b, c = _whole_blocks(lo, hi, first_pos - kv_offset + 1, last_pos - window - kv_offset + 1, BLOCK_N,
-                         IS_CAUSAL, HAS_WINDOW)
+        seen_from = _key_floor(last_pos, window, chunk, HAS_WINDOW, HAS_CHUNK) - kv_offset
+    b, c = _whole_blocks(lo, hi, first_pos - kv_offset + 1, seen_from, BLOCK_N, IS_CAUSAL, HAS_WINDOW or HAS_CHUNK)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -258,9 +273,9 @@ def _flash_attention_kernel(
         start, stop = _phase_bounds(phase, lo, b, c, hi)
         acc, m_i, l_i = _flash_range(
             acc, m_i, l_i, q, q_pos, row_ok, K, V, key_mask_row, batch, kv_head, k_base, v_base,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms, seq_kv, head_dim, kv_offset, window,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms, seq_kv, head_dim, kv_offset, window, chunk,
             start, stop, score_scale, softcap_log2,
-            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, TMA, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK,
+            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, TMA, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK,
             UPCAST, IEEE_FP32)
 
     if HAS_SINKS:
@@ -388,8 +403,9 @@ def sink_logits(sinks: torch.Tensor) -> torch.Tensor:
     return (sinks.float() * LOG2E).contiguous()
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                  sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool,
+                  sliding_window: int | None, chunk_size: int | None, softcap: float | None,
+                  sinks: torch.Tensor | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
@@ -415,11 +431,19 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                              f"got {key_mask.dtype} {tuple(key_mask.shape)}")
         if key_mask.device != q.device:
             raise ValueError(f"key_mask must be on {q.device}; got {key_mask.device}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window}")
+    check_window(sliding_window, chunk_size, causal)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive float or None; got {softcap}")
     check_sinks(sinks, heads_q, q.device)
+
+
+def check_window(sliding_window: int | None, chunk_size: int | None, causal: bool = True) -> None:
+    """``sliding_window`` and ``chunk_size`` must each be a positive int or None; chunks only with causality."""
+    for name, size in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+        if size is not None and (isinstance(size, bool) or int(size) != size or size < 1):
+            raise ValueError(f"{name} must be a positive int or None; got {size!r}")
+    if chunk_size is not None and not causal:
+        raise ValueError("chunk_size (chunked attention) needs causal=True")
 
 
 def flash_attention(
@@ -433,6 +457,7 @@ def flash_attention(
     kv_offset: int = 0,
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     backend: str = "auto",
@@ -444,17 +469,17 @@ def flash_attention(
     else the torch reference), ``"triton"`` or ``"torch"``. ``config``: the kernel's tiles (default:
     :func:`pick_config`; ``hfaccel tune`` and the tests pass their own).
     """
-    _check_inputs(q, k, v, key_mask, sliding_window, softcap, sinks)
+    _check_inputs(q, k, v, key_mask, causal, sliding_window, chunk_size, softcap, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
         return flash_attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset,
-                                         kv_offset=kv_offset, key_mask=key_mask,
-                                         sliding_window=sliding_window, softcap=softcap, sinks=sinks)
-    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, softcap, sinks,
-                   config)
+                                         kv_offset=kv_offset, key_mask=key_mask, sliding_window=sliding_window,
+                                         chunk_size=chunk_size, softcap=softcap, sinks=sinks)
+    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, chunk_size,
+                   softcap, sinks, config)
 
 
-def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, softcap, sinks,
+def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, chunk_size, softcap, sinks,
             config) -> torch.Tensor:
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
@@ -472,10 +497,11 @@ def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_windo
         q, k_arg, v_arg, out, mask, sink_logits(sinks) if sinks is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
         heads_kv, seq_q, seq_kv, head_dim,
-        q_offset, kv_offset, sliding_window or 0,
+        q_offset, kv_offset, sliding_window or 0, chunk_size or 1,
         *_score_scales(scale, softcap),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         TMA=k_arg is not k, IS_CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
+        HAS_CHUNK=chunk_size is not None,
         HAS_SOFTCAP=softcap is not None, HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None,
         UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
         IEEE_FP32=q.dtype == torch.float32,
@@ -504,7 +530,7 @@ def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
 
 def visibility_mask(
     batch: int, seq_q: int, seq_kv: int, *, causal: bool, q_offset: int, kv_offset: int,
-    key_mask: torch.Tensor | None, sliding_window: int | None, device: torch.device,
+    key_mask: torch.Tensor | None, sliding_window: int | None, device: torch.device, chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Bool ``[B, 1, Sq, Skv]``: True where query i may attend key j (the rule the kernel applies)."""
     q_pos = torch.arange(seq_q, device=device)[:, None] + q_offset
@@ -514,6 +540,8 @@ def visibility_mask(
         visible &= k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        visible &= k_pos >= torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size
     visible = visible.expand(batch, 1, seq_q, seq_kv)
     if key_mask is not None:
         visible = visible & key_mask[:, None, None, :]
@@ -531,6 +559,7 @@ def flash_attention_reference(
     kv_offset: int = 0,
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -548,7 +577,7 @@ def flash_attention_reference(
         scores = softcap * torch.tanh(scores / softcap)
     visible = visibility_mask(batch, seq_q, seq_kv, causal=causal, q_offset=int(q_offset),
                               kv_offset=int(kv_offset), key_mask=key_mask,
-                              sliding_window=sliding_window, device=q.device)
+                              sliding_window=sliding_window, chunk_size=chunk_size, device=q.device)
     scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
     row_max = scores.amax(-1, keepdim=True) if sink is None else torch.maximum(scores.amax(-1, keepdim=True), sink)
     row_max = torch.where(row_max.isinf(), 0.0, row_max)
@@ -567,5 +596,6 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: i
     return flops
 
 
-__all__ = ["FlashConfig", "attention_flops", "candidate_configs", "check_sinks", "default_config", "flash_attention",
-           "flash_attention_reference", "pick_config", "sdpa_preferred", "sink_logits", "visibility_mask"]
+__all__ = ["FlashConfig", "attention_flops", "candidate_configs", "check_sinks", "check_window", "default_config",
+           "flash_attention", "flash_attention_reference", "pick_config", "sdpa_preferred", "sink_logits",
+           "visibility_mask"]

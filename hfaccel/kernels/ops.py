@@ -29,15 +29,16 @@ from hfaccel.kernels.write_kv import write_kv
 @torch.library.custom_op("hfaccel::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                        scale: float, causal: bool, q_offset: int, kv_offset: int, sliding_window: int | None,
-                       softcap: float | None, sinks: torch.Tensor | None, backend: str) -> torch.Tensor:
+                       chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                       backend: str) -> torch.Tensor:
     """``q [B, Hq, Sq, D]`` over ``k, v [B, Hkv, Skv, D]`` -> ``[B, Sq, Hq, D]`` (``hfaccel.kernels.flash_attention``)."""
     return flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset,
-                           key_mask=key_mask, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                           backend=backend).contiguous()
+                           key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap,
+                           sinks=sinks, backend=backend).contiguous()
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, key_mask, scale, causal, q_offset, kv_offset, sliding_window, softcap, sinks, backend):
+def _(q, k, v, key_mask, scale, causal, q_offset, kv_offset, sliding_window, chunk_size, softcap, sinks, backend):
     batch, heads, seq, head_dim = q.shape
     return q.new_empty(batch, seq, heads, head_dim)
 
@@ -46,19 +47,20 @@ def _(q, k, v, key_mask, scale, causal, q_offset, kv_offset, sliding_window, sof
 def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
                        max_seqlen_k: int, scale: float, key_mask: torch.Tensor | None, sliding_window: int | None,
-                       softcap: float | None, sinks: torch.Tensor | None, backend: str) -> torch.Tensor:
+                       chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                       backend: str) -> torch.Tensor:
     """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``
     (``hfaccel.kernels.paged_attention``): dense ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, or packed
     ``q [T, Hq, D]`` with ``cu_seqlens_q`` -> ``[T, Hq, D]``."""
     return paged_attention(q, kv_cache[layer, 0], kv_cache[layer, 1], block_tables, seq_lens,
                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           scale=scale, key_mask=key_mask, sliding_window=sliding_window, softcap=softcap,
-                           sinks=sinks, backend=backend).contiguous()
+                           scale=scale, key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size,
+                           softcap=softcap, sinks=sinks, backend=backend).contiguous()
 
 
 @paged_attention_op.register_fake
 def _(q, kv_cache, layer, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-      sliding_window, softcap, sinks, backend):
+      sliding_window, chunk_size, softcap, sinks, backend):
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape)  # contiguous, as the op returns it (q is often a transposed view)
     batch, heads, seq, head_dim = q.shape

@@ -6,7 +6,8 @@ the chunk, attending to the sequence's earlier blocks). Semantics (:func:`paged_
 - pool ``k_pool, v_pool: [num_blocks, block_size, Hkv, D]``; sequence ``s`` holds ``seq_lens[s]`` tokens,
   token ``j`` in block ``block_tables[s, j // block_size]`` at offset ``j % block_size``;
 - its queries are its LAST ``q_len`` tokens (already written to the pool): query ``i`` sits at position
-  ``seq_lens[s] - q_len + i`` and sees keys at positions ``<=`` its own (and ``> pos - sliding_window``);
+  ``seq_lens[s] - q_len + i`` and sees keys at positions ``<=`` its own (and ``> pos - sliding_window``; with
+  ``chunk_size=c``, at or after its chunk's start ``(pos // c) * c``, as ``flash_attention`` defines);
 - queries come either dense, ``q: [B, Hq, Sq, D]`` (one sequence per row, as transformers passes them;
   output ``[B, Sq, Hq, D]``), or packed, ``q: [T, Hq, D]`` with ``cu_seqlens_q: [S + 1]`` (output ``[T, Hq, D]``);
 - ``key_mask: [S, >= max seq_len]`` bool hides keys (left padding of a generate() batch); GQA reads each KV head
@@ -29,8 +30,8 @@ import triton.language as tl
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.flash_attention import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, _attend_block, _fold_sink, _load_rows, _phase_bounds, _score_scales,
-    _whole_blocks, check_sinks, flash_attention_reference, sink_logits,
+    MAX_HEAD_DIM, SUPPORTED_DTYPES, _attend_block, _fold_sink, _key_floor, _load_rows, _phase_bounds, _score_scales,
+    _whole_blocks, check_sinks, check_window, flash_attention_reference, sink_logits,
 )
 from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
 
@@ -61,9 +62,10 @@ def _query_span(CU_SEQLENS_Q, seq_id, uniform_q_len, VARLEN: tl.constexpr):
 def _paged_range(
     acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
     stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_mask_col, head_dim, block_size, window, key_end, start, stop, score_scale, softcap_log2,
+    stride_mask_col, head_dim, block_size, window, chunk, key_end, start, stop, score_scale, softcap_log2,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
     IEEE_FP32: tl.constexpr,
 ):
     """Attend the tile's rows to the sequence's keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``; none at
@@ -84,8 +86,8 @@ def _paged_range(
         v = _load_rows(V_POOL + kv_head * stride_vh, block * stride_vb + in_block * stride_vs, offs_d, stride_vd,
                        n_ok, head_dim, MASKED, EVEN_D)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, offs_n, offs_n, q_pos, row_ok, n_ok, key_mask_row,
-                                      stride_mask_col, window, score_scale, softcap_log2, MASKED, True, HAS_WINDOW,
-                                      HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+                                      stride_mask_col, window, chunk, score_scale, softcap_log2, MASKED, True,
+                                      HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
     return acc, m_i, l_i
 
 
@@ -98,10 +100,11 @@ def _paged_attention_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_bt_col, stride_mask, stride_mask_col,
     stride_ps, stride_pseq, stride_pt, stride_ph,
-    num_kv_heads, head_dim, block_size, uniform_q_len, window,
+    num_kv_heads, head_dim, block_size, uniform_q_len, window, chunk,
     score_scale, softcap_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     # Program: BLOCK_M rows of (query, head-in-group) of one (sequence, KV head), one key split.
@@ -134,15 +137,16 @@ def _paged_attention_kernel(
     last_pos = seq_len - q_len + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     hi = tl.minimum(seq_len, last_pos + 1)
     lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(0, first_pos - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
+    seen_from = 0
+    if HAS_WINDOW or HAS_CHUNK:
+        lo = (_key_floor(first_pos, window, chunk, HAS_WINDOW, HAS_CHUNK) // BLOCK_N) * BLOCK_N
+        seen_from = _key_floor(last_pos, window, chunk, HAS_WINDOW, HAS_CHUNK)
     if SPLIT:  # this program's share of the range the sequence really has (a captured step's launch is sized
         # for the longest sequence it may ever serve; the work follows the device-side length)
         per_split = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = lo + pid_split * per_split
         hi = tl.minimum(hi, lo + per_split)
-    b, c = _whole_blocks(lo, hi, first_pos + 1, last_pos - window + 1, BLOCK_N, True, HAS_WINDOW)
+    b, c = _whole_blocks(lo, hi, first_pos + 1, seen_from, BLOCK_N, True, HAS_WINDOW or HAS_CHUNK)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -154,8 +158,8 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _paged_range(
             acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
             stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_mask_col, head_dim, block_size, window, hi, start, stop, score_scale, softcap_log2,
-            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+            stride_mask_col, head_dim, block_size, window, chunk, hi, start, stop, score_scale, softcap_log2,
+            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
 
     if HAS_SINKS and not SPLIT:  # split launches count the sinks where they combine the splits
         acc, l_i = _fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
@@ -314,7 +318,8 @@ def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int
     return replace(config, num_splits=choose_num_splits(programs, max_k, config.block_n, num_sms(device)))
 
 
-def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap, sinks):
+def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, chunk_size, softcap,
+           sinks):
     packed = cu_seqlens_q is not None
     if q.dim() != (3 if packed else 4):
         raise ValueError("q must be [batch, heads, seq, head_dim] (dense) or [tokens, heads, head_dim] with "
@@ -341,8 +346,7 @@ def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sl
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 2 or key_mask.shape[0] != num_seqs):
         raise ValueError(f"key_mask must be bool [{num_seqs}, max_seq_len]; got {key_mask.dtype} "
                          f"{tuple(key_mask.shape)}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window}")
+    check_window(sliding_window, chunk_size)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive float or None; got {softcap}")
     tensors = [q, k_pool, v_pool, block_tables, seq_lens] + [t for t in (cu_seqlens_q, key_mask) if t is not None]
@@ -364,6 +368,7 @@ def paged_attention(
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
@@ -377,18 +382,20 @@ def paged_attention(
     :func:`plan_launch`, from the tuned table or the launch size). Where Triton cannot run (the CPU), the
     ``torch`` backend serves the whole batch in a few tensor ops (:func:`paged_attention_torch`).
     """
-    _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, softcap, sinks)
+    _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, chunk_size, softcap,
+           sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
         return paged_attention_torch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                                     key_mask=key_mask, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+                                     key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size,
+                                     softcap=softcap, sinks=sinks)
     return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-                   key_mask, sliding_window, softcap, sinks, num_splits, config)
+                   key_mask, sliding_window, chunk_size, softcap, sinks, num_splits, config)
 
 
 def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-            sliding_window, softcap, sinks, num_splits, config):
+            sliding_window, chunk_size, softcap, sinks, num_splits, config):
     packed = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[1], q.shape[-1]
     heads_kv = k_pool.shape[2]
@@ -423,7 +430,8 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
     sink_arg = sink_logits(sinks) if sinks is not None else seq_lens  # a placeholder pointer when there are none
     block_d = max(16, triton.next_power_of_2(head_dim))
     score_scale, softcap_log2 = _score_scales(scale, softcap)
-    flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+    flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_CHUNK=chunk_size is not None,
+                 HAS_SOFTCAP=softcap is not None,
                  HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None, SPLIT=split,
                  UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
                  IEEE_FP32=q.dtype == torch.float32)
@@ -433,7 +441,7 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
         part_o, part_lse,
         *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
         *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
-        heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0,
+        heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0, chunk_size or 1,
         score_scale, softcap_log2,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
@@ -462,6 +470,7 @@ def paged_attention_torch(
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -469,13 +478,14 @@ def paged_attention_torch(
 
     Gathers each sequence's blocks into ``[S, Hkv, L, D]`` (``L``: the block table's width in keys, or fewer when
     ``max_seqlen_k`` bounds the lengths), builds one visibility mask from the lengths, query positions, key mask
-    and window, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap or
+    window and chunk, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap or
     sinks, the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q`` rows:
     reads ``cu_seqlens_q`` on the host only when it is not given); a decode batch (one query per sequence) needs
     no layout at all.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, softcap, sinks)
+    args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, chunk_size, softcap,
+            sinks)
     if cu_seqlens_q is None:
         return _dense_torch(q, None, *args)
     num_seqs = len(cu_seqlens_q) - 1
@@ -492,8 +502,8 @@ def paged_attention_torch(
 
 def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int | None, scale: float,
-                 key_mask: torch.Tensor | None, sliding_window: int | None, softcap: float | None,
-                 sinks: torch.Tensor | None) -> torch.Tensor:
+                 key_mask: torch.Tensor | None, sliding_window: int | None, chunk_size: int | None,
+                 softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """Queries ``q [S, Hq, Q, D]`` (sequence ``s``'s first ``q_lens[s]`` rows real, all ``Q`` if None) over the
     pool -> ``[S, Q, Hq, D]``."""
     num_seqs, heads_q, num_q, head_dim = q.shape
@@ -507,7 +517,7 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
     blocks = torch.where(held, table, 0)  # [S, W]: entries past a sequence's blocks are never read
     keys, values = (_gather_blocks(pool, blocks) for pool in (k_pool, v_pool))  # [S, Hkv, L, D]
     visible = _visibility(seq_lens, num_q if q_lens is None else q_lens, num_q, keys.shape[2], key_mask,
-                          sliding_window)  # [S, Q, L]
+                          sliding_window, chunk_size)  # [S, Q, L]
     rows = q.reshape(num_seqs, heads_kv, group * num_q, head_dim)  # [S, Hkv, G * Q, D]: a KV head's query rows
     row_visible = visible[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G * Q, L]
     if softcap is None and sinks is None:
@@ -532,9 +542,9 @@ def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, num_keys: int,
-                key_mask: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
+                key_mask: torch.Tensor | None, sliding_window: int | None, chunk_size: int | None) -> torch.Tensor:
     """Bool ``[S, Q, L]``: query row ``i`` of sequence ``s`` (at position ``seq_lens[s] - q_lens[s] + i``) sees
-    key ``j``: causal, within the window, not hidden by ``key_mask``. Keys past a sequence's length sit after
+    key ``j``: causal, within the window and the chunk, not hidden by ``key_mask``. Keys past a sequence's length sit after
     its last query, so the causal rule hides them; rows past ``q_lens[s]`` are padding, discarded by the caller."""
     device = seq_lens.device
     first = (seq_lens - q_lens).long()  # [S]: position of each sequence's first query
@@ -543,6 +553,8 @@ def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, 
     visible = k_pos <= q_pos  # [S, Q, L]
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        visible &= k_pos >= torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size
     if key_mask is not None:
         cols = key_mask[:, :num_keys]  # [S, <= L]
         visible &= torch.nn.functional.pad(cols, (0, num_keys - cols.shape[1]))[:, None]
@@ -585,6 +597,7 @@ def paged_attention_reference(
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -601,7 +614,8 @@ def paged_attention_reference(
         mask = None if key_mask is None else key_mask[s:s + 1, :lens[s]]
         outs.append(flash_attention_reference(query, k[None], v[None], scale=scale, causal=True,
                                               q_offset=lens[s] - query.shape[2], key_mask=mask,
-                                              sliding_window=sliding_window, softcap=softcap, sinks=sinks))
+                                              sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap,
+                                              sinks=sinks))
     if cu_seqlens_q is None:
         return torch.cat(outs) if outs else q.new_empty(0, q.shape[2], q.shape[1], q.shape[3])
     return torch.cat([o[0] for o in outs]) if outs else q.new_empty(0, q.shape[1], q.shape[2])

@@ -18,6 +18,7 @@ ordinary ``[B, Hkv, S, D]`` tensors gathered from the pool.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hfaccel import compat
 from hfaccel.kv.block_manager import BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.layout import own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
 
@@ -61,9 +63,10 @@ class PagedKV:
     # c is its held token c - padding[b], every held key is real, and the rows span ``padded_len`` positions.
     padding: torch.Tensor | None = None  # [B] int64
     padded_len: int = 0
-    # the layer's sliding window as its cache holds it (``hfaccel.kv.layout``), for models whose attention call does
-    # not pass it (their masks alone apply it)
+    # the layer's sliding window or attention chunk as its cache holds it (``hfaccel.kv.layout``), for models whose
+    # attention call does not pass it (their masks alone apply it)
     window: int | None = None
+    chunk: int | None = None
 
     def to(self, device: torch.device | str, *args, **kwargs) -> PagedKV:
         """Itself, on the pool's device: a layer that reads another layer's K/V moves them to its own device first
@@ -133,7 +136,8 @@ class PoolCache(Cache):
     def __init__(self, config, pool: KVPool):
         self.config = config
         self.pool = pool
-        super().__init__(layers=[CacheLayerView(self, i) for i in range(pool.num_layers)])
+        # Cache's own initialiser by name: a model's own cache class may follow in the MRO (sequence_cache)
+        Cache.__init__(self, layers=[CacheLayerView(self, i) for i in range(pool.num_layers)])
 
     @property
     def manager(self) -> BlockManager:
@@ -496,19 +500,22 @@ class SequenceKVCache(PoolCache):
         # one sequence computing its whole prompt: its new K/V are all its keys (attention may read them densely);
         # the static lengths are compared first, so a compiled decode step never branches on its batch size
         fresh = step.max_seq_len == step.max_q_len and step.cu_seqlens_q.shape[0] == 2
+        held = self.pool.layout.attention[layer_idx]
         paged = PagedKV(*self.pool.layer_kv(layer_idx), step.block_tables, step.seq_lens, step.max_seq_len,
                         (key_states, value_states) if fresh else None, cu_seqlens_q=step.cu_seqlens_q,
-                        max_seqlen_q=step.max_q_len, window=self.pool.layout.attention[layer_idx].window)
+                        max_seqlen_q=step.max_q_len, window=held.window, chunk=held.chunk)
         return paged, step.slot_mapping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.step is None else self.step.max_seq_len - self.step.max_q_len
+        """0: packed sequences have no one length (each token's position is in ``position_ids``); a module that
+        reads one anyway is bounded where that is exact (``hfaccel.runner.runner.packed_token_limit``)."""
+        return 0
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         return (0 if self.step is None else self.step.max_seq_len), 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length()
+        return 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -516,3 +523,20 @@ class SequenceKVCache(PoolCache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def sequence_cache(model, pool: KVPool) -> SequenceKVCache:
+    """The runner's :class:`SequenceKVCache` for ``model``: also an instance of the cache class the model's forward
+    insists on, where it has one (``hfaccel.kv.layout.own_cache_class``: MiniMax's), whose state the mixers reach
+    through hfaccel's state slots instead (``hfaccel.kv.state``)."""
+    own = own_cache_class(model)
+    return (SequenceKVCache if own is None else _sequence_cache_class(own))(model.config, pool)
+
+
+@functools.cache
+def _sequence_cache_class(own: type) -> type[SequenceKVCache]:
+    def __init__(self, config, pool: KVPool):
+        SequenceKVCache.__init__(self, config, pool)
+        self.linear_cache = []  # what the own class's methods read; the mixers never write it (they get a StateView)
+
+    return type(f"SequenceKVCache_{own.__name__}", (SequenceKVCache, own), {"__init__": __init__})

@@ -10,6 +10,7 @@ the module hfaccel later runs per sequence (``hfaccel.kv.state``).
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -21,20 +22,23 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttent
 from hfaccel import compat
 from hfaccel.device import model_device, per_model
 
-# the Cache methods through which a mixer reaches its layer's recurrent state (transformers 5.17 and 5.24)
+# the Cache methods through which a mixer reaches its layer's recurrent state (transformers 5.17 and 5.24; MiniMax's
+# own cache: its linear attention's state)
 STATE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state",
-                 "has_previous_state")
+                 "has_previous_state", "get_linear_cache", "set_linear_cache")
 
 
 @dataclass(frozen=True)
 class AttentionKV:
     """One layer's K/V: ``kv_heads`` heads of keys ``key_dim`` wide and values ``value_dim`` wide; ``window``: the
-    sliding window its queries attend within (None: every earlier key), as transformers' cache and masks hold it."""
+    sliding window its queries attend within, ``chunk``: the attention chunk (Llama 4's ``attention_chunk_size``)
+    they attend within (None: every earlier key), as transformers' cache and masks hold them."""
 
     kv_heads: int
     key_dim: int
     value_dim: int
     window: int | None = None
+    chunk: int | None = None
 
     @property
     def width(self) -> int:
@@ -111,16 +115,28 @@ def model_layout(model) -> ModelLayout:
     return per_model(_LAYOUTS, model, probe_layout)
 
 
+def own_cache_class(model) -> type[DynamicCache] | None:
+    """The ``DynamicCache`` subclass that ``model``'s modeling module defines for itself and its forward insists on
+    (MiniMax's ``MiniMaxCache``, which keeps its linear attention's state in ``linear_cache``), or None."""
+    module = sys.modules.get(type(model).__module__)
+    own = [value for value in vars(module).values() if isinstance(value, type) and issubclass(value, DynamicCache)
+           and value.__module__ == module.__name__] if module is not None else []
+    return own[0] if len(own) == 1 else None
+
+
 def probe_layout(model) -> ModelLayout:
-    """Run ``model`` on one token over transformers' own ``DynamicCache`` and read what each layer stored; a
-    ``LayoutError`` (or the model's own error) where it does not run so or stores something else."""
-    cache = DynamicCache(config=model.config)
+    """Run ``model`` on one token over transformers' own ``DynamicCache`` (or the model's own subclass of it) and read
+    what each layer stored; a ``LayoutError`` (or the model's own error) where it does not run so or stores something
+    else."""
+    own = own_cache_class(model)
+    cache = DynamicCache(config=model.config) if own is None else own()
     mixers: dict[int, str] = {}
     token = torch.ones(1, 1, dtype=torch.long, device=model_device(model))
     with ExitStack() as stack, torch.inference_mode():
         _record_mixers(model, cache, mixers, stack)
         model(input_ids=token, use_cache=True, **{compat.cache_argument(model): cache})
-    return _read_layout(cache, mixers)
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    return _read_layout(cache, mixers, tuple(layer_types))
 
 
 def _record_mixers(model, cache: DynamicCache, mixers: dict[int, str], stack: ExitStack) -> None:
@@ -156,9 +172,12 @@ def _recording(method: Callable, running: list[tuple[int, str]], mixers: dict[in
     return record
 
 
-def _read_layout(cache: DynamicCache, mixers: dict[int, str]) -> ModelLayout:
+def _read_layout(cache: DynamicCache, mixers: dict[int, str], layer_types: tuple[str, ...]) -> ModelLayout:
     attention: dict[int, AttentionKV] = {}
     states: dict[int, RecurrentState] = {}
+    for index, state in enumerate(getattr(cache, "linear_cache", ())):  # MiniMax's own cache: [B, H, D, D] each
+        if isinstance(state, torch.Tensor):
+            states[index] = RecurrentState((None,), (StateShape(tuple(state.shape[1:]), state.dtype),), (None,))
     for index, layer in enumerate(cache.layers):
         known = False
         if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -170,15 +189,19 @@ def _read_layout(cache: DynamicCache, mixers: dict[int, str]) -> ModelLayout:
                                   "lightning indexer), which hfaccel's pool does not hold")
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             window = layer.sliding_window if getattr(layer, "is_sliding", False) else None
+            # transformers' cache keeps a chunked layer as a sliding one of the chunk's size; only its mask differs
+            chunked = index < len(layer_types) and layer_types[index] == "chunked_attention"
             if isinstance(keys, torch.Tensor) and keys.numel():
-                attention[index] = AttentionKV(keys.shape[1], keys.shape[-1], values.shape[-1], window)
+                attention[index] = AttentionKV(keys.shape[1], keys.shape[-1], values.shape[-1],
+                                               None if chunked else window, window if chunked else None)
             known = True
         if not known and type(layer).__name__ != "DummyLayer":
             raise LayoutError(f"cache layer {index} is a {type(layer).__name__}, which hfaccel's pool does not hold")
     missing = sorted(set(states) - set(mixers))
     if missing:
         raise LayoutError(f"no module was seen reading the recurrent state of layers {missing}")
-    return ModelLayout(len(cache.layers), attention, states, {i: mixers[i] for i in states})
+    num_layers = max(len(cache.layers), max(states, default=-1) + 1)  # MiniMax keeps no cache layer for its last ones
+    return ModelLayout(num_layers, attention, states, {i: mixers[i] for i in states})
 
 
 def _state(index: int, layer) -> RecurrentState:

@@ -127,6 +127,15 @@ class StateView(Cache):
         # without a layer, transformers asks its last linear-attention layer; here that is the one running
         return super().has_previous_state(self.active if layer_idx is None else layer_idx, state_idx)
 
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """MiniMax's linear attention reads its state here (its own cache's API): recurrent state 0, None when the
+        sequences start."""
+        layer = self.layers[layer_idx]
+        return layer.recurrent_states[0] if layer.has_previous_state[0] else None
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.layers[layer_idx].recurrent_states[0] = state
+
     def load(self, pool: StatePool, layer: int, slots: torch.Tensor, fresh: bool) -> None:
         """Give layer ``layer`` the states of ``slots`` (or none yet, ``fresh``)."""
         self.active = layer
@@ -199,15 +208,27 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
         rows = torch.cat([hidden[0], hidden[0, :1]]).unsqueeze(1)  # [B + 1, 1, H]
         slots = torch.cat([step.slots, step.slots.new_full((1,), pool.scratch)])  # [B + 1]
         result = _run_group(original, arguments, cache_name, view, pool, layer, rows, slots, False)
-        return result.reshape(result.shape[0], result.shape[-1])[:-1].unsqueeze(0)  # [1, B, H_out]
-    out = None
+        hidden_out = _hidden_output(result)
+        return _as_returned(result, hidden_out.reshape(hidden_out.shape[0], hidden_out.shape[-1])[:-1][None])
+    out = result = None
     for group in step.groups:
         rows = hidden[0].index_select(0, group.tokens).view(len(group.slots), group.length, -1)  # [G, L, H]
         result = _run_group(original, arguments, cache_name, view, pool, layer, rows, group.slots, group.fresh)
+        hidden_out = _hidden_output(result)  # [G, L, H_out]
         if out is None:
-            out = hidden.new_empty(1, hidden.shape[1], result.shape[-1], dtype=result.dtype)
-        out[0].index_copy_(0, group.tokens, result.reshape(-1, result.shape[-1]))
-    return out
+            out = hidden.new_empty(1, hidden.shape[1], hidden_out.shape[-1], dtype=hidden_out.dtype)
+        out[0].index_copy_(0, group.tokens, hidden_out.reshape(-1, hidden_out.shape[-1]))
+    return _as_returned(result, out)
+
+
+def _hidden_output(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _as_returned(result, hidden: torch.Tensor):
+    """The packed output ``hidden [1, T, H_out]`` in the form the mixer returns: alone, or first of a tuple whose
+    other entries (per-group extras, e.g. MiniMax's state) have no packed form and are None."""
+    return (hidden, *[None] * (len(result) - 1)) if isinstance(result, tuple) else hidden
 
 
 def _run_group(original, arguments: dict, cache_name: str, view: StateView, pool: StatePool, layer: int,
@@ -216,7 +237,7 @@ def _run_group(original, arguments: dict, cache_name: str, view: StateView, pool
     view.load(pool, layer, slots, fresh)
     result = original(hidden, **{**arguments, cache_name: view})
     view.store(pool, layer, slots)
-    return result[0] if isinstance(result, tuple) else result
+    return result
 
 
 def _hidden_name(arguments: dict) -> str:

@@ -31,14 +31,29 @@ import torch
 
 from hfaccel import compat
 from hfaccel.attention import is_image_text_to_text
-from hfaccel.attention.functions import PACKED_MASK
+from hfaccel.attention.functions import packed_mask
 from hfaccel.device import model_device, to_device
-from hfaccel.kv import KVPool, PackedStep, SequenceKVCache
-from hfaccel.kv.hf_cache import paged_reader_backend
+from hfaccel.kv import KVPool, PackedStep
+from hfaccel.kv.hf_cache import paged_reader_backend, sequence_cache
 from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
 from hfaccel.sampling.sampler import SampleRow
+
+
+def packed_token_limit(config) -> int | None:
+    """The most tokens one sequence may hold, and one forward may pack, for the packed forward to be exact; None:
+    no limit.
+
+    Llama 4's no-RoPE layers scale their queries by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` with
+    ``p`` the token's index in the forward plus the cache's one length (``SequenceKVCache`` says 0: packed sequences
+    have no one length). That scale is 1, as at every true position, while ``p + 1 < floor_scale`` for both.
+    """
+    config = config.get_text_config(decoder=True)
+    if not getattr(config, "attn_temperature_tuning", False) or 0 not in (getattr(config, "no_rope_layers", None)
+                                                                          or ()):
+        return None
+    return int(config.floor_scale) - 1
 
 
 class ModelRunner:
@@ -52,12 +67,14 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = model_device(model)
-        self.cache = SequenceKVCache(model.config, pool)
+        self.cache = sequence_cache(model, pool)
         self.graphs: DecodeGraphs | None = None
         self.catch_up: DecodeGraphs | None = None  # a second static step: a few tokens, the last one's logits
         self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
         self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
+        self._mask = packed_mask(model.config.get_text_config(decoder=True))
+        self.max_tokens = packed_token_limit(model.config)  # per sequence and per forward (None: no limit)
         # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
         # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
         self.offsets_positions = is_image_text_to_text(model)
@@ -73,6 +90,7 @@ class ModelRunner:
         up to ``max_model_len`` tokens as static-shape steps: compiled with ``torch.compile`` when ``compile``,
         captured as CUDA graphs per padded batch size when ``capture`` (default: on CUDA); otherwise the same
         static step runs eagerly. ``draws``: the steps can also draw the tokens (``forward(draw=...)``)."""
+        self._check_static_size(max_batch * tokens_per_seq)
         self.graphs = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq, capture=capture,
                                    compile=compile, ladder=ladder, draws=draws)
         return self.graphs
@@ -83,9 +101,24 @@ class ModelRunner:
         """Beside the decode steps, run forwards of up to ``tokens_per_seq`` tokens per sequence with the logits of
         each sequence's last token as static-shape steps too (compiled and captured as the decode steps are): a
         draft model catching up, each speculative step, on the one or two tokens the target accepted."""
+        self._check_static_size(max_batch * tokens_per_seq)
         self.catch_up = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq,
                                      logits_for="last", capture=capture, compile=compile, ladder=ladder)
         return self.catch_up
+
+    def _check_static_size(self, tokens: int) -> None:
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(f"a static step of {tokens} tokens is more than this model's packed forward is exact "
+                             f"for ({self.max_tokens} tokens: hfaccel.runner.runner.packed_token_limit)")
+
+    def check_lengths(self, num_new: Sequence[int], ends: Sequence[int]) -> None:
+        """A ``ValueError`` unless a forward of ``num_new`` tokens per sequence, each sequence then ``ends`` tokens
+        long, is within :attr:`max_tokens`."""
+        limit = self.max_tokens
+        if limit is not None and (sum(num_new) > limit or max(ends, default=0) > limit):
+            raise ValueError(f"this model's packed forward is exact for up to {limit} tokens per sequence and per "
+                             f"forward (hfaccel.runner.runner.packed_token_limit); got {sum(num_new)} tokens in the "
+                             f"forward and sequences of up to {max(ends, default=0)}")
 
     def static_steps(self) -> tuple[DecodeGraphs, ...]:
         """The static steps enabled (decode, then catch-up)."""
@@ -126,6 +159,9 @@ class ModelRunner:
                              f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}"
                              + ("" if starts is None or self._static_serves(starts) else
                                 ", and a sequence starting (its recurrent layers' first tokens run eagerly)"))
+        if self.max_tokens is not None:
+            held = starts or [self.pool.manager.seq_len(s) if s in self.pool.manager else 0 for s in seq_ids]
+            self.check_lengths(num_new, [start + n for start, n in zip(held, num_new)])
         if starts is None:
             self.pool.reserve(seq_ids, num_new, token_ids)
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]
@@ -187,7 +223,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.index = lora_index
         try:
-            out = self.model(input_ids=input_ids[None], attention_mask=PACKED_MASK,
+            out = self.model(input_ids=input_ids[None], attention_mask=self._mask,
                              position_ids=step.model_positions[None], use_cache=True, logits_to_keep=keep, **{self._cache_argument: self.cache})
         finally:
             self.cache.step = None
@@ -219,7 +255,7 @@ class ModelRunner:
         decode steps keep their compiled step (the pool's block count is symbolic) and drop their captures."""
         self.pool.release()
         self.pool = make_pool()
-        self.cache = SequenceKVCache(self.model.config, self.pool)
+        self.cache = sequence_cache(self.model, self.pool)
         for graphs in self.static_steps():
             graphs.pool_changed()
 

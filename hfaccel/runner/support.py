@@ -71,9 +71,6 @@ def _support(model) -> ModelSupport:
 
 def _forward_reason(model) -> str | None:
     """Why the model's forward cannot take hfaccel's packed sequences, or None."""
-    if "chunked_attention" in (getattr(model.config, "layer_types", None) or ()):
-        return ("chunked attention (attention_chunk_size, Llama 4) is not implemented by hfaccel's kernels yet; its "
-                "masks are built from the padding mask, which hfaccel's packed sequences do not have")
     parameters = inspect.signature(type(model).forward).parameters
     if "position_ids" not in parameters:
         return ("its forward takes no position_ids (it derives positions from the cache length), which hfaccel's "

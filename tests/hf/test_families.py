@@ -30,7 +30,21 @@ def test_triton_kernels_give_transformers_tokens(name):
     assert layout.hybrid == (name in HYBRID_FAMILIES)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_transformers_loop_keeps_working(name):
+    """A call hfaccel's loop leaves to transformers' (``return_dict_in_generate``) on hfaccel's attention: its tokens,
+    over transformers' own cache where a PagedCache cannot hold the layers (state, per-layer heads, shared K/V, a
+    cache class of the model's own)."""
+    model = family_model(name)
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
+    expected = model.generate(**batch, **kwargs).sequences
+    hfaccel.accelerate(model, attention="torch")
+    assert torch.equal(model.generate(**batch, **kwargs).sequences, expected)
+    assert model.hfaccel.decode.path == "transformers"
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss", "minimax"])
 def test_compiled_decode_step_keeps_one_graph(name):
     """The decode step compiled (torch.compile, fullgraph), the recurrent layers' state written in place inside it:
     the eager tokens, and one graph for every batch size."""
@@ -93,3 +107,24 @@ def test_a_model_that_cannot_be_served_keeps_transformers_path():
     assert torch.equal(model.generate(**batch, max_new_tokens=4, **GREEDY), expected)
     if not model.hfaccel.active:
         assert "latent" in model.hfaccel.fallback_reason
+
+
+def test_llama4_beyond_its_exact_length_keeps_transformers_path():
+    """Llama 4's no-RoPE layers read one position per forward (its attention temperature): hfaccel serves sequences
+    and forwards of up to ``floor_scale - 1`` tokens (here 23) exactly and leaves longer calls to transformers' loop
+    with the reason; the Engine caps its context, batch and token budget there."""
+    from hfaccel.engine import Engine
+
+    model = family_model("llama4")
+    model.config.floor_scale = 24
+    batch = padded_batch()  # 22 prompt tokens, the longest 11
+    short, long = (model.generate(**batch, max_new_tokens=n, **GREEDY) for n in (8, 16))
+    hfaccel.accelerate(model, attention="torch")
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), short)
+    assert str(model.hfaccel.decode) == "hfaccel"
+    assert torch.equal(model.generate(**batch, max_new_tokens=16, **GREEDY), long)
+    assert model.hfaccel.decode.path == "transformers" and "past the 23 tokens" in model.hfaccel.decode.reason
+    engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=4096, num_blocks=16, block_size=4)
+    assert engine.max_model_len == 23 and engine.scheduler.max_num_seqs == 23
+    with pytest.raises(ValueError, match="context is 23"):
+        engine.add_request(list(range(3, 30)), hfaccel.SamplingParams(max_tokens=2))

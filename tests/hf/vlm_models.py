@@ -148,6 +148,30 @@ def _gemma3_processor():
     return lambda images: {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]}
 
 
+def _gemma4() -> transformers.PreTrainedModel:
+    """Gemma 4: its per-layer head sizes and KV-shared layers (tests/models.gemma4_config) under a tiny vision
+    encoder of 4-pixel patches pooled 2x2."""
+    from tests.models import gemma4_config
+
+    config = transformers.Gemma4Config(
+        text_config=gemma4_config(VOCAB).to_dict(),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                           position_embedding_size=64),
+        audio_config=None, image_token_id=IMAGE, boi_token_id=IMAGE_START, eoi_token_id=IMAGE_END)
+    return transformers.Gemma4ForConditionalGeneration(config)
+
+
+def _gemma4_processor():
+    processor = transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
+
+    def process(images: list[Image.Image]) -> dict:
+        out = processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
+                "tokens": out["num_soft_tokens_per_image"]}
+    return process
+
+
 LLAVA_IMAGE, LLAVA_PATCH = 28, 7
 
 
@@ -235,6 +259,8 @@ CASES = {
     "gemma3": VlmCase("gemma3", _gemma3, _gemma3_processor(),
                       lambda pixels, i: [IMAGE_START] + [IMAGE] * GEMMA3_TOKENS + [IMAGE_END],
                       token_types="token_type_ids"),
+    "gemma4": VlmCase("gemma4", _gemma4, _gemma4_processor(),
+                      lambda pixels, i: [IMAGE_START] + [IMAGE] * int(pixels["tokens"][i]) + [IMAGE_END]),
     "llava": VlmCase("llava", _llava, _llava_processor(),
                      lambda pixels, i: [IMAGE] * (LLAVA_IMAGE // LLAVA_PATCH) ** 2),
     "mistral3": VlmCase("mistral3", _mistral3, _mistral3_processor(), _mistral3_tokens),

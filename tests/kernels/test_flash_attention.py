@@ -72,6 +72,8 @@ def test_causal_matches_reference(shape, dtype):
         {"causal": False, "key_mask": (0, 17, 1)},
         {"sinks": True},
         {"sinks": True, "key_mask": (3, 0, 120), "sliding_window": 64},
+        {"chunk_size": 53},
+        {"chunk_size": 29, "key_mask": (3, 0, 120), "softcap": 30.0, "sinks": True},
     ],
     ids=lambda f: "+".join(f),
 )
@@ -96,6 +98,24 @@ def test_decode_with_padding_and_window(dtype):
     shape = (4, 8, 2, 1, 300, 128, 299)
     q, k, v = _inputs(shape, dtype)
     _check(q, k, v, q_offset=299, key_mask=_left_padding(4, 300, (0, 1, 150, 298)), sliding_window=100)
+
+
+def test_chunks_are_transformers_chunked_mask():
+    """``chunk_size``'s rule is transformers' chunked causal mask (Llama 4's ``attention_chunk_size``) on a row
+    without padding; without causality it is refused."""
+    from transformers import masking_utils
+
+    chunked = masking_utils.chunked_causal_mask_function(5, torch.zeros(1, dtype=torch.long))
+    t = torch.tensor
+    want = torch.tensor([[bool(chunked(t(0), t(0), t(i), t(j))) for j in range(17)] for i in range(17)])
+    got = visibility_mask(1, 17, 17, causal=True, q_offset=0, kv_offset=0, key_mask=None, sliding_window=None,
+                          chunk_size=5, device="cpu")[0, 0]
+    assert torch.equal(got, want)
+    q, k, v = _inputs((1, 2, 1, 4, 4, 16, 0), torch.float32)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        flash_attention(q, k, v, causal=False, chunk_size=2)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        flash_attention(q, k, v, chunk_size=0)
 
 
 def test_fully_masked_rows_are_zero_not_nan():
@@ -203,6 +223,8 @@ LOOP_CASES = [
     dict(shape=(2, 8, 2, 50, 97, 64, 47), key_mask=(0, 40), softcap=10.0),
     dict(shape=(1, 3, 3, 60, 60, 32, 0), causal=False, sliding_window=20),
     dict(shape=(1, 4, 2, 9, 40, 64, 0), kv_offset=20),  # queries before the keys: some rows see no key
+    dict(shape=(2, 6, 2, 70, 131, 64, 61), chunk_size=23),  # chunks that cut tiles and blocks
+    dict(shape=(1, 4, 1, 45, 150, 80, 110), kv_offset=5, chunk_size=40, sliding_window=30),
 ]
 
 
@@ -290,14 +312,15 @@ def _sm90_job(dtype, head_dim, cfg, all_features):
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     kv = f"tensordesc<{TRITON_TYPES[dtype]}[1,1,{cfg.block_n},{block_d}]>" if cfg.tma else ptr
     signature = {name: "i32" for name in ("num_kv_heads", "seq_q", "seq_kv", "head_dim", "q_offset",
-                                          "kv_offset", "window")}
+                                          "kv_offset", "window", "chunk")}
     signature.update({name: "i32" for name in flash_module._flash_attention_kernel.arg_names
                       if name.startswith("stride_")})
     signature.update(Q=ptr, K=kv, V=kv, O=ptr, KEY_MASK="*i1", SINKS="*fp32", score_scale="fp32",
                      softcap_log2="fp32")
     constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
                       EVEN_D=block_d == head_dim, TMA=cfg.tma, IS_CAUSAL=True,
-                      HAS_WINDOW=all_features, HAS_SOFTCAP=all_features, HAS_KEY_MASK=all_features,
+                      HAS_WINDOW=all_features, HAS_CHUNK=all_features, HAS_SOFTCAP=all_features,
+                      HAS_KEY_MASK=all_features,
                       HAS_SINKS=all_features,
                       UPCAST=False, IEEE_FP32=dtype == torch.float32)
     kernel = flash_module._flash_attention_kernel

@@ -150,14 +150,15 @@ def test_chosen_splits_match_reference_and_are_deterministic(dtype):
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_whole_block_loop_with_small_tiles(dtype, splits):
-    """Tiles of 16 keys: windows that cut blocks, a prefill chunk's diagonal, a key mask, splits over all that."""
+    """Tiles of 16 keys: windows and attention chunks that cut blocks, a prefill chunk's diagonal, a key mask, splits
+    over all that."""
     config = PagedConfig(16, 16, 4, 1)
     q_lens, seq_lens = [1, 11, 1, 30], [250, 90, 17, 30]
     k_pool, v_pool = _pool(64, 2, 64, dtype)
     tables, lens = _tables(seq_lens, 64)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), 6, 64).to(dtype)
-    for kwargs in (dict(sliding_window=37, softcap=15.0), dict()):
+    for kwargs in (dict(sliding_window=37, softcap=15.0), dict(), dict(chunk_size=23)):
         out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=30,
                         max_seqlen_k=250, backend="triton", num_splits=splits, config=config, **kwargs)
         assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, **kwargs))
@@ -202,7 +203,7 @@ def _packed(q_lens, heads_q, head_dim, dtype, seed=0):
 
 
 OPTIONS = [dict(), dict(sliding_window=37), dict(softcap=15.0), dict(sliding_window=5, softcap=2.0, scale=0.3),
-           dict(sinks=True), dict(sinks=True, sliding_window=5)]
+           dict(sinks=True), dict(sinks=True, sliding_window=5), dict(chunk_size=13), dict(chunk_size=6, softcap=2.0)]
 
 
 def _sinks(heads: int, dtype: torch.dtype, seed: int = 5) -> torch.Tensor:
@@ -383,13 +384,14 @@ def _attention_job(dtype, head_dim, cfg, split, varlen):
     kernel = paged_module._paged_attention_kernel
     signature = {name: "i32" for name in kernel.arg_names if name.startswith("stride_")}
     signature.update({name: "i32" for name in ("num_kv_heads", "head_dim", "block_size", "uniform_q_len",
-                                               "window")})
+                                               "window", "chunk")})
     signature.update(Q=ptr, K_POOL=ptr, V_POOL=ptr, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
                      CU_SEQLENS_Q="*i32", KEY_MASK="*i1", SINKS="*fp32", PART_O="*fp32", PART_LSE="*fp32",
                      score_scale="fp32", softcap_log2="fp32")
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-                      VARLEN=varlen, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True, HAS_SINKS=True, SPLIT=split,
+                      VARLEN=varlen, HAS_WINDOW=True, HAS_CHUNK=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True,
+                      HAS_SINKS=True, SPLIT=split,
                       UPCAST=False, IEEE_FP32=dtype == torch.float32)
     return dict(module="hfaccel.kernels.paged_attention", kernel="_paged_attention_kernel",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
