@@ -58,17 +58,15 @@ def tensor_parallel(model) -> TensorParallel | None:
 def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | None = None) -> None:
     """Raise a ``ValueError`` that says what is supported when ``model`` is sharded in a way hfaccel cannot serve:
     spread over several devices by ``device_map``, split by a TP size that does not divide its KV heads, or
-    quantized under tensor parallelism by a method other than RTN (``quantize``: the method asked for; each rank
-    quantizes its shard, :func:`hfaccel.distributed.quant.quantize_shards`)."""
+    quantized under tensor parallelism by a method other than RTN or fp8 (``quantize``: the method asked for; each
+    rank quantizes its shard, :func:`hfaccel.distributed.quant.quantize_shards`)."""
     devices = compat.device_map_devices(model)
     if len(devices) > 1:
         raise ValueError(f"{what}: {SUPPORTED}; this model is split across devices {sorted(devices)} by "
                          f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
     if compat.tp_size(model) > 1:
         local_kv_heads(model)  # raises when the TP size does not divide the KV heads
-    if compat.tp_size(model) > 1 and quantize == "fp8":
-        raise ValueError(f"{what}: quantize=\"fp8\" under tensor parallelism is not supported yet (int4 is: "
-                         f"quantize=\"rtn\" quantizes each rank's shard)")
-    if compat.tp_size(model) > 1 and quantize not in (None, "rtn"):
+    if compat.tp_size(model) > 1 and quantize not in (None, "rtn", "fp8"):
         raise ValueError(f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
-                         f"(quantize=\"rtn\"); quantize={quantize!r} calibrates on one process")
+                         f"(quantize=\"rtn\"; fp8 too: quantize=\"fp8\"); quantize={quantize!r} calibrates on one "
+                         "process")

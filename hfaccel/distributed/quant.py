@@ -1,5 +1,5 @@
-"""int4 (RTN) weights under tensor parallelism: each rank quantizes its own shard of each Linear, so the ranks
-together hold exactly the int4 weights one process would.
+"""int4 (RTN) and fp8 weights under tensor parallelism: each rank quantizes its own shard of each Linear, so the
+ranks together hold exactly the quantized weights one process would.
 
 RTN quantizes each output column of ``W [N, K]`` in groups of ``group_size`` along K. A colwise layer's shard
 ``[N/tp, K]`` is whole rows of ``W``: its int4 weights are those rows' of the whole layer. A rowwise layer's shard
@@ -7,11 +7,15 @@ RTN quantizes each output column of ``W [N, K]`` in groups of ``group_size`` alo
 the layer cannot be split so, a ``ValueError`` naming it). Layers one process would leave in full precision
 (their shape does not fit the int4 kernels) stay so here too, with transformers' TP forward.
 
+fp8 scales each output channel (a row of ``W``) by its largest magnitude: a colwise shard holds whole rows; a rowwise
+shard's rows are parts of the whole rows, so the ranks agree on each row's largest magnitude first (an all-reduce of
+the maxima) and each quantizes its part with the whole row's scale.
+
 Replacing a Linear drops the forward transformers' TP installed on it (it replaces the module's ``forward``; a
 colwise one is local, a rowwise one all-reduces its output): a colwise layer needs nothing more on the local
 path hfaccel runs (input replicated, output the rank's shard); a rowwise layer becomes :class:`RowwiseInt4Linear`,
 which all-reduces its partial output over the TP group before adding the bias, as transformers' rowwise forward
-does.
+does (fp8: :class:`RowwiseFp8Linear`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from torch import nn
 
 from hfaccel import compat
 from hfaccel.distributed.model import tensor_parallel
-from hfaccel.quant import Int4Linear, quantize_rtn, replace_module, rtn_targets
+from hfaccel.quant import Fp8Linear, Int4Linear, quantize_rtn, replace_module, rtn_targets
+from hfaccel.quant.fp8 import fp8_targets, quantize_rows, row_amax
 from hfaccel.quant.formats import Int4Weight
 
 STYLES = ("colwise", "rowwise")  # the TP styles of a Linear whose shard int4 can replace
@@ -48,11 +53,31 @@ class RowwiseInt4Linear(Int4Linear):
         return out if self.bias is None else out + self.bias
 
 
+class RowwiseFp8Linear(Fp8Linear):
+    """A rowwise-sharded :class:`Fp8Linear`: this rank's ``K/tp`` input columns (scaled by the whole rows' scales);
+    the partial products of every rank summed (all-reduce over ``group``), then the bias added once."""
+
+    group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K/tp] (this rank's columns) -> [..., N]
+        bias, self.bias = self.bias, None
+        try:
+            out = super().forward(x)
+        finally:
+            self.bias = bias
+        dist.all_reduce(out, group=self.group)
+        return out if bias is None else out + bias
+
+
 def quantize_shards(model: nn.Module, method: str = "rtn", *, group_size: int = 128,
                     skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
-    """Replace the Linear layers of a model transformers sharded with ``tp_plan`` by int4 layers of each rank's
-    shard, in place (``hfaccel.quantize``'s choice of layers, ``method="rtn"`` only); returns the model. A layer
-    whose shard cannot be quantized as the whole layer would be is a ``ValueError`` naming it (nothing changed)."""
+    """Replace the Linear layers of a model transformers sharded with ``tp_plan`` by int4 (``method="rtn"``) or fp8
+    (``"fp8"``) layers of each rank's shard, in place (``hfaccel.quantize``'s choice of layers); returns the model. A
+    layer whose shard cannot be quantized as the whole layer would be is a ``ValueError`` naming it (nothing
+    changed)."""
+    if method == "fp8":
+        return _fp8_shards(model, skip)
     if method != "rtn":
         raise ValueError(f"int4 under tensor parallelism: quantize='rtn' only (awq and gptq calibrate on one "
                          f"process); got {method!r}")
@@ -68,6 +93,34 @@ def quantize_shards(model: nn.Module, method: str = "rtn", *, group_size: int = 
         dtype = linear.weight.dtype
         module = (RowwiseInt4Linear.sharded(weight, bias, tp.group, dtype) if style == "rowwise"
                   else Int4Linear.from_weight(weight, bias, dtype=dtype))
+        replace_module(model, name, module)
+    return model
+
+
+def _fp8_shards(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
+    """:func:`quantize_shards` for fp8 (module docstring): every Linear but ``skip``, per output channel."""
+    tp = tensor_parallel(model)
+    if tp is None:
+        raise ValueError("quantize_shards: the model is not sharded by transformers' tensor parallelism")
+    plans = []
+    for name, linear in fp8_targets(model, skip):  # every check before anything changes
+        style = compat.tp_style(model, name)
+        if style not in (None, *STYLES):
+            raise ValueError(f"fp8 under tensor parallelism: {name} is sharded {style!r}; fp8 shards only {STYLES} "
+                             f"Linear layers (skip it: hfaccel.quantize's skip=)")
+        plans.append((name, linear, style))
+    for name, linear, style in plans:
+        weight = compat.local_tensor(linear.weight)  # [N or N/tp, K or K/tp]
+        bias = None if linear.bias is None else compat.local_tensor(linear.bias)
+        amax = None
+        if style == "rowwise":  # the whole rows' largest magnitudes, agreed by every rank
+            amax = row_amax(weight)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+        quantized, scale = quantize_rows(weight, amax)
+        cls = RowwiseFp8Linear if style == "rowwise" else Fp8Linear
+        module = cls.from_checkpoint(quantized, scale, None, bias, dtype=linear.weight.dtype)
+        if style == "rowwise":
+            module.group = tp.group
         replace_module(model, name, module)
     return model
 

@@ -19,7 +19,8 @@ from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
 from hfaccel.quant import quantize as quantize_model
-from hfaccel.quant.fp8 import adopt_fp8_layers, fp8_layers, fp8_summary, put_back
+from hfaccel.quant.fp8 import (adopt_fp8_layers, check_fp8_backend, dense_where_no_fp8_kernels, fp8_layers,
+                               fp8_summary, put_back)
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.kv.layout import ModelLayout
 from hfaccel.kv.state import install_mixers, remove_mixers
@@ -158,6 +159,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         raise ValueError(f"attention must be one of {BACKENDS}; got {attention!r}")
     if attention == "triton":
         resolve_backend("triton", model_device(model))
+    check_fp8_backend(model, attention, quantize)
     compiles(compile, model_device(model))  # a bad setting raises before anything changes
     if isinstance(getattr(model, "hfaccel", None), Acceleration):
         restore(model)  # first: it puts back LoRA layers an earlier merge_lora=True replaced
@@ -166,6 +168,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         lora.merge()
     _quantize(model, quantize, calib_data, group_size, lora)
     adopted = tuple(adopt_fp8_layers(model, model.dtype))  # transformers' fp8 layers -> hfaccel's kernels
+    dense_where_no_fp8_kernels(model, model.dtype)
     original = attention_implementations(model)
     support = model_support(model)
     reason = support.reason

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfaccel.kernels.runtime import interpreting, resolve_backend
+from hfaccel.kernels.runtime import interpreting, resolve_backend, triton_can_run
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -139,6 +139,15 @@ def _block_k(k: int, group_k: int) -> int:
     if block < 16:
         raise ValueError(f"fp8 K groups of {group_k} are not a multiple of 16 (the kernels' smallest K tile)")
     return block
+
+
+def fp8_kernels_run(device: torch.device | str) -> bool:
+    """Whether the fp8 kernels run on ``device``: a CUDA GPU that converts e4m3 (sm_89 and later: Ada, Hopper,
+    Blackwell), or the CPU under the Triton interpreter."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return triton_can_run(device)
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int, *,

@@ -9,7 +9,7 @@ from torch import nn
 from hfaccel.quant.calibrate import calibrate
 from hfaccel.quant.checkpoint import load_quantized, save_quantized
 from hfaccel.quant.formats import Int4Weight
-from hfaccel.quant.fp8 import Fp8Linear
+from hfaccel.quant.fp8 import Fp8Linear, fp8_targets
 from hfaccel.quant.linear import Int4Linear
 from hfaccel.quant.rtn import quantize_rtn
 
@@ -49,9 +49,7 @@ def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_si
 
 
 def _quantize_fp8(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear
-               and not any(name == s or name.endswith("." + s) for s in skip)]
-    for name, linear in targets:
+    for name, linear in fp8_targets(model, skip):
         replace_module(model, name, Fp8Linear.from_linear(linear))
     return model
 

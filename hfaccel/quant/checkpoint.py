@@ -22,7 +22,7 @@ from torch import nn
 
 from hfaccel.kernels.fp8 import FP8_DTYPE
 from hfaccel.quant import formats
-from hfaccel.quant.fp8 import Fp8Linear
+from hfaccel.quant.fp8 import Fp8Linear, compressed_tensors_block
 from hfaccel.quant.linear import Int4Linear
 
 FORMATS = ("awq", "gptq", "fp8")
@@ -173,19 +173,10 @@ def _fp8_block(spec: dict) -> tuple[int, int] | None:
     if method == "fbgemm_fp8":
         return None
     schemes = [group.get("weights") or {} for group in (spec.get("config_groups") or {}).values()]
-    if spec.get("format") not in ("float-quantized", "naive-quantized") or not schemes or any(
-            w.get("type") != "float" or w.get("num_bits") != 8 for w in schemes):
+    if spec.get("format") not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"hfaccel reads compressed-tensors fp8 checkpoints (format float-quantized, 8-bit float "
                          f"weights); this one is format {spec.get('format')!r} with weights {schemes}")
-    strategies = {w.get("strategy") for w in schemes}
-    if strategies <= {"channel", "tensor"}:
-        return None
-    if strategies == {"block"}:
-        blocks = {tuple(w.get("block_structure") or ()) for w in schemes}
-        if len(blocks) == 1 and len(next(iter(blocks))) == 2:
-            return tuple(int(b) for b in blocks.pop())
-    raise ValueError(f"compressed-tensors fp8 weight strategies {sorted(map(str, strategies))}: hfaccel reads "
-                     "channel, tensor and block (one block structure)")
+    return compressed_tensors_block(schemes)
 
 
 def _read_fp8_layers(model: nn.Module, state: dict, block: tuple[int, int] | None, dtype: torch.dtype,

@@ -7,13 +7,30 @@ ceil(N / group_n)]`` — per output channel (``group_k = K, group_n = 1``), per 
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
 from torch import nn
 
-from hfaccel.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize
+from hfaccel.device import model_device
+from hfaccel.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize, fp8_kernels_run
 from hfaccel.kernels.ops import fp8_matmul_op
+
+
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each row of ``weight [N, K]``, fp32 ``[N]``."""
+    return weight.detach().to(torch.float32).abs().amax(dim=1)
+
+
+def quantize_rows(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` per output channel: each row scaled so that its largest magnitude (``amax [N]``, by default
+    the row's own: a rowwise shard passes the whole row's) is e4m3's largest value (448), rounded to the nearest e4m3;
+    (fp8 ``[N, K]``, fp32 scales ``[N, 1]``)."""
+    amax = row_amax(weight) if amax is None else amax
+    scale = amax.clamp(min=1e-12) / FP8_MAX  # [N]
+    quantized = (weight.detach().to(torch.float32) / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale[:, None]
 
 
 class Fp8Linear(nn.Module):
@@ -32,15 +49,14 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(in_features, out_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale", torch.ones(groups, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.register_buffer("dense", None, persistent=False)  # [N, K]: the weight dequantized once, where no fp8
+        # kernel runs
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        """``linear`` quantized per output channel: each row of its weight scaled so its largest magnitude is
-        e4m3's largest value (448), rounded to the nearest e4m3."""
-        weight = linear.weight.detach().to(torch.float32)  # [N, K]
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX  # [N]
-        quantized = (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return cls.from_checkpoint(quantized, scale[:, None], None, linear.bias, dtype=linear.weight.dtype)
+        """``linear`` quantized per output channel (:func:`quantize_rows`)."""
+        quantized, scale = quantize_rows(linear.weight.detach())
+        return cls.from_checkpoint(quantized, scale, None, linear.bias, dtype=linear.weight.dtype)
 
     @classmethod
     def from_checkpoint(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -86,8 +102,15 @@ class Fp8Linear(nn.Module):
             return "per tensor"
         return f"blocks of {self.group_n}x{self.group_k}"
 
+    def dequantize_once(self, dtype: torch.dtype) -> None:
+        """Serve the layer by a dense matmul of its weight dequantized now to ``dtype`` (where the fp8 kernels do not
+        run: :func:`dense_where_no_fp8_kernels`); the fp8 weight stays (for saving, and the kernels elsewhere)."""
+        self.dense = self.dequantized(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        if self.dense is not None:
+            return nn.functional.linear(x, self.dense, self.bias)
         flat = x.reshape(-1, self.in_features)
         out = fp8_matmul_op(flat, self.weight, self.weight_scale, self.group_k, self.group_n, "auto")
         out = out.reshape(*x.shape[:-1], self.out_features)
@@ -104,15 +127,46 @@ TRANSFORMERS_FP8_LAYERS = {"FP8Linear": "weight_scale_inv", "FbgemmFp8Linear": "
 
 
 def from_transformers_layer(module: nn.Module, dtype: torch.dtype) -> Fp8Linear | None:
-    """An :class:`Fp8Linear` of one of transformers' fp8 layers (its weight and scales as they are, ``dtype`` the
-    activations'), or None for any other module."""
-    scale_name = TRANSFORMERS_FP8_LAYERS.get(type(module).__name__)
-    if scale_name is None or not type(module).__module__.startswith("transformers.integrations") \
-            or getattr(module, "weight", None) is None or module.weight.dtype != FP8_DTYPE:
+    """An :class:`Fp8Linear` of an fp8 layer as transformers loads one (its weight and scales as they are,
+    ``dtype`` the activations'): FineGrainedFP8's or FBGEMM's layers, or an ``nn.Linear`` that compressed-tensors
+    quantized (fp8 ``weight``, ``weight_scale``, its ``quantization_scheme``); None for any other module."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != FP8_DTYPE:
         return None
-    block = getattr(module, "block_size", None)
-    return Fp8Linear.from_checkpoint(module.weight.detach(), getattr(module, scale_name).detach(),
-                                     None if block is None else tuple(block), module.bias, dtype=dtype)
+    scale_name = TRANSFORMERS_FP8_LAYERS.get(type(module).__name__)
+    if scale_name is not None and type(module).__module__.startswith("transformers.integrations"):
+        block = getattr(module, "block_size", None)
+        block = None if block is None else tuple(block)
+    elif type(module) is nn.Linear and hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
+        scale_name, block = "weight_scale", compressed_tensors_block([module.quantization_scheme.weights.model_dump()])
+    else:
+        return None
+    return Fp8Linear.from_checkpoint(weight.detach(), getattr(module, scale_name).detach(), block, module.bias,
+                                     dtype=dtype)
+
+
+def compressed_tensors_block(weights: list[dict]) -> tuple[int, int] | None:
+    """The weight blocks of compressed-tensors fp8 weight schemes (their ``weights`` arguments, as dicts): None per
+    channel or per tensor (read off the scales' shape), ``(bn, bk)`` for one block structure; a ValueError for any
+    other scheme."""
+    if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
+        raise ValueError(f"hfaccel reads compressed-tensors fp8 weights (8-bit float); got {weights}")
+    strategies = {str(w.get("strategy")) for w in weights}
+    if strategies <= {"channel", "tensor"}:
+        return None
+    if strategies == {"block"}:
+        blocks = {tuple(w.get("block_structure") or ()) for w in weights}
+        if len(blocks) == 1 and len(next(iter(blocks))) == 2:
+            return tuple(int(b) for b in blocks.pop())
+    raise ValueError(f"compressed-tensors fp8 weight strategies {sorted(strategies)}: hfaccel reads channel, tensor "
+                     "and block (one block structure)")
+
+
+def fp8_targets(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of the Linear layers ``quantize(method="fp8")`` turns into :class:`Fp8Linear`: all but
+    ``skip``."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear
+            and not any(name == s or name.endswith("." + s) for s in skip)]
 
 
 def adopt_fp8_layers(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, nn.Module]]:
@@ -144,6 +198,32 @@ def fp8_layers(model: nn.Module) -> tuple[Fp8Linear, ...]:
 
 
 def fp8_summary(layers: tuple[Fp8Linear, ...]) -> str:
-    """``"14 × fp8 e4m3 per channel"``-style summary of ``layers``."""
+    """``"14 × fp8 e4m3 per channel"``-style summary of ``layers`` (and where they are served dequantized)."""
     counts = Counter(layer.granularity for layer in layers)
-    return ", ".join(f"{n} × fp8 e4m3 {granularity}" for granularity, n in counts.items())
+    summary = ", ".join(f"{n} × fp8 e4m3 {granularity}" for granularity, n in counts.items())
+    dense = {layer.dense.dtype for layer in layers if layer.dense is not None}
+    return summary + (f", dequantized to {', '.join(map(str, dense))} (no fp8 kernel on this device)" if dense else "")
+
+
+def check_fp8_backend(model: nn.Module, backend: str, quantize: str | None) -> None:
+    """A ``ValueError`` when ``backend="triton"`` demands hfaccel's kernels for fp8 weights (the model's, or
+    ``quantize="fp8"``'s) on a device where the fp8 kernels do not run."""
+    device = model_device(model)
+    has_fp8 = quantize == "fp8" or any(getattr(m, "weight", None) is not None and m.weight.dtype == FP8_DTYPE
+                                       for m in model.modules())
+    if backend == "triton" and has_fp8 and not fp8_kernels_run(device):
+        raise ValueError(f"attention='triton' demands hfaccel's kernels, and its fp8 kernels need a GPU that converts "
+                         f"e4m3 (sm_89 or later); {device} has none. Use attention='auto' (the fp8 weights then run "
+                         "dequantized to 16-bit)")
+
+
+def dense_where_no_fp8_kernels(model: nn.Module, dtype: torch.dtype) -> int:
+    """Where the fp8 kernels do not run on the model's device (a GPU below sm_89, the CPU without the interpreter),
+    dequantize each :class:`Fp8Linear` once to ``dtype`` (one warning on a GPU); the number of layers so served."""
+    layers = [layer for layer in fp8_layers(model) if not fp8_kernels_run(layer.weight.device)]
+    for layer in layers:
+        layer.dequantize_once(dtype)
+    if layers and layers[0].weight.device.type == "cuda":
+        warnings.warn(f"hfaccel: {layers[0].weight.device} has no fp8 conversion (sm_89 or later needed): "
+                      f"{len(layers)} fp8 layers run dequantized to {dtype}", stacklevel=3)
+    return len(layers)

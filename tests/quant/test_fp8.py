@@ -60,8 +60,8 @@ def test_quantize_and_accelerate_give_the_dequantized_models_tokens(arch):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_compressed_tensors_checkpoint_round_trip(tmp_path, arch):
-    """save_quantized(format="fp8") writes compressed-tensors; hfaccel reads it back bit-exactly, and transformers'
-    own loader (the compressed-tensors package) reads it too, decompressing to the same weights."""
+    """save_quantized(format="fp8") writes compressed-tensors; hfaccel reads it back bit-exactly, transformers' own
+    loader (the compressed-tensors package) reads it too, to the same weights, and accelerate() adopts its layers."""
     pytest.importorskip("compressed_tensors")
     model = hfaccel.quantize(tiny_model(arch), "fp8")
     batch = padded_batch()
@@ -77,6 +77,18 @@ def test_compressed_tensors_checkpoint_round_trip(tmp_path, arch):
     assert torch.equal(loaded.generate(**batch, **GREEDY), expected)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert torch.equal(theirs.generate(**batch, **GREEDY), expected)
+    # compressed-tensors' own layers (nn.Linear with fp8 weights and a quantization scheme, until a forward
+    # decompresses them): accelerate() serves them by Fp8Linear with the same weights and scales; restore() puts
+    # the same objects back
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    originals = {name: theirs.get_submodule(name) for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    hfaccel.accelerate(theirs, attention="torch")
+    for name, module in originals.items():
+        ours = theirs.get_submodule(name)
+        assert isinstance(ours, Fp8Linear) and torch.equal(ours.weight_scale, model.get_submodule(name).weight_scale)
+    assert torch.equal(theirs.generate(**batch, **GREEDY), expected)
+    hfaccel.restore(theirs)
+    assert all(theirs.get_submodule(name) is module for name, module in originals.items())
 
 
 def _block_fp8_checkpoint(path, arch: str, block: int) -> torch.nn.Module:
@@ -182,3 +194,23 @@ def test_accelerate_adopts_transformers_fp8_layers_and_restore_puts_them_back():
     assert torch.equal(model.generate(**batch, **GREEDY), reference.generate(**batch, **GREEDY))
     hfaccel.restore(model)
     assert all(model.get_submodule(name) is layer for name, layer in originals.items())
+
+
+def test_without_fp8_kernels_the_weights_run_dequantized_once(monkeypatch):
+    """A device where the fp8 kernels do not run (a GPU below sm_89; here the CPU, told so): attention='triton'
+    refuses with the reason before anything changes; otherwise accelerate() serves each fp8 layer by one dense matmul
+    of its weight dequantized once (the dequantized model's tokens) and says so."""
+    import hfaccel.quant.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fp8_kernels_run", lambda device: False)
+    model = hfaccel.quantize(tiny_model("llama"), "fp8")
+    batch = padded_batch()
+    expected = dequantized_copy(model).generate(**batch, **GREEDY)
+    with pytest.raises(ValueError, match="sm_89 or later"):
+        hfaccel.accelerate(model, attention="triton")
+    assert getattr(model, "hfaccel", None) is None
+    hfaccel.accelerate(model, attention="torch")
+    layers = fp8.fp8_layers(model)
+    assert layers and all(layer.dense is not None and layer.dense.dtype == torch.float32 for layer in layers)
+    assert "dequantized to torch.float32 (no fp8 kernel on this device)" in str(model.hfaccel)
+    assert torch.equal(model.generate(**batch, **GREEDY), expected)

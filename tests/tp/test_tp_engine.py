@@ -4,13 +4,11 @@ equal the single-process engine's."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 
 from hfaccel.engine import SamplingParams
 from tests.engine.test_engine import mixed_prompts
-from tests.models import tiny_model
 from tests.tp.ranks import run_ranks
 
 ENGINE = {"max_num_seqs": 6, "max_num_batched_tokens": 24, "num_blocks": 48, "block_size": 4}
@@ -46,13 +44,6 @@ def _engine_rank(path: str, prompts: list[list[int]], budgets: list[int]) -> dic
         engine.shutdown()
     return {"outputs": _outputs(outputs), "stats": stats, "kv_heads": engine.runner.pool.group_shapes[0][0],
             "steps": engine.host_times.steps, "copies": engine.runner.pool.copies_made}
-
-
-@pytest.fixture(scope="module")
-def saved_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    tiny_model("llama").save_pretrained(path)
-    return path
 
 
 def test_engine_under_tp_equals_single_process(saved_llama, tmp_path):

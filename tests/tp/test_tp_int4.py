@@ -4,11 +4,10 @@ that a rowwise shard cannot be split on is a clear error naming the layer."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
 
-from tests.models import padded_batch, tiny_model
+from tests.models import padded_batch
 from tests.tp.ranks import run_ranks
 
 GROUP = 16  # tiny Llama: hidden 64, intermediate 96 -> rowwise shards of K = 32 (o_proj) and 48 (down_proj)
@@ -32,13 +31,6 @@ def _int4_rank(path: str, batch: dict) -> dict:
     return {"error": error, "unchanged": unchanged, "tokens": tokens, "decode": str(model.hfaccel.decode),
             "types": {name: type(layer).__name__ for name, layer in layers.items()},
             "weights": {name: (layer.qweight, layer.scales, layer.zeros) for name, layer in layers.items()}}
-
-
-@pytest.fixture(scope="module")
-def saved_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama-int4")
-    tiny_model("llama").save_pretrained(path)
-    return path
 
 
 def test_int4_under_tp_equals_int4_single_process(saved_llama, tmp_path):
