@@ -61,13 +61,9 @@ class RowwiseFp8Linear(Fp8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K/tp] (this rank's columns) -> [..., N]
-        bias, self.bias = self.bias, None
-        try:
-            out = super().forward(x)
-        finally:
-            self.bias = bias
+        out = self.matmul(x)
         dist.all_reduce(out, group=self.group)
-        return out if bias is None else out + bias
+        return out if self.bias is None else out + self.bias
 
 
 def quantize_shards(model: nn.Module, method: str = "rtn", *, group_size: int = 128,

@@ -103,17 +103,21 @@ class Fp8Linear(nn.Module):
         return f"blocks of {self.group_n}x{self.group_k}"
 
     def dequantize_once(self, dtype: torch.dtype) -> None:
-        """Serve the layer by a dense matmul of its weight dequantized now to ``dtype`` (where the fp8 kernels do not
-        run: :func:`dense_where_no_fp8_kernels`); the fp8 weight stays (for saving, and the kernels elsewhere)."""
+        """Serve the layer by a dense matmul of its weight dequantized now to ``dtype`` (on a GPU without the fp8
+        kernels: :func:`dense_where_no_fp8_kernels`); the fp8 weight stays (for saving, and the kernels elsewhere)."""
         self.dense = self.dequantized(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K] @ W.T`` -> ``[..., N]``, without the bias."""
+        if self.dense is not None:
+            return nn.functional.linear(x, self.dense)
+        flat = x.reshape(-1, self.in_features)
+        out = fp8_matmul_op(flat, self.weight, self.weight_scale, self.group_k, self.group_n, "auto")
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        if self.dense is not None:
-            return nn.functional.linear(x, self.dense, self.bias)
-        flat = x.reshape(-1, self.in_features)
-        out = fp8_matmul_op(flat, self.weight, self.weight_scale, self.group_k, self.group_n, "auto")
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -209,21 +213,28 @@ def check_fp8_backend(model: nn.Module, backend: str, quantize: str | None) -> N
     """A ``ValueError`` when ``backend="triton"`` demands hfaccel's kernels for fp8 weights (the model's, or
     ``quantize="fp8"``'s) on a device where the fp8 kernels do not run."""
     device = model_device(model)
-    has_fp8 = quantize == "fp8" or any(getattr(m, "weight", None) is not None and m.weight.dtype == FP8_DTYPE
-                                       for m in model.modules())
+    has_fp8 = quantize == "fp8" or any(isinstance(w := getattr(m, "weight", None), torch.Tensor)
+                                       and w.dtype == FP8_DTYPE for m in model.modules())
     if backend == "triton" and has_fp8 and not fp8_kernels_run(device):
         raise ValueError(f"attention='triton' demands hfaccel's kernels, and its fp8 kernels need a GPU that converts "
                          f"e4m3 (sm_89 or later); {device} has none. Use attention='auto' (the fp8 weights then run "
                          "dequantized to 16-bit)")
 
 
+def serves_dequantized(device: torch.device | str) -> bool:
+    """Whether fp8 layers on ``device`` run dequantized once: a GPU without e4m3 conversion (below sm_89). The CPU
+    runs the kernels under the Triton interpreter, else their torch reference."""
+    device = torch.device(device)
+    return device.type == "cuda" and not fp8_kernels_run(device)
+
+
 def dense_where_no_fp8_kernels(model: nn.Module, dtype: torch.dtype) -> int:
-    """Where the fp8 kernels do not run on the model's device (a GPU below sm_89, the CPU without the interpreter),
-    dequantize each :class:`Fp8Linear` once to ``dtype`` (one warning on a GPU); the number of layers so served."""
-    layers = [layer for layer in fp8_layers(model) if not fp8_kernels_run(layer.weight.device)]
+    """On a GPU without fp8 kernels (:func:`serves_dequantized`), dequantize each :class:`Fp8Linear` once to ``dtype``,
+    with one warning; the number of layers so served."""
+    layers = [layer for layer in fp8_layers(model) if serves_dequantized(layer.weight.device)]
     for layer in layers:
         layer.dequantize_once(dtype)
-    if layers and layers[0].weight.device.type == "cuda":
+    if layers:
         warnings.warn(f"hfaccel: {layers[0].weight.device} has no fp8 conversion (sm_89 or later needed): "
                       f"{len(layers)} fp8 layers run dequantized to {dtype}", stacklevel=3)
     return len(layers)

@@ -197,19 +197,21 @@ def test_accelerate_adopts_transformers_fp8_layers_and_restore_puts_them_back():
 
 
 def test_without_fp8_kernels_the_weights_run_dequantized_once(monkeypatch):
-    """A device where the fp8 kernels do not run (a GPU below sm_89; here the CPU, told so): attention='triton'
+    """A GPU where the fp8 kernels do not run (below sm_89; here the CPU, told it is one): attention='triton'
     refuses with the reason before anything changes; otherwise accelerate() serves each fp8 layer by one dense matmul
-    of its weight dequantized once (the dequantized model's tokens) and says so."""
+    of its weight dequantized once (the dequantized model's tokens), with a warning, and says so."""
     import hfaccel.quant.fp8 as fp8
 
     monkeypatch.setattr(fp8, "fp8_kernels_run", lambda device: False)
+    monkeypatch.setattr(fp8, "serves_dequantized", lambda device: True)
     model = hfaccel.quantize(tiny_model("llama"), "fp8")
     batch = padded_batch()
     expected = dequantized_copy(model).generate(**batch, **GREEDY)
     with pytest.raises(ValueError, match="sm_89 or later"):
         hfaccel.accelerate(model, attention="triton")
     assert getattr(model, "hfaccel", None) is None
-    hfaccel.accelerate(model, attention="torch")
+    with pytest.warns(UserWarning, match="no fp8 conversion"):
+        hfaccel.accelerate(model, attention="torch")
     layers = fp8.fp8_layers(model)
     assert layers and all(layer.dense is not None and layer.dense.dtype == torch.float32 for layer in layers)
     assert "dequantized to torch.float32 (no fp8 kernel on this device)" in str(model.hfaccel)
