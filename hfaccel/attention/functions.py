@@ -330,10 +330,9 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
             f"without dropout or autograd; got mask {type(mask).__name__}, dropout {dropout}, "
             f"grad {_needs_autograd(query)}")
-    out = paged_attention_op(query[0].transpose(0, 1), kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens,
-                             kv.cu_seqlens_q, kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None,
-                             sliding_window, kv.chunk, softcap, sinks, backend)  # [T, Hq, D]
-    return out[None]
+    return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, kv.cu_seqlens_q,
+                              kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None, sliding_window, kv.chunk,
+                              softcap, sinks, backend)
 
 
 def auto_attention(module, query, key, value, attention_mask, **kwargs):

@@ -50,19 +50,21 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
                        chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
                        backend: str) -> torch.Tensor:
     """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``
-    (``hfaccel.kernels.paged_attention``): dense ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, or packed
-    ``q [T, Hq, D]`` with ``cu_seqlens_q`` -> ``[T, Hq, D]``."""
-    return paged_attention(q, kv_cache[layer, 0], kv_cache[layer, 1], block_tables, seq_lens,
-                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           scale=scale, key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size,
-                           softcap=softcap, sinks=sinks, backend=backend).contiguous()
+    (``hfaccel.kernels.paged_attention``): ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with
+    ``cu_seqlens_q`` (``B`` = 1: the one row holds every sequence's tokens). The packed query is re-viewed as
+    ``[T, Hq, D]`` inside the op, not in the traced graph: inductor's lowering of that select guards on T > 1 for
+    some query layouts (a query straight from its projection, no RoPE), giving batch 1 a graph of its own."""
+    packed = cu_seqlens_q is not None
+    out = paged_attention(q[0].transpose(0, 1) if packed else q, kv_cache[layer, 0], kv_cache[layer, 1],
+                          block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k, scale=scale, key_mask=key_mask, sliding_window=sliding_window,
+                          chunk_size=chunk_size, softcap=softcap, sinks=sinks, backend=backend)
+    return (out[None] if packed else out).contiguous()
 
 
 @paged_attention_op.register_fake
 def _(q, kv_cache, layer, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
       sliding_window, chunk_size, softcap, sinks, backend):
-    if cu_seqlens_q is not None:
-        return q.new_empty(q.shape)  # contiguous, as the op returns it (q is often a transposed view)
     batch, heads, seq, head_dim = q.shape
     return q.new_empty(batch, seq, heads, head_dim)
 

@@ -44,7 +44,7 @@ def test_transformers_loop_keeps_working(name):
     assert model.hfaccel.decode.path == "transformers"
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss", "minimax"])
+@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss", "minimax", "jamba"])
 def test_compiled_decode_step_keeps_one_graph(name):
     """The decode step compiled (torch.compile, fullgraph), the recurrent layers' state written in place inside it:
     the eager tokens, and one graph for every batch size."""

@@ -316,6 +316,49 @@ def test_bad_inputs_raise():
         paged_attention(q, k_pool, v_pool, tables, lens, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32))
 
 
+def test_custom_op_takes_the_models_query_layout():
+    """torch.ops.hfaccel.paged_attention: schema and fake agree (opcheck) in both forms, the packed query as the
+    model hands it over (``[1, Hq, T, D]``, a transposed view of its projection) -> ``[1, T, Hq, D]``; and a
+    dynamic fullgraph trace at T = 3 serves T = 1 without a second graph."""
+    from torch._dynamo.utils import counters
+
+    from hfaccel.compat import marked_sizes_only
+    from hfaccel.kernels.ops import paged_attention_op
+
+    k_pool, v_pool = _pool(16, 2, 24, torch.float32)
+    kv_cache = torch.stack([k_pool, v_pool])[None]  # [L=1, 2, blocks, block_size, Hkv, D]
+    tables, lens = _tables([5, 40, 17], 16)
+    packed, cu = _packed([1, 2, 1], 6, 24, torch.float32)
+    query = packed[None].transpose(1, 2)  # [1, Hq, T, D]
+    args = (query, kv_cache, 0, tables, lens, cu, 2, 40, 0.3, None, None, None, None, None, "torch")
+    torch.library.opcheck(paged_attention_op, args)
+    out = paged_attention_op(*args)
+    assert out.shape == (1, 4, 6, 24)
+    assert_close(out[0], paged_attention_reference(packed, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, scale=0.3))
+    dense = torch.randn(3, 6, 2, 24)
+    torch.library.opcheck(paged_attention_op, (dense, *args[1:5], None, 2, 40, 0.3, *args[9:]))
+
+    def step(projected: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        query = projected.view(1, -1, 6, 24).transpose(1, 2)  # no RoPE: the projection's layout
+        return paged_attention_op(query, kv_cache, 0, tables, lens, cu, 2, 40, 0.3, None, None, None, None, None,
+                                  "torch") * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    before = counters["stats"]["unique_graphs"]
+    for q_lens in ([1, 1, 1], [1]):
+        rows = len(q_lens)
+        packed, cu = _packed(q_lens, 6, 24, torch.float32)
+        inputs = (packed.reshape(1, rows, -1), tables[:rows], lens[:rows], cu)
+        for tensor, dim in zip(inputs, (1, 0, 0, 0)):  # as the runner marks a decode step's inputs
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        with marked_sizes_only():
+            got = compiled(*inputs)
+        want = paged_attention_reference(packed, k_pool, v_pool, tables[:rows], lens[:rows], cu_seqlens_q=cu,
+                                         scale=0.3) * 2
+        assert_close(got[0], want)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_write_kv_matches_reference(dtype):
     k_pool, v_pool = _pool(8, 3, 80, dtype)
