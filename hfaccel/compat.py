@@ -319,6 +319,21 @@ def encode_media(model, inputs: dict) -> dict | None:
     return model._prepare_multimodal_encoder_kwargs_for_generation(dict(inputs)).get("mm_encoder_outputs") or None
 
 
+def slice_encoded_media(output, rows: torch.Tensor):
+    """The rows ``rows`` of an encoder output's features (``mm_encoder_outputs[modality]``), flattened to one per
+    placeholder token, in the container the model reads pre-encoded features from — transformers' own slicing for
+    chunked prefill (``generation.utils._slice_mm_encoder_output``, private, >= 5.24) — or None where it has none."""
+    from transformers.generation import utils
+
+    slicer = getattr(utils, "_slice_mm_encoder_output", None)
+    return None if slicer is None else slicer(output, rows)
+
+
+def encoded_rows(output) -> int:
+    """How many placeholder tokens an encoder output's features fill (its pooled features, one row per token)."""
+    return sum(feature.reshape(-1, feature.shape[-1]).shape[0] for feature in output["pooler_output"])
+
+
 def generation_pad_tensor(generation_config) -> torch.Tensor | None:
     """The pad token ``generate`` prepared for finished rows (a tensor on the inputs' device, or None)."""
     return generation_config._pad_token_tensor

@@ -40,7 +40,7 @@ from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
 from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
-from hfaccel.engine.media import MediaInputs, is_processor, process, processed_media
+from hfaccel.engine.media import MediaInputs, is_processor, media_token_ids, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
@@ -49,7 +49,7 @@ from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
-from hfaccel.runner.multimodal import EncoderCache, prefill_sequence
+from hfaccel.runner.multimodal import EncoderCache, MediaOffsets, prefill_sequence
 from hfaccel.runner.runner import packed_token_limit
 from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
@@ -165,8 +165,10 @@ class Engine:
                     enable_prefix_caching=enable_prefix_caching)
                 pool = self.runner.pool
             _log.info("hfaccel Engine: %s", self.kv_budget)
+            self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
             self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, loras=self.loras)
+                                       max_num_batched_tokens=max_num_batched_tokens, loras=self.loras,
+                                       media_offsets=self.media_offsets)
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
             on_cuda = self.runner.device.type == "cuda"
             if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
@@ -281,6 +283,8 @@ class Engine:
         if not params_checked:
             self.check_params(params)
         self.check_media(media, params, adapter)
+        if media is not None:
+            media = media.located(prompt_ids, media_token_ids(self.model.config))
         return PreparedPrompt(text, tuple(prompt_ids), params, adapter, media)
 
     def check_params(self, params: SamplingParams) -> None:
@@ -604,7 +608,8 @@ class Engine:
         """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks (with
         ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``; with
         ``prompt_rows``, their logits after those). Chunks that prefill a prompt with images come last (the
-        step sorts them so): each runs the multimodal prefill of its own, its row after the packed forward's."""
+        step sorts them so): each runs the multimodal prefill of its own (their images encoded together where they
+        stack), its row after the packed forward's."""
         start = time.perf_counter()
         flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
         input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
@@ -613,19 +618,36 @@ class Engine:
             input_ids.index_copy_(0, *device_tokens)
         self.host_times.inputs += time.perf_counter() - start
         packed = [c for c in chunks if not _prefills_images(c)]
+        for chunk in packed:
+            self._continue_after_images(chunk)
         logits = self._packed_forward(packed, input_ids[:sum(c.length for c in packed)], draw, prompt_rows)
         if len(packed) == len(chunks):
             return logits
         rows, offset, completing = [], sum(c.length for c in packed), sum(c.completes for c in packed)
-        for chunk in chunks[len(packed):]:  # [1, V] each
+        with_images = chunks[len(packed):]
+        encoded = self.encoder_cache.inputs(self.model, [
+            (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.length), c.seq.token_ids[:c.length])
+            for c in with_images])
+        for chunk, inputs in zip(with_images, encoded):  # [1, V] each
             media = chunk.seq.request.media
-            inputs = self.encoder_cache.inputs(self.model, media.digest, media.for_tokens(chunk.length))
             rows.append(prefill_sequence(self.model, self.runner, chunk.seq.seq_id,
                                          input_ids[offset:offset + chunk.length], inputs))
+            self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))
             offset += chunk.length
         if logits is None:
             return torch.cat(rows)
         return torch.cat([logits[:completing], *rows, logits[completing:]])  # the prompt rows stay last
+
+    def _continue_after_images(self, chunk: ScheduledChunk) -> None:
+        """A sequence of a prompt with images that its own prefill did not compute (prefix-cache hits covered its
+        images: the text after them runs in the packed forward) continues its positions at the offset its images
+        gave."""
+        media, seq_id = chunk.seq.request.media, chunk.seq.seq_id
+        if media is None or seq_id in self.runner.position_offsets:
+            return
+        offset = self.media_offsets.get(media.digest)
+        if offset:
+            self.runner.position_offsets[seq_id] = offset
 
     def _packed_forward(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor, draw: list[SampleRow] | None,
                         prompt_rows: PromptRows | None) -> torch.Tensor | None:
@@ -726,7 +748,7 @@ class Engine:
         return seq.constraint
 
     def _register_fork(self, parent: Seq, child: Seq) -> None:
-        self.scheduler.manager.fork(parent.seq_id, child.seq_id)
+        self.runner.fork(parent.seq_id, child.seq_id)
         child.num_computed = parent.num_computed
         parent.request.forked = True
         parent.request.seqs.append(child)

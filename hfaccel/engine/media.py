@@ -15,7 +15,7 @@ import hashlib
 import io
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,15 +30,33 @@ class MediaInputs:
 
     inputs: dict[str, torch.Tensor]  # pixel values, image sizes, token types... (not input_ids / attention_mask)
     digest: str  # the images' content hash
+    end: int | None = None  # how many prompt tokens run up to its last image token (None: not located)
+
+    def located(self, prompt_ids: Sequence[int], media_token_ids: frozenset[int]) -> MediaInputs:
+        """These inputs with :attr:`end` found in the prompt: one past its last token of ``media_token_ids`` (the
+        model's image / video placeholders); None when the prompt has none of them."""
+        last = max((i for i, token in enumerate(prompt_ids) if token in media_token_ids), default=None)
+        return replace(self, end=None if last is None else last + 1)
 
     def for_tokens(self, length: int) -> dict[str, torch.Tensor]:
         """The inputs for a forward over the prompt and ``length - prompt length`` tokens after it (a preempted
         sequence computed again): per-token inputs (token types) extended with zeros, "text"."""
         inputs = dict(self.inputs)
         for name, value in self.inputs.items():
-            if name.endswith("token_type_ids") and value.shape[-1] < length:
+            if _per_token(name) and value.shape[-1] < length:
                 inputs[name] = torch.nn.functional.pad(value, (0, length - value.shape[-1]))
         return inputs
+
+
+def _per_token(name: str) -> bool:
+    """Whether a processor's output of this name has one entry per prompt token (its token types)."""
+    return name.endswith("token_type_ids")
+
+
+def media_token_ids(config) -> frozenset[int]:
+    """The placeholder token ids an image-text-to-text model's config names (image, video, audio)."""
+    names = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
+    return frozenset(value for name in names if isinstance(value := getattr(config, name, None), int))
 
 
 def is_processor(tokenizer) -> bool:
@@ -156,12 +174,14 @@ def _media(out, images: list) -> MediaInputs | None:
 
 def processed_media(inputs) -> MediaInputs:
     """The multimodal inputs a processor made for one prompt (``{"prompt_token_ids", "multimodal_inputs"}``
-    prompts), checked: a dict of tensors, their content hashed."""
+    prompts), checked: a dict of tensors, the images' (not the per-token types') content hashed."""
     if not isinstance(inputs, dict) or not inputs or not all(
             isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in inputs.items()):
         raise ValueError("multimodal_inputs is a dict of the processor's tensors for the prompt (pixel_values, ...)")
     digest = hashlib.sha256()
     for name, value in sorted(inputs.items()):
+        if _per_token(name):  # the prompt's token types: its token ids say them
+            continue
         digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
         digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return MediaInputs(dict(inputs), digest.hexdigest())

@@ -9,13 +9,15 @@ Every step packs, within ``max_num_batched_tokens``:
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
    images is computed whole in one step (its images' tokens are never split), when the budget left holds it (one
-   longer than the whole budget goes past it).
+   longer than the whole budget goes past it) — unless its prefix-cache hits cover its images: the text after them
+   is then computed like any prompt's, at the position offset its images gave (``media_offsets``).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
 base-model sequences behind it may still be admitted, adapter ones wait too (else the adapters running could keep
 their slots forever); a sequence holds a reference on its adapter's slot while it runs.
-Its blocks are shared through the prefix cache only with sequences of the same adapter (``salt``).
+Its blocks are shared through the prefix cache only with sequences of the same adapter, and a prompt with images
+only with prompts of the same images (``salt``).
 
 Plain Python over the engine's :class:`~hfaccel.kv.BlockManager`; nothing here touches tensors.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -96,7 +99,7 @@ class Request:
     forked: bool = False  # the n completions exist (made from the first one when its prompt is computed)
     error: str | None = None  # why the engine failed this request alone (its completions end with "error")
     lora: LoRAAdapter | None = None  # the LoRA adapter its tokens run through (None: the base model)
-    media: MediaInputs | None = None  # its images' inputs: its prompt is computed whole, by the multimodal prefill
+    media: MediaInputs | None = None  # its images' inputs: its prompt is computed by the multimodal prefill
     # each prompt token's logprob given those before it (None: not asked for; an entry None: not computed yet, and
     # always for the first token)
     prompt_logprobs: list | None = None
@@ -136,7 +139,9 @@ class Scheduler:
     """FCFS iteration-level scheduler with chunked prefill, preemption by recompute and prefix caching."""
 
     def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 loras: LoRAManager | None = None):
+                 loras: LoRAManager | None = None, media_offsets: Container[str] = ()):
+        """``media_offsets``: the content hashes of the images whose position offset the engine knows (prompts
+        with them may take prefix-cache hits that cover their images)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, "
                              f"{max_num_batched_tokens}")
@@ -144,6 +149,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.loras = loras
+        self.media_offsets = media_offsets
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -207,6 +213,7 @@ class Scheduler:
             if not self._admit(seq):
                 break
             self.waiting.popleft()
+            whole = whole and not seq.num_computed  # prefix hits took its images: the rest is text
             length = seq.num_tokens - seq.num_computed if whole else min(seq.num_tokens - seq.num_computed, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
@@ -247,7 +254,8 @@ class Scheduler:
             return False
         free_before = manager.num_free_blocks
         try:
-            cached = manager.add_sequence(seq.seq_id, seq.token_ids, computed=False, salt=_cache_salt(seq))
+            cached = manager.add_sequence(seq.seq_id, seq.token_ids, computed=False, salt=_cache_salt(seq),
+                                          least_hit=self._least_hit(seq))
         except CacheFullError:
             return False
         if manager.num_free_blocks < watermark and free_before >= watermark:
@@ -266,6 +274,17 @@ class Scheduler:
         computed again from its tokens (a step that failed after a hybrid model's layers advanced its state)."""
         if seq.status is Status.RUNNING:
             self._preempt(seq, SchedulerOutput([], [], [], []))
+
+    def _least_hit(self, seq: Sequence) -> int:
+        """The fewest leading tokens ``seq`` may take from the prefix cache (a shorter hit is not taken). A prompt
+        with images takes blocks only past its last image token, where the rest of it is text, and only when the
+        position offset its images give is known; a prompt without takes any hit."""
+        media = seq.request.media
+        if media is None:
+            return 0
+        if media.end is None or media.digest not in self.media_offsets:
+            return seq.num_tokens  # never (a hit leaves one token at least)
+        return media.end
 
     def _possible_hits(self, seq: Sequence) -> int:
         return seq.num_tokens // self.manager.block_size if self.manager.enable_prefix_caching else 0
@@ -298,10 +317,12 @@ class Scheduler:
 
 
 def _cache_salt(seq: Sequence):
-    """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model). A request that
-    asks for prompt logprobs, or brings images, has a salt of its own: its prompt is computed, not taken from the
-    prefix cache."""
+    """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model) and its images'
+    content. A request that asks for prompt logprobs has a salt of its own: its prompt is computed, not taken from
+    the prefix cache."""
     adapter = None if seq.request.lora is None else seq.request.lora.cache_key
-    if seq.request.media is not None:  # its prompt is computed whole, from its images: no block of it is taken
-        return adapter, "images", seq.request.request_id
-    return adapter if seq.request.params.prompt_logprobs is None else (adapter, "prompt logprobs", seq.request.request_id)
+    if seq.request.params.prompt_logprobs is not None:
+        return adapter, "prompt logprobs", seq.request.request_id
+    if seq.request.media is not None:
+        return adapter, "images", seq.request.media.digest
+    return adapter

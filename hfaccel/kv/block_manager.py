@@ -167,14 +167,16 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None, computed: bool = True, salt: Hashable = None) -> int:
+                     num_tokens: int | None = None, computed: bool = True, salt: Hashable = None,
+                     least_hit: int = 0) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
         Give ``token_ids`` (enables prefix sharing) or just ``num_tokens``. Blocks for the whole prompt are
         allocated (reused where a prefix hit). ``computed=False``: the prompt's K/V (past the prefix hit) are
         not written yet (see ``mark_computed``). Raises ``CacheFullError`` with nothing changed if the pool
         cannot hold it. ``salt``: what else the K/V depend on besides the tokens (a LoRA adapter's
-        ``cache_key``): only blocks registered under the same salt are shared.
+        ``cache_key``): only blocks registered under the same salt are shared. ``least_hit``: a hit of fewer
+        tokens is not taken (the prompt is computed from its start).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
@@ -183,6 +185,8 @@ class BlockManager:
             raise ValueError("add_sequence needs token_ids or a num_tokens >= 0")
         tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
         hits, hashes = self._prefix_hits(tokens, salt)
+        if len(hits) * self.block_size < least_hit:
+            hits, hashes = [], []
         needed = self.blocks_needed(length) - len(hits)
         reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         if needed > self.num_free_blocks - reusable_free:

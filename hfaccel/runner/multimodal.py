@@ -94,31 +94,125 @@ def _next_positions(seen: list[torch.Tensor | None], batch: int, width: int, pad
     return [int(positions[:, row, pad:].max()) + 1 for row, pad in enumerate(pads)]
 
 
+class MediaOffsets:
+    """Where the positions of the text after a prompt's images continue (their offset, 0 for most families; less
+    under M-RoPE, where an image spans fewer positions than tokens), keyed by the images' content hash and learned
+    from the multimodal prefills that computed them; at most ``size`` kept (least recently used dropped first). A
+    prompt whose prefix-cached blocks cover its images computes the text after them at that offset."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        self._offsets: OrderedDict[str, int] = OrderedDict()
+
+    def record(self, digest: str, offset: int) -> None:
+        self._offsets[digest] = offset
+        self._offsets.move_to_end(digest)
+        while len(self._offsets) > self.size:
+            self._offsets.popitem(last=False)
+
+    def get(self, digest: str) -> int | None:
+        offset = self._offsets.get(digest)
+        if offset is not None:
+            self._offsets.move_to_end(digest)
+        return offset
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._offsets
+
+
 class EncoderCache:
     """The vision encoder's outputs of recent prompts' images, keyed by their content hash, at most ``size`` of them
-    (least recently used dropped first): a request whose images were encoded before skips the encoder. Where the
-    installed transformers cannot take encoded images (5.17), every request encodes its own."""
+    (least recently used dropped first): a request whose images were encoded before skips the encoder, and the images
+    of one step's prompts are encoded in one call where their inputs stack. Where the installed transformers cannot
+    take encoded images (5.17), every request encodes its own in its forward."""
 
     def __init__(self, size: int = 64):
         self.size = size
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.batches = 0  # batches: encoder calls that served several prompts
         self._outputs: OrderedDict[str, dict] = OrderedDict()
 
-    def inputs(self, model, digest: str, inputs: dict) -> dict:
-        """``inputs`` with their pixels replaced by the encoder's outputs (cached, or computed and kept)."""
-        encoded = self._outputs.get(digest)
-        if encoded is None:
-            self.misses += 1
-            encoded = compat.encode_media(model, inputs)
-            if encoded is None:
-                return inputs
-            self._outputs[digest] = encoded
-            while len(self._outputs) > self.size:
-                self._outputs.popitem(last=False)
-        else:
-            self.hits += 1
-            self._outputs.move_to_end(digest)
-        return {**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": encoded}
+    def inputs(self, model, prompts: Sequence[tuple[str, dict, Sequence[int]]]) -> list[dict]:
+        """Each prompt's inputs — given as (its images' content hash, the processor's inputs, the token ids its
+        forward runs) — with their pixels replaced by the encoder's outputs: cached ones taken, the others encoded
+        (:meth:`_encode`) and kept."""
+        if not compat.takes_encoded_media(model):
+            return [inputs for _, inputs, _ in prompts]
+        found, fresh = {}, {}
+        for digest, inputs, ids in prompts:
+            if digest in found or digest in fresh:
+                self.hits += 1
+            elif (cached := self._outputs.get(digest)) is not None:
+                self.hits += 1
+                self._outputs.move_to_end(digest)
+                found[digest] = cached
+            else:
+                self.misses += 1
+                fresh[digest] = (inputs, ids)
+        found.update(self._encode(model, fresh))
+        return [{**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": found[digest]}
+                for digest, inputs, _ in prompts]
+
+    def _encode(self, model, fresh: dict[str, tuple[dict, Sequence[int]]]) -> dict[str, dict]:
+        """The encoder's outputs of each prompt's images, kept. Prompts whose inputs stack (:func:`_stack_key`) are
+        encoded in one call, each given the rows of its placeholder tokens in order (as transformers reads
+        pre-encoded features: row i fills the i-th placeholder); the others each alone."""
+        groups: dict[tuple, list[str]] = {}
+        for digest, (inputs, _) in fresh.items():
+            groups.setdefault(_stack_key(inputs), []).append(digest)
+        encoded = {}
+        for digests in groups.values():
+            outputs = None
+            if len(digests) > 1:
+                batch = {name: torch.cat([fresh[d][0][name] for d in digests]) for name in _encoder_inputs(
+                    fresh[digests[0]][0])}
+                outputs = _split(model, compat.encode_media(model, batch), [fresh[d][1] for d in digests])
+                self.batches += outputs is not None
+            if outputs is None:
+                outputs = [compat.encode_media(model, fresh[d][0]) for d in digests]
+            encoded.update(zip(digests, outputs))
+        for digest in fresh:
+            self._outputs[digest] = encoded[digest]
+        while len(self._outputs) > self.size:
+            self._outputs.popitem(last=False)
+        return encoded
 
     def __str__(self) -> str:
-        return f"{len(self._outputs)} of {self.size} held, {self.hits} hits, {self.misses} misses"
+        return (f"{len(self._outputs)} of {self.size} held, {self.hits} hits, {self.misses} misses, "
+                f"{self.batches} batched encodes")
+
+
+def _encoder_inputs(inputs: dict) -> list[str]:
+    """The names of a prompt's processor inputs its encoder reads: all but its per-token ones (token types)."""
+    return sorted(name for name in inputs if not name.endswith("token_type_ids"))
+
+
+def _stack_key(inputs: dict) -> tuple:
+    """What prompts' encoder inputs must share to be encoded as one batch, each tensor concatenated along its first
+    dimension (images, patches, grids, sizes): the names, and each tensor's shape past that dimension and dtype
+    (images a processor padded to its own batch's size differ there)."""
+    if any(inputs[name].dim() == 0 for name in inputs):  # a scalar: nothing to concatenate along
+        return (id(inputs),)
+    return tuple((name, tuple(inputs[name].shape[1:]), inputs[name].dtype) for name in _encoder_inputs(inputs))
+
+
+def _split(model, outputs: dict, token_ids: Sequence[Sequence[int]]) -> list[dict] | None:
+    """One batch's encoder outputs (per modality) as each prompt's: the rows of its placeholder tokens of that
+    modality, counted in ``token_ids``; None where they cannot be split so (no placeholder id in the config, no
+    slicing in the installed transformers, or placeholders that do not match the features)."""
+    per_prompt: list[dict] = [{} for _ in token_ids]
+    for modality, output in outputs.items():
+        placeholder = getattr(model.config, f"{modality}_token_id", None)
+        if placeholder is None:
+            return None
+        counts = [sum(1 for token in ids if token == placeholder) for ids in token_ids]
+        if sum(counts) != compat.encoded_rows(output):
+            return None
+        start = 0
+        for prompt, count in zip(per_prompt, counts):
+            if count:
+                rows = compat.slice_encoded_media(output, torch.arange(start, start + count))
+                if rows is None:
+                    return None
+                prompt[modality] = rows
+            start += count
+    return per_prompt

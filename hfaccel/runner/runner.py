@@ -270,6 +270,12 @@ class ModelRunner:
         """Keep the first ``length`` tokens of one sequence (rolled-back tokens are simply overwritten later)."""
         self.pool.manager.crop(seq_id, length)
 
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """A new sequence ``child`` sharing every block of ``parent`` (copy-on-write), at its position offset."""
+        self.pool.manager.fork(parent, child)
+        if parent in self.position_offsets:
+            self.position_offsets[child] = self.position_offsets[parent]
+
     def free(self, seq_id: Hashable) -> None:
         self.position_offsets.pop(seq_id, None)
         if seq_id in self.pool.manager:

@@ -1,7 +1,8 @@
 """The Engine with images: prompts with images (chat messages with image parts, or a prompt and its images) prefilled
 whole through the model's own forward, decoded in the batch with every other request — each request's tokens those
-of transformers' ``generate`` on it alone (fp32), mixed with text-only requests, after preemption too; bad images
-fail their request alone."""
+of transformers' ``generate`` on it alone (fp32), mixed with text-only requests, after preemption too; prompts that
+repeat another's images and its text up to past them take its blocks from the prefix cache; bad images fail their
+request alone."""
 
 import io
 
@@ -156,3 +157,71 @@ def test_processed_prompts_continue_their_mrope_positions(cuda_graphs):
     outputs = engine.generate(requests, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert engine.stats()["decode_steps"].startswith("uncompiled") == cuda_graphs
+
+
+def _processed(case, prompt: list) -> tuple[dict, list[int]]:
+    """A prompt the family's processor made (``{"prompt_token_ids", "multimodal_inputs"}``) and transformers' 10
+    greedy tokens for it alone."""
+    inputs = case.inputs([prompt])
+    expected = case_model(case).generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist()
+    return {"prompt_token_ids": inputs["input_ids"][0].tolist(),
+            "multimodal_inputs": {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}}, expected
+
+
+_MODELS: dict = {}
+
+
+def case_model(case):
+    if case.name not in _MODELS:
+        _MODELS[case.name] = case.model()
+    return _MODELS[case.name]
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3"])
+def test_prompts_repeating_images_take_prefix_hits_past_them(name):
+    """A follow-up that repeats a prompt's images and its text up to past them (a chat's next turn) takes those
+    blocks from the prefix cache and computes only the text after them — at the M-RoPE position offset the images
+    gave (Qwen2.5-VL), after their bidirectional attention (Gemma 3): transformers' tokens on it alone, and so for
+    the request that computed them. The same text with other images, or the same images in another text, takes
+    none. The first prompt has two completions (n=2): each continues at the images' offset."""
+    from tests.hf.vlm_models import CASES
+
+    case = CASES[name]
+    pictures = [image(40, 40, 1), image(60, 30, 2)]
+    head = [9, *pictures[:1], 10, *pictures[1:], *range(50, 62)]  # past its last image, more than a block of text
+    first, first_expected = _processed(case, [*head, 7])
+    follow_up, follow_up_expected = _processed(case, [*head, 5])
+    other_images, other_expected = _processed(case, [9, image(40, 40, 3), 10, *pictures[1:], *range(50, 62), 13])
+    engine = hfaccel.Engine(case_model(case), max_num_seqs=4, num_blocks=64, block_size=8)
+    greedy_pair = hfaccel.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
+    done = engine.generate([first], greedy_pair)[0]
+    assert [o.token_ids for o in done.outputs] == [first_expected] * 2
+    outputs = engine.generate([follow_up, other_images], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [follow_up_expected, other_expected]
+    image_end = engine.prepare_prompt(follow_up, GREEDY).media.end
+    assert image_end <= outputs[0].metrics.num_cached_tokens < len(follow_up["prompt_token_ids"])
+    assert outputs[1].metrics.num_cached_tokens == 0
+    assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "gemma3"])
+def test_one_steps_images_are_encoded_together(name):
+    """Image prompts admitted in one step have their images encoded in one call of the vision tower (LLaVA, Gemma 3:
+    images of one size; Qwen2.5-VL: patches of images of several sizes), each prompt then given its rows of the
+    features — its
+    tokens transformers' on it alone; the third prompt's image is the first's, encoded once. transformers 5.17, whose
+    forward encodes its own pixels: each prompt alone."""
+    from tests.hf.vlm_models import CASES
+
+    case = CASES[name]
+    prompts = [[9, image(40, 40, 1), 10, 11], [12, image(30, 50, 2), 13, image(60, 30, 3)], [14, image(40, 40, 1)],
+               [15, 16, image(32, 32, 4), 17]]
+    requests, expected = zip(*(_processed(case, prompt) for prompt in prompts))
+    engine = hfaccel.Engine(case_model(case), max_num_seqs=4, max_num_batched_tokens=512, num_blocks=64)
+    outputs = engine.generate(list(requests), GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == list(expected)
+    cache = engine.encoder_cache
+    if compat.takes_encoded_media(case_model(case)):
+        assert (cache.batches, cache.misses, cache.hits) == (1, 3, 1)
+    else:
+        assert cache.batches == 0

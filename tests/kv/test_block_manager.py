@@ -292,3 +292,19 @@ def test_a_cropped_sequence_copies_a_registered_block_it_shares():
     assert [(c.src, c.dst) for c in copies] == [(shared, manager.block_table("a")[0])]
     assert manager.add_sequence("c", tokens) == 4 and manager.block_table("c")[0] == shared  # still cached
     manager.check_invariants()
+
+
+def test_a_hit_shorter_than_least_hit_is_not_taken():
+    """``least_hit``: a prompt takes its prefix hits only if they cover that many tokens; otherwise it is allocated
+    whole, its blocks registered next to the cached ones, and nothing held twice."""
+    manager = BlockManager(16, 4)
+    prompt = list(range(14))
+    manager.add_sequence("a", prompt)
+    assert manager.add_sequence("b", prompt, least_hit=12) == 12  # three full blocks: 12 tokens
+    assert manager.add_sequence("c", prompt, least_hit=13) == 0
+    assert manager.num_free_blocks == 16 - 4 - 1 - 4  # b shares a's three full blocks; c holds four of its own
+    manager.check_invariants()
+    for seq_id in ("a", "b", "c"):
+        manager.free(seq_id)
+    assert manager.add_sequence("d", prompt) == 12
+    manager.check_invariants()
