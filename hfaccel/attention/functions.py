@@ -319,7 +319,7 @@ def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, sca
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
     return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, None, query.shape[2],
                               kv.max_seq_len, _scale(scaling, query), mask.key_mask if kv.padding is None else None,
-                              mask.sliding_window, mask.chunk_size, softcap, sinks, backend)
+                              mask.sliding_window, mask.chunk_size, softcap, sinks, backend, kv.kv_scales)
 
 
 def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
@@ -332,7 +332,7 @@ def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float
             f"grad {_needs_autograd(query)}")
     return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, kv.cu_seqlens_q,
                               kv.max_seqlen_q, kv.max_seq_len, _scale(scaling, query), None, sliding_window, kv.chunk,
-                              softcap, sinks, backend)
+                              softcap, sinks, backend, kv.kv_scales)
 
 
 def auto_attention(module, query, key, value, attention_mask, **kwargs):

@@ -39,7 +39,7 @@ import torch
 from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
-from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
+from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache, resolve_kv_cache_dtype
 from hfaccel.engine.media import MediaInputs, is_processor, media_token_ids, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
@@ -87,6 +87,9 @@ class Engine:
             whose packed forward is exact only up to some length (``hfaccel.runner.runner.packed_token_limit``:
             Llama 4) caps this, ``max_num_batched_tokens`` and ``max_num_seqs`` there.
         kv_cache_fraction: on CUDA, the most of the device's total memory the default pool takes.
+        kv_cache_dtype: how the pool stores keys and values: ``"auto"`` (None), the model's dtype; ``"fp8"`` (or
+            ``torch.float8_e4m3fn``), e4m3 with per-KV-head scales (1.0: values beyond ±448 saturate), half the bytes
+            of 16-bit, so twice the tokens in the same memory (a GPU of sm_89 or later, or the CPU).
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
         compile: decode-only steps compiled with ``torch.compile`` (inductor fuses the glue between hfaccel's
@@ -119,8 +122,10 @@ class Engine:
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, kv_cache_fraction: float = 0.5,
                  cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None,
                  lora_adapters: Mapping[str, str | os.PathLike] | None = None, max_loras: int = 8,
-                 max_lora_rank: int = 64, lora_target_modules: Sequence[str] | None = None):
+                 max_lora_rank: int = 64, lora_target_modules: Sequence[str] | None = None,
+                 kv_cache_dtype: str | torch.dtype | None = None):
         compiles(compile, model_device(model))  # a bad setting raises before anything changes
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
         check_sharding(model, "hfaccel.Engine")
         self.tp = tensor_parallel(model)
         if self.tp is not None and lora_adapters is not None:
@@ -150,11 +155,12 @@ class Engine:
                                            max_model_len=self.max_model_len,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                           kv_cache_fraction=kv_cache_fraction)
+                                           kv_cache_fraction=kv_cache_fraction, kv_cache_dtype=kv_cache_dtype)
             self._channel = None  # the TP step broadcast (None: one process)
             if self.tp is None:
                 pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs)
+                                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                                        kv_cache_dtype=kv_cache_dtype)
                 self.runner = ModelRunner(model, pool)
                 self.runner.lora = None if self.loras is None else self.loras.context
             else:
@@ -162,7 +168,7 @@ class Engine:
                 self.runner, self._channel = tp_runner(
                     model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                     max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                    enable_prefix_caching=enable_prefix_caching)
+                    enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
                 pool = self.runner.pool
             _log.info("hfaccel Engine: %s", self.kv_budget)
             self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
@@ -503,7 +509,7 @@ class Engine:
         stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                  "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
                  "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
-                 "kv_cache_bytes": self.kv_budget.bytes,
+                 "kv_cache_bytes": self.kv_budget.bytes, "kv_cache_dtype": str(self.runner.pool.cache_dtype),
                  "prefix_caching": "on" if manager.enable_prefix_caching else (
                      "off (the model's layers keep recurrent state, which is not kept per block)"
                      if manager.state_slots else "off"),

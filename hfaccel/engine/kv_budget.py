@@ -75,17 +75,38 @@ def _global_int(config, name: str, default: int) -> int:
     return int(value) if isinstance(value, int) else default
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(value: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """The dtype an engine's pool stores K/V in (None: the model's) for a ``kv_cache_dtype`` setting; a ValueError
+    for a value not among :data:`KV_CACHE_DTYPES`, or fp8 on a GPU whose kernels cannot read it (before sm_89)."""
+    from hfaccel.kernels.fp8 import fp8_kernels_run
+
+    if value is None:
+        return None
+    dtype = KV_CACHE_DTYPES.get(value, value) if isinstance(value, str) else value
+    if dtype not in (None, torch.float8_e4m3fn):
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)} or torch.float8_e4m3fn; got "
+                         f"{value!r}")
+    if dtype is not None and device.type == "cuda" and not fp8_kernels_run(device):
+        raise ValueError(f"kv_cache_dtype={value!r}: this GPU ({torch.cuda.get_device_name(device)}) cannot convert "
+                         "fp8 (sm_89 or later: Ada, Hopper, Blackwell); use kv_cache_dtype='auto'")
+    return dtype
+
+
 def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                   num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                  kv_cache_fraction: float = 0.5) -> KVBudget:
-    """The pool an engine over ``model`` reserves (module docstring). ``ValueError`` for settings that cannot
-    hold one block, or that contradict each other."""
+                  kv_cache_fraction: float = 0.5, kv_cache_dtype: torch.dtype | None = None) -> KVBudget:
+    """The pool an engine over ``model`` reserves (module docstring), its K/V stored in ``kv_cache_dtype`` (default
+    the model's). ``ValueError`` for settings that cannot hold one block, or that contradict each other."""
     if num_blocks is not None and kv_cache_memory is not None:
         raise ValueError(f"give num_blocks or kv_cache_memory, not both; got {num_blocks} and {kv_cache_memory}")
     if not 0 < kv_cache_fraction <= 1:
         raise ValueError(f"kv_cache_fraction must be in (0, 1]; got {kv_cache_fraction}")
     layout = model_layout(model)
-    block_bytes = KVPool(layout, num_blocks=1, block_size=block_size, max_num_seqs=1).block_bytes(model.dtype)
+    block_bytes = KVPool(layout, num_blocks=1, block_size=block_size, max_num_seqs=1).block_bytes(
+        kv_cache_dtype or model.dtype)
     state_bytes = layout.state_bytes() * max_num_seqs
     budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason, state_bytes)  # noqa: E731
     if num_blocks is not None:

@@ -48,9 +48,9 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
                        max_seqlen_k: int, scale: float, key_mask: torch.Tensor | None, sliding_window: int | None,
                        chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                       backend: str) -> torch.Tensor:
+                       backend: str, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``
-    (``hfaccel.kernels.paged_attention``): ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with
+    (an fp8 pool with its per-head scales ``kv_scales [L, 2, Hkv]``; ``hfaccel.kernels.paged_attention``): ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with
     ``cu_seqlens_q`` (``B`` = 1: the one row holds every sequence's tokens). The packed query is re-viewed as
     ``[T, Hq, D]`` inside the op, not in the traced graph: inductor's lowering of that select guards on T > 1 for
     some query layouts (a query straight from its projection, no RoPE), giving batch 1 a graph of its own."""
@@ -58,28 +58,36 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     out = paged_attention(q[0].transpose(0, 1) if packed else q, kv_cache[layer, 0], kv_cache[layer, 1],
                           block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k, scale=scale, key_mask=key_mask, sliding_window=sliding_window,
-                          chunk_size=chunk_size, softcap=softcap, sinks=sinks, backend=backend)
+                          chunk_size=chunk_size, softcap=softcap, sinks=sinks, backend=backend,
+                          **_layer_scales(kv_scales, layer))
     return (out[None] if packed else out).contiguous()
 
 
 @paged_attention_op.register_fake
 def _(q, kv_cache, layer, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-      sliding_window, chunk_size, softcap, sinks, backend):
+      sliding_window, chunk_size, softcap, sinks, backend, kv_scales=None):
     batch, heads, seq, head_dim = q.shape
     return q.new_empty(batch, seq, heads, head_dim)
 
 
 @torch.library.custom_op("hfaccel::write_kv", mutates_args=("kv_cache",))
 def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-                backend: str) -> None:
+                backend: str, kv_scales: torch.Tensor | None = None) -> None:
     """Store ``k, v [B, S, Hkv, D]`` into layer ``layer`` of the pool ``kv_cache [L, 2, num_blocks, block_size,
-    Hkv, D]`` at ``slot_mapping [B, S]`` (``hfaccel.kernels.write_kv``)."""
-    write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, backend=backend)
+    Hkv, D]`` at ``slot_mapping [B, S]`` (an fp8 pool quantized by its per-head scales ``kv_scales [L, 2, Hkv]``;
+    ``hfaccel.kernels.write_kv``)."""
+    write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, backend=backend,
+             **_layer_scales(kv_scales, layer))
 
 
 @write_kv_op.register_fake
-def _(k, v, kv_cache, layer, slot_mapping, backend) -> None:
+def _(k, v, kv_cache, layer, slot_mapping, backend, kv_scales=None) -> None:
     return None
+
+
+def _layer_scales(kv_scales: torch.Tensor | None, layer: int) -> dict[str, torch.Tensor]:
+    """The kernels' ``k_scale, v_scale [Hkv]`` of one layer of a pool's ``kv_scales [L, 2, Hkv]`` (none: {})."""
+    return {} if kv_scales is None else {"k_scale": kv_scales[layer, 0], "v_scale": kv_scales[layer, 1]}
 
 
 @torch.library.custom_op("hfaccel::w4a16_matmul", mutates_args=())

@@ -34,6 +34,7 @@ from hfaccel.kernels.flash_attention import (
     _whole_blocks, check_sinks, check_window, flash_attention_reference, sink_logits,
 )
 from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
+from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, check_kv_scales, dequantize_kv
 
 OP = "paged_attention"  # this kernel's name in the tuned tables (hfaccel.kernels.tuning)
 MIN_KEYS_PER_SPLIT = 128
@@ -65,8 +66,7 @@ def _paged_range(
     stride_mask_col, head_dim, block_size, window, chunk, key_end, start, stop, score_scale, softcap_log2,
     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """Attend the tile's rows to the sequence's keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``; none at
     or past ``key_end``), gathered from the pool through the block table."""
@@ -85,6 +85,9 @@ def _paged_range(
                        n_ok, head_dim, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
         v = _load_rows(V_POOL + kv_head * stride_vh, block * stride_vb + in_block * stride_vs, offs_d, stride_vd,
                        n_ok, head_dim, MASKED, EVEN_D)
+        if FP8_KV:  # stored over the head's scales: k's folds into the score scale, v's into the output
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, offs_n, offs_n, q_pos, row_ok, n_ok, key_mask_row,
                                       stride_mask_col, window, chunk, score_scale, softcap_log2, MASKED, True,
                                       HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
@@ -93,7 +96,7 @@ def _paged_range(
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, SINKS, PART_O, PART_LSE,
+    Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, SINKS, PART_O, PART_LSE, K_SCALE, V_SCALE,
     stride_q_seq, stride_qt, stride_qh, stride_qd,
     stride_o_seq, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -106,6 +109,7 @@ def _paged_attention_kernel(
     VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr,
     HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # Program: BLOCK_M rows of (query, head-in-group) of one (sequence, KV head), one key split.
     pid_m = tl.program_id(0)
@@ -148,6 +152,8 @@ def _paged_attention_kernel(
         hi = tl.minimum(hi, lo + per_split)
     b, c = _whole_blocks(lo, hi, first_pos + 1, seen_from, BLOCK_N, True, HAS_WINDOW or HAS_CHUNK)
 
+    if FP8_KV:
+        score_scale = score_scale * tl.load(K_SCALE + kv_head)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -159,12 +165,15 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
             stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             stride_mask_col, head_dim, block_size, window, chunk, hi, start, stop, score_scale, softcap_log2,
-            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32,
+            FP8_KV)
 
     if HAS_SINKS and not SPLIT:  # split launches count the sinks where they combine the splits
         acc, l_i = _fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if FP8_KV:
+        out = out * tl.load(V_SCALE + kv_head)
     if SPLIT:
         # partials: [num_splits, S, max_q_len, Hq, D] fp32, contiguous, and their log2-sum-exps
         # [num_splits, S, max_q_len, Hq], whose strides are the partials' divided by head_dim.
@@ -319,7 +328,7 @@ def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int
 
 
 def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, chunk_size, softcap,
-           sinks):
+           sinks, k_scale, v_scale):
     packed = cu_seqlens_q is not None
     if q.dim() != (3 if packed else 4):
         raise ValueError("q must be [batch, heads, seq, head_dim] (dense) or [tokens, heads, head_dim] with "
@@ -332,9 +341,13 @@ def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sl
     if k_pool.shape[3] != head_dim or heads_q % k_pool.shape[2] != 0:
         raise ValueError(f"q has {heads_q} heads of dim {head_dim}; the pool has {k_pool.shape[2]} KV heads of dim "
                          f"{k_pool.shape[3]} (query heads must be a multiple of KV heads, dims equal)")
-    if head_dim > MAX_HEAD_DIM or q.dtype not in SUPPORTED_DTYPES or not (q.dtype == k_pool.dtype == v_pool.dtype):
-        raise ValueError(f"q and the pools must share one of {SUPPORTED_DTYPES} with head_dim <= {MAX_HEAD_DIM}; "
-                         f"got {q.dtype}/{k_pool.dtype}/{v_pool.dtype}, head_dim {head_dim}")
+    quantized = k_pool.dtype in KV_QUANT_DTYPES
+    if (head_dim > MAX_HEAD_DIM or q.dtype not in SUPPORTED_DTYPES or k_pool.dtype != v_pool.dtype
+            or not (quantized or q.dtype == k_pool.dtype)):
+        raise ValueError(f"q and the pools must share one of {SUPPORTED_DTYPES} (or the pools be one of "
+                         f"{KV_QUANT_DTYPES}, with scales) with head_dim <= {MAX_HEAD_DIM}; got "
+                         f"{q.dtype}/{k_pool.dtype}/{v_pool.dtype}, head_dim {head_dim}")
+    check_kv_scales(k_pool, k_scale, v_scale, q.dtype)
     num_seqs = len(cu_seqlens_q) - 1 if packed else q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks]; got {block_tables.dtype} "
@@ -374,28 +387,31 @@ def paged_attention(
     num_splits: int | None = None,
     backend: str = "auto",
     config: PagedConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of (dense or packed) queries over the paged pool; see the module docstring.
 
     ``max_seqlen_q`` (packed form) and ``max_seqlen_k`` are host-side bounds that size the launch without a
     device sync; ``num_splits`` forces the split-K factor and ``config`` the tiles (default:
-    :func:`plan_launch`, from the tuned table or the launch size). Where Triton cannot run (the CPU), the
-    ``torch`` backend serves the whole batch in a few tensor ops (:func:`paged_attention_torch`).
+    :func:`plan_launch`, from the tuned table or the launch size). An fp8 pool comes with its per-head
+    ``k_scale, v_scale [Hkv]`` (``hfaccel.kernels.write_kv``): the kernel reads it as stored. Where Triton cannot
+    run (the CPU), the ``torch`` backend serves the whole batch in a few tensor ops (:func:`paged_attention_torch`).
     """
     _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, chunk_size, softcap,
-           sinks)
+           sinks, k_scale, v_scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
         return paged_attention_torch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
                                      key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size,
-                                     softcap=softcap, sinks=sinks)
+                                     softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-                   key_mask, sliding_window, chunk_size, softcap, sinks, num_splits, config)
+                   key_mask, sliding_window, chunk_size, softcap, sinks, num_splits, config, k_scale, v_scale)
 
 
 def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-            sliding_window, chunk_size, softcap, sinks, num_splits, config):
+            sliding_window, chunk_size, softcap, sinks, num_splits, config, k_scale, v_scale):
     packed = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[1], q.shape[-1]
     heads_kv = k_pool.shape[2]
@@ -434,11 +450,11 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
                  HAS_SOFTCAP=softcap is not None,
                  HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None, SPLIT=split,
                  UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
-                 IEEE_FP32=q.dtype == torch.float32)
+                 IEEE_FP32=q.dtype == torch.float32, FP8_KV=k_scale is not None)
     grid = (triton.cdiv(max_q * group, cfg.block_m), num_seqs * heads_kv, num_splits)
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out, block_tables, seq_lens, cu_seqlens_q if packed else seq_lens, mask, sink_arg,
-        part_o, part_lse,
+        part_o, part_lse, *((k_scale, v_scale) if k_scale is not None else (seq_lens, seq_lens)),
         *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
         *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
         heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0, chunk_size or 1,
@@ -473,6 +489,8 @@ def paged_attention_torch(
     chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` for every sequence of the call at once, in torch ops (the ``torch`` backend).
 
@@ -481,11 +499,11 @@ def paged_attention_torch(
     window and chunk, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap or
     sinks, the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q`` rows:
     reads ``cu_seqlens_q`` on the host only when it is not given); a decode batch (one query per sequence) needs
-    no layout at all.
+    no layout at all. An fp8 pool's gathered keys and values are dequantized by ``k_scale, v_scale``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, chunk_size, softcap,
-            sinks)
+            sinks, k_scale, v_scale)
     if cu_seqlens_q is None:
         return _dense_torch(q, None, *args)
     num_seqs = len(cu_seqlens_q) - 1
@@ -503,7 +521,8 @@ def paged_attention_torch(
 def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int | None, scale: float,
                  key_mask: torch.Tensor | None, sliding_window: int | None, chunk_size: int | None,
-                 softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                 softcap: float | None, sinks: torch.Tensor | None, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> torch.Tensor:
     """Queries ``q [S, Hq, Q, D]`` (sequence ``s``'s first ``q_lens[s]`` rows real, all ``Q`` if None) over the
     pool -> ``[S, Q, Hq, D]``."""
     num_seqs, heads_q, num_q, head_dim = q.shape
@@ -516,6 +535,11 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
     held = torch.arange(width, device=table.device) < (seq_lens[:, None] + block_size - 1) // block_size
     blocks = torch.where(held, table, 0)  # [S, W]: entries past a sequence's blocks are never read
     keys, values = (_gather_blocks(pool, blocks) for pool in (k_pool, v_pool))  # [S, Hkv, L, D]
+    out_dtype = q.dtype
+    if k_scale is not None:  # an fp8 pool: [S, Hkv, L, D] dequantized, the math in fp32 as the kernel does it
+        keys, values = (dequantize_kv(t.transpose(1, 2), s, torch.float32).transpose(1, 2)
+                        for t, s in ((keys, k_scale), (values, v_scale)))
+        q = q.float()
     visible = _visibility(seq_lens, num_q if q_lens is None else q_lens, num_q, keys.shape[2], key_mask,
                           sliding_window, chunk_size)  # [S, Q, L]
     rows = q.reshape(num_seqs, heads_kv, group * num_q, head_dim)  # [S, Hkv, G * Q, D]: a KV head's query rows
@@ -530,7 +554,7 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
         row_sinks = None if sinks is None else sinks.float().view(1, heads_kv, group).repeat_interleave(num_q, 2)
         out = _explicit_attention(rows, keys, values, row_visible, scale, softcap, row_sinks)
     out = out.view(num_seqs, heads_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4)  # [S, Q, Hkv, G, D]
-    return out.reshape(num_seqs, num_q, heads_q, head_dim)
+    return out.reshape(num_seqs, num_q, heads_q, head_dim).to(out_dtype)
 
 
 def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -600,8 +624,13 @@ def paged_attention_reference(
     chunk_size: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure-torch definition of :func:`paged_attention`: gather each sequence, then ``flash_attention_reference``."""
+    """Pure-torch definition of :func:`paged_attention`: gather each sequence, then ``flash_attention_reference``
+    (an fp8 pool dequantized first)."""
+    if k_scale is not None:
+        k_pool, v_pool = dequantize_kv(k_pool, k_scale, q.dtype), dequantize_kv(v_pool, v_scale, q.dtype)
     lens = seq_lens.tolist()
     if cu_seqlens_q is None:
         queries = [q[s:s + 1] for s in range(q.shape[0])]  # [1, Hq, Sq, D] each

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hfaccel import compat
+from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, CacheFullError, slot_mapping
 from hfaccel.kv.layout import own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
@@ -67,6 +68,9 @@ class PagedKV:
     # attention call does not pass it (their masks alone apply it)
     window: int | None = None
     chunk: int | None = None
+    # a quantized pool's (fp8): the group's per-head scales [L_g, 2, Hkv] fp32, and the dtype its K/V read back in
+    kv_scales: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
 
     def to(self, device: torch.device | str, *args, **kwargs) -> PagedKV:
         """Itself, on the pool's device: a layer that reads another layer's K/V moves them to its own device first
@@ -78,10 +82,13 @@ class PagedKV:
         return self
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous)."""
+        """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous; a quantized
+        pool's dequantized)."""
         if self.dense is not None:
             return self.dense
         pools = self.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
+        if self.kv_scales is not None:
+            pools = torch.stack([dequantize_kv(pools[i], self.kv_scales[self.layer, i], self.dtype) for i in (0, 1)])
         size = pools.shape[2]
         if self.padding is not None:  # transformers' layout: cache position c of row b, zeros for its padding
             held = torch.arange(self.padded_len, device=self.padding.device)[None] - self.padding[:, None]  # [B, S]
@@ -177,6 +184,8 @@ class PagedCache(PoolCache):
         num_blocks: pool size in blocks; default ``max_batch_size * ceil(max_cache_len / block_size)``.
         block_size: token slots per block.
         device, dtype: of the pool; default: those of the first keys written (the pool is then created lazily).
+            ``dtype=torch.float8_e4m3fn`` stores K/V in fp8 with per-head scales (half the bytes; attention reads
+            them back in the keys' dtype).
         left_padding: tokens of left padding of each row of the first forward (``generate`` of an accelerated
             model passes them): when the model's attention is hfaccel's, padding gets no slot and no block, and
             :meth:`memory_stats` counts real tokens only. Without it (or for another attention, which reads K/V
@@ -196,8 +205,10 @@ class PagedCache(PoolCache):
         self._max_batch_size = max_batch_size
         self._max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
         num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
+        quantized = dtype in KV_QUANT_DTYPES  # the compute dtype then comes from the first keys written
         super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
-                                        dtype=dtype, num_kv_heads=num_kv_heads))
+                                        dtype=None if quantized else dtype, num_kv_heads=num_kv_heads,
+                                        kv_cache_dtype=dtype if quantized else None))
         self._left_padding: list[int] | None = None
         self.rows: list[int] = []  # the block manager's sequence id of each batch row
         self.padding: list[int] = []  # each row's left padding that the pool does not hold
@@ -227,9 +238,10 @@ class PagedCache(PoolCache):
             self._begin_forward(key_states.shape[0], key_states.shape[2], key_states)
         self._last_layer = layer_idx
         first_fill = key_states.shape[2] == self.seq_len
-        paged = PagedKV(*self.pool.layer_kv(layer_idx), self._step["block_tables"], self._step["seq_lens"],
-                        self.seq_len - min(self.padding, default=0), (key_states, value_states) if first_fill else None,
-                        padding=self._pads, padded_len=self.seq_len)
+        paged = PagedKV(**self.pool.layer_view(layer_idx), block_tables=self._step["block_tables"],
+                        seq_lens=self._step["seq_lens"], max_seq_len=self.seq_len - min(self.padding, default=0),
+                        dense=(key_states, value_states) if first_fill else None, padding=self._pads,
+                        padded_len=self.seq_len)
         return paged, self._step["slot_mapping"]
 
     # transformers 5.17's Cache defines both as read-only (deprecated) properties; these take their place
@@ -433,8 +445,7 @@ class PromptCache(PoolCache):
         if self._view is None:
             self._view = self._prefill_view(batch, width, key_states.device)
         paged, slots = self._view
-        kv_cache, layer = self.pool.layer_kv(layer_idx)
-        return replace(paged, kv_cache=kv_cache, layer=layer, dense=(key_states, value_states)), slots
+        return replace(paged, **self.pool.layer_view(layer_idx), dense=(key_states, value_states)), slots
 
     def _prefill_view(self, batch: int, width: int, device: torch.device) -> tuple[PagedKV, torch.Tensor]:
         if batch != len(self.seq_ids) or self.seq_len:
@@ -450,9 +461,9 @@ class PromptCache(PoolCache):
         rows = torch.arange(batch, device=device)[:, None]
         slots = torch.where(held >= 0, slot_mapping(tables, rows, held.clamp(min=0), self.block_size), -1)
         self.seq_len = width
-        kv, layer = self.pool.layer_kv(0)
-        paged = PagedKV(kv, layer, tables, (width - pads).to(torch.int32), width - min(self.padding),
-                        padding=pads if any(self.padding) else None, padded_len=width)
+        paged = PagedKV(**self.pool.layer_view(0), block_tables=tables, seq_lens=(width - pads).to(torch.int32),
+                        max_seq_len=width - min(self.padding), padding=pads if any(self.padding) else None,
+                        padded_len=width)
         return paged, slots
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -501,9 +512,10 @@ class SequenceKVCache(PoolCache):
         # the static lengths are compared first, so a compiled decode step never branches on its batch size
         fresh = step.max_seq_len == step.max_q_len and step.cu_seqlens_q.shape[0] == 2
         held = self.pool.layout.attention[layer_idx]
-        paged = PagedKV(*self.pool.layer_kv(layer_idx), step.block_tables, step.seq_lens, step.max_seq_len,
-                        (key_states, value_states) if fresh else None, cu_seqlens_q=step.cu_seqlens_q,
-                        max_seqlen_q=step.max_q_len, window=held.window, chunk=held.chunk)
+        paged = PagedKV(**self.pool.layer_view(layer_idx), block_tables=step.block_tables, seq_lens=step.seq_lens,
+                        max_seq_len=step.max_seq_len, dense=(key_states, value_states) if fresh else None,
+                        cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_q_len, window=held.window,
+                        chunk=held.chunk)
         return paged, step.slot_mapping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -20,6 +20,7 @@ import torch
 from hfaccel import compat
 from hfaccel.device import model_device, to_device
 from hfaccel.kernels.ops import write_kv_op
+from hfaccel.kernels.write_kv import KV_QUANT_DTYPES
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
 from hfaccel.kv.layout import ModelLayout, model_layout, uniform_layout
 from hfaccel.kv.state import StatePool, StateStep, state_groups
@@ -87,8 +88,11 @@ class KVPool:
         layout: what each layer of the model keeps (``hfaccel.kv.layout.model_layout``), or the model's config for a
             model whose layers all keep K/V of one shape (its text config gives layers, KV heads and head dim).
         num_blocks, block_size: the pool's size in blocks of ``block_size`` token slots.
-        device, dtype: of the tensors; when either is None they are allocated by :meth:`allocate`, e.g. from the
-            first keys a layer writes.
+        device, dtype: of the tensors (``dtype``: the keys' and values' as the model computes them); when either is
+            None they are allocated by :meth:`allocate`, e.g. from the first keys a layer writes.
+        kv_cache_dtype: the dtype K/V are stored in, when it is not ``dtype``: ``torch.float8_e4m3fn`` stores each
+            value over its layer's per-KV-head scale (``hfaccel.kernels.write_kv``; :attr:`scales`, 1.0 unless set),
+            half the bytes of 16-bit.
         enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
         num_kv_heads: with a config, the KV heads per layer this process holds; default the config's (a
             tensor-parallel rank holds its share: :func:`local_kv_heads`).
@@ -98,12 +102,18 @@ class KVPool:
 
     def __init__(self, layout: ModelLayout | object, *, num_blocks: int, block_size: int = 16,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 enable_prefix_caching: bool = False, num_kv_heads: int | None = None, max_num_seqs: int = 0):
+                 enable_prefix_caching: bool = False, num_kv_heads: int | None = None, max_num_seqs: int = 0,
+                 kv_cache_dtype: torch.dtype | None = None):
         if not isinstance(layout, ModelLayout):
             layers, heads, head_dim = kv_dims(layout)
             layout = uniform_layout(layers, num_kv_heads or heads, head_dim)
         self.layout = layout
         self.block_size = block_size
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES + (torch.float16, torch.bfloat16,
+                                                                                 torch.float32):
+            raise ValueError(f"kv_cache_dtype must be one of {KV_QUANT_DTYPES} or a 16/32-bit float; got "
+                             f"{kv_cache_dtype}")
+        self.kv_cache_dtype = kv_cache_dtype
         # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them
         self.group_shapes = sorted({(kv.kv_heads, kv.width) for kv in layout.attention.values()})
         self.place: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group's tensor)
@@ -117,18 +127,20 @@ class KVPool:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                     state_slots=max_num_seqs if layout.states else 0)
         self.tensors: list[torch.Tensor] | None = None  # per group: [L_g, 2, num_blocks, block_size, Hkv_g, D_g]
+        self.scales: list[torch.Tensor] | None = None  # per group of a quantized pool: [L_g, 2, Hkv_g] fp32
         if device is not None and dtype is not None:
             self.allocate(torch.device(device), dtype)
 
     @classmethod
     def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                  max_num_seqs: int = 0) -> KVPool:
-        """A pool on the model's device, in its dtype, laid out as the model's layers keep K/V and state (the KV
-        heads this process holds of them); prefix caching only where no layer keeps recurrent state."""
+                  max_num_seqs: int = 0, kv_cache_dtype: torch.dtype | None = None) -> KVPool:
+        """A pool on the model's device, in its dtype (K/V stored in ``kv_cache_dtype`` if given), laid out as the
+        model's layers keep K/V and state (the KV heads this process holds of them); prefix caching only where no
+        layer keeps recurrent state."""
         layout = model_layout(model)
         return cls(layout, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
                    dtype=model.dtype, enable_prefix_caching=enable_prefix_caching and not layout.hybrid,
-                   max_num_seqs=max_num_seqs)
+                   max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype)
 
     # ------------------------------------------------------------------------------------------ memory
     @property
@@ -152,17 +164,28 @@ class KVPool:
     def dtype(self) -> torch.dtype | None:
         return None if self.tensors is None else self._dtype
 
+    @property
+    def cache_dtype(self) -> torch.dtype | None:
+        """The dtype K/V are stored in (:attr:`dtype` unless ``kv_cache_dtype`` was given)."""
+        return self.kv_cache_dtype or self.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype in KV_QUANT_DTYPES
+
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         self._device, self._dtype = device, dtype
+        shapes = list(zip(self.layers_per_group, self.group_shapes))
         self.tensors = [torch.zeros(layers, 2, self.num_blocks, self.block_size, heads, width, device=device,
-                                    dtype=dtype)
-                        for layers, (heads, width) in zip(self.layers_per_group, self.group_shapes)]
+                                    dtype=self.kv_cache_dtype or dtype) for layers, (heads, width) in shapes]
+        if self.quantized:
+            self.scales = [torch.ones(layers, 2, heads, device=device) for layers, (heads, _) in shapes]
         if self.states is not None:
             self.states.allocate(device)
 
     def release(self) -> None:
         """Give the pool's memory back (the pool is not used again)."""
-        self.tensors = None
+        self.tensors = self.scales = None
         if self.states is not None:
             self.states.conv.clear()
             self.states.recurrent.clear()
@@ -179,17 +202,26 @@ class KVPool:
         group, index = self.place[layer]
         return self.tensors[group], index
 
+    def layer_view(self, layer: int) -> dict:
+        """The fields of a :class:`~hfaccel.kv.hf_cache.PagedKV` that say where layer ``layer``'s K/V are held: its
+        group's tensor and index there, and for a quantized pool the group's scales and the dtype reads return."""
+        tensor, index = self.layer_kv(layer)
+        if not self.quantized:
+            return dict(kv_cache=tensor, layer=index)
+        return dict(kv_cache=tensor, layer=index, kv_scales=self.scales[self.place[layer][0]], dtype=self.dtype)
+
     def block_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one block across all layers, K and V (in ``dtype``, default the pool's, else 2-byte)."""
-        itemsize = (dtype or self.dtype or torch.float16).itemsize
+        """Bytes of one block across all layers, K and V (stored in ``dtype``, default the pool's cache dtype, else
+        2-byte)."""
+        itemsize = (dtype or self.cache_dtype or torch.float16).itemsize
         return sum(layers * 2 * self.block_size * heads * width * itemsize
                    for layers, (heads, width) in zip(self.layers_per_group, self.group_shapes))
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               backend: str = "auto") -> None:
         """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer."""
-        tensor, index = self.layer_kv(layer)
-        write_kv_op(keys, values, tensor, index, slots, backend)
+        view = self.layer_view(layer)
+        write_kv_op(keys, values, view["kv_cache"], view["layer"], slots, backend, view.get("kv_scales"))
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Perform the block manager's copy-on-write copies (every layer, K and V)."""

@@ -125,6 +125,9 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size in GiB (instead of blocks)")
     serve.add_argument("--kv-cache-fraction", type=float, default=0.5,
                        help="the most of the GPU's total memory the default KV pool takes")
+    serve.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                       help="how the KV pool stores keys and values: the model's dtype, or fp8 (e4m3, per-head "
+                            "scales; twice the tokens in the same memory)")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from CUDA graphs (default: on CUDA)")
@@ -351,7 +354,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
         return hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                               kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
-                              kv_cache_fraction=args.kv_cache_fraction,
+                              kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype,
                               max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
                               compile="auto" if args.compile is None else args.compile,
                               async_scheduling=args.async_scheduling, **lora)

@@ -10,7 +10,7 @@ from hfaccel.kernels.paged_attention import (
     PagedConfig, candidate_paged_configs, choose_num_splits, combine_warps, default_paged_config, paged_attention,
     paged_attention_reference,
 )
-from hfaccel.kernels.write_kv import write_kv, write_kv_reference
+from hfaccel.kernels.write_kv import dequantize_kv, quantize_kv, write_kv, write_kv_reference
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
 
@@ -316,6 +316,66 @@ def test_bad_inputs_raise():
         paged_attention(q, k_pool, v_pool, tables, lens, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32))
 
 
+def _fp8_pool(num_blocks: int, heads_kv: int, head_dim: int, seed: int = 0):
+    """An fp8 pool (keys and values as write_kv stores them) and its per-head scales, values up to ~8x each scale."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = [(torch.rand(heads_kv, generator=gen) + 0.25) for _ in range(2)]
+    shape = (num_blocks, BLOCK_SIZE, heads_kv, head_dim)
+    pools = [quantize_kv(torch.randn(shape, generator=gen) * 8 * scale[:, None], scale, torch.float8_e4m3fn)
+             for scale in scales]
+    return (*pools, *scales)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fp8_pool_matches_reference_on_dequantized_kv(dtype, splits, backend):
+    """Packed decode tokens beside prefill chunks over an fp8 pool with per-head scales (odd head dim, GQA, a
+    window and softcap): the paged kernel and the torch backend equal attention over the dequantized K/V (in fp32:
+    the kernel applies the scales in fp32, a 16-bit dequantized copy would round them)."""
+    k_pool, v_pool, k_scale, v_scale = _fp8_pool(64, 3, 40)
+    tables, lens = _tables([1, 40, 300, 17, 0], 64)
+    q, cu = _packed([1, 7, 1, 17, 1], 6, 40, dtype)
+    options = dict(sliding_window=29, softcap=9.0, scale=0.21)
+    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17,
+                    max_seqlen_k=300, backend=backend, num_splits=splits if backend == "triton" else None,
+                    k_scale=k_scale, v_scale=v_scale, **options)
+    dequantized = [dequantize_kv(pool, scale, torch.float32) for pool, scale in ((k_pool, k_scale), (v_pool, v_scale))]
+    expected = paged_attention_reference(q.float(), *dequantized, tables, lens, cu_seqlens_q=cu, **options)
+    assert_close(out, expected.to(dtype))
+    assert_close(paged_attention_reference(q.float(), k_pool, v_pool, tables, lens, cu_seqlens_q=cu, k_scale=k_scale,
+                                           v_scale=v_scale, **options), expected)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_kv_into_an_fp8_pool_quantizes_per_head(dtype, backend):
+    """write_kv into an fp8 pool stores each value over its head's scale, saturated at e4m3's 448 (values far past
+    it included), exactly as quantize_kv does; slot -1 skips its token. The values are e4m3 ones times their head's
+    scale: the rounding is the conversion's own (the Triton interpreter's, triton 3.9, drops the carry of a mantissa
+    that rounds up to the next power of two: 127.9 -> 64), what is tested is the scaling, saturation and slots."""
+    pools = [torch.zeros(8, BLOCK_SIZE, 3, 40, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+    k_scale, v_scale = torch.tensor([0.5, 1.0, 3.0]), torch.tensor([2.0, 0.25, 1.0])
+    gen = torch.Generator().manual_seed(0)
+    e4m3 = [(torch.randn(2, 5, 3, 40, generator=gen) * 100).to(torch.float8_e4m3fn).float() for _ in range(2)]
+    k = (e4m3[0] * k_scale[:, None]).to(dtype)
+    k[0, 0, 2, :4] = torch.tensor([5000.0, -5000.0, 1e6, -1e6])  # past 448 * 3.0: saturated
+    v = (e4m3[1] * v_scale[:, None]).to(dtype)
+    slots = torch.tensor([[0, 17, -1, 40, 127], [3, 4, 5, -1, 60]])
+    on_device(write_kv, k, v, *pools, slots, backend=backend, k_scale=k_scale, v_scale=v_scale)
+    k_pool, v_pool = (pool.cpu() for pool in pools)
+    kept = slots.flatten() >= 0
+    for pool, new, scale in ((k_pool, k, k_scale), (v_pool, v, v_scale)):
+        stored = pool.view(-1, 3, 40)[slots.flatten()[kept]]
+        expected = quantize_kv(new.reshape(-1, 3, 40)[kept], scale, torch.float8_e4m3fn)
+        assert torch.equal(stored.float(), expected.float())
+        assert stored.float().abs().max() <= 448
+    with pytest.raises(ValueError, match="needs k_scale"):
+        write_kv(k, v, k_pool, v_pool, slots, k_scale=None, v_scale=v_scale)
+    with pytest.raises(ValueError, match="without scales"):
+        write_kv(k, v, *_pool(8, 3, 40, dtype), slots, k_scale=k_scale, v_scale=v_scale)
+
+
 def test_custom_op_takes_the_models_query_layout():
     """torch.ops.hfaccel.paged_attention: schema and fake agree (opcheck) in both forms, the packed query as the
     model hands it over (``[1, Hq, T, D]``, a transposed view of its projection) -> ``[1, T, Hq, D]``; and a
@@ -413,29 +473,33 @@ def test_write_kv_bad_inputs():
 
 # sm_90: every (dtype, head dim, tile height) default_paged_config can return and every decode tile a tuned table
 # can hold, each flag combination that changes the code path (split or not, varlen or dense), plus the split
-# combine (2 to MAX_SPLITS splits) and the write kernel.
+# combine (2 to MAX_SPLITS splits) and the write kernel; an fp8 pool under 16-bit queries, decode and prefill tiles.
 SM90_CASES = [(dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, varlen) for dtype in DTYPES
               for head_dim in (64, 80, 96, 128, 256, 512) for rows in (1, 24, 48, 4096)
               for split, varlen in ((False, False), (True, True))]
 SM90_CASES += [(torch.float16, head_dim, cfg, True, True) for head_dim in (64, 128, 256, 512)
                for cfg in candidate_paged_configs(head_dim, torch.float16, 4)]
+SM90_CASES += [(dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, True, torch.float8_e4m3fn)
+               for dtype in (torch.float16, torch.bfloat16) for head_dim in (64, 128, 256) for rows in (4, 4096)
+               for split in (False, True)]
 UNIT_STRIDES = ("stride_qd", "stride_od", "stride_kd", "stride_vd", "stride_bt_col", "stride_mask_col")
 
 
-def _attention_job(dtype, head_dim, cfg, split, varlen):
+def _attention_job(dtype, head_dim, cfg, split, varlen, pool_dtype=None):
     ptr = "*" + TRITON_TYPES[dtype]
+    pool = "*" + TRITON_TYPES[pool_dtype or dtype]
     kernel = paged_module._paged_attention_kernel
     signature = {name: "i32" for name in kernel.arg_names if name.startswith("stride_")}
     signature.update({name: "i32" for name in ("num_kv_heads", "head_dim", "block_size", "uniform_q_len",
                                                "window", "chunk")})
-    signature.update(Q=ptr, K_POOL=ptr, V_POOL=ptr, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
+    signature.update(Q=ptr, K_POOL=pool, V_POOL=pool, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
                      CU_SEQLENS_Q="*i32", KEY_MASK="*i1", SINKS="*fp32", PART_O="*fp32", PART_LSE="*fp32",
-                     score_scale="fp32", softcap_log2="fp32")
+                     K_SCALE="*fp32", V_SCALE="*fp32", score_scale="fp32", softcap_log2="fp32")
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
                       VARLEN=varlen, HAS_WINDOW=True, HAS_CHUNK=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True,
                       HAS_SINKS=True, SPLIT=split,
-                      UPCAST=False, IEEE_FP32=dtype == torch.float32)
+                      UPCAST=False, IEEE_FP32=dtype == torch.float32, FP8_KV=pool_dtype is not None)
     return dict(module="hfaccel.kernels.paged_attention", kernel="_paged_attention_kernel",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 **launch_like(kernel, signature, constexprs, UNIT_STRIDES))
@@ -456,14 +520,18 @@ def _side_jobs():
                 jobs.append(dict(module="hfaccel.kernels.paged_attention", kernel="_combine_splits_kernel",
                                  num_warps=combine_warps(splits, head_dim), num_stages=1,
                                  **launch_like(combine, signature, constexprs, ("stride_od",))))
-            signature = {name: "i32" for name in write_module._write_kv_kernel.arg_names
-                         if name not in ("BLOCK_H", "BLOCK_D")}
             ptr = "*" + TRITON_TYPES[dtype]
-            signature.update(K=ptr, V=ptr, K_POOL=ptr, V_POOL=ptr, SLOTS="*i64")
-            for block_h in (1, 8):  # one KV head (MQA) to Llama-3's eight
-                jobs.append(dict(module="hfaccel.kernels.write_kv", kernel="_write_kv_kernel", signature=signature,
-                                 constexprs=dict(BLOCK_H=block_h, BLOCK_D=head_dim),
-                                 num_warps=write_module.write_kv_warps(block_h * head_dim), num_stages=1))
+            for pool in (ptr, "*fp8e4nv") if dtype != torch.float32 else (ptr,):
+                signature = {name: "i32" for name in write_module._write_kv_kernel.arg_names
+                             if name not in ("BLOCK_H", "BLOCK_D", "QUANTIZE", "QMAX")}
+                signature.update(K=ptr, V=ptr, K_POOL=pool, V_POOL=pool, SLOTS="*i64", K_SCALE="*fp32",
+                                 V_SCALE="*fp32")
+                for block_h in (1, 8):  # one KV head (MQA) to Llama-3's eight
+                    constexprs = dict(BLOCK_H=block_h, BLOCK_D=head_dim, QUANTIZE=pool != ptr,
+                                      QMAX=write_module.FP8_MAX)
+                    jobs.append(dict(module="hfaccel.kernels.write_kv", kernel="_write_kv_kernel",
+                                     signature=signature, constexprs=constexprs,
+                                     num_warps=write_module.write_kv_warps(block_h * head_dim), num_stages=1))
     return jobs
 
 
