@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", action="store_true",
                        help="decode: also hfaccel's decode step by kernel (device time per step, torch.profiler: the "
                             "kernels a CUDA graph replays on a GPU, the ops on the CPU), the top 15 at each batch")
+    bench.add_argument("--kv-cache-dtype", default=None, choices=("fp8",),
+                       help="engine: also serve the requests with this KV pool dtype, in the same memory as the "
+                            "model-dtype pool (fp8: twice the blocks)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="engine: serve the workload over N tensor-parallel ranks (one GPU each, NCCL; gloo on "
                             "the CPU) and report the all-reduce share of a decode step (--batch: its batch)")
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
                   args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                   num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer,
-                  tensor_parallel_size=args.tensor_parallel_size, profile=args.profile, layers=args.layers)
+                  tensor_parallel_size=args.tensor_parallel_size, profile=args.profile, layers=args.layers,
+                  kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 

@@ -49,7 +49,7 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     output = tmp_path / "bench.json"
     assert main(["bench", "attention", "paged", "memory", "decode", "engine", "--model", "tiny-llama", "--batch", "1",
                  "--batch", "2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "6", "--profile",
-                 "--output", str(output)]) == 0
+                 "--kv-cache-dtype", "fp8", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
     assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
     assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel compile=False",
@@ -73,6 +73,8 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     paths = {row["path"]: row for row in results["engine"]}
     assert paths["hfaccel Engine"]["output_tokens"] == paths["padded static batches of 32"]["output_tokens"]
     assert all(row["tokens_per_s"] > 0 for row in results["engine"])
+    fp8 = [row for path, row in paths.items() if path.startswith("hfaccel Engine, fp8 KV cache")]
+    assert len(fp8) == 1 and fp8[0]["output_tokens"] == paths["hfaccel Engine"]["output_tokens"]
     assert paths["hfaccel Engine"]["ttft_p50_ms"] > 0 and paths["transformers generate_batch (defaults)"]["vs_generate_batch"] == 1
     assert all(row["step_ms"] > 0 for row in results["engine_decode_step"])
 

@@ -68,6 +68,7 @@ class BenchOptions:
     tensor_parallel_size: int = 1  # engine: serve over this many ranks and report the all-reduce share
     profile: bool = False  # decode: also hfaccel's decode step by kernel
     layers: int | None = None  # decode: a named config with this many layers (its layer shapes kept)
+    kv_cache_dtype: str | None = None  # engine: one more engine, its KV pool in this dtype (same memory)
 
     @property
     def cuda(self) -> bool:
@@ -79,7 +80,8 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
               new_tokens: int | None = None, output: str | None = None, console: Console | None = None,
               draft: str = "int4", num_draft_tokens: int = 4, num_requests: int | None = None,
               url: str | None = None, host: bool = False, tokenizer: str | None = None,
-              tensor_parallel_size: int = 1, profile: bool = False, layers: int | None = None) -> dict:
+              tensor_parallel_size: int = 1, profile: bool = False, layers: int | None = None,
+              kv_cache_dtype: str | None = None) -> dict:
     """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
     chosen = {what} if isinstance(what, str) else set(what)
     unknown = sorted(chosen - set(CASES) - {"all"})
@@ -90,7 +92,7 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
     names = dtypes or (["float16", "bfloat16"] if dev.type == "cuda" else ["float32"])
     options = BenchOptions(dev, [getattr(torch, d) for d in names], model, batches, prompt_len, new_tokens, draft,
                            num_draft_tokens, num_requests, url, host, tokenizer, tensor_parallel_size, profile,
-                           layers)
+                           layers, kv_cache_dtype)
     results = {"environment": environment(dev)}
     for case in CASES:
         if case in chosen or ("all" in chosen and case not in NOT_IN_ALL):

@@ -100,10 +100,12 @@ def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range
 
 
 def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: int, block_size: int = 16,
-                 max_num_batched_tokens: int = 2048, static_batch: int = 32, sequential_subset: int = 8):
+                 max_num_batched_tokens: int = 2048, static_batch: int = 32, sequential_subset: int = 8,
+                 kv_cache_dtype: str | None = None):
     """Rows for each serving path, and the decode-step table. Every path is timed on its second run of the
-    workload (the first compiles, captures and warms caches); the engine's two scheduling modes alternate,
-    A B B A, and each reports the median of its two timed runs."""
+    workload (the first compiles, captures and warms caches); the engine's variants alternate, A B B A, and each
+    reports the median of its two timed runs. ``kv_cache_dtype`` ("fp8"): one more engine, its pool in that dtype
+    in the same memory as the others' (more blocks)."""
     need = sum(-(-(len(p) + n) // block_size) for p, n in zip(work.prompts, work.output_lens))
     num_blocks = max(need, DECODE_BATCH * -(-(max(DECODE_CONTEXTS) + 8) // block_size))  # + the decode table
     rows = [_generate_batch(model, work, num_blocks, block_size, max_num_batched_tokens, device)]
@@ -115,6 +117,11 @@ def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: i
     engines = {"hfaccel Engine": Engine(model, **settings)}
     if engines["hfaccel Engine"].async_scheduling:
         engines["hfaccel Engine, synchronous scheduling"] = Engine(model, async_scheduling=False, **settings)
+    if kv_cache_dtype is not None:
+        memory = engines["hfaccel Engine"].stats()["kv_cache_bytes"]
+        quantized = {**settings, "num_blocks": None, "kv_cache_memory": memory}
+        engine = Engine(model, kv_cache_dtype=kv_cache_dtype, **quantized)
+        engines[f"hfaccel Engine, {kv_cache_dtype} KV cache ({engine.stats()['blocks_total']} blocks)"] = engine
     runs = {name: partial(_engine_run, engine, work, device, name) for name, engine in engines.items()}
     rows += list(interleaved_runs(runs, speed=lambda row: row.tokens_per_s).values())
     decode = [_decode_step(engines["hfaccel Engine"], DECODE_BATCH, context, device) for context in DECODE_CONTEXTS]
@@ -298,7 +305,8 @@ def run(options, console) -> dict:
     # generate_batch bounds its running requests by KV blocks and tokens only: the engine gets the same freedom
     # (256 sequences, its largest decode graph), so that neither path's TTFT is a queue the other does not have
     rows, decode = bench_engine(net, work, options.device, max_num_seqs=256 if options.cuda else 16,
-                                max_num_batched_tokens=4096 if options.cuda else 512)
+                                max_num_batched_tokens=4096 if options.cuda else 512,
+                                kv_cache_dtype=options.kv_cache_dtype)
     serving, steps = [asdict(r) for r in rows], [asdict(r) for r in decode]
     console.print(table(f"serving {count} requests, {spec}: output tokens/s and latency", serving))
     console.print(table(f"engine decode step vs reading the weights once ({spec})", steps))
