@@ -90,8 +90,8 @@ class KVPool:
         num_blocks, block_size: the pool's size in blocks of ``block_size`` token slots.
         device, dtype: of the tensors (``dtype``: the keys' and values' as the model computes them); when either is
             None they are allocated by :meth:`allocate`, e.g. from the first keys a layer writes.
-        kv_cache_dtype: the dtype K/V are stored in, when it is not ``dtype``: ``torch.float8_e4m3fn`` stores each
-            value over its layer's per-KV-head scale (``hfaccel.kernels.write_kv``; :attr:`scales`, 1.0 unless set),
+        kv_cache_dtype: None (K/V stored in ``dtype``), or ``torch.float8_e4m3fn``: each value stored over its
+            layer's per-KV-head scale (``hfaccel.kernels.write_kv``; :attr:`scales`, 1.0 unless set),
             half the bytes of 16-bit.
         enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
         num_kv_heads: with a config, the KV heads per layer this process holds; default the config's (a
@@ -109,9 +109,8 @@ class KVPool:
             layout = uniform_layout(layers, num_kv_heads or heads, head_dim)
         self.layout = layout
         self.block_size = block_size
-        if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES + (torch.float16, torch.bfloat16,
-                                                                                 torch.float32):
-            raise ValueError(f"kv_cache_dtype must be one of {KV_QUANT_DTYPES} or a 16/32-bit float; got "
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or one of {KV_QUANT_DTYPES}; got "
                              f"{kv_cache_dtype}")
         self.kv_cache_dtype = kv_cache_dtype
         # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them
