@@ -49,11 +49,12 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
                        max_seqlen_k: int, scale: float, key_mask: torch.Tensor | None, sliding_window: int | None,
                        chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
                        backend: str, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``
-    (an fp8 pool with its per-head scales ``kv_scales [L, 2, Hkv]``; ``hfaccel.kernels.paged_attention``): ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with
-    ``cu_seqlens_q`` (``B`` = 1: the one row holds every sequence's tokens). The packed query is re-viewed as
-    ``[T, Hq, D]`` inside the op, not in the traced graph: inductor's lowering of that select guards on T > 1 for
-    some query layouts (a query straight from its projection, no RoPE), giving batch 1 a graph of its own."""
+    """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]`` (an fp8
+    pool with its per-head scales ``kv_scales [L, 2, Hkv]``; ``hfaccel.kernels.paged_attention``):
+    ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with ``cu_seqlens_q`` (``B`` = 1: the one row holds
+    every sequence's tokens). The packed query is re-viewed as ``[T, Hq, D]`` inside the op, not in the traced
+    graph: inductor's lowering of that select guards on T > 1 for some query layouts (a query straight from its
+    projection, no RoPE), giving batch 1 a graph of its own."""
     packed = cu_seqlens_q is not None
     out = paged_attention(q[0].transpose(0, 1) if packed else q, kv_cache[layer, 0], kv_cache[layer, 1],
                           block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,

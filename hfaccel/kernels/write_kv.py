@@ -120,7 +120,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         return
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     _write_kv_kernel[(batch * seq,)](
-        k, v, k_pool, v_pool, slot_mapping, k_scale if quantize else slot_mapping, v_scale if quantize else slot_mapping,
+        k, v, k_pool, v_pool, slot_mapping,
+        *((k_scale, v_scale) if quantize else (slot_mapping, slot_mapping)),  # placeholders when not quantizing
         *k.stride(), *v.stride(), *k_pool.stride(), *v_pool.stride(), *slot_mapping.stride(),
         seq, heads, head_dim, k_pool.shape[1],
         BLOCK_H=block_h, BLOCK_D=block_d, QUANTIZE=quantize, QMAX=FP8_MAX, num_warps=write_kv_warps(block_h * block_d),

@@ -164,8 +164,8 @@ def _processed(case, prompt: list) -> tuple[dict, list[int]]:
     greedy tokens for it alone."""
     inputs = case.inputs([prompt])
     expected = case_model(case).generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist()
-    return {"prompt_token_ids": inputs["input_ids"][0].tolist(),
-            "multimodal_inputs": {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}}, expected
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    return {"prompt_token_ids": inputs["input_ids"][0].tolist(), "multimodal_inputs": media}, expected
 
 
 _MODELS: dict = {}
