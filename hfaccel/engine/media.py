@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hfaccel.runner.multimodal import per_token
+
 # Limits on what one request may bring (the server's defaults; a larger image is refused, not resized)
 MAX_IMAGES = 16
 MAX_IMAGE_PIXELS = 8192 * 8192
@@ -43,14 +45,9 @@ class MediaInputs:
         sequence computed again): per-token inputs (token types) extended with zeros, "text"."""
         inputs = dict(self.inputs)
         for name, value in self.inputs.items():
-            if _per_token(name) and value.shape[-1] < length:
+            if per_token(name) and value.shape[-1] < length:
                 inputs[name] = torch.nn.functional.pad(value, (0, length - value.shape[-1]))
         return inputs
-
-
-def _per_token(name: str) -> bool:
-    """Whether a processor's output of this name has one entry per prompt token (its token types)."""
-    return name.endswith("token_type_ids")
 
 
 def media_token_ids(config) -> frozenset[int]:
@@ -180,7 +177,7 @@ def processed_media(inputs) -> MediaInputs:
         raise ValueError("multimodal_inputs is a dict of the processor's tensors for the prompt (pixel_values, ...)")
     digest = hashlib.sha256()
     for name, value in sorted(inputs.items()):
-        if _per_token(name):  # the prompt's token types: its token ids say them
+        if per_token(name):  # the prompt's token types: its token ids say them
             continue
         digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
         digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

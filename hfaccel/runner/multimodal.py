@@ -181,9 +181,14 @@ class EncoderCache:
                 f"{self.batches} batched encodes")
 
 
+def per_token(name: str) -> bool:
+    """Whether a processor's output of this name has one entry per prompt token (its token types)."""
+    return name.endswith("token_type_ids")
+
+
 def _encoder_inputs(inputs: dict) -> list[str]:
     """The names of a prompt's processor inputs its encoder reads: all but its per-token ones (token types)."""
-    return sorted(name for name in inputs if not name.endswith("token_type_ids"))
+    return sorted(name for name in inputs if not per_token(name))
 
 
 def _stack_key(inputs: dict) -> tuple:
