@@ -24,6 +24,7 @@ import torch
 from hfaccel.distributed.model import TensorParallel
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.block_manager import BlockCopy
+from hfaccel.kv.fp8 import KVScales
 from hfaccel.runner import ModelRunner
 from hfaccel.runner.graphs import DecodeGraphs
 
@@ -172,7 +173,7 @@ class LeaderRunner(ModelRunner):
 
 def tp_runner(model, tp: TensorParallel, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
               num_blocks: int, block_size: int, enable_prefix_caching: bool,
-              kv_cache_dtype: torch.dtype | None = None) -> tuple[ModelRunner, StepChannel]:
+              kv_cache_dtype: torch.dtype | None = None, kv_scales: KVScales = None) -> tuple[ModelRunner, StepChannel]:
     """An engine's runner on a TP rank, and the channel its steps go through: on the leader a
     :class:`LeaderRunner` over a :class:`LeaderPool`; on a follower a plain runner for :func:`follow` (its pool's
     block manager stays unused: the leader's block tables come with each step)."""
@@ -180,7 +181,8 @@ def tp_runner(model, tp: TensorParallel, *, max_num_batched_tokens: int, max_num
     channel = StepChannel(tp, limits, tp.device)
     pool_class = LeaderPool if tp.is_leader else KVPool
     pool = pool_class.for_model(model, num_blocks=num_blocks, block_size=block_size,
-                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                kv_scales=kv_scales)
     runner = LeaderRunner(model, pool, channel) if tp.is_leader else ModelRunner(model, pool)
     return runner, channel
 

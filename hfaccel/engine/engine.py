@@ -39,12 +39,13 @@ import torch
 from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
-from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache, resolve_kv_cache_dtype
+from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
 from hfaccel.engine.media import MediaInputs, is_processor, media_token_ids, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
+from hfaccel.kv.fp8 import KVScales, resolve_kv_cache_dtype
 from hfaccel.kv.hf_cache import paged_reader_backend
 from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
@@ -88,8 +89,11 @@ class Engine:
             Llama 4) caps this, ``max_num_batched_tokens`` and ``max_num_seqs`` there.
         kv_cache_fraction: on CUDA, the most of the device's total memory the default pool takes.
         kv_cache_dtype: how the pool stores keys and values: ``"auto"`` (None), the model's dtype; ``"fp8"`` (or
-            ``torch.float8_e4m3fn``), e4m3 with per-KV-head scales (1.0: values beyond ±448 saturate), half the bytes
-            of 16-bit, so twice the tokens in the same memory (a GPU of sm_89 or later, or the CPU).
+            ``torch.float8_e4m3fn``), e4m3 with per-KV-head scales (``kv_scales``), half the bytes of 16-bit, so
+            twice the tokens in the same memory (a GPU of sm_89 or later, or the CPU).
+        kv_scales: an fp8 pool's scales: None — the checkpoint's (``k_scale`` / ``v_scale``, e.g. a
+            compressed-tensors ``kv_cache_scheme``), else 1.0 (values beyond ±448 saturate); a number; or
+            ``"prefill"`` — each layer's from its first prefill (``hfaccel.kv.fp8``).
         cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
             ``True`` on another device runs the same static-shape decode step without capture.
         compile: decode-only steps compiled with ``torch.compile`` (inductor fuses the glue between hfaccel's
@@ -123,9 +127,11 @@ class Engine:
                  cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None,
                  lora_adapters: Mapping[str, str | os.PathLike] | None = None, max_loras: int = 8,
                  max_lora_rank: int = 64, lora_target_modules: Sequence[str] | None = None,
-                 kv_cache_dtype: str | torch.dtype | None = None):
+                 kv_cache_dtype: str | torch.dtype | None = None, kv_scales: KVScales = None):
         compiles(compile, model_device(model))  # a bad setting raises before anything changes
         kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
+        if kv_scales is not None and kv_cache_dtype is None:
+            raise ValueError(f"kv_scales={kv_scales!r} needs an fp8 pool (kv_cache_dtype='fp8')")
         check_sharding(model, "hfaccel.Engine")
         self.tp = tensor_parallel(model)
         if self.tp is not None and lora_adapters is not None:
@@ -160,7 +166,7 @@ class Engine:
             if self.tp is None:
                 pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
                                         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                                        kv_cache_dtype=kv_cache_dtype)
+                                        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
                 self.runner = ModelRunner(model, pool)
                 self.runner.lora = None if self.loras is None else self.loras.context
             else:
@@ -168,7 +174,7 @@ class Engine:
                 self.runner, self._channel = tp_runner(
                     model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                     max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                    enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype)
+                    enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
                 pool = self.runner.pool
             _log.info("hfaccel Engine: %s", self.kv_budget)
             self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues

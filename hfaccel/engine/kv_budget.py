@@ -75,26 +75,6 @@ def _global_int(config, name: str, default: int) -> int:
     return int(value) if isinstance(value, int) else default
 
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def resolve_kv_cache_dtype(value: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:
-    """The dtype an engine's pool stores K/V in (None: the model's) for a ``kv_cache_dtype`` setting; a ValueError
-    for a value not among :data:`KV_CACHE_DTYPES`, or fp8 on a GPU whose kernels cannot read it (before sm_89)."""
-    from hfaccel.kernels.fp8 import fp8_kernels_run
-
-    if value is None:
-        return None
-    dtype = KV_CACHE_DTYPES.get(value, value) if isinstance(value, str) else value
-    if dtype not in (None, torch.float8_e4m3fn):
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)} or torch.float8_e4m3fn; got "
-                         f"{value!r}")
-    if dtype is not None and device.type == "cuda" and not fp8_kernels_run(device):
-        raise ValueError(f"kv_cache_dtype={value!r}: this GPU ({torch.cuda.get_device_name(device)}) cannot convert "
-                         "fp8 (sm_89 or later: Ada, Hopper, Blackwell); use kv_cache_dtype='auto'")
-    return dtype
-
-
 def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                   num_blocks: int | None = None, kv_cache_memory: int | None = None,
                   kv_cache_fraction: float = 0.5, kv_cache_dtype: torch.dtype | None = None) -> KVBudget:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel
 
 from hfaccel import compat
@@ -22,6 +23,7 @@ from hfaccel.quant import quantize as quantize_model
 from hfaccel.quant.fp8 import (adopt_fp8_layers, check_fp8_backend, dense_where_no_fp8_kernels, fp8_layers,
                                fp8_summary, put_back)
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
+from hfaccel.kv.fp8 import KVScales, check_kv_scales, resolve_kv_cache_dtype
 from hfaccel.kv.layout import ModelLayout
 from hfaccel.kv.state import install_mixers, remove_mixers
 from hfaccel.runner import compiles
@@ -67,6 +69,13 @@ class Acceleration:
         """True when the model's attention runs through hfaccel."""
         return self.fallback_reason is None
 
+    def _loop(self) -> str:
+        if not self.paged:
+            return "transformers loop and cache"
+        dtype = self.session.kv_cache_dtype
+        stored = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        return f"hfaccel decode loop, paged KV cache{stored}, compile={self.compile!r}"
+
     def __str__(self) -> str:
         original = self.original_attn_implementation
         language = original if isinstance(original, str) else original[self.text_config_key]
@@ -75,8 +84,7 @@ class Acceleration:
         encoders = "".join(f"; {key} keeps transformers' {name!r} attention" for key, name in self.encoders.items())
         return (f"hfaccel: {'language model ' if self.encoders else ''}attention {language!r} -> "
                 f"{self.attn_implementation!r} (backend {self.attention!r}){encoders}; {self.layout.describe()}; "
-                f"generate(): "
-                f"{'hfaccel decode loop, paged KV cache, compile=' + repr(self.compile) if self.paged else 'transformers loop and cache'}"
+                f"generate(): {self._loop()}"
                 f"; last call: {self.decode}"
                 f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
                 f"; attention calls: {self.attention_paths}"
@@ -87,7 +95,8 @@ class Acceleration:
 
 def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
                calib_data=None, group_size: int = 128, compile: bool | str = "auto",
-               merge_lora: bool = False) -> PreTrainedModel:
+               merge_lora: bool = False, kv_cache_dtype: str | torch.dtype | None = None,
+               kv_scales: KVScales = None) -> PreTrainedModel:
     """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
 
     Args:
@@ -117,6 +126,12 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
             per output channel); ``restore`` does not undo quantization.
         merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a
             model without LoRA layers.
+        kv_cache_dtype: how ``generate()``'s KV pool stores keys and values (``paged`` only): ``"auto"`` / None, the
+            model's dtype; ``"fp8"`` (or ``torch.float8_e4m3fn``), e4m3 with per-KV-head scales, half the bytes of
+            16-bit (a GPU of sm_89 or later, or the CPU). Every call then runs on the fp8 pool: hfaccel's loop, or
+            transformers' loop over a ``PagedCache`` in fp8 (where it is the faster path it yields to the fp8 pool).
+        kv_scales: an fp8 pool's scales: None — the checkpoint's (``k_scale`` / ``v_scale`` of the attention
+            modules), else 1.0; a number; or ``"prefill"`` — each layer's from its first prefill (``hfaccel.kv.fp8``).
 
     fp8 models: transformers' own fp8 layers (a block-FP8 or FBGEMM fp8 checkpoint loaded on a GPU; on a CPU
     transformers dequantizes them) are replaced by hfaccel's ``Fp8Linear``, their weights and scales as they are, and
@@ -161,6 +176,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         resolve_backend("triton", model_device(model))
     check_fp8_backend(model, attention, quantize)
     compiles(compile, model_device(model))  # a bad setting raises before anything changes
+    kv_storage = _kv_storage(model, paged, kv_cache_dtype, kv_scales)
     if isinstance(getattr(model, "hfaccel", None), Acceleration):
         restore(model)  # first: it puts back LoRA layers an earlier merge_lora=True replaced
     lora = prepare_lora(given, model, merge_lora=merge_lora, quantize=quantize)  # raises before anything changes
@@ -185,7 +201,7 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     session = None
     if paged:
         install_generate(model)
-        session = DecodeSession(model, compile=compile)
+        session = DecodeSession(model, compile=compile, **kv_storage)
     layers = int4_layers(model)
     prepare_int4(layers)
     model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
@@ -193,6 +209,18 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
                                  fp8_layers=fp8_layers(model), fp8_adopted=adopted, lora=lora,
                                  layout=support.layout, text_config_key=text_config_key(model.config))
     return given
+
+
+def _kv_storage(model, paged: bool, kv_cache_dtype, kv_scales: KVScales) -> dict:
+    """``accelerate``'s pool dtype and scales (checked before anything changes), as DecodeSession takes them."""
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
+    check_kv_scales(kv_scales)
+    if dtype is not None and not paged:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is the KV pool of hfaccel's generate() (paged=True); "
+                         f"with paged=False generate() keeps transformers' cache")
+    if kv_scales is not None and dtype is None:
+        raise ValueError(f"kv_scales={kv_scales!r} needs an fp8 KV pool (kv_cache_dtype='fp8')")
+    return {"kv_cache_dtype": dtype, "kv_scales": kv_scales}
 
 
 def _quantize(model, method: str | None, calib_data, group_size: int, lora: LoraState | None) -> None:

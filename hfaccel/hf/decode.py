@@ -34,6 +34,7 @@ from hfaccel.device import model_device
 from hfaccel.distributed import tensor_parallel
 from hfaccel.hf import multimodal
 from hfaccel.kv import KVPool
+from hfaccel.kv.fp8 import KVScales
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 from hfaccel.runner.multimodal import prefill_batch
@@ -58,12 +59,16 @@ class DecodeInfo:
 class DecodeSession:
     """The runner (KV pool and decode steps) one model's ``generate`` calls share; it grows to the largest request
     seen (a bigger pool or batch rebuilds the decode steps, a bounded number of times: sizes are bucketed).
-    ``compile``: ``"auto"`` (on CUDA), True or False."""
+    ``compile``: ``"auto"`` (on CUDA), True or False; ``kv_cache_dtype``, ``kv_scales``: how its pools (the decode
+    loop's, speculative decoding's, a fallback's ``PagedCache``) store K/V (``hfaccel.kv.fp8``)."""
 
-    def __init__(self, model, *, compile: bool | str, block_size: int = 16):
+    def __init__(self, model, *, compile: bool | str, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None,
+                 kv_scales: KVScales = None):
         self.model = model
         self.compile = compile
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales = kv_scales  # None: each pool's model's checkpoint scales (KVPool.for_model)
         self.runner: ModelRunner | None = None
         self.info = DecodeInfo()
         self.lock = threading.Lock()  # one call at a time runs the loop; a concurrent one runs transformers'
@@ -180,7 +185,12 @@ class DecodeSession:
         recurrent state (the ladder size that holds them: a few sizes are ever made)."""
         blocks = -(-blocks // POOL_GRANULE) * POOL_GRANULE
         seqs = next((size for size in DEFAULT_LADDER if size >= rows), rows)
-        return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size, max_num_seqs=seqs)
+        return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size, max_num_seqs=seqs,
+                                **self.pool_options())
+
+    def pool_options(self) -> dict:
+        """How this session's pools store K/V: ``KVPool``'s ``kv_cache_dtype`` and ``kv_scales``."""
+        return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": self.kv_scales}
 
 
 def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,

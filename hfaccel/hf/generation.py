@@ -23,6 +23,7 @@ from hfaccel.hf.decode import hfaccel_sample, left_padding
 from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
+from hfaccel.kv.fp8 import model_kv_scales
 from hfaccel.kv.layout import model_layout, own_cache_class
 from hfaccel.runner.graphs import context_bucket, failure_reason
 from hfaccel.sampling import token_ids
@@ -88,10 +89,19 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
             or not _paged_cache_holds(model)):
         return generate(*args, **kwargs)
     rows, total_len = shape
-    kwargs[compat.generate_cache_argument()] = PagedCache(model.config, max_batch_size=rows, max_cache_len=total_len,
-                                           left_padding=_left_padding(kwargs.get("attention_mask"), rows),
-                                           num_kv_heads=local_kv_heads(model))
+    kwargs[compat.generate_cache_argument()] = PagedCache(
+        model.config, max_batch_size=rows, max_cache_len=total_len, num_kv_heads=local_kv_heads(model),
+        left_padding=_left_padding(kwargs.get("attention_mask"), rows), **_fp8_storage(model, session))
     return generate(*args, **kwargs)
+
+
+def _fp8_storage(model, session) -> dict:
+    """``PagedCache``'s ``dtype`` and ``kv_scales`` for a session whose pools are fp8 (the model's checkpoint scales
+    unless others were given); nothing otherwise."""
+    if session.kv_cache_dtype is None:
+        return {}
+    scales = session.kv_scales if session.kv_scales is not None else model_kv_scales(model) or None
+    return {"dtype": session.kv_cache_dtype, "kv_scales": scales}
 
 
 def _paged_cache_holds(model) -> bool:
@@ -123,10 +133,13 @@ def _transformers_is_faster(model) -> str | None:
     loop over its DynamicCache was measured faster than hfaccel's decode loop over the paged pool (SmolLM2-135M fp32
     on a 2-core CPU: 0.78x at batch 1, 0.81x at a padded batch of 4; hfaccel's compiled step, 0.49x, where
     transformers' static cache + compiled forward gives 1.04-1.12x: :func:`_compiled_static_cache`), so it serves
-    them; the ``torch`` backend keeps hfaccel's loop (the reference kernels, for checking)."""
+    them; the ``torch`` backend keeps hfaccel's loop (the reference kernels, for checking), as does an fp8 KV cache
+    (only hfaccel's pools hold one)."""
     device = model_device(model)
     if model.hfaccel.attention != "auto" or resolve_backend("auto", device) != "torch":
         return None
+    if model.hfaccel.session.kv_cache_dtype is not None:
+        return None  # the fp8 pool asked for is hfaccel's
     return f"the faster path on {device.type}, where hfaccel's kernels do not run (its attention: transformers' sdpa)"
 
 
@@ -219,7 +232,7 @@ def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
     session = model.hfaccel.session
     runners = None
     if session is not None:  # the runners (compiled and captured steps) stay for the next call
-        runners = session.speculative_runners(SpeculativeRunners)
+        runners = session.speculative_runners(lambda: SpeculativeRunners(**session.pool_options()))
     return speculative_generate(model, compile=model.hfaccel.compile, runners=runners, **arguments)
 
 

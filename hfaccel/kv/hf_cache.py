@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hfaccel import compat
 from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.fp8 import KVScales
 from hfaccel.kv.layout import own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
@@ -186,6 +187,8 @@ class PagedCache(PoolCache):
         device, dtype: of the pool; default: those of the first keys written (the pool is then created lazily).
             ``dtype=torch.float8_e4m3fn`` stores K/V in fp8 with per-head scales (half the bytes; attention reads
             them back in the keys' dtype).
+        kv_scales: an fp8 cache's scales (``hfaccel.kv.fp8``): None (1.0), a number, ``"prefill"`` (each layer's
+            from its first forward) or ``{layer: [2, Hkv or 1]}``.
         left_padding: tokens of left padding of each row of the first forward (``generate`` of an accelerated
             model passes them): when the model's attention is hfaccel's, padding gets no slot and no block, and
             :meth:`memory_stats` counts real tokens only. Without it (or for another attention, which reads K/V
@@ -197,7 +200,7 @@ class PagedCache(PoolCache):
     def __init__(self, config, *, max_batch_size: int, max_cache_len: int | None = None,
                  num_blocks: int | None = None, block_size: int = 16, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, left_padding: Sequence[int] | None = None,
-                 num_kv_heads: int | None = None):
+                 num_kv_heads: int | None = None, kv_scales: KVScales = None):
         if max_cache_len is None and num_blocks is None:
             raise ValueError("PagedCache needs max_cache_len or num_blocks")
         if max_batch_size < 1 or block_size < 1:
@@ -208,7 +211,7 @@ class PagedCache(PoolCache):
         quantized = dtype in KV_QUANT_DTYPES  # the compute dtype then comes from the first keys written
         super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
                                         dtype=None if quantized else dtype, num_kv_heads=num_kv_heads,
-                                        kv_cache_dtype=dtype if quantized else None))
+                                        kv_cache_dtype=dtype if quantized else None, kv_scales=kv_scales))
         self._left_padding: list[int] | None = None
         self.rows: list[int] = []  # the block manager's sequence id of each batch row
         self.padding: list[int] = []  # each row's left padding that the pool does not hold

@@ -23,6 +23,7 @@ from hfaccel.kernels.ops import write_kv_op
 from hfaccel.kernels.write_kv import KV_QUANT_DTYPES
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
 from hfaccel.kv.layout import ModelLayout, model_layout, uniform_layout
+from hfaccel.kv.fp8 import KVScales, check_kv_scales, fill_scales, model_kv_scales, prefill_scales
 from hfaccel.kv.state import StatePool, StateStep, state_groups
 
 
@@ -91,8 +92,9 @@ class KVPool:
         device, dtype: of the tensors (``dtype``: the keys' and values' as the model computes them); when either is
             None they are allocated by :meth:`allocate`, e.g. from the first keys a layer writes.
         kv_cache_dtype: None (K/V stored in ``dtype``), or ``torch.float8_e4m3fn``: each value stored over its
-            layer's per-KV-head scale (``hfaccel.kernels.write_kv``; :attr:`scales`, 1.0 unless set),
-            half the bytes of 16-bit.
+            layer's per-KV-head scale (``hfaccel.kernels.write_kv``; :attr:`scales`), half the bytes of 16-bit.
+        kv_scales: an fp8 pool's scales (``hfaccel.kv.fp8``): None (1.0), a number, ``"prefill"`` (set by each
+            layer's first prefill) or ``{layer: [2, Hkv or 1]}``.
         enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
         num_kv_heads: with a config, the KV heads per layer this process holds; default the config's (a
             tensor-parallel rank holds its share: :func:`local_kv_heads`).
@@ -103,7 +105,7 @@ class KVPool:
     def __init__(self, layout: ModelLayout | object, *, num_blocks: int, block_size: int = 16,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  enable_prefix_caching: bool = False, num_kv_heads: int | None = None, max_num_seqs: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, kv_scales: KVScales = None):
         if not isinstance(layout, ModelLayout):
             layers, heads, head_dim = kv_dims(layout)
             layout = uniform_layout(layers, num_kv_heads or heads, head_dim)
@@ -113,6 +115,12 @@ class KVPool:
             raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or one of {KV_QUANT_DTYPES}; got "
                              f"{kv_cache_dtype}")
         self.kv_cache_dtype = kv_cache_dtype
+        kv_scales = check_kv_scales(kv_scales)
+        if kv_scales is not None and kv_cache_dtype is None:
+            raise ValueError(f"kv_scales apply to an fp8 pool (kv_cache_dtype=torch.float8_e4m3fn); this pool stores "
+                             f"K/V in the model's dtype; got kv_scales={kv_scales!r}")
+        self.kv_scales = kv_scales
+        self._calibrating: set[int] = set()  # layers whose first prefill sets their scales (kv_scales="prefill")
         # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them
         self.group_shapes = sorted({(kv.kv_heads, kv.width) for kv in layout.attention.values()})
         self.place: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group's tensor)
@@ -132,14 +140,17 @@ class KVPool:
 
     @classmethod
     def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                  max_num_seqs: int = 0, kv_cache_dtype: torch.dtype | None = None) -> KVPool:
-        """A pool on the model's device, in its dtype (K/V stored in ``kv_cache_dtype`` if given), laid out as the
-        model's layers keep K/V and state (the KV heads this process holds of them); prefix caching only where no
-        layer keeps recurrent state."""
+                  max_num_seqs: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                  kv_scales: KVScales = None) -> KVPool:
+        """A pool on the model's device, in its dtype (K/V stored in ``kv_cache_dtype`` if given, over ``kv_scales``:
+        ``hfaccel.kv.fp8``, by default the checkpoint's), laid out as the model's layers keep K/V and state (the KV
+        heads this process holds of them); prefix caching only where no layer keeps recurrent state."""
         layout = model_layout(model)
+        if kv_cache_dtype is not None and kv_scales is None:
+            kv_scales = model_kv_scales(model) or None
         return cls(layout, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
                    dtype=model.dtype, enable_prefix_caching=enable_prefix_caching and not layout.hybrid,
-                   max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype)
+                   max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
 
     # ------------------------------------------------------------------------------------------ memory
     @property
@@ -179,8 +190,24 @@ class KVPool:
                                     dtype=self.kv_cache_dtype or dtype) for layers, (heads, width) in shapes]
         if self.quantized:
             self.scales = [torch.ones(layers, 2, heads, device=device) for layers, (heads, _) in shapes]
+            self._set_scales()
         if self.states is not None:
             self.states.allocate(device)
+
+    def _set_scales(self) -> None:
+        """The scales ``kv_scales`` gives (``hfaccel.kv.fp8``): a number everywhere, a checkpoint's per layer, or
+        none yet (each layer's first prefill sets them)."""
+        given = self.kv_scales
+        if given == "prefill":
+            self._calibrating = set(self.place)
+        elif isinstance(given, float):
+            for scales in self.scales:
+                scales.fill_(given)
+        elif given is not None:
+            for layer, layer_scales in given.items():
+                if layer in self.place:
+                    group, index = self.place[layer]
+                    fill_scales(self.scales[group], index, layer_scales)
 
     def release(self) -> None:
         """Give the pool's memory back (the pool is not used again)."""
@@ -219,8 +246,21 @@ class KVPool:
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               backend: str = "auto") -> None:
         """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer."""
+        if not torch.compiler.is_compiling() and layer in self._calibrating:  # compiled steps: never (no guard on it)
+            self._calibrate(layer, keys, values, slots)
         view = self.layer_view(layer)
         write_kv_op(keys, values, view["kv_cache"], view["layer"], slots, backend, view.get("kv_scales"))
+
+    def _calibrate(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Set ``layer``'s scales from the first tokens it stores (``kv_scales="prefill"``); a write under CUDA-graph
+        capture or one that stores nothing leaves them to the next."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        scales = prefill_scales(keys, values, slots)
+        if scales is not None:
+            group, index = self.place[layer]
+            self.scales[group][index].copy_(scales)
+            self._calibrating.discard(layer)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Perform the block manager's copy-on-write copies (every layer, K and V)."""

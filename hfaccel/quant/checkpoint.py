@@ -8,7 +8,9 @@ A checkpoint folder: ``config.json`` with ``quantization_config``, ``*.safetenso
 the tokenizer files. Quantized Linear ``P`` stores ``P.qweight``, ``P.qzeros``, ``P.scales`` (and ``P.g_idx``
 for GPTQ) in the format's layout, or (fp8) ``P.weight`` in float8 e4m3 ``[N, K]`` and its scales; everything else
 is stored as in a plain transformers checkpoint. fp8 layers are read weight-only (:class:`Fp8Linear`): a
-checkpoint's static activation scales (``input_scale``) are not used — activations stay 16-bit.
+checkpoint's static activation scales (``input_scale``) are not used — activations stay 16-bit. A compressed-tensors
+``kv_cache_scheme``'s fp8 KV scales (``*.self_attn.k_scale`` / ``v_scale``, per tensor or per KV head) are kept on
+their attention modules as buffers of those names, where an fp8 KV pool finds them (``hfaccel.kv.fp8``).
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float16, devi
         state.update(load_file(shard))
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kv_scales = _kv_scales(state, spec.get("kv_cache_scheme"))
     if method in FP8_METHODS:
         _read_fp8_layers(model, state, block, dtype, device)
     else:
@@ -150,6 +153,9 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float16, devi
     missing = [k for k in missing if k not in tied and not _is_quantized_buffer(model, k)]
     if unexpected or missing:
         raise ValueError(f"checkpoint does not match the model: unexpected {unexpected[:5]}, missing {missing[:5]}")
+    for key, scale in kv_scales.items():  # buffers of their attention modules, where an fp8 KV pool finds them
+        owner, _, name = key.rpartition(".")
+        model.get_submodule(owner).register_buffer(name, scale.float().to(device))
     model.tie_weights()
     return model.eval()
 
@@ -193,6 +199,17 @@ def _read_fp8_layers(model: nn.Module, state: dict, block: tuple[int, int] | Non
         bias = state.pop(f"{name}.bias", None)
         _replace(model, name, Fp8Linear.from_checkpoint(weight.to(device), scale.to(device), block, bias,
                                                         dtype=dtype))
+
+
+def _kv_scales(state: dict, scheme: dict | None) -> dict[str, torch.Tensor]:
+    """A ``kv_cache_scheme``'s ``k_scale`` / ``v_scale`` tensors, taken out of ``state``; a ValueError for a scheme
+    other than fp8 (8-bit float, symmetric)."""
+    keys = [k for k in state if k.endswith((".k_scale", ".v_scale"))]
+    if keys and (not scheme or scheme.get("type") != "float" or scheme.get("num_bits") != 8
+                 or not scheme.get("symmetric", True)):
+        raise ValueError(f"hfaccel reads fp8 KV cache scales (kv_cache_scheme num_bits 8, type float, symmetric); "
+                         f"this checkpoint has {len(keys)} k_scale/v_scale tensors and kv_cache_scheme {scheme}")
+    return {key: state.pop(key) for key in keys}
 
 
 def _read_weight(state: dict, name: str, method: str, group_size: int, v1: bool) -> formats.Int4Weight:

@@ -35,6 +35,7 @@ import torch
 
 from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
+from hfaccel.kv.fp8 import KVScales
 from hfaccel.kv.layout import model_layout
 from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
@@ -171,9 +172,11 @@ class SpeculativeRunners:
     model). Their static steps are built once for every ladder batch size and, compiled or captured, the models'
     whole context (as ``generate()``'s decode steps are); a call that needs more KV blocks swaps larger pools in
     under them, so nothing compiles again. Only another model, dtype, device, draft count or compile setting, a
-    batch past the ladder or a context past the model's builds them anew."""
+    batch past the ladder or a context past the model's builds them anew. ``kv_cache_dtype``, ``kv_scales``: how
+    both pools store K/V (``hfaccel.kv.fp8``; None scales: each model's checkpoint's)."""
 
-    def __init__(self):
+    def __init__(self, kv_cache_dtype: torch.dtype | None = None, kv_scales: KVScales = None):
+        self.pool_options = {"kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales}  # KVPool's: how K/V are stored
         self._key: tuple | None = None
         self.target: ModelRunner | None = None
         self.draft: ModelRunner | None = None
@@ -197,17 +200,16 @@ class SpeculativeRunners:
                 continue
             if runner.pool.num_blocks < blocks:
                 grown = max(blocks, 2 * runner.pool.num_blocks)
-                runner.replace_pool(lambda runner=runner: _pool(runner.model, grown, block_size))
+                runner.replace_pool(lambda runner=runner: self._pool(runner.model, grown, block_size))
             runner.pool.manager.reset()  # a call that raised may have left sequences behind
         return self.target, self.draft
 
-    @staticmethod
-    def _runner(model, blocks: int, block_size: int, rows: int, length: int, compile: bool | str,
+    def _runner(self, model, blocks: int, block_size: int, rows: int, length: int, compile: bool | str,
                 tokens_per_seq: int = 1, catch_up: bool = False) -> ModelRunner:
         """A runner with static steps of ``tokens_per_seq`` tokens per sequence (the target's verification, the
         draft's drafting) and, for a draft (``catch_up``), of the one or two tokens it catches up on each step
         (the token the target chose, after the last draft when every draft was accepted)."""
-        runner = ModelRunner(model, _pool(model, blocks, block_size))
+        runner = ModelRunner(model, self._pool(model, blocks, block_size))
         compiled = compiles(compile, runner.device)
         max_batch = max(rows, DEFAULT_LADDER[-1])
         max_len = context_bucket(length, whole=compiled or runner.device.type == "cuda", model=model)
@@ -216,16 +218,15 @@ class SpeculativeRunners:
             runner.enable_catch_up_graphs(max_batch, max_len, tokens_per_seq=2, compile=compiled)
         return runner
 
+    def _pool(self, model, blocks: int, block_size: int) -> KVPool:
+        return KVPool.for_model(model, num_blocks=blocks, block_size=block_size, **self.pool_options)
+
     def release(self) -> None:
         """Give back the runners' memory now."""
         for runner in (self.target, self.draft):
             if runner is not None:
                 runner.release()
         self.target = self.draft = self._key = None
-
-
-def _pool(model, blocks: int, block_size: int) -> KVPool:
-    return KVPool.for_model(model, num_blocks=blocks, block_size=block_size)
 
 
 class _ModelDrafter:

@@ -131,6 +131,9 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                        help="how the KV pool stores keys and values: the model's dtype, or fp8 (e4m3, per-head "
                             "scales; twice the tokens in the same memory)")
+    serve.add_argument("--kv-scales", type=_kv_scales, default=None, metavar="{checkpoint,prefill,NUMBER}",
+                       help="an fp8 KV pool's scales: the checkpoint's k_scale/v_scale, else 1.0 (default); "
+                            "'prefill': each layer's from its first prefill; or one number for all")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from CUDA graphs (default: on CUDA)")
@@ -201,6 +204,16 @@ def main(argv: list[str] | None = None) -> int:
                   tensor_parallel_size=args.tensor_parallel_size, profile=args.profile, layers=args.layers,
                   kv_cache_dtype=args.kv_cache_dtype)
     return 0
+
+
+def _kv_scales(value: str) -> str | float | None:
+    """``--kv-scales``: "checkpoint" (None: the checkpoint's, else 1.0), "prefill", or a number."""
+    if value in ("checkpoint", "prefill"):
+        return None if value == "checkpoint" else value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected checkpoint, prefill or a number; got {value!r}") from None
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -359,6 +372,7 @@ def _engine(args: argparse.Namespace, model, tokenizer):
                               max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                               kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                               kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype,
+                              kv_scales=args.kv_scales,
                               max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
                               compile="auto" if args.compile is None else args.compile,
                               async_scheduling=args.async_scheduling, **lora)
