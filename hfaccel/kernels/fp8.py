@@ -1,4 +1,4 @@
-"""fp8 weight-only matmul (W8A16): ``out = x @ dequant(W)``, the weight stored in float8 e4m3, fp32 accumulation.
+"""fp8 matmul: ``out = x @ dequant(W)``, the weight stored in float8 e4m3, fp32 accumulation.
 
 Layout every fp8 checkpoint format is read into (``hfaccel.quant.fp8``):
 
@@ -9,45 +9,33 @@ Layout every fp8 checkpoint format is read into (``hfaccel.quant.fp8``):
   a 128×128 block is ``group_k = group_n = 128`` (block FP8, ``weight_scale_inv`` transposed), per tensor
   ``group_k = K, group_n = N``.
 
-Paths, chosen per call by shape (:func:`pick_path`):
+Paths (``hfaccel.kernels.fp8_config`` routes each call by shape and the GPU's tuned table):
 
 - ``gemv``: one row of ``x`` per program, ``BLOCK_N`` columns, K in tiles: fp32 FMAs, no tensor cores, no padding of
   M to 16 (decode, M of a few rows);
 - ``gemm``: tensor-core tiles ``[BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]`` with the weight tile converted to the
   activation dtype, each K tile's product scaled by its group's scales (a K tile never spans two K groups);
+- ``w8a8``: the activations quantized to e4m3 per token (per token and K group for block weights:
+  :func:`quantize_activations`), fp8 tensor-core tiles, each K tile's product scaled by both operands' scales;
 - ``dequant``: the weight dequantized once to the activation dtype, then the dense matmul (large M).
 
-Neither kernel ever converts activations to fp8: the math is 16-bit (fp32 for fp32 activations), what halves is the
-weight's bytes — where decode's time goes.
+The weight-only paths keep the activations' precision: what halves is the weight's bytes, where decode's time goes.
+``w8a8`` doubles the tensor cores' rate for large M at the cost of rounding the activations (as vLLM's and
+transformers' fp8 kernels do); its reference is :func:`w8a8_reference`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from hfaccel.kernels.fp8_config import PATHS, W8A8_DTYPES, Fp8Config, fit_config, pick_fp8_config
 from hfaccel.kernels.runtime import interpreting, resolve_backend, triton_can_run
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PATHS = ("gemv", "gemm", "dequant")
-GEMV_MAX_M = 8  # rows of x served by the GEMV (decode and small batches)
-DEQUANT_MIN_M = 1024  # from this many rows the dense matmul of the dequantized weight is served
-
-
-@dataclass(frozen=True)
-class Fp8Config:
-    """One path and its tiles."""
-
-    path: str
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
 
 
 @triton.jit
@@ -77,14 +65,16 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    X, W, S, OUT,
+    X, XS, W, S, OUT,
     M, N, K, group_k, group_n,
-    stride_xm, stride_wk, stride_sk, stride_om,
+    stride_xm, stride_xsm, stride_wk, stride_sk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    W8A8: tl.constexpr,
 ):
-    # Program: a [BLOCK_M, BLOCK_N] output tile; each K tile's product (the fp8 weights converted to the activation
-    # dtype, exactly) scaled by its K group's scales. F32_DOT: fp32 operands (fp32 activations, or bf16 in the
-    # interpreter, which cannot compute in bf16).
+    # Program: a [BLOCK_M, BLOCK_N] output tile; each K tile lies in one K group, its product scaled by that group's
+    # weight scales. 16-bit: the fp8 weights converted to the activation dtype (exactly); F32_DOT: fp32 operands
+    # (fp32 activations, or bf16 in the interpreter, which cannot compute in bf16). W8A8: X holds e4m3 activations
+    # over per-row (and K group) scales XS, fp8 x fp8 products scaled by both.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,14 +88,40 @@ def _gemm_kernel(
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(W + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)  # [BLOCK_K, BLOCK_N] fp8
-        if F32_DOT:
+        group = k0 // group_k
+        if W8A8:
+            x_scale = tl.load(XS + offs_m * stride_xsm + group, mask=m_ok, other=0.0)  # [BLOCK_M]
+            part = tl.dot(x, w) * x_scale[:, None]
+        elif F32_DOT:
             part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(x, w.to(x.dtype))
-        scale = tl.load(S + (k0 // group_k) * stride_sk + offs_n // group_n, mask=n_ok, other=0.0)  # [BLOCK_N]
+        scale = tl.load(S + group * stride_sk + offs_n // group_n, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += part * scale[None, :]
     tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` as e4m3 ``[M, K]`` over fp32 scales ``[M, ceil(K / group_k)]``: each row's (each row's per K
+    group) largest magnitude maps to 448 — dynamic per-token (per-token-group) scaling."""
+    m, k = x.shape
+    group = min(group_k, k)
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scales = padded.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [M, G]
+    quantized = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8_DTYPE)
+    return quantized, scales
+
+
+def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int,
+                   group_n: int) -> torch.Tensor:
+    """The ``w8a8`` path in torch: ``x`` quantized by :func:`quantize_activations`, both operands dequantized to
+    fp32, the product cast back to ``x``'s dtype."""
+    quantized, x_scales = quantize_activations(x, group_k)
+    group = min(group_k, x.shape[1])
+    x_dequantized = quantized.float() * x_scales.repeat_interleave(group, 1)[:, :x.shape[1]]
+    return (x_dequantized @ dequantize(weight, scales, group_k, group_n)).to(x.dtype)
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int,
@@ -122,25 +138,6 @@ def fp8_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, g
     return (x.to(torch.float32) @ dequantize(weight, scales, group_k, group_n)).to(x.dtype)
 
 
-def pick_path(m: int) -> str:
-    """The path for ``m`` rows of activations."""
-    if m <= GEMV_MAX_M:
-        return "gemv"
-    return "gemm" if m < DEQUANT_MIN_M else "dequant"
-
-
-def _block_k(k: int, group_k: int) -> int:
-    """A K tile that never spans two K groups: at most 64, a power of two dividing ``group_k`` (any, one group)."""
-    if group_k >= k:
-        return 64
-    block = 64
-    while group_k % block:
-        block //= 2
-    if block < 16:
-        raise ValueError(f"fp8 K groups of {group_k} are not a multiple of 16 (the kernels' smallest K tile)")
-    return block
-
-
 def fp8_kernels_run(device: torch.device | str) -> bool:
     """Whether the fp8 kernels run on ``device``: a CUDA GPU that converts e4m3 (sm_89 and later: Ada, Hopper,
     Blackwell), or the CPU under the Triton interpreter."""
@@ -151,37 +148,49 @@ def fp8_kernels_run(device: torch.device | str) -> bool:
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int, *,
-               backend: str = "auto", path: str | None = None) -> torch.Tensor:
+               backend: str = "auto", path: str | None = None, config: Fp8Config | None = None) -> torch.Tensor:
     """``x: [M, K]`` times the fp8 weight ``[K, N]`` (layout in the module docstring); returns ``[M, N]`` in
-    ``x``'s dtype. ``path`` forces one of :data:`PATHS` (tests, benchmarks); by default :func:`pick_path`."""
+    ``x``'s dtype. ``config`` (``hfaccel tune``) or ``path`` (one of :data:`PATHS` with default tiles: tests,
+    benchmarks) forces a path; by default ``pick_fp8_config`` decides."""
     _check(x, weight, scales, group_k, group_n)
     if resolve_backend(backend, x.device) == "torch":
         return fp8_reference(x, weight, scales, group_k, group_n)
     m, k = x.shape
     n = weight.shape[1]
-    path = path or pick_path(m)
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}; got {path!r}")
+    config = config or (_default_config(path, m, k, group_k) if path is not None
+                        else pick_fp8_config(m, n, k, x.dtype, group_k, group_n, x.device))
+    if config.path == "w8a8" and x.dtype not in W8A8_DTYPES:
+        raise ValueError(f"the w8a8 path takes {W8A8_DTYPES} activations; got {x.dtype}")
     if m == 0:
         return x.new_empty(0, n)
     x, weight, scales = x.contiguous(), weight.contiguous(), scales.contiguous()
-    if path == "dequant":
+    if config.path == "dequant":
         return x @ dequantize(weight, scales, group_k, group_n, x.dtype)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_k = _block_k(k, group_k)
-    strides = (x.stride(0), weight.stride(0), scales.stride(0), out.stride(0))
-    if path == "gemv":
-        cfg = Fp8Config("gemv", block_n=64, block_k=block_k)
-        _gemv_kernel[(m, triton.cdiv(n, cfg.block_n))](x, weight, scales, out, n, k, group_k, group_n, *strides,
-                                                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                                        num_warps=cfg.num_warps)
+    tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+    grid_n = triton.cdiv(n, config.block_n)
+    if config.path == "gemv":
+        _gemv_kernel[(m, grid_n)](x, weight, scales, out, n, k, group_k, group_n, x.stride(0), weight.stride(0),
+                                  scales.stride(0), out.stride(0), **tiles)
     else:
-        cfg = Fp8Config("gemm", block_m=16 if m <= 16 else 64, block_n=64, block_k=block_k)
-        f32_dot = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting() and not x.is_cuda)
-        _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
-            x, weight, scales, out, m, n, k, group_k, group_n, *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, F32_DOT=f32_dot, num_warps=cfg.num_warps)
+        x_scales = scales  # a placeholder pointer: read only by w8a8
+        if config.path == "w8a8":
+            x, x_scales = quantize_activations(x, group_k)
+        f32_dot = out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and interpreting() and not x.is_cuda)
+        _gemm_kernel[(triton.cdiv(m, config.block_m), grid_n)](
+            x, x_scales, weight, scales, out, m, n, k, group_k, group_n, x.stride(0), x_scales.stride(0),
+            weight.stride(0), scales.stride(0), out.stride(0), BLOCK_M=config.block_m, F32_DOT=f32_dot,
+            W8A8=config.path == "w8a8", **tiles)
     return out
+
+
+def _default_config(path: str, m: int, k: int, group_k: int) -> Fp8Config:
+    """A forced ``path``'s tiles: the heuristics' sizes for ``m`` rows."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}; got {path!r}")
+    rows = 16 if m <= 16 else 64
+    return fit_config(Fp8Config(path, block_m=rows, block_n=64, block_k=64), k, group_k)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int) -> None:

@@ -15,6 +15,7 @@ share its exact fields (head dim, group, dtype, ...), nearest in its numeric one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -49,6 +50,38 @@ def bucket_key(**fields) -> str:
 
 def _field_text(value) -> str:
     return str(value).removeprefix("torch.")
+
+
+class TableConfig:
+    """What a kernel's launch-parameter dataclass shares as a table entry (its fields, plus ``us``): reading and
+    writing it, and the checks every tile configuration needs. Subclasses set ``OP`` and ``PATHS``."""
+
+    OP: str = ""
+    PATHS: tuple[str, ...] = ()
+
+    @classmethod
+    def from_entry(cls, entry: dict):
+        """From a table entry (the fields, plus ``us`` which is ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(entry) - known - {"us"})
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; a {cls.OP} entry has {sorted(known)} and 'us'")
+        return cls(**{name: value for name, value in entry.items() if name in known})
+
+    def entry(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check_tiles(self, powers_of_two: Sequence[str]) -> None:
+        """A ValueError unless ``path`` is one of ``PATHS``, the named fields are powers of two and ``num_stages``
+        is in 1..8."""
+        if self.path not in self.PATHS:
+            raise ValueError(f"path must be one of {self.PATHS}; got {self.path!r}")
+        for name in powers_of_two:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1; got {value!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be an int in 1..8; got {self.num_stages!r}")
 
 
 class OpEntries(dict):

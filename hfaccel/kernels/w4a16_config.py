@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +34,7 @@ H100_SMS = 132
 
 
 @dataclass(frozen=True)
-class W4A16Config:
+class W4A16Config(tuning.TableConfig):
     """A path and its launch parameters. ``block_k`` never exceeds the largest power of two dividing the group
     size (a K-tile lies in one group: its scales and zeros are one row); ``split_k`` is how many programs share
     K (their fp32 partial sums are added in a fixed order, so results are deterministic)."""
@@ -46,33 +46,15 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    OP, PATHS = OP, PATHS
 
     def __post_init__(self):
-        if self.path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}; got {self.path!r}")
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 1; got {value!r}")
+        self.check_tiles(("block_m", "block_n", "block_k", "num_warps"))
         if not isinstance(self.split_k, int) or self.split_k < 1:
             raise ValueError(f"split_k must be an int >= 1; got {self.split_k!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"num_stages must be an int in 1..8; got {self.num_stages!r}")
         if self.block_k < 8 or (self.path == "gemm" and (self.block_k < 16 or self.block_m < 16)):
             raise ValueError(f"block_k must be >= 8 (>= 16 with block_m >= 16 for gemm, the smallest tensor-core "
                              f"tile); got {self}")
-
-    @classmethod
-    def from_entry(cls, entry: dict) -> W4A16Config:
-        """From a table entry (the fields, plus ``us`` which is ignored)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(entry) - known - {"us"})
-        if unknown:
-            raise ValueError(f"unknown field(s) {unknown}; a w4a16 entry has {sorted(known)} and 'us'")
-        return cls(**{name: value for name, value in entry.items() if name in known})
-
-    def entry(self) -> dict:
-        return asdict(self)
 
     @property
     def label(self) -> str:

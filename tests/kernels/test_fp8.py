@@ -1,12 +1,15 @@
-"""fp8_matmul (Triton, interpreted) vs fp8_reference on every path (GEMV, GEMM, dequantize + dense matmul), every
-scale layout (per output channel, 128×128-style blocks with partial edge blocks, per tensor), odd sizes, each
-activation dtype; the router; the custom op under a fullgraph trace; bad inputs; sm_90 compilation of the kernels."""
+"""fp8_matmul (Triton, interpreted) vs its references on every path (GEMV, GEMM and dequantize + dense matmul vs
+fp8_reference; W8A8 vs w8a8_reference), every scale layout (per output channel, 128×128-style blocks with partial
+edge blocks, per tensor), odd sizes, each activation dtype; the router and its tuned entries; the custom op under a
+fullgraph trace; bad inputs; sm_90 compilation of the kernels."""
 
 import pytest
 import torch
 
-from hfaccel.kernels.fp8 import (DEQUANT_MIN_M, FP8_DTYPE, GEMV_MAX_M, PATHS, _block_k, fp8_matmul, fp8_reference,
-                                 pick_path)
+from hfaccel.kernels.fp8 import (FP8_DTYPE, dequantize, fp8_matmul, fp8_reference, quantize_activations,
+                                 w8a8_reference)
+from hfaccel.kernels.fp8_config import (DEQUANT_MIN_M, GEMV_MAX_M, OP, W8A8_MIN_M, Fp8Config, candidate_configs,
+                                        fit_config, heuristic_config, pick_fp8_config, table_key)
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, compile_sm90
 
@@ -26,10 +29,10 @@ def _weights(k, n, group_k, group_n, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ["gemv", "gemm", "dequant"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["per channel", "blocks", "per tensor"])
 @pytest.mark.parametrize("m", [1, 5, 37])
-def test_every_path_matches_reference(m, layout, path, dtype):
+def test_every_weight_only_path_matches_reference(m, layout, path, dtype):
     k, n, group_k, group_n = layout
     weight, scales = _weights(k, n, group_k, group_n)
     x = torch.randn(m, k).to(dtype)
@@ -40,16 +43,93 @@ def test_every_path_matches_reference(m, layout, path, dtype):
     assert error <= TOLERANCE[dtype], f"{path}: max error {error:.3g} of the output scale"
 
 
-def test_router_by_rows():
-    assert pick_path(1) == pick_path(GEMV_MAX_M) == "gemv"
-    assert pick_path(GEMV_MAX_M + 1) == pick_path(DEQUANT_MIN_M - 1) == "gemm"
-    assert pick_path(DEQUANT_MIN_M) == "dequant"
+# blocks of 32 (the fp8 tensor cores' smallest K tile) with partial edge blocks, and per channel / per tensor
+W8A8_LAYOUTS = [(200, 77, 200, 1), (160, 136, 32, 64), (96, 33, 96, 33)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", W8A8_LAYOUTS, ids=["per channel", "blocks", "per tensor"])
+@pytest.mark.parametrize("m", [5, 37])
+def test_w8a8_matches_its_reference(m, layout, dtype):
+    """fp8 x fp8 tensor-core tiles against the activations quantized the same way in torch (both operands exact in
+    fp32, so only the sum's order and the output's rounding differ); and within e4m3's rounding of the weight-only
+    product."""
+    k, n, group_k, group_n = layout
+    weight, scales = _weights(k, n, group_k, group_n)
+    x = torch.randn(m, k).to(dtype)
+    out = on_device(fp8_matmul, x, weight, scales, group_k, group_n, backend="triton", path="w8a8")
+    ref = w8a8_reference(x, weight, scales, group_k, group_n)
+    assert out.shape == (m, n) and out.dtype == dtype
+    scale = ref.float().abs().max()
+    assert (out.float() - ref.float()).abs().max() / scale <= TOLERANCE[dtype]
+    # each activation rounded to 3 mantissa bits (within 2^-4 of itself): the product within 2^-4 of |x| @ |W|
+    weight_only = fp8_reference(x, weight, scales, group_k, group_n).float()
+    bound = 2 ** -4 * (x.float().abs() @ dequantize(weight, scales, group_k, group_n).abs()) + TOLERANCE[dtype] * scale
+    assert ((ref.float() - weight_only).abs() <= bound).all()
+
+
+def test_activations_quantize_per_token_and_group():
+    x = torch.randn(3, 100) * torch.tensor([[1.0], [50.0], [0.01]])
+    quantized, scales = quantize_activations(x, 32)  # groups of 32, the last of 4
+    assert quantized.dtype == FP8_DTYPE and scales.shape == (3, 4)
+    torch.testing.assert_close(scales[:, 0], x[:, :32].abs().amax(dim=1) / 448)
+    assert quantized.float().abs().amax(dim=1).eq(448).all()  # every row's largest value maps to e4m3's largest
+    error = (quantized.float() * scales.repeat_interleave(32, 1)[:, :100] - x).abs()
+    assert (error <= x.abs() / 16 + scales.repeat_interleave(32, 1)[:, :100] * 2 ** -9).all()
+    assert quantize_activations(x, 1000)[1].shape == (3, 1)  # one group: per token
+
+
+def test_router_by_rows_and_device():
+    """Without a tuned table: the GEMV for decode rows, 16-bit tensor cores between, and from large M fp8 tensor
+    cores where they run (16-bit activations on a GPU of sm_89+), else the dequantized weight's dense matmul."""
+    k = 4096
+    assert heuristic_config(1, k, torch.bfloat16, k).path == heuristic_config(GEMV_MAX_M, k, torch.bfloat16, k).path == "gemv"
+    assert heuristic_config(GEMV_MAX_M + 1, k, torch.bfloat16, k).path == "gemm"
+    assert heuristic_config(W8A8_MIN_M, k, torch.bfloat16, k, w8a8=True).path == "w8a8"
+    assert heuristic_config(W8A8_MIN_M, k, torch.bfloat16, k).path == "gemm"
+    assert heuristic_config(DEQUANT_MIN_M, k, torch.bfloat16, k).path == "dequant"
+    assert heuristic_config(DEQUANT_MIN_M, k, torch.bfloat16, k, w8a8=True).path == "w8a8"
+    assert pick_fp8_config(4096, 4096, k, torch.bfloat16, k, 1, "cpu").path == "dequant"  # never w8a8 off CUDA
+    assert heuristic_config(64, 96, torch.bfloat16, 24).path == "dequant"  # groups too small for a K tile of 16
 
 
 def test_k_tiles_never_span_two_groups():
-    assert _block_k(4096, 128) == 64 and _block_k(200, 200) == 64 and _block_k(96, 32) == 32
+    assert fit_config(Fp8Config("gemm", block_k=64), 4096, 128).block_k == 64
+    assert fit_config(Fp8Config("w8a8", block_k=128), 4096, 128).block_k == 128
+    assert fit_config(Fp8Config("gemm", block_k=64), 200, 200).block_k == 64
+    assert fit_config(Fp8Config("gemv", block_k=64), 96, 32).block_k == 32
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        _block_k(96, 24)
+        fit_config(Fp8Config("gemm"), 96, 24)
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        fit_config(Fp8Config("w8a8", block_k=64), 96, 16)
+    with pytest.raises(ValueError, match="block_m >= 16 and block_k >= 32"):
+        Fp8Config("w8a8", block_k=16)
+
+
+def test_tuned_entries_are_read_nearest_m_first(tuned_table):
+    """A tuned table's entry serves its bucket and the M buckets nearest it; an entry the call cannot use (w8a8
+    for fp32 activations, or a K tile across groups it cannot shrink) warns and the heuristics serve."""
+    n, k = 4096, 4096
+    w8a8 = Fp8Config("w8a8", 64, 128, 128, 8, 4)
+    gemv = Fp8Config("gemv", block_n=128, block_k=128, num_warps=2, num_stages=1)
+    tuned_table({OP: {table_key(256, n, k, torch.bfloat16, k, 1): {**w8a8.entry(), "us": 9.0},
+                      table_key(1, n, k, torch.bfloat16, k, 1): {**gemv.entry(), "us": 3.0},
+                      table_key(256, n, k, torch.float32, k, 1): {**w8a8.entry(), "us": 9.0}}})
+    assert pick_fp8_config(256, n, k, torch.bfloat16, k, 1, "cuda") == w8a8
+    assert pick_fp8_config(512, n, k, torch.bfloat16, k, 1, "cuda") == w8a8  # nearest measured M
+    assert pick_fp8_config(1, n, k, torch.bfloat16, k, 1, "cuda") == gemv
+    with pytest.warns(UserWarning, match="unusable"):
+        assert pick_fp8_config(256, n, k, torch.float32, k, 1, "cuda").path != "w8a8"
+    assert table_key(3, n, k, torch.bfloat16, 128, 128) == "m4_n4096_k4096_g128x128_dtypebfloat16"
+    assert table_key(1, n, k, torch.float16, k, n) == "m1_n4096_k4096_gtensor_dtypefloat16"
+
+
+def test_candidates_fit_the_shape():
+    found = candidate_configs(1, 4096, torch.bfloat16, 128)
+    assert {c.path for c in found} == {"gemv", "gemm", "w8a8", "dequant"}
+    assert all(c.block_k <= 128 for c in found) and len(found) == len(set(found))
+    assert "w8a8" not in {c.path for c in candidate_configs(256, 4096, torch.float32, 4096)}
+    assert "gemv" not in {c.path for c in candidate_configs(256, 4096, torch.bfloat16, 4096)}
 
 
 def test_custom_op_traces_without_graph_breaks():
@@ -78,24 +158,31 @@ def test_bad_inputs():
         fp8_matmul(x, weight, scales[:1], 64, 64)
     with pytest.raises(ValueError, match="path must be one of"):
         fp8_matmul(x, weight, scales, 64, 64, backend="triton", path="wgmma")
+    with pytest.raises(ValueError, match="the w8a8 path takes"):
+        fp8_matmul(x.float(), weight, scales, 64, 64, backend="triton", path="w8a8")
 
 
 # ---- sm_90 compilation ------------------------------------------------------------------------------------------
-def _job(dtype, kernel: str, block_m: int, block_k: int):
+def _job(dtype, kernel: str, block_m: int, block_k: int, block_n: int = 64, num_warps: int = 4, w8a8: bool = False):
     ptr = "*" + TRITON_TYPES[dtype]
     ints = ["N", "K", "group_k", "group_n", "stride_xm", "stride_wk", "stride_sk", "stride_om"]
     signature = {name: "i32" for name in ints}
-    signature.update(X=ptr, W="*fp8e4nv", S="*fp32", OUT=ptr)
-    constexprs = dict(BLOCK_N=64, BLOCK_K=block_k)
+    signature.update(X="*fp8e4nv" if w8a8 else ptr, W="*fp8e4nv", S="*fp32", OUT=ptr)
+    constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k)
     if kernel == "_gemm_kernel":
-        signature["M"] = "i32"
-        constexprs.update(BLOCK_M=block_m, F32_DOT=dtype == torch.float32)
+        signature.update(M="i32", XS="*fp32", stride_xsm="i32")
+        constexprs.update(BLOCK_M=block_m, F32_DOT=dtype == torch.float32, W8A8=w8a8)
     return dict(module="hfaccel.kernels.fp8", kernel=kernel, signature=signature, constexprs=constexprs,
-                divisible=["X", "W", "S", "OUT", "stride_xm", "stride_wk", "stride_om"], num_warps=4, num_stages=3)
+                divisible=["X", "W", "S", "OUT", "stride_xm", "stride_wk", "stride_om"], num_warps=num_warps,
+                num_stages=3)
 
 
 SM90_KERNELS = [(dtype, kernel, block_m, block_k) for dtype in DTYPES for block_k in (64, 32, 16)
                 for kernel, block_m in (("_gemv_kernel", 1), ("_gemm_kernel", 16), ("_gemm_kernel", 64))]
+# the fp8 tensor-core tiles: the heuristics' 128x128x128 (8 warps), and small-M and block-32 ones
+SM90_KERNELS += [(dtype, "_gemm_kernel", block_m, block_k, block_n, warps, True)
+                 for dtype in (torch.float16, torch.bfloat16)
+                 for block_m, block_k, block_n, warps in ((128, 128, 128, 8), (16, 64, 64, 4), (64, 32, 128, 4))]
 
 
 @pytest.fixture(scope="module")

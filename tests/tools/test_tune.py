@@ -100,3 +100,29 @@ def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monk
     assert len(paged) == 1 and entry["us"] > 0 and entry["num_splits"] in paged_sweep.split_candidates(2, 300)
     tiles = {(c.block_n, c.num_warps, c.num_stages) for c in paged_attention.candidate_paged_configs(32, torch.float16, 4)}
     assert (entry["block_n"], entry["num_warps"], entry["num_stages"]) in tiles
+
+
+def test_fp8_sweep_measures_candidates_into_the_keys_the_router_reads(tuned_table):
+    """The fp8 sweep on the CPU (kernels interpreted, wall-clock timing): one entry per Linear shape and M bucket,
+    each one of that bucket's candidates (W8A8 tiles among them), and the router serves it from the table."""
+    from rich.console import Console
+
+    from hfaccel.kernels.fp8_config import Fp8Config, candidate_configs, pick_fp8_config, table_key
+    from hfaccel.tools.tune import ModelShapes, available_ops, fp8
+
+    assert "fp8" in available_ops() and fp8.OP == "fp8"
+    assert fp8.layouts(4096, 14336) == [(14336, 1), (128, 128)] and fp8.layouts(77, 200) == [(200, 1)]
+    tiny = [ModelShapes("test", hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=64, vocab_size=256)]
+    entries = fp8.sweep(tiny, torch.device("cpu"), Console(quiet=True), m_buckets=(1, 32), dtypes=(torch.bfloat16,),
+                        blocks=False, reps=1)
+    shapes = fp8.linear_shapes(tiny)
+    assert set(entries) == {table_key(m, n, k, torch.bfloat16, k, 1) for n, k in shapes for m in (1, 32)}
+    for key, entry in entries.items():
+        m, n, k = (int(part[1:]) for part in key.split("_")[:3])
+        config = Fp8Config.from_entry(entry)
+        assert entry["us"] > 0 and config in candidate_configs(m, k, torch.bfloat16, k)
+    tuned_table({"fp8": entries})
+    n, k = shapes[0]
+    assert pick_fp8_config(32, n, k, torch.bfloat16, k, 1, "cuda") == Fp8Config.from_entry(
+        entries[table_key(32, n, k, torch.bfloat16, k, 1)])

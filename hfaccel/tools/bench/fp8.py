@@ -1,4 +1,5 @@
-"""``hfaccel bench fp8``: fp8 weights (float8 e4m3, weight-only: ``hfaccel.kernels.fp8``) against the same product
+"""``hfaccel bench fp8``: fp8 weights (float8 e4m3, ``hfaccel.kernels.fp8``: weight-only up to mid M, fp8 tensor cores
+(W8A8) at large M on a GPU) against the same product
 in bf16 (issue 50's goals on a GPU: the kernel ≥ 1.8× / 1.6× / 1.2× / 1.3× cuBLAS bf16 at M = 1 / 16 / 256 / 4096;
 Llama-3.1-8B-shaped batch-1 decode ≥ 1.7× bf16, ≥ 75% of the fp8 weight-read roofline).
 
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from hfaccel.kernels import resolve_backend
-from hfaccel.kernels.fp8 import FP8_DTYPE, fp8_matmul, pick_path
+from hfaccel.kernels.fp8 import FP8_DTYPE, fp8_matmul
+from hfaccel.kernels.fp8_config import pick_fp8_config
 from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import QuantizedDecodeRow, dense_then_quantized
 from hfaccel.tools.bench.timing import cold_graph_time_ms, l2_cold_copies, read_bandwidth, row_line, table, tensor_bytes
@@ -63,7 +65,8 @@ def bench_fp8_kernels(shapes, ms, dtypes, device: torch.device, on_row=lambda ro
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 fp8 = cold_graph_time_ms([lambda w=w: fp8_matmul(x, w[0], w[1], k, 1) for w in weights], device) * 1e3
                 cublas = cold_graph_time_ms([lambda d=d: F.linear(x, d) for d in denses], device) * 1e3
-                path = pick_path(m) if resolve_backend("auto", device) == "triton" else "torch reference"
+                path = (pick_fp8_config(m, n, k, dtype, k, 1, device).label
+                        if resolve_backend("auto", device) == "triton" else "torch reference")
                 gb_per_s = tensor_bytes(first) / fp8 / 1e3
                 rows.append(Fp8KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, fp8, cublas,
                                          cublas / fp8, gb_per_s, 100 * gb_per_s / bandwidth))
@@ -86,7 +89,7 @@ def run(options, console) -> dict:
     kernels = [asdict(r) for r in bench_fp8_kernels(CUDA_SHAPES if options.cuda else CPU_SHAPES,
                                                     CUDA_MS if options.cuda else CPU_MS, dtypes, options.device,
                                                     lambda r: console.print(row_line(r)))]
-    console.print(table("fp8 (e4m3, per-channel scales, weight-only) vs cuBLAS: x [M, K] @ W [K, N]", kernels))
+    console.print(table("fp8 (e4m3, per-channel scales; the routed path) vs cuBLAS: x [M, K] @ W [K, N]", kernels))
     decode = [asdict(r) for r in bench_fp8_decode(
         options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"), options.batches or [1, 16],
         options.prompt_len or (128 if options.cuda else 16), options.new_tokens or (128 if options.cuda else 8),

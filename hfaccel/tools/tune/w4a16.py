@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from hfaccel.kernels.w4a16 import w4a16_matmul
-from hfaccel.kernels.w4a16_config import M_BUCKETS, OP, W4A16Config, candidate_configs, table_key
+from hfaccel.kernels.w4a16_config import M_BUCKETS, OP, candidate_configs, table_key
 from hfaccel.tools.bench.int4 import random_int4_weights
-from hfaccel.tools.bench.timing import cold_graph_time_ms
+from hfaccel.tools.tune._measure import fastest_cold
 
 DTYPES = (torch.float16, torch.bfloat16)
 GROUP_SIZES = (128,)
@@ -50,28 +50,12 @@ def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M
                 weights = random_int4_weights(n, k, group_size, dtype, device)
                 x = torch.randn(max(m_buckets), k, device=device, dtype=dtype)
                 for m in m_buckets:
-                    best, us = _fastest(x[:m], weights, group_size, candidate_configs(m, n, k, dtype, group_size),
-                                        device, reps, console)
+                    rows = x[:m]
+                    best, us = fastest_cold(
+                        candidate_configs(m, n, k, dtype, group_size),
+                        lambda cfg: [lambda w=w: w4a16_matmul(rows, *w, group_size, config=cfg) for w in weights],
+                        device, console, reps, TIMED_MS)
                     entries[table_key(m, n, k, dtype, group_size)] = {**best.entry(), "us": round(us, 2)}
                     console.print(f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
                                   f"{best.label}, {us:.1f} us")
     return entries
-
-
-def _fastest(x: torch.Tensor, weights: list[tuple], group_size: int, candidates: list[W4A16Config],
-             device: torch.device, reps: int, console) -> tuple[W4A16Config, float]:
-    """The candidate with the smallest median time (ties: the first), and that time in microseconds. A
-    candidate that fails to compile or launch (e.g. out of shared memory on this GPU) is skipped."""
-    timed = []
-    for cfg in candidates:
-        calls = [lambda weight=weight: w4a16_matmul(x, *weight, group_size, config=cfg) for weight in weights]
-        try:
-            timed.append((cold_graph_time_ms(calls, device, reps=reps, rep=TIMED_MS) * 1e3, cfg))
-        except Exception as error:  # noqa: BLE001 - a config this GPU cannot run is not a candidate
-            if device.type != "cuda":
-                raise
-            console.print(f"  skipped {cfg.label}: {type(error).__name__}: {str(error)[:120]}")
-    if not timed:
-        raise RuntimeError(f"no w4a16 candidate ran for x {tuple(x.shape)}")
-    us, cfg = min(timed, key=lambda pair: pair[0])
-    return cfg, us
