@@ -55,6 +55,17 @@ def tensor_parallel(model) -> TensorParallel | None:
                           model_device(model))
 
 
+def _checkpoint_fp8_layer(model) -> str | None:
+    """The name of a layer holding fp8 weights as a checkpoint loaded them (transformers' or compressed-tensors'
+    layers), or None; hfaccel's own per-rank fp8 shards (``quantize="fp8"``) do not count."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
+                and not type(module).__module__.startswith("hfaccel.")):
+            return name
+    return None
+
+
 def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | None = None) -> None:
     """Raise a ``ValueError`` that says what is supported when ``model`` is sharded in a way hfaccel cannot serve:
     spread over several devices by ``device_map``, split by a TP size that does not divide its KV heads, or
@@ -66,6 +77,11 @@ def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | N
                          f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
     if compat.tp_size(model) > 1:
         local_kv_heads(model)  # raises when the TP size does not divide the KV heads
+    if compat.tp_size(model) > 1 and _checkpoint_fp8_layer(model) is not None:
+        raise ValueError(f"{what}: an fp8 checkpoint's layers under tensor parallelism (e.g. "
+                         f"{_checkpoint_fp8_layer(model)}) are not served, as int4 checkpoints are not; load the "
+                         "16-bit model with tp_plan=\"auto\" and pass quantize=\"fp8\": each rank quantizes its "
+                         "shard")
     if compat.tp_size(model) > 1 and quantize not in (None, "rtn", "fp8"):
         raise ValueError(f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
                          f"(quantize=\"rtn\"; fp8 too: quantize=\"fp8\"); quantize={quantize!r} calibrates on one "

@@ -87,3 +87,17 @@ def test_a_follower_engine_takes_no_requests():
     engine.tp = _OneRank(rank=1)
     with pytest.raises(RuntimeError, match="rank 1 of 2 follows TP rank 0.*engine.follow"):
         engine.generate([[5, 6, 7]])
+
+
+def test_fp8_checkpoint_layers_under_tp_are_a_clear_error(monkeypatch):
+    """A model whose Linear layers hold fp8 weights as a checkpoint loaded them (here compressed-tensors'
+    convention: an nn.Linear with an fp8 weight) is refused under TP with the way that works; accelerate changes
+    nothing."""
+    model = tiny_model("llama")
+    proj = model.model.layers[0].self_attn.q_proj
+    proj.weight.data = proj.weight.data.to(torch.float8_e4m3fn)
+    _fake_tp(monkeypatch, 2)
+    with pytest.raises(ValueError, match=r"fp8 checkpoint's layers under tensor parallelism \(e\.g\. "
+                                         r"model\.layers\.0\.self_attn\.q_proj\).*quantize=\"fp8\""):
+        hfaccel.accelerate(model, attention="torch")
+    assert not hasattr(model, "hfaccel")
