@@ -94,6 +94,17 @@ def _backend_label(model) -> str:
     return f"{resolve_backend(info.attention, device)} kernels on {device.type}"
 
 
+def same_path_as_transformers(model) -> bool:
+    """Whether the accelerated model runs what plain transformers runs here: where hfaccel's kernels do not run
+    (the CPU, MPS), ``auto`` keeps transformers' SDPA and loop, so a ratio of the two would only time noise."""
+    from hfaccel.kernels import resolve_backend
+
+    info = model.hfaccel
+    device = next(model.parameters()).device
+    return not info.active or (info.attention == "auto" and resolve_backend("auto", device) == "torch"
+                               and info.compile is not True)
+
+
 def _print(console: Console, prompts: list[str], plain: Run, accelerated: Run, model) -> None:
     for index, prompt in enumerate(prompts):
         console.rule(f"prompt {index + 1}: {prompt}")
@@ -103,12 +114,17 @@ def _print(console: Console, prompts: list[str], plain: Run, accelerated: Run, m
                         f"(best of the interleaved rounds)")
     for column in ("path", "new tokens", "seconds", "tokens/s", "vs transformers"):
         table.add_column(column, justify="right" if column != "path" else "left")
+    same = same_path_as_transformers(model)
     for run in (plain, accelerated):
+        ratio = f"{run.tokens_per_second / plain.tokens_per_second:.2f}x"
         table.add_row(run.label, str(run.new_tokens), f"{run.seconds:.2f}", f"{run.tokens_per_second:.1f}",
-                      f"{run.tokens_per_second / plain.tokens_per_second:.2f}x")
+                      "same path" if same and run is accelerated else ratio)
     console.print(table)
-    same = plain.texts == accelerated.texts
-    verdict = "[green]identical[/]" if same else "[red]DIFFERENT[/]"
+    if same:
+        console.print("both rows ran the same path as transformers on this device (any difference is noise); the "
+                      "paths that differ here: --compile true (transformers' static cache and compiled forward), "
+                      "and on a CUDA GPU hfaccel's kernels and decode loop")
+    verdict = "[green]identical[/]" if plain.texts == accelerated.texts else "[red]DIFFERENT[/]"
     console.print(f"generated text: {verdict}")
     info = model.hfaccel
     console.print(f"served by: decode loop {info.decode}; attention {info.attention_paths}")

@@ -31,12 +31,23 @@ def test_demo_on_a_local_model(model_dir, capsys):
     assert "served by: decode loop hfaccel; attention" in out
 
 
+def test_demo_says_when_both_rows_run_transformers_path(model_dir, capsys, monkeypatch):
+    """On a CPU as a user has it (no Triton), auto keeps transformers' own path: no speed ratio, the paths that do
+    differ named instead."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--max-new-tokens", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "same path" in out and "both rows ran the same path as transformers on this device" in out, out
+    assert "--compile true" in out and "identical" in out
+
+
 def test_demo_with_compile_on_a_cpu(model_dir, capsys, monkeypatch, recompile_limit_per_model):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU as a user has it
     assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--max-new-tokens", "6",
                  "--compile", "true"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "identical" in out and "compile=True: its static cache and compiled forward" in out, out
+    assert "same path" not in out  # a ratio: the compiled path is not transformers' eager one
 
 
 def test_generate_prints_text(model_dir, capsys):
