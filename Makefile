@@ -1,6 +1,7 @@
 # Two commands do all the set-up (see README.md):
 #   make demo   install hfaccel and run the demo (plain transformers vs hfaccel on SmolLM2-135M)
-#   make test   build the test environments inside the clone, fetch the offline test model, run the test suites
+#   make test   build the test environments inside the clone, lint (ruff), fetch the offline test model, run the
+#               test suites
 #
 # torch is installed first and pinned: on a CPU machine `torch==2.13.0` is the CPU build (any looser spec
 # pulls gigabytes of CUDA wheels). A torch that is already installed (e.g. a CUDA build) is kept.
@@ -33,6 +34,7 @@ test: test-newest test-lowest
 
 test-newest:
 	$(MAKE) venv VENV=$(VENV)
+	$(VENV)/bin/ruff check hfaccel tests
 	$(VENV)/bin/python -m hfaccel.tools.assets
 	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 

@@ -1,7 +1,7 @@
 """Every place hfaccel depends on a transformers / torch / triton detail that may move between versions.
 
-Tested with transformers 5.17 (the lowest supported, CI's second environment) through the newest 5.x. Nothing outside this module imports private
-transformers names or branches on a version.
+Tested with transformers 5.17 (the lowest supported, CI's second environment) through the newest 5.x. Nothing
+outside this module imports private transformers names or branches on a version.
 """
 
 from __future__ import annotations
@@ -483,10 +483,11 @@ def device_map_devices(model) -> set[str]:
 
 
 # ---- PEFT (optional): hfaccel never imports it; a model holding PEFT layers means it is loaded ----
-# peft >= 0.17 (the dev extra's floor; tested with 0.21): ``PeftModel`` (``peft_config``, ``active_adapters``, ``get_base_model``), adapter
-# layers deriving from ``BaseTunerLayer`` (``active_adapters``, ``disable_adapters``, ``merged_adapters``), LoRA
-# layers from ``LoraLayer`` (``lora_A`` / ``lora_B`` module dicts, ``scaling``, ``lora_variant`` for DoRA and the
-# other variants, ``use_dora`` before it), ``modules_to_save`` / trainable tokens from ``AuxiliaryTrainingWrapper``.
+# peft >= 0.17 (the dev extra's floor; tested with 0.21): ``PeftModel`` (``peft_config``, ``active_adapters``,
+# ``get_base_model``), adapter layers deriving from ``BaseTunerLayer`` (``active_adapters``, ``disable_adapters``,
+# ``merged_adapters``), LoRA layers from ``LoraLayer`` (``lora_A`` / ``lora_B`` module dicts, ``scaling``,
+# ``lora_variant`` for DoRA and the other variants, ``use_dora`` before it), ``modules_to_save`` / trainable tokens
+# from ``AuxiliaryTrainingWrapper``.
 def _peft():
     """The ``peft`` package when something imported it, else None (then no model can hold PEFT layers)."""
     return sys.modules.get("peft")

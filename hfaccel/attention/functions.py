@@ -10,7 +10,8 @@ softcap) is exactly what torch SDPA computes; the ``auto`` backend sends it to S
 when the GPU's tuned table measured SDPA faster for the shape (:func:`prefill_route`). Everything SDPA cannot
 express stays on hfaccel's kernels. On a device where hfaccel's kernels do not run (the CPU, MPS), ``auto`` serves
 every dense call by SDPA as transformers' ``sdpa`` does (:func:`_sdpa`; the torch reference kernels are for
-checking, the ``torch`` backend), and paged calls by the batched torch paged attention. Which path served each eager call is counted in the model's
+checking, the ``torch`` backend), and paged calls by the batched torch paged attention. Which path served each
+eager call is counted in the model's
 :class:`AttentionPaths` (``model.hfaccel.attention_paths``): a host-side decision, no device sync.
 """
 

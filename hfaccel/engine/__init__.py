@@ -5,5 +5,5 @@ from hfaccel.engine.engine import Engine, PreparedPrompt
 from hfaccel.engine.outputs import CompletionOutput, RequestFailed, RequestMetrics, RequestOutput
 from hfaccel.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "InvalidSamplingParams", "PreparedPrompt", "RequestFailed", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "InvalidSamplingParams", "PreparedPrompt", "RequestFailed",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprob"]

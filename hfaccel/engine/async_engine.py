@@ -195,7 +195,8 @@ class AsyncEngine:
             for _, future, loop in calls:  # queued after the last pass: they never ran
                 _resolve(future, loop, exception=RuntimeError("the engine thread stopped"))
 
-    def _fail_in_flight(self, error: BaseException, trackers: dict[str, DeltaTracker], running_only: bool = False) -> None:
+    def _fail_in_flight(self, error: BaseException, trackers: dict[str, DeltaTracker],
+                        running_only: bool = False) -> None:
         """Abort every request in flight (``running_only``: those the failed step ran — the requests with a
         running sequence — or all if none has); each stream gets ``error``."""
         failing = list(self._streams.items())

@@ -69,7 +69,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_pending: int = 0
     finishing: bool = False
-    constraint: Constraint | AfterReasoning | None = None  # its place in its grammar (structured outputs), made when it samples
+    # its place in its grammar (structured outputs), made when it samples
+    constraint: Constraint | AfterReasoning | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -59,8 +59,8 @@ def uninstall_generate(model) -> None:
 def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
     """Route one ``generate`` call (module docstring). transformers' loop gets a fresh PagedCache sized for the
     request, or the caller's PagedCache checked against the request first; it keeps its own cache choice for an
-    explicit cache (``cache=`` or ``past_key_values=``) of another kind, a ``cache_implementation``, or a request whose size cannot be
-    read."""
+    explicit cache (``cache=`` or ``past_key_values=``) of another kind, a ``cache_implementation``, or a request
+    whose size cannot be read."""
     session = model.hfaccel.session
     adapters = _read_adapters(model, session)
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):

@@ -31,7 +31,8 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ma
                        scale: float, causal: bool, q_offset: int, kv_offset: int, sliding_window: int | None,
                        chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
                        backend: str) -> torch.Tensor:
-    """``q [B, Hq, Sq, D]`` over ``k, v [B, Hkv, Skv, D]`` -> ``[B, Sq, Hq, D]`` (``hfaccel.kernels.flash_attention``)."""
+    """``q [B, Hq, Sq, D]`` over ``k, v [B, Hkv, Skv, D]`` -> ``[B, Sq, Hq, D]``
+    (``hfaccel.kernels.flash_attention``)."""
     return flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset,
                            key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap,
                            sinks=sinks, backend=backend).contiguous()

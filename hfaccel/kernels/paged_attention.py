@@ -129,8 +129,9 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     q_base = Q + seq_id.to(tl.int64) * stride_q_seq
-    q = tl.load(q_base + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_rows = q_base + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = seq_len - q_len + q_idx
@@ -183,8 +184,9 @@ def _paged_attention_kernel(
         tl.store(PART_O + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
     else:
         o_base = O + seq_id.to(tl.int64) * stride_o_seq
-        tl.store(o_base + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_rows = o_base + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(o_rows + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -497,8 +499,8 @@ def paged_attention_torch(
     Gathers each sequence's blocks into ``[S, Hkv, L, D]`` (``L``: the block table's width in keys, or fewer when
     ``max_seqlen_k`` bounds the lengths), builds one visibility mask from the lengths, query positions, key mask
     window and chunk, and runs SDPA with each KV head's query heads as rows (GQA without repeating K/V); with softcap or
-    sinks, the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q`` rows:
-    reads ``cu_seqlens_q`` on the host only when it is not given); a decode batch (one query per sequence) needs
+    sinks, the same in explicit fp32 math. Packed queries are laid out one sequence per row first (``max_seqlen_q``
+    rows: reads ``cu_seqlens_q`` on the host only when it is not given); a decode batch (one query per sequence) needs
     no layout at all. An fp8 pool's gathered keys and values are dequantized by ``k_scale, v_scale``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -568,8 +570,9 @@ def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, num_keys: int,
                 key_mask: torch.Tensor | None, sliding_window: int | None, chunk_size: int | None) -> torch.Tensor:
     """Bool ``[S, Q, L]``: query row ``i`` of sequence ``s`` (at position ``seq_lens[s] - q_lens[s] + i``) sees
-    key ``j``: causal, within the window and the chunk, not hidden by ``key_mask``. Keys past a sequence's length sit after
-    its last query, so the causal rule hides them; rows past ``q_lens[s]`` are padding, discarded by the caller."""
+    key ``j``: causal, within the window and the chunk, not hidden by ``key_mask``. Keys past a sequence's length sit
+    after its last query, so the causal rule hides them; rows past ``q_lens[s]`` are padding, discarded by the
+    caller."""
     device = seq_lens.device
     first = (seq_lens - q_lens).long()  # [S]: position of each sequence's first query
     q_pos = first[:, None, None] + torch.arange(num_q, device=device)[None, :, None]  # [S, Q, 1]

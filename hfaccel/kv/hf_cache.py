@@ -1,8 +1,8 @@
 """transformers ``Cache`` views over a :class:`~hfaccel.kv.pool.KVPool`.
 
 - :class:`PagedCache`, for ``generate``: usable by any model (``model.generate(..., cache=PagedCache(
-  model.config, max_batch_size=B, max_cache_len=L))``, ``past_key_values=`` before transformers 5.24); each batch row is one sequence of the pool,
-  blocks are allocated as tokens arrive.
+  model.config, max_batch_size=B, max_cache_len=L))``, ``past_key_values=`` before transformers 5.24); each batch
+  row is one sequence of the pool, blocks are allocated as tokens arrive.
 - :class:`PromptCache`, for a prompt's prefill through the model's own forward (a multimodal one's: its images
   encoded and merged as transformers does it) into sequences of a pool whose slots are reserved: a left-padded batch,
   row ``b``'s real tokens written to sequence ``seq_ids[b]`` from position 0.

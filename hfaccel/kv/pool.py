@@ -222,7 +222,8 @@ class KVPool:
         return list(self.tensors or []) + states
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, int]:
-        """The tensor ``[L_g, 2, num_blocks, block_size, Hkv, D]`` holding layer ``layer``'s K/V, and its index there."""
+        """The tensor ``[L_g, 2, num_blocks, block_size, Hkv, D]`` holding layer ``layer``'s K/V, and its index
+        there."""
         if layer not in self.place:
             raise KeyError(f"layer {layer} keeps no K/V in this pool ({self.layout.describe()})")
         group, index = self.place[layer]
@@ -333,7 +334,8 @@ class KVPool:
                                                     self.block_size)
         return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
                           cu_seqlens_q=cu.to(torch.int32), positions=positions,
-                          max_seq_len=int(lens.max()) if len(lens) else 0, max_q_len=int(width.max()) if len(width) else 0,
+                          max_seq_len=int(lens.max()) if len(lens) else 0,
+                          max_q_len=int(width.max()) if len(width) else 0,
                           state=self._state_step(seq_ids, starts, num_new, pad, tokens_per_seq))
 
     def _state_step(self, seq_ids, starts, num_new, pad: int, tokens_per_seq: int | None) -> StateStep | None:

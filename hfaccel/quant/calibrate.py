@@ -49,7 +49,8 @@ class _Recorder:
         if keep_samples:
             self.samples.append(x)
         if keep_hessian:
-            self.hessian = torch.zeros(x.shape[1], x.shape[1], device=x.device) if self.hessian is None else self.hessian
+            if self.hessian is None:
+                self.hessian = torch.zeros(x.shape[1], x.shape[1], device=x.device)
             total = self.count + x.shape[0]
             self.hessian.mul_(self.count / total).add_(x.t() @ x, alpha=2.0 / total)
             self.count = total

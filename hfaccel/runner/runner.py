@@ -224,7 +224,8 @@ class ModelRunner:
             self.lora.index = lora_index
         try:
             out = self.model(input_ids=input_ids[None], attention_mask=self._mask,
-                             position_ids=step.model_positions[None], use_cache=True, logits_to_keep=keep, **{self._cache_argument: self.cache})
+                             position_ids=step.model_positions[None], use_cache=True, logits_to_keep=keep,
+                             **{self._cache_argument: self.cache})
         finally:
             self.cache.step = None
             if self.lora is not None:

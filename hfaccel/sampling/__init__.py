@@ -12,7 +12,8 @@ from hfaccel.sampling.stopping import IncrementalDetokenizer, StopChecker, eos_t
 from hfaccel.sampling.warpers import Warping, keep_mask, kept_probabilities, probabilities
 
 __all__ = ["ACCEPT", "DRAW", "MAX_LOGPROBS", "RESIDUAL", "IncrementalDetokenizer", "InvalidSamplingParams", "SampleRow",
-           "SampledTokens", "SamplingParams", "StopChecker", "StructuredOutputs", "TokenCounts", "TokenLogprob", "Warping",
+           "SampledTokens", "SamplingParams", "StopChecker", "StructuredOutputs", "TokenCounts", "TokenLogprob",
+           "Warping",
            "draw_columns", "draw_step", "draws_in_step", "eos_token_ids", "global_noise", "keep_mask",
            "kept_probabilities", "keyed_noise", "keyed_race", "probabilities", "race", "sample", "seed_key",
            "seeded_uniforms", "token_ids"]

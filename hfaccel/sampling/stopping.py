@@ -1,7 +1,8 @@
 """When an output stops: stop tokens (EOS ids normalised once, here), stop strings, the token budget.
 
 :class:`StopChecker` is the one rule the engine and speculative decoding both apply after every token.
-Stop strings are found across token boundaries by :class:`IncrementalDetokenizer`: each new token costs two decodes of a few tokens (not of the whole output): the text of the window
+Stop strings are found across token boundaries by :class:`IncrementalDetokenizer`: each new token costs two decodes
+of a few tokens (not of the whole output): the text of the window
 ``[prefix_offset, end)`` minus the text of ``[prefix_offset, read_offset)`` — the standard way to get the text
 a token adds when tokenizers merge spaces and bytes across tokens. A window ending in an incomplete UTF-8
 sequence (``\\ufffd``) waits for the next token.

@@ -508,7 +508,8 @@ async def _completions(state: _State, req: CompletionRequest, request: Request):
     choices = []
     for i, out in enumerate(outputs):
         for rank, o in enumerate(_best(out.outputs, req.n)):
-            choices.append(ctx.completion_choice(i * req.n + rank, out, o, None if req.logprobs is None else o.logprobs))
+            logprobs = None if req.logprobs is None else o.logprobs
+            choices.append(ctx.completion_choice(i * req.n + rank, out, o, logprobs))
     return ctx.body(choices, _usage(outputs))
 
 

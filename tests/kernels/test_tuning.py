@@ -28,7 +28,8 @@ def test_table_path_is_the_gpu_name_as_a_file_name():
 
 
 def test_lookup_reads_the_table_once(gpu_table):
-    gpu_table.write_text(json.dumps({"gpu": "NVIDIA Test GPU 80GB", "ops": {"w4a16": {"m1_n7": {"block_n": 64, "us": 3.5}}}}))
+    entry = {"block_n": 64, "us": 3.5}
+    gpu_table.write_text(json.dumps({"gpu": "NVIDIA Test GPU 80GB", "ops": {"w4a16": {"m1_n7": entry}}}))
     assert tuning.lookup("w4a16", "m1_n7", "cuda") == {"block_n": 64, "us": 3.5}
     assert tuning.lookup("w4a16", "m2_n7", "cuda") is None and tuning.lookup("paged", "m1_n7", "cuda") is None
     gpu_table.unlink()

@@ -134,10 +134,11 @@ def test_auto_reads_the_models_calls_and_leaves_other_text_as_content(qwen):
     # text that is no call stays content; tool_choice="none" reads no calls at all
     plain = client.chat.completions.create(messages=ASK, tools=TOOLS, max_tokens=100, **_greedy(),
                                            extra_body={**NO_THINKING, **_forced("It is sunny <tool_call> maybe")})
-    assert plain.choices[0].message.content == "It is sunny <tool_call> maybe" and not plain.choices[0].message.tool_calls
+    message = plain.choices[0].message
+    assert message.content == "It is sunny <tool_call> maybe" and not message.tool_calls
     assert plain.choices[0].finish_reason == "stop"
-    none = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=400, extra_body=body,
-                                          **_greedy())
+    none = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=400,
+                                          extra_body=body, **_greedy())
     assert none.choices[0].message.content == raw and none.choices[0].finish_reason == "stop"
 
 
@@ -346,7 +347,8 @@ def test_reasoning_is_split_out_with_thinking_on_and_absent_with_it_off(qwen):
     assert (streamed["reasoning"], streamed["content"], finish) == ("I check the map.", "Paris is sunny.", "stop")
     off = client.chat.completions.create(messages=ASK, max_tokens=40, **_greedy(),
                                          extra_body={**NO_THINKING, **_forced("Paris is sunny.")})
-    assert off.choices[0].message.content == "Paris is sunny." and "reasoning_content" not in off.choices[0].message.model_extra
+    message = off.choices[0].message
+    assert message.content == "Paris is sunny." and "reasoning_content" not in message.model_extra
     response = client.responses.create(model="tiny", input="Weather?", temperature=0, max_output_tokens=40,
                                        extra_body=thought)
     assert [item.type for item in response.output] == ["reasoning", "message"]

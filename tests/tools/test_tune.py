@@ -98,7 +98,8 @@ def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monk
     paged = paged_sweep.sweep(shapes, torch.device("cpu"), console)
     entry = paged[paged_attention.table_key(32, 4, 2, 300, torch.float16)]
     assert len(paged) == 1 and entry["us"] > 0 and entry["num_splits"] in paged_sweep.split_candidates(2, 300)
-    tiles = {(c.block_n, c.num_warps, c.num_stages) for c in paged_attention.candidate_paged_configs(32, torch.float16, 4)}
+    candidates = paged_attention.candidate_paged_configs(32, torch.float16, 4)
+    tiles = {(c.block_n, c.num_warps, c.num_stages) for c in candidates}
     assert (entry["block_n"], entry["num_warps"], entry["num_stages"]) in tiles
 
 

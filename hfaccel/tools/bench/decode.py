@@ -165,7 +165,8 @@ def kernel_rows(spec: str, model, input_ids: torch.Tensor, new_tokens: int, kwar
 
 
 def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> dict[str, tuple[float, int]]:
-    """(self device time in µs, calls) of each kernel of one greedy ``generate`` (each op's self CPU time on the CPU)."""
+    """(self device time in µs, calls) of each kernel of one greedy ``generate`` (each op's self CPU time on the
+    CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -11,7 +11,8 @@
   (``int4pack``, bf16); the dequant column is the torch reference (dequantize every call, fp32 matmul), the path
   it replaced, and the cuBLAS column the dense ``F.linear``.
 - End to end: greedy ``generate`` decode steps of a random-weight model (Llama-3.1-8B config on CUDA) accelerated
-  in fp16 (or the first ``--dtype``), then the same model RTN-quantized to int4 (g=128, or the largest of 64 and 32 that quantizes every layer) and accelerated, at batch
+  in fp16 (or the first ``--dtype``), then the same model RTN-quantized to int4 (g=128, or the largest of 64 and 32
+  that quantizes every layer) and accelerated, at batch
   1 and 16 (``bench decode``'s step timing); with the weight bytes one step reads and the share of the read
   bandwidth that rate implies.
 """
