@@ -5,47 +5,14 @@ Most cases run hfaccel's torch reference kernels (fast on the CPU); ``test_exact
 runs the interpreted Triton kernels.
 """
 
-import random
-
 import pytest
 import torch
 
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from tests.devices import DEVICE
+from tests.helpers import greedy, mixed_prompts, reference, run
 from tests.models import ARCHITECTURES, char_tokenizer, family_model, tiny_model, wide_head_model
-
-SHARED = list(range(30, 50))  # a 20-token prefix several prompts share (one full block of 16)
-
-
-def mixed_prompts(count: int = 20, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Prompts of 1-29 tokens (some sharing SHARED as prefix) and max_tokens of 1-24."""
-    rng = random.Random(seed)
-    prompts, budgets = [], []
-    for i in range(count):
-        tail = [rng.randrange(3, 96) for _ in range(rng.randrange(1, 16 if i % 3 == 0 else 30))]
-        prompts.append(SHARED + tail if i % 3 == 0 else tail)
-        budgets.append(rng.randrange(1, 25))
-    return prompts, budgets
-
-
-def reference(model, prompts, budgets) -> list[list[int]]:
-    """Each prompt's own greedy generate() (no EOS: fixed lengths)."""
-    outs = []
-    for prompt, budget in zip(prompts, budgets):
-        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=budget, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-def greedy(budget: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True, **kwargs)
-
-
-def run(engine, prompts, budgets):
-    return engine.generate(prompts, [greedy(b) for b in budgets])
-
 
 CONFIGS = {
     "default": {},

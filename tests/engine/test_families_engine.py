@@ -5,7 +5,7 @@ import pytest
 
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
-from tests.engine.test_engine import greedy, mixed_prompts, reference, run
+from tests.helpers import greedy, mixed_prompts, reference, run
 from tests.models import HYBRID_FAMILIES, family_model
 
 

@@ -10,6 +10,7 @@ import transformers
 
 import hfaccel
 from tests.devices import DEVICE
+from tests.helpers import word_tokenizer
 from tests.models import padded_batch, tiny_model, wide_head_model
 
 
@@ -77,27 +78,13 @@ def test_accelerate_twice_is_idempotent_and_switches_backend():
 
 def test_pipeline_output_equals_unpatched_pipeline(tmp_path):
     model = tiny_model("llama")
-    tokenizer = _tokenizer(tmp_path, model.config.vocab_size)
+    tokenizer = word_tokenizer(model.config.vocab_size)
     prompts = ["a b c", "d e f g h i"]
     kwargs = dict(max_new_tokens=10, do_sample=False)
     expected = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(prompts, **kwargs)
     hfaccel.accelerate(model, attention="triton")
     got = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(prompts, **kwargs)
     assert got == expected
-
-
-def _tokenizer(tmp_path, vocab_size):
-    """A word-level tokenizer over the tiny model's vocabulary (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
-    vocab.update({chr(ord("a") + i): 4 + i for i in range(26)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>", padding_side="left")
-    return fast
 
 
 def test_unsupported_architecture_falls_back_with_warning():

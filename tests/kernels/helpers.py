@@ -24,6 +24,10 @@ TOLERANCES = {
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 
+# torch's CPU int4 kernel computes in bf16 whatever the activation dtype (x, scale and zero rounded to bf16, fp32
+# sums, the output rounded to bf16): bf16's tolerance of the output's scale, for every dtype.
+INT4PACK_TOLERANCE = TOLERANCES[torch.bfloat16][1]
+
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1",
                 torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 

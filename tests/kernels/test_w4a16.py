@@ -15,7 +15,7 @@ from hfaccel.kernels.w4a16 import (INT4PACK_DTYPE, dequantize, dequantize_weight
 from hfaccel.kernels.w4a16_config import (DEQUANT_MIN_M, M_BUCKETS, W4A16Config, candidate_configs, fit_config,
                                           heuristic_config, pick_w4a16_config, table_key)
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import TRITON_TYPES, compile_sm90
+from tests.kernels.helpers import INT4PACK_TOLERANCE, TRITON_TYPES, compile_sm90
 
 w4a16_module = importlib.import_module("hfaccel.kernels.w4a16")
 # (atol, rtol) relative to the output's scale: the GEMM and dequant paths round the dequantized weight to the
@@ -107,11 +107,6 @@ def test_int4_linear_runs_gptq_checkpoints(m, act_order):
     module = Int4Linear.from_weight(weight, dtype=torch.float32).to(DEVICE)
     x = torch.randn(m, k, device=DEVICE)
     torch.testing.assert_close(module(x), x @ weight.dequantize().t().to(DEVICE), atol=1e-4, rtol=1e-5)
-
-
-# torch's CPU int4 kernel computes in bf16 whatever the activation dtype (x, scale and zero rounded to bf16, fp32
-# sums, the output rounded to bf16): bf16's tolerance of the output's scale, for every dtype.
-INT4PACK_TOLERANCE = TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -9,7 +9,7 @@ import torch
 
 from hfaccel.kernels.w4a16 import INT4PACK_GROUP_SIZES
 from hfaccel.quant import Int4Linear, Int4Weight, formats, quantize_rtn
-from tests.kernels.test_w4a16 import INT4PACK_TOLERANCE
+from tests.kernels.helpers import INT4PACK_TOLERANCE
 
 linear_module = importlib.import_module("hfaccel.quant.linear")
 
@@ -111,13 +111,13 @@ def test_accelerate_packs_int4_layers_and_says_what_serves_them(no_triton):
     those of the same quantized model whose layers compute through the kernel without being accelerated."""
     import hfaccel
     from tests.models import padded_batch
-    from tests.quant.test_quantized_model import _model
+    from tests.helpers import quant_llama
 
-    reference = hfaccel.quantize(_model(), "rtn", group_size=64)
+    reference = hfaccel.quantize(quant_llama(), "rtn", group_size=64)
     batch = padded_batch()
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     expected = reference.generate(**batch, **kwargs)
-    model = hfaccel.accelerate(_model(), quantize="rtn", group_size=64)
+    model = hfaccel.accelerate(quant_llama(), quantize="rtn", group_size=64)
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 14 and all(layer.cpu_path.startswith("int4pack") for layer in layers)
     assert "int4 layers: 14 × int4pack" in str(model.hfaccel)

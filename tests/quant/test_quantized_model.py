@@ -4,22 +4,12 @@ import json
 
 import pytest
 import torch
-import transformers
 
 import hfaccel
 from hfaccel.quant import Int4Linear, quantize_rtn
 from tests.devices import DEVICE
+from tests.helpers import quant_llama
 from tests.models import padded_batch
-
-CONFIG = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
-
-
-def _model(seed=0, dtype=torch.float32, **extra):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**CONFIG, **extra})
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(DEVICE)
-
 
 def test_int4_linear_equals_dequantized_linear():
     linear = torch.nn.Linear(256, 72, bias=True).to(DEVICE)
@@ -40,25 +30,25 @@ def test_rtn_error_is_bounded_by_half_a_step():
 
 
 def test_quantize_replaces_linears_but_not_the_head():
-    model = hfaccel.quantize(_model(), "rtn", group_size=64)
+    model = hfaccel.quantize(quant_llama(), "rtn", group_size=64)
     names = [n for n, m in model.named_modules() if isinstance(m, Int4Linear)]
     assert len(names) == 2 * 7 and not any("lm_head" in n for n in names)
     with pytest.raises(ValueError, match="method must be one of"):
-        hfaccel.quantize(_model(), "nf4")
+        hfaccel.quantize(quant_llama(), "nf4")
 
 
 def test_accelerate_with_quantize_generates_like_the_quantized_model():
-    reference = hfaccel.quantize(_model(), "rtn", group_size=64)
+    reference = hfaccel.quantize(quant_llama(), "rtn", group_size=64)
     batch = padded_batch()
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     expected = reference.generate(**batch, **kwargs)
-    model = hfaccel.accelerate(_model(), quantize="rtn", group_size=64, attention="triton")
+    model = hfaccel.accelerate(quant_llama(), quantize="rtn", group_size=64, attention="triton")
     assert torch.equal(model.generate(**batch, **kwargs), expected)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
 def test_save_then_load_is_bit_exact(tmp_path, fmt):
-    model = hfaccel.quantize(_model(dtype=torch.float16, tie_word_embeddings=True), "rtn", group_size=64)
+    model = hfaccel.quantize(quant_llama(dtype=torch.float16, tie_word_embeddings=True), "rtn", group_size=64)
     hfaccel.save_quantized(model, tmp_path, format=fmt)
     spec = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert spec["quant_method"] == fmt and spec["bits"] == 4 and spec["group_size"] == 64
@@ -75,6 +65,6 @@ def test_save_then_load_is_bit_exact(tmp_path, fmt):
 
 
 def test_load_rejects_non_quantized_folder(tmp_path):
-    _model().save_pretrained(tmp_path)
+    quant_llama().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no quantization_config"):
         hfaccel.load_quantized(tmp_path)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 import hfaccel
 from hfaccel.serve.server import ServerConfig, create_app
 from tests.serve.agent_models import save_served, smollm2_tokenizer, tiny_model_over
-from tests.serve.test_server import Server
+from tests.helpers import Server
 
 CITY = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}
 WEATHER = {"type": "object", "properties": {"city": CITY, "days": {"type": "integer", "minimum": 1, "maximum": 5}},

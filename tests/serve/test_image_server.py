@@ -10,7 +10,7 @@ import pytest
 
 import hfaccel
 from tests.hf.vlm_models import image, llava_with_processor
-from tests.serve.test_server import Server
+from tests.helpers import Server
 
 
 def data_url(picture, kind: str = "PNG") -> str:

@@ -16,7 +16,7 @@ import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from tests.lora.adapters import save_adapter
 from tests.models import char_tokenizer, tiny_model
-from tests.serve.test_server import CHAT_TEMPLATE, Server
+from tests.helpers import CHAT_TEMPLATE, Server
 
 PROMPTS = ["hello there", "The quick brown fox", "abc"]
 MAX_TOKENS = 12

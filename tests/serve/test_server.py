@@ -12,19 +12,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
 
+from tests.helpers import CHAT_TEMPLATE, ROOT, Server
 from tests.models import char_tokenizer, tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 
 
 @pytest.fixture(scope="module")
@@ -35,57 +32,6 @@ def model_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-class Server:
-    """A ``hfaccel serve`` subprocess on a free loopback port."""
-
-    def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = ()):
-        """``hfaccel serve model_dir *extra``, run by ``python *launcher -m hfaccel.tools.cli`` (e.g. torchrun's
-        module and options)."""
-        self.model_dir = model_dir
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-        self.log = open(model_dir / f"server-{self.port}.log", "w")
-        self.process = subprocess.Popen(
-            [sys.executable, *launcher, "-m", "hfaccel.tools.cli", "serve", str(model_dir), "--port", str(self.port),
-             "--served-model-name", "tiny", "--attention", "torch", "--num-blocks", "512",
-             "--max-num-seqs", "64", "--graceful-shutdown", "5", *extra],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, (model_dir / f"server-{self.port}.log").read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise TimeoutError("the server did not come up in 120 s")
-
-    def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
-
-    def wait_idle(self, timeout: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            health = self.health()
-            if health["blocks_used"] == 0 and health["running"] == 0 and health["waiting"] == 0:
-                return health
-            time.sleep(0.05)
-        raise AssertionError(f"the server did not return to idle: {self.health()}")
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(30)
-        finally:
-            self.log.close()
 
 
 @pytest.fixture(scope="module")

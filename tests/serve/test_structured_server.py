@@ -25,7 +25,7 @@ import hfaccel
 from hfaccel.serve.server import ServerConfig, create_app
 from tests.assets import smollm2_or_skip
 from tests.models import char_tokenizer, tiny_model
-from tests.serve.test_server import Server
+from tests.helpers import Server
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},

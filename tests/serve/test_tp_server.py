@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.serve.test_server import CHAT_TEMPLATE, Server
+from tests.helpers import CHAT_TEMPLATE, Server
 from tests.models import char_tokenizer, tiny_model
 
 TP = ("--tensor-parallel-size", "2")

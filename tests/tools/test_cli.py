@@ -10,7 +10,7 @@ import torch
 from hfaccel.tools.cli import build_parser, main
 from tests.assets import smollm2_or_skip
 from tests.models import tiny_model
-from tests.hf.test_accelerate import _tokenizer
+from tests.helpers import word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
     model = tiny_model("llama")
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path)
-    _tokenizer(path, model.config.vocab_size).save_pretrained(path)
+    word_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
 
 

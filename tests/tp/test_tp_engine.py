@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from hfaccel.engine import SamplingParams
-from tests.engine.test_engine import mixed_prompts
+from tests.helpers import mixed_prompts
 from tests.tp.ranks import run_ranks
 
 ENGINE = {"max_num_seqs": 6, "max_num_batched_tokens": 24, "num_blocks": 48, "block_size": 4}

@@ -1,0 +1,130 @@
+"""Helpers several test modules share: a ``hfaccel serve`` process, the engine's greedy workloads and their
+references, a word-level tokenizer and a small Llama for quantization tests."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+import transformers
+
+from hfaccel.engine import SamplingParams
+from tests.devices import DEVICE
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
+class Server:
+    """A ``hfaccel serve`` subprocess on a free loopback port."""
+
+    def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = ()):
+        """``hfaccel serve model_dir *extra``, run by ``python *launcher -m hfaccel.tools.cli`` (e.g. torchrun's
+        module and options)."""
+        self.model_dir = model_dir
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+        self.log = open(model_dir / f"server-{self.port}.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, *launcher, "-m", "hfaccel.tools.cli", "serve", str(model_dir), "--port", str(self.port),
+             "--served-model-name", "tiny", "--attention", "torch", "--num-blocks", "512",
+             "--max-num-seqs", "64", "--graceful-shutdown", "5", *extra],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, (model_dir / f"server-{self.port}.log").read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError("the server did not come up in 120 s")
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            health = self.health()
+            if health["blocks_used"] == 0 and health["running"] == 0 and health["waiting"] == 0:
+                return health
+            time.sleep(0.05)
+        raise AssertionError(f"the server did not return to idle: {self.health()}")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        finally:
+            self.log.close()
+
+
+SHARED = list(range(30, 50))  # a 20-token prefix several prompts share (one full block of 16)
+
+
+def mixed_prompts(count: int = 20, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompts of 1-29 tokens (some sharing SHARED as prefix) and max_tokens of 1-24."""
+    rng = random.Random(seed)
+    prompts, budgets = [], []
+    for i in range(count):
+        tail = [rng.randrange(3, 96) for _ in range(rng.randrange(1, 16 if i % 3 == 0 else 30))]
+        prompts.append(SHARED + tail if i % 3 == 0 else tail)
+        budgets.append(rng.randrange(1, 25))
+    return prompts, budgets
+
+
+def reference(model, prompts, budgets) -> list[list[int]]:
+    """Each prompt's own greedy generate() (no EOS: fixed lengths)."""
+    outs = []
+    for prompt, budget in zip(prompts, budgets):
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=budget, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def greedy(budget: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True, **kwargs)
+
+
+def run(engine, prompts, budgets):
+    return engine.generate(prompts, [greedy(b) for b in budgets])
+
+
+def word_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny model's vocabulary (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    vocab.update({chr(ord("a") + i): 4 + i for i in range(26)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                  eos_token="</s>", unk_token="<unk>", padding_side="left")
+
+
+QUANT_LLAMA = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+
+
+def quant_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **extra) -> transformers.PreTrainedModel:
+    """A small random Llama whose Linear shapes suit every int4 group size (128 / 256 features)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**QUANT_LLAMA, **extra})
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(DEVICE)
