@@ -11,7 +11,7 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def layer_map_sections() -> dict[str, str]:
-    """The layer map (the first code block) cut at each top-level entry (``kv/``, ``compat.py``): name -> its lines."""
+    """The layer map (the first code block) cut at each top-level entry (``kv/``, ``device.py``): name -> its lines."""
     block = ARCHITECTURE.read_text().split("```")[1]
     sections, current = {}, None
     for line in block.splitlines():

@@ -9,10 +9,7 @@ from typing import Literal
 
 import torch
 
-try:  # host-side TMA descriptors: triton >= 3.3 (3.6 on the GPU machines, 3.9 here), same API in both
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # an older triton: kernels take their pointer path
-    TensorDescriptor = None
+from triton.tools.tensor_descriptor import TensorDescriptor  # host-side TMA descriptors (triton >= 3.3)
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -53,10 +50,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> Literal["triton
 
 def tma_supported(device: torch.device | str) -> bool:
     """Whether kernels on ``device`` can read through TMA tensor descriptors: a Hopper-or-newer GPU (or the
-    interpreter, which emulates them) under a Triton that has host-side descriptors."""
+    interpreter, which emulates them)."""
     device = torch.device(device)
-    if TensorDescriptor is None:
-        return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 9
     return device.type == "cpu" and interpreting()
@@ -67,7 +62,7 @@ def tma_descriptor(t: torch.Tensor, block_shape: list[int]):
     tensor's ends return zeros — or None where TMA cannot read ``t``: its last dim not contiguous, its base or a
     stride not 16-byte aligned, or an empty dim."""
     size = t.element_size()
-    if (TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16 or 0 in t.shape
+    if (t.stride(-1) != 1 or t.data_ptr() % 16 or 0 in t.shape
             or any(stride * size % 16 for stride in t.stride()[:-1])):
         return None
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))

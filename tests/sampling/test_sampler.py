@@ -196,8 +196,9 @@ def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host(monkeypat
     from torch._dynamo.utils import counters
 
     from hfaccel import compat
+    from hfaccel.compat import torch as torch_compat
 
-    monkeypatch.setattr(compat, "SPLIT_SCAN_FAILS", split_scan_fails)
+    monkeypatch.setattr(torch_compat, "SPLIT_SCAN_FAILS", split_scan_fails)  # where compat.cumsum reads it
     targets = []
 
     def inductor(graph, example_inputs):

@@ -8,6 +8,7 @@ import torch
 
 import hfaccel
 from hfaccel import compat
+from hfaccel.compat import transformers as transformers_compat
 from hfaccel.distributed.model import TensorParallel
 from hfaccel.distributed.steps import STOP, StepChannel, StepLimits
 from hfaccel.kv import KVPool
@@ -54,8 +55,10 @@ def test_step_larger_than_the_buffer_is_a_clear_error():
 
 
 def _fake_tp(monkeypatch, size: int) -> None:
-    monkeypatch.setattr(compat, "tp_size", lambda model: size)
-    monkeypatch.setattr(compat, "tp_plan", lambda model: {"model.layers.*.self_attn.k_proj": "colwise"})
+    plan = {"model.layers.*.self_attn.k_proj": "colwise"}
+    for module in (compat, transformers_compat):  # callers read compat's names; its other shims, the module's
+        monkeypatch.setattr(module, "tp_size", lambda model: size)
+        monkeypatch.setattr(module, "tp_plan", lambda model: plan)
 
 
 def test_tp_size_that_does_not_divide_the_kv_heads(monkeypatch):

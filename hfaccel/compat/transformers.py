@@ -1,7 +1,6 @@
-"""Every place hfaccel depends on a transformers / torch / triton detail that may move between versions.
-
-Tested with transformers 5.17 (the lowest supported, CI's second environment) through the newest 5.x. Nothing
-outside this module imports private transformers names or branches on a version.
+"""Where hfaccel depends on a detail of transformers that moves between releases: private names, renamed
+arguments, features a release added. Supported: 5.17 (CI's lowest environment) through the newest 5.x. Each shim
+says which releases it exists for and which floor deletes it.
 """
 
 from __future__ import annotations
@@ -9,16 +8,13 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import transformers
 from packaging.version import Version
-from torch.distributed.tensor import DTensor
-from transformers import AttentionInterface, PreTrainedModel
-from transformers import masking_utils
+from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa_attention  # noqa: F401
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -32,7 +28,8 @@ def check_transformers_version() -> None:
             f"hfaccel needs transformers >= {MIN_TRANSFORMERS}, < 6; found {TRANSFORMERS_VERSION}")
 
 
-# ---- the cache argument: ``past_key_values`` until 5.23, ``cache`` from 5.24 (the old name a deprecated alias) ----
+# ---- the cache argument: ``past_key_values`` until 5.23, ``cache`` from 5.24 (the old name a deprecated alias);
+# delete at a 5.24 floor ----
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # every name a model or generate() call may carry its cache under
 
 
@@ -192,8 +189,8 @@ def _closure_value(fn: Callable, name: str):
 def pipeline_generation_config(pipe, generate_kwargs: dict):
     """(effective GenerationConfig, generate() kwargs it does not hold) of a text-generation pipeline call.
 
-    transformers >= 5.2x prepares a call's kwargs with ``Pipeline._prepare_generate_kwargs``; earlier 5.x
-    releases pass the pipeline's own ``generation_config`` unless the call gives one.
+    transformers 5.24 prepares a call's kwargs with ``Pipeline._prepare_generate_kwargs``; 5.17 passes the
+    pipeline's own ``generation_config`` unless the call gives one (that branch goes at a floor that has it).
     """
     import copy
 
@@ -217,8 +214,8 @@ _FAST_CONTINUOUS_BATCHING = {"use_cuda_graph": True, "use_async_batching": True,
 def continuous_batching_config(num_blocks: int, block_size: int, max_batch_tokens: int, *,
                                fastest: bool = False):
     """``(config, description)``: transformers' ``ContinuousBatchingConfig`` sized explicitly (its block-size
-    argument was renamed ``page_size`` after 5.17) and, with ``fastest`` (on CUDA), its fastest settings that the
-    installed release offers; the description names the settings used."""
+    argument was renamed ``page_size`` after 5.17: delete ``block_size`` at a later floor) and, with ``fastest`` (on
+    CUDA), its fastest settings that the installed release offers; the description names the settings used."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     fields = inspect.signature(ContinuousBatchingConfig).parameters
@@ -322,7 +319,8 @@ def encode_media(model, inputs: dict) -> dict | None:
 def slice_encoded_media(output, rows: torch.Tensor):
     """The rows ``rows`` of an encoder output's features (``mm_encoder_outputs[modality]``), flattened to one per
     placeholder token, in the container the model reads pre-encoded features from — transformers' own slicing for
-    chunked prefill (``generation.utils._slice_mm_encoder_output``, private, >= 5.24) — or None where it has none."""
+    chunked prefill (``generation.utils._slice_mm_encoder_output``, private, 5.24 on) — or None where it has none
+    (5.17)."""
     from transformers.generation import utils
 
     slicer = getattr(utils, "_slice_mm_encoder_output", None)
@@ -352,85 +350,8 @@ def compile_config_on_every_device():
     return config
 
 
-# ---- compiled steps: one graph for every batch size ----
-def inductor_backend(graph: torch.fx.GraphModule, example_inputs) -> Callable:
-    """torch.compile's inductor, given a graph in which no ``cat`` repeats a tensor (:func:`_distinct_cat_inputs`).
-    Inductor decomposes a cat of one tensor repeated into unsqueeze-expand-flatten, and flattening the expanded view
-    of a transposed tensor guards on its size being 1: transformers < 5.19's RoPE concatenates its transposed
-    frequencies with themselves, so a step traced at one token recompiled at two (and back). A cat of distinct
-    inputs is lowered by inductor's own ``cat``, with no guard. (A decomposition table of our own would do the same
-    but makes inductor's graphs uncacheable.)"""
-    from torch._inductor.compile_fx import compile_fx
-
-    _distinct_cat_inputs(graph)
-    return compile_fx(graph, example_inputs)
-
-
-def _distinct_cat_inputs(graph: torch.fx.GraphModule) -> None:
-    """Give every repeat of a tensor in a ``torch.cat`` of dynamo's graph an alias of its own (``view_as``)."""
-    for node in list(graph.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.cat or not isinstance(node.args[0], (list, tuple)):
-            continue
-        inputs, seen = list(node.args[0]), set()
-        for i, tensor in enumerate(inputs):
-            if tensor in seen:
-                with graph.graph.inserting_before(node):
-                    inputs[i] = graph.graph.call_function(torch.Tensor.view_as, (tensor, tensor))
-            seen.add(tensor)
-        node.args = (inputs, *node.args[1:])
-    graph.recompile()
-
-
-def marked_sizes_only():
-    """A context in which torch.compile gives every dimension marked dynamic a symbol of its own, whatever its size
-    when traced: no "duck sizing" (two dimensions that happen to be equal are not assumed equal forever) and, where
-    torch has the setting (``backed_size_oblivious``, torch >= 2.7), no specialising of sizes 0 and 1 (a graph
-    traced at batch 1 serves every batch). Scoped to the call; torch's settings are unchanged outside it."""
-    from torch.fx.experimental import _config
-
-    settings = {"use_duck_shape": False}
-    if hasattr(_config, "backed_size_oblivious"):  # torch < 2.7: batch 1 gets a graph of its own
-        settings["backed_size_oblivious"] = True
-    return _config.patch(**settings)
-
-
-def compile_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions ``torch.compile`` raises when it cannot compile a function (dynamo's; inductor's failures
-    reach the caller wrapped in one of them), as opposed to errors of the function itself."""
-    from torch._dynamo import exc
-
-    # reaching the recompile limit under fullgraph=True raises FailOnRecompileLimitHit, which is not a
-    # TorchDynamoException (it derives from Exception); its name changed from the cache-limit one in torch 2.6
-    limit_hit = tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
-                      if hasattr(exc, name))
-    return (exc.TorchDynamoException, *limit_hit)
-
-
-# ---- a long cumsum in a compiled step: inductor's split scan (torch < 2.13) ----
-SPLIT_SCAN_FAILS = Version(torch.__version__).release < (2, 13)
-
-
-@torch.library.custom_op("hfaccel::cumsum", mutates_args=())
-def opaque_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``torch.cumsum(x, dim)`` of a float tensor as an op inductor calls rather than generates (contiguous out)."""
-    return torch.cumsum(x.contiguous(), dim)
-
-
-@opaque_cumsum.register_fake
-def _(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``torch.cumsum(x, dim)`` of a float tensor, fit for a compiled step on every torch: before 2.13, inductor turns
-    a scan of more than 128 elements over few rows into a split-scan kernel whose code generation fails when the
-    scan's input reads a per-row value (``x / row_sum[:, None]``): "list indices must be integers or slices, not
-    NoneType" (pytorch#180221, fixed by #180369 in 2.13). On an H200 under torch 2.11 the engine's draw (top-p over
-    a 128k vocabulary) ran uncompiled so; there the cumsum is an opaque op (:func:`opaque_cumsum`) instead."""
-    return opaque_cumsum(x, dim) if SPLIT_SCAN_FAILS else torch.cumsum(x, dim)
-
-
-# ---- tensor parallelism: a model loaded with ``tp_plan="auto"`` (``DistributedConfig`` from 5.18) ----
+# ---- tensor parallelism: a model loaded with ``tp_plan="auto"`` (``DistributedConfig`` from 5.18; tp_group's
+# 1-D mesh branch is 5.17's, deleted at a 5.18 floor) ----
 # Colwise plans of these projections split the attention's KV heads across the ranks (transformers' own list, in
 # ``get_kv_heads_per_rank`` from 5.24).
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
@@ -471,185 +392,7 @@ def tp_style(model, module_name: str) -> str | None:
     return None
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter transformers' TP sharded (a ``DTensor``: its local shard); other tensors as
-    they are."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def device_map_devices(model) -> set[str]:
     """The devices ``from_pretrained(device_map=...)`` spread the model over (empty without a device map)."""
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
-
-# ---- PEFT (optional): hfaccel never imports it; a model holding PEFT layers means it is loaded ----
-# peft >= 0.17 (the dev extra's floor; tested with 0.21): ``PeftModel`` (``peft_config``, ``active_adapters``,
-# ``get_base_model``), adapter layers deriving from ``BaseTunerLayer`` (``active_adapters``, ``disable_adapters``,
-# ``merged_adapters``), LoRA layers from ``LoraLayer`` (``lora_A`` / ``lora_B`` module dicts, ``scaling``,
-# ``lora_variant`` for DoRA and the other variants, ``use_dora`` before it), ``modules_to_save`` / trainable tokens
-# from ``AuxiliaryTrainingWrapper``.
-def _peft():
-    """The ``peft`` package when something imported it, else None (then no model can hold PEFT layers)."""
-    return sys.modules.get("peft")
-
-
-def peft_loaded() -> bool:
-    """Whether ``peft`` was imported (by anyone): until it is, no model holds PEFT layers."""
-    return _peft() is not None
-
-
-def from_peft(obj) -> bool:
-    """Whether ``obj``'s class comes from the ``peft`` package (checked by name: nothing is imported)."""
-    return type(obj).__module__.split(".")[0] == "peft"
-
-
-def is_peft_model(model) -> bool:
-    """Whether ``model`` is a ``peft.PeftModel`` (``PeftModelForCausalLM`` and the other task classes)."""
-    peft = _peft()
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
-def peft_base_model(model):
-    """The model a ``PeftModel`` wraps, its adapter layers in place: the transformers model for LoRA."""
-    return model.get_base_model()
-
-
-def peft_adapter_types(model) -> dict[str, str]:
-    """adapter name -> PEFT method (``"LORA"``, ``"PROMPT_TUNING"``, ...) of every adapter a ``PeftModel`` holds."""
-    return {name: str(getattr(config.peft_type, "value", config.peft_type))
-            for name, config in model.peft_config.items()}
-
-
-def peft_active_adapters(model) -> tuple[str, ...]:
-    """The adapters a ``PeftModel`` has active (``set_adapter``)."""
-    return tuple(model.active_adapters)
-
-
-def peft_adapters_disabled(model) -> bool:
-    """Whether a ``PeftModel`` is inside its ``disable_adapter()`` context."""
-    return bool(getattr(model, "_adapters_disabled", False))
-
-
-def _peft_layer_classes() -> tuple[type, ...]:
-    """PEFT's adapter layer base and its wrappers of whole modules (``modules_to_save``, trainable tokens)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils import other
-
-    wrapper = getattr(other, "AuxiliaryTrainingWrapper", None) or other.ModulesToSaveWrapper  # the base from 0.15
-    return BaseTunerLayer, wrapper
-
-
-def peft_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every PEFT adapter layer and module wrapper in ``model``, in module order (none when peft
-    is not loaded). A wrapper's or layer's own submodules are not listed again."""
-    if _peft() is None:
-        return []
-    classes = _peft_layer_classes()
-    found: list[tuple[str, torch.nn.Module]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, classes) and not any(name.startswith(outer + ".") for outer, _ in found[-1:]):
-            found.append((name, module))
-    return found
-
-
-def peft_layer_modules(model) -> list[torch.nn.Module]:
-    """The modules :func:`peft_layers` lists, without their names: a cheaper walk (a PEFT layer's insides are not
-    visited), for each ``generate`` call."""
-    if _peft() is None:
-        return []
-    classes = _peft_layer_classes()
-    found, stack = [], [model]
-    while stack:
-        module = stack.pop()
-        if isinstance(module, classes):
-            found.append(module)
-        else:
-            stack.extend(reversed(list(module.children())))
-    return found
-
-
-def is_lora_layer(module) -> bool:
-    """Whether ``module`` is a PEFT LoRA layer (``peft.tuners.lora.LoraLayer``: Linear, Embedding, Conv...)."""
-    if _peft() is None:
-        return False
-    from peft.tuners.lora import LoraLayer
-
-    return isinstance(module, LoraLayer)
-
-
-def lora_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    """(name, layer) of the PEFT LoRA layers of ``model``, in module order."""
-    return [(name, module) for name, module in peft_layers(model) if is_lora_layer(module)]
-
-
-@dataclass(frozen=True)
-class AdapterLayerState:
-    """Which adapters one PEFT layer runs: its active adapters, whether adapters are disabled, those merged."""
-
-    active: tuple[str, ...]
-    disabled: bool
-    merged: tuple[str, ...]
-
-
-def adapter_layer_state(module) -> AdapterLayerState:
-    """The adapter state of a PEFT layer or wrapper."""
-    return AdapterLayerState(tuple(module.active_adapters), bool(module.disable_adapters),
-                             tuple(getattr(module, "merged_adapters", None) or ()))
-
-
-def has_forward_pre_hooks(module) -> bool:
-    """Whether forward pre-hooks are registered on ``module`` (PEFT registers them on its LoRA layers for the calls
-    of a ``generate(adapter_names=...)`` or an aLoRA's ``alora_offsets``)."""
-    return bool(module._forward_pre_hooks)
-
-
-def lora_adapters(layer) -> tuple[str, ...]:
-    """The adapters a LoRA layer holds weights of (on a Linear / Conv layer, or on an Embedding)."""
-    return tuple(dict.fromkeys([*layer.lora_A.keys(), *layer.lora_embedding_A.keys()]))
-
-
-def lora_variant(layer, adapter: str) -> str | None:
-    """What is not plain LoRA about ``adapter`` on ``layer``: ``"DoRA (use_dora=True)"``, another PEFT variant's
-    class name (aLoRA, ...), or None for plain LoRA."""
-    variant = getattr(layer, "lora_variant", {}).get(adapter)
-    use_dora = bool(getattr(layer, "use_dora", {}).get(adapter, False))
-    if use_dora or (variant is not None and "dora" in type(variant).__name__.lower()):
-        return "DoRA (use_dora=True)"
-    return None if variant is None else type(variant).__name__
-
-
-def lora_weights_key(layer, adapter: str) -> tuple | None:
-    """What a static decode step bakes in of ``adapter`` on ``layer`` — its scaling and its weights' storage — or
-    None when the layer holds no weights of that adapter."""
-    lora_a = layer.lora_A
-    if adapter in lora_a:
-        weights = (lora_a[adapter].weight, layer.lora_B[adapter].weight)
-    elif adapter in layer.lora_embedding_A:
-        weights = (layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter])
-    else:
-        return None
-    return adapter, float(layer.scaling[adapter]), *(w.data_ptr() for w in weights)
-
-
-def lora_linear_parts(layer) -> tuple[torch.nn.Linear, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] | str:
-    """A LoRA layer on a plain ``nn.Linear``: ``(base layer, {adapter: (A [r, K], B [N, r], scaling)})`` — the
-    weight ``W + scaling * B @ A`` computes what the layer does with those adapters active — or why it is not
-    one (another base layer, LoRA on an Embedding, a LoRA bias, weights stored transposed)."""
-    base = layer.get_base_layer()
-    if type(base) is not torch.nn.Linear:
-        return f"its base layer is {type(base).__name__}, not nn.Linear (merge_lora merges LoRA on nn.Linear layers)"
-    if getattr(layer, "fan_in_fan_out", False):
-        return "fan_in_fan_out=True (weights stored transposed)"
-    parts = {}
-    for adapter in layer.lora_A.keys():
-        if getattr(layer, "lora_bias", {}).get(adapter, False):
-            return f"adapter {adapter!r} has a LoRA bias (lora_bias=True)"
-        parts[adapter] = (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, float(layer.scaling[adapter]))
-    return base, parts
-
-
-def peft_wrapped_names(layer) -> list[str]:
-    """The names, inside a PEFT layer or wrapper, of the submodules that hold adapter weights or copies: everything
-    but a LoRA layer's ``base_layer`` (for a wrapper — ``modules_to_save``, trainable tokens — everything)."""
-    return [name for name, _ in layer.named_modules() if name and name != "base_layer"
-            and not name.startswith("base_layer.")]
