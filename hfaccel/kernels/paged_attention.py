@@ -29,10 +29,11 @@ import triton
 import triton.language as tl
 
 from hfaccel.kernels import tuning
-from hfaccel.kernels.flash_attention import (
-    MAX_HEAD_DIM, SUPPORTED_DTYPES, _attend_block, _fold_sink, _key_floor, _load_rows, _phase_bounds, _score_scales,
-    _whole_blocks, check_sinks, check_window, flash_attention_reference, sink_logits,
+from hfaccel.kernels.attention_tiles import (
+    BATCH_LADDER, attend_block, check_sinks, check_window, fold_sink, key_floor, load_rows, phase_bounds,
+    score_scales, sink_logits, whole_blocks,
 )
+from hfaccel.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, flash_attention_reference
 from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
 from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, check_kv_scales, dequantize_kv
 
@@ -40,9 +41,8 @@ OP = "paged_attention"  # this kernel's name in the tuned tables (hfaccel.kernel
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 32
 # Decode batch sizes and contexts the tables are keyed by (a launch takes the first bucket >= its own, then the
-# table's nearest measured one). The batch buckets are the sizes captured decode steps launch at:
-# hfaccel.runner.graphs.DEFAULT_LADDER, repeated here (kernels do not import the runner; a test checks they agree).
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# table's nearest measured one). The batch buckets are the sizes captured decode steps launch at.
+BATCH_BUCKETS = BATCH_LADDER
 CONTEXT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 NEAREST = ("b", "ctx")  # the numeric fields of a key, in the order a lookup of the nearest bucket weighs them
 
@@ -81,14 +81,14 @@ def _paged_range(
             block = tl.load(table + (offs_n // block_size) * stride_bt_col)
         block = block.to(tl.int64)
         in_block = offs_n % block_size
-        k = _load_rows(K_POOL + kv_head * stride_kh, block * stride_kb + in_block * stride_ks, offs_d, stride_kd,
+        k = load_rows(K_POOL + kv_head * stride_kh, block * stride_kb + in_block * stride_ks, offs_d, stride_kd,
                        n_ok, head_dim, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
-        v = _load_rows(V_POOL + kv_head * stride_vh, block * stride_vb + in_block * stride_vs, offs_d, stride_vd,
+        v = load_rows(V_POOL + kv_head * stride_vh, block * stride_vb + in_block * stride_vs, offs_d, stride_vd,
                        n_ok, head_dim, MASKED, EVEN_D)
         if FP8_KV:  # stored over the head's scales: k's folds into the score scale, v's into the output
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k, v, offs_n, offs_n, q_pos, row_ok, n_ok, key_mask_row,
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, offs_n, offs_n, q_pos, row_ok, n_ok, key_mask_row,
                                       stride_mask_col, window, chunk, score_scale, softcap_log2, MASKED, True,
                                       HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
     return acc, m_i, l_i
@@ -144,14 +144,14 @@ def _paged_attention_kernel(
     lo = 0
     seen_from = 0
     if HAS_WINDOW or HAS_CHUNK:
-        lo = (_key_floor(first_pos, window, chunk, HAS_WINDOW, HAS_CHUNK) // BLOCK_N) * BLOCK_N
-        seen_from = _key_floor(last_pos, window, chunk, HAS_WINDOW, HAS_CHUNK)
+        lo = (key_floor(first_pos, window, chunk, HAS_WINDOW, HAS_CHUNK) // BLOCK_N) * BLOCK_N
+        seen_from = key_floor(last_pos, window, chunk, HAS_WINDOW, HAS_CHUNK)
     if SPLIT:  # this program's share of the range the sequence really has (a captured step's launch is sized
         # for the longest sequence it may ever serve; the work follows the device-side length)
         per_split = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = lo + pid_split * per_split
         hi = tl.minimum(hi, lo + per_split)
-    b, c = _whole_blocks(lo, hi, first_pos + 1, seen_from, BLOCK_N, True, HAS_WINDOW or HAS_CHUNK)
+    b, c = whole_blocks(lo, hi, first_pos + 1, seen_from, BLOCK_N, True, HAS_WINDOW or HAS_CHUNK)
 
     if FP8_KV:
         score_scale = score_scale * tl.load(K_SCALE + kv_head)
@@ -161,7 +161,7 @@ def _paged_attention_kernel(
     table = BLOCK_TABLES + seq_id.to(tl.int64) * stride_bt
     key_mask_row = KEY_MASK + seq_id.to(tl.int64) * stride_mask
     for phase in tl.static_range(3):
-        start, stop = _phase_bounds(phase, lo, b, c, hi)
+        start, stop = phase_bounds(phase, lo, b, c, hi)
         acc, m_i, l_i = _paged_range(
             acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
             stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
@@ -170,7 +170,7 @@ def _paged_attention_kernel(
             FP8_KV)
 
     if HAS_SINKS and not SPLIT:  # split launches count the sinks where they combine the splits
-        acc, l_i = _fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
+        acc, l_i = fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if FP8_KV:
@@ -447,7 +447,7 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
     mask = key_mask if key_mask is not None else seq_lens
     sink_arg = sink_logits(sinks) if sinks is not None else seq_lens  # a placeholder pointer when there are none
     block_d = max(16, triton.next_power_of_2(head_dim))
-    score_scale, softcap_log2 = _score_scales(scale, softcap)
+    score_scale, softcap_log2 = score_scales(scale, softcap)
     flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_CHUNK=chunk_size is not None,
                  HAS_SOFTCAP=softcap is not None,
                  HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None, SPLIT=split,

@@ -49,6 +49,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.device import to_device
+from hfaccel.kernels.attention_tiles import BATCH_LADDER
 from hfaccel.kv import DeviceBlockTables, KVPool, PackedStep, slot_mapping, token_metadata
 from hfaccel.kv.state import StateStep
 from hfaccel.sampling.sampler import DRAW_COLUMNS, SampleRow, draw_columns, draw_step
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from hfaccel.runner.runner import ModelRunner
 
 _log = logging.getLogger("hfaccel")
-DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_LADDER = BATCH_LADDER  # the padded batch sizes of decode steps (hfaccel.kernels.attention_tiles)
 POOL_BLOCKS_DIM = 2  # the block dimension of a KV pool ``[L, 2, num_blocks, block_size, Hkv, D]``
 MIN_CONTEXT_BUCKET = 256  # uncompiled, uncaptured steps are built for contexts of powers of two from here
 
