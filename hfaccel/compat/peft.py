@@ -1,5 +1,5 @@
 """Where hfaccel depends on PEFT (optional: hfaccel never imports it; a model holding PEFT layers means it is
-loaded). Supported: peft 0.17 (the dev extra's floor) through the newest.
+loaded). Supported: peft 0.18 (the dev extra's floor; 0.17 cannot import under transformers 5) through the newest.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 
 # ---- PEFT (optional): hfaccel never imports it; a model holding PEFT layers means it is loaded ----
-# peft >= 0.17 (the dev extra's floor; tested with 0.21): ``PeftModel`` (``peft_config``, ``active_adapters``,
+# peft >= 0.18 (the dev extra's floor; tested with 0.18 and 0.21): ``PeftModel`` (``peft_config``, ``active_adapters``,
 # ``get_base_model``), adapter layers deriving from ``BaseTunerLayer`` (``active_adapters``, ``disable_adapters``,
 # ``merged_adapters``), LoRA layers from ``LoraLayer`` (``lora_A`` / ``lora_B`` module dicts, ``scaling``,
 # ``lora_variant`` for DoRA and the other variants), ``modules_to_save`` / trainable tokens from

@@ -97,76 +97,30 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
                calib_data=None, group_size: int = 128, compile: bool | str = "auto",
                merge_lora: bool = False, kv_cache_dtype: str | torch.dtype | None = None,
                kv_scales: KVScales = None) -> PreTrainedModel:
-    """Make ``model`` run its attention through hfaccel's kernels; returns the same model object.
+    """Serve ``model``'s attention and ``generate()`` by hfaccel; returns the same model object (a ``PeftModel``
+    too). Only this instance changes; :func:`restore` undoes it, a second call re-applies with the new arguments.
+    Whether hfaccel serves the model exactly is decided here, before any call: one it cannot serve keeps
+    transformers' attention, with the reason in ``model.hfaccel`` and a warning (docs/models.md, docs/usage.md).
 
     Args:
-        model: a loaded transformers causal LM (anything ``AutoModelForCausalLM`` gives), or a peft ``PeftModel``
-            with LoRA adapters wrapping one (see "PEFT models" below).
-        attention: ``"auto"`` — the fastest exact path of the device, decided per call so the model may move
-            between devices: hfaccel's Triton kernels on CUDA (and under ``TRITON_INTERPRET=1``); elsewhere (the
-            CPU, MPS) transformers' own SDPA attention, with ``generate()`` on transformers' loop and cache
-            (measured faster there than hfaccel's decode loop; ``model.hfaccel.decode`` says so); ``"triton"`` —
-            always the Triton kernels (a ``ValueError`` now if the model's device cannot run them); ``"torch"`` —
-            the pure-torch reference kernels, for checking them.
-        paged: ``generate()`` runs hfaccel's decode loop — the prompt packed into hfaccel's paged KV pool (no
-            padding held), static decode steps that read K/V straight from its blocks, transformers' own logits
-            processors and stopping criteria; what the loop cannot serve (beam search, ...) runs transformers'
-            loop over a :class:`hfaccel.PagedCache` (``False``: transformers' loop and default cache, attention
-            still through hfaccel's kernels).
-        compile: compile the decode step with ``torch.compile`` (inductor fuses the glue between hfaccel's
-            kernels) — ``"auto"``: on CUDA; ``True``: on every device; ``False``: never (on CUDA the steps are
-            still captured as CUDA graphs). The first call compiles (one graph serves every batch size). Where
-            transformers' loop is the faster path (``auto`` attention without Triton: the CPU, MPS), ``True``
-            runs it over transformers' static cache with the decode forward compiled (its own
-            ``cache_implementation="static"`` + compile, on every device, the cache sized by powers of two; a new
-            batch size or a request past the cache compiles again), unless the call chose a cache, a compile
-            config or ``disable_compile``.
-        quantize: quantize the Linear layers in place first (``hfaccel.quantize`` with this method, ``calib_data``
-            and ``group_size``): int4 (``"rtn"``, ``"awq"``, ``"gptq"``) or fp8 (``"fp8"``: e4m3 weights, one scale
-            per output channel); ``restore`` does not undo quantization.
-        merge_lora: for a PEFT model, merge the active LoRA adapters into the weights (below); a ``ValueError`` for a
-            model without LoRA layers.
-        kv_cache_dtype: how ``generate()``'s KV pool stores keys and values (``paged`` only): ``"auto"`` / None, the
-            model's dtype; ``"fp8"`` (or ``torch.float8_e4m3fn``), e4m3 with per-KV-head scales, half the bytes of
-            16-bit (a GPU of sm_89 or later, or the CPU). Every call then runs on the fp8 pool: hfaccel's loop, or
-            transformers' loop over a ``PagedCache`` in fp8 (where it is the faster path it yields to the fp8 pool).
-        kv_scales: an fp8 pool's scales: None — the checkpoint's (``k_scale`` / ``v_scale`` of the attention
-            modules), else 1.0; a number; or ``"prefill"`` — each layer's from its first prefill (``hfaccel.kv.fp8``).
+        model: a transformers causal LM or image-text-to-text model (one sharded with ``tp_plan="auto"`` under
+            ``torchrun`` too), or a ``PeftModel`` with LoRA adapters wrapping one.
+        attention: ``"auto"``: the fastest exact path of the device, per call (hfaccel's Triton kernels on CUDA;
+            transformers' SDPA and loop on a CPU, where they are faster); ``"triton"``: always the kernels (a
+            ``ValueError`` if the device cannot run them); ``"torch"``: the reference kernels, for checking them.
+        paged: ``generate()`` on hfaccel's decode loop over its paged KV pool (what the loop cannot serve, such as
+            beam search, runs transformers' loop over a :class:`hfaccel.PagedCache`); ``False``: transformers' loop
+            and cache.
+        quantize: quantize the Linear layers in place first: int4 ``"rtn"`` / ``"awq"`` / ``"gptq"`` (with
+            ``calib_data`` and ``group_size``) or ``"fp8"`` (per-output-channel scales); ``restore`` keeps it.
+        compile: compile the decode step (``"auto"``: on CUDA; ``True``: everywhere, on a CPU as transformers'
+            static cache with a compiled forward; ``False``: never, CUDA graphs still captured).
+        merge_lora: merge a PEFT model's active LoRA adapters into new Linear layers (``restore`` takes them out).
+        kv_cache_dtype: the KV pool's storage: ``"auto"`` / None (the model's dtype) or ``"fp8"`` (e4m3).
+        kv_scales: an fp8 pool's scales: None (the checkpoint's, else 1.0), a number, or ``"prefill"``.
 
-    fp8 models: transformers' own fp8 layers (a block-FP8 or FBGEMM fp8 checkpoint loaded on a GPU; on a CPU
-    transformers dequantizes them) are replaced by hfaccel's ``Fp8Linear``, their weights and scales as they are, and
-    ``restore`` puts them back; a model from ``hfaccel.load_quantized`` has ``Fp8Linear`` layers already.
-
-    PEFT models: ``accelerate(peft_model)`` accelerates the transformers model the ``PeftModel`` wraps
-    (``peft_model.get_base_model()``), its LoRA layers in place, and returns ``peft_model``; ``peft_model.generate``
-    then runs hfaccel's loop, and ``peft_model.hfaccel`` describes it (the LoRA layers and adapters included).
-    Unmerged (the default), PEFT's API keeps working: ``set_adapter``, ``disable_adapter()``, ``load_adapter``
-    between calls — each ``generate`` reads the layers' adapter state and runs decode steps made for it (compiled
-    and captured steps are kept per state). A call with ``adapter_names`` (adapters mixed in a batch) runs
-    transformers' loop. ``merge_lora=True`` replaces each LoRA layer by a new Linear layer holding
-    ``W + scaling * B @ A`` of the active adapters (computed in fp32, cast to the weight's dtype): no adapter work
-    per token, the user's weights untouched (the LoRA layers are kept, so the merged layers cost their memory
-    again) and adapters fixed until ``restore``, which puts the LoRA layers back. ``quantize="rtn"`` on an unmerged
-    model quantizes the base layers (each LoRA layer's ``base_layer``) and keeps the adapters (``lora_A`` /
-    ``lora_B``), ``modules_to_save`` and the embeddings in their dtype (QLoRA-style); AWQ / GPTQ calibrate only
-    with ``merge_lora=True``. Plain LoRA only: a PEFT model of another method (prompt tuning, IA3...) or an active
-    DoRA / aLoRA adapter is a ``ValueError`` (merge those with ``peft_model.merge_and_unload()`` first), as is
-    ``merge_lora`` of LoRA on an Embedding or another non-Linear layer.
-
-    A model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``) is served on every rank: attention
-    over the rank's local heads, a KV pool of its local KV heads, and ``generate()`` called on every rank with the
-    same arguments runs hfaccel's loop in lockstep, each step's tokens rank 0's; ``quantize="rtn"`` there quantizes
-    each rank's shard (the single-process int4 weights exactly, or a ``ValueError`` naming a layer whose shard is
-    not whole int4 groups). A model spread over devices by
-    ``device_map``, or a TP size that does not divide the KV heads, is a ``ValueError``.
-
-    Only this model instance changes (its config's attention implementation; a hybrid model's recurrent layers get
-    a forward of this instance that runs them per sequence under hfaccel's loop, ``hfaccel.kv.state``). Generation,
-    ``model(...)`` and pipelines keep working and give the same results. Whether hfaccel serves the model is decided
-    here, before any call (``hfaccel.runner.support``: what its layers cache, read off one forward of one token, and a
-    trial of two packed sequences on hfaccel's torch kernels); a model it cannot serve is left on transformers'
-    attention with a warning that names the reason (see ``model.hfaccel``; docs/models.md lists every family).
-    Calling ``accelerate`` again re-applies it with the new arguments; :func:`restore` undoes it.
+    Returns:
+        ``model``, with ``model.hfaccel`` describing what serves it.
     """
     given, model = model, _check_model(model)  # a PeftModel's wrapped transformers model is the one accelerated
     check_sharding(model, quantize=quantize)

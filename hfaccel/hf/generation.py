@@ -29,6 +29,7 @@ from hfaccel.runner.graphs import context_bucket, failure_reason
 from hfaccel.sampling import token_ids
 
 _log = logging.getLogger("hfaccel")
+MIN_STATIC_CACHE_LEN = 256  # a compiled static-cache forward specializes on its length: few lengths, few recompiles
 
 # token-changing generate() options hfaccel's decode loop leaves to transformers (it serves every other one, with
 # transformers' own processors and criteria)
@@ -183,7 +184,8 @@ def _compiled_static_cache(model, args: tuple, kwargs: dict) -> dict | None:
     shape = request_shape(model, args, kwargs)
     if shape is not None:
         wanted = kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)) or 0
-        compiled["max_cache_len"] = max(wanted, context_bucket(shape[1], whole=False, model=model))
+        bucket = context_bucket(shape[1], whole=False, model=model)
+        compiled["max_cache_len"] = max(wanted, MIN_STATIC_CACHE_LEN, bucket)
     return compiled
 
 

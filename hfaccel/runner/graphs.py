@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("hfaccel")
 DEFAULT_LADDER = BATCH_LADDER  # the padded batch sizes of decode steps (hfaccel.kernels.attention_tiles)
 POOL_BLOCKS_DIM = 2  # the block dimension of a KV pool ``[L, 2, num_blocks, block_size, Hkv, D]``
-MIN_CONTEXT_BUCKET = 256  # uncompiled, uncaptured steps are built for contexts of powers of two from here
+MIN_CONTEXT_BUCKET = 64  # uncompiled, uncaptured steps are built for contexts of powers of two from here
 
 
 def compiles(setting: bool | str, device: torch.device) -> bool:
@@ -74,7 +74,8 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
 def context_bucket(context: int, *, whole: bool, model) -> int:
     """The context static steps are built for: compiled or captured steps (``whole``) for the model's whole context
     (``max_position_embeddings``) at once, so that nothing compiles again; plain eager steps, which rebuild for
-    free, for the power of two that holds ``context`` (>= 256) — the paged kernel's launch is sized by it."""
+    free, for the power of two that holds ``context`` (>= 64) — the paged kernel's launch (its split count) is sized
+    by it, so a short context runs no empty splits."""
     if whole:
         config = model.config.get_text_config(decoder=True)
         return max(context, int(getattr(config, "max_position_embeddings", None) or 0))

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 import hfaccel
 from hfaccel import compat
+from hfaccel.runner.graphs import MIN_CONTEXT_BUCKET
 import hfaccel.hf.decode as decode
 import hfaccel.runner.graphs as graphs
 from tests.devices import DEVICE
@@ -366,8 +367,9 @@ def test_a_call_while_another_runs_the_loop_takes_transformers_loop():
 
 
 def test_one_set_of_decode_steps_serves_every_batch_and_restore_gives_the_memory_back():
-    """The decode steps are made once per model (every ladder size, the model's context) and padded batches run the
-    ladder's sizes: 3 rows run the step of 4."""
+    """The decode steps are made once per model (every ladder size; the model's context on a GPU, the smallest
+    context bucket for these short calls on a CPU) and padded batches run the ladder's sizes: 3 rows run the step
+    of 4."""
     model, accelerate = _pair()
     accelerate()
     steps, sizes = [], []
@@ -377,7 +379,8 @@ def test_one_set_of_decode_steps_serves_every_batch_and_restore_gives_the_memory
         steps.append(graphs)
         sizes.append(graphs.size_for(len(lengths)))
     assert all(s is steps[0] for s in steps) and sizes == [1, 2, 4, 4]
-    assert steps[0].max_batch == 256 and steps[0].max_model_len == model.config.max_position_embeddings
+    context = model.config.max_position_embeddings if DEVICE.type == "cuda" else MIN_CONTEXT_BUCKET
+    assert steps[0].max_batch == 256 and steps[0].max_model_len == context
     runner = model.hfaccel.session.runner
     hfaccel.restore(model)
     assert not runner.pool.allocated and runner.graphs is None
