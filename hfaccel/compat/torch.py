@@ -78,11 +78,9 @@ def _(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``torch.cumsum(x, dim)`` of a float tensor, fit for a compiled step on every torch: before 2.13, inductor turns
-    a scan of more than 128 elements over few rows into a split-scan kernel whose code generation fails when the
-    scan's input reads a per-row value (``x / row_sum[:, None]``): "list indices must be integers or slices, not
-    NoneType" (pytorch#180221, fixed by #180369 in 2.13). On an H200 under torch 2.11 the engine's draw (top-p over
-    a 128k vocabulary) ran uncompiled so; there the cumsum is an opaque op (:func:`opaque_cumsum`) instead."""
+    """``torch.cumsum(x, dim)`` of a float tensor, fit for a compiled step on every torch: before 2.13 inductor's
+    split-scan code generation fails on a long scan whose input reads a per-row value (pytorch#180221, fixed in
+    2.13), so there the cumsum is an opaque op (:func:`opaque_cumsum`)."""
     return opaque_cumsum(x, dim) if SPLIT_SCAN_FAILS else torch.cumsum(x, dim)
 
 

@@ -20,9 +20,8 @@ own slot (a tile may mix adapters), multiplying on CUDA cores with fp32 accumula
 adapter. ``shrink`` loops over K (split across programs when the row tiles alone leave SMs idle; the fp32 partials
 are summed in split order, so results never depend on scheduling) and ``expand`` over R. The fused kernel gives
 each row one or more programs over shares of N, each computing the row's whole v first (the same way, so they agree
-bit for bit): a decode step pays one launch per LoRA layer instead of three (shrink, the split-K sum, expand) — on
-an H200 (2026-11-26) those three cost 10–19 us per layer at batch 64, more than the layer's base matmul, while they
-move under 1 MB.
+bit for bit): a decode step pays one launch per LoRA layer instead of three (shrink, the split-K sum, expand), which
+cost more than the layer's base matmul while moving under 1 MB (docs/benchmarks.md).
 
 The references loop over the pool's slots with masks (``torch.where``): no host sync and memory O(T*R + T*N).
 ``slots`` (a host list) may restrict that loop to the slots the caller knows can appear — rows with any other slot

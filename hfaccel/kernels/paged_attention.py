@@ -549,8 +549,7 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
     if softcap is None and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=row_visible,
                                                                scale=scale)
-        # a row that sees no key is zeros, as the kernel gives: SDPA's math backend (the CPU's) returns zeros there,
-        # but CUDA's memory-efficient backend (16-bit) averages every value (seen on an H200, torch 2.11)
+        # a row that sees no key is zeros, as the kernel gives (CUDA's memory-efficient SDPA averages the values)
         out = torch.where(row_visible.any(-1, keepdim=True), out, 0.0)
     else:
         row_sinks = None if sinks is None else sinks.float().view(1, heads_kv, group).repeat_interleave(num_q, 2)
