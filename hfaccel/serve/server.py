@@ -29,156 +29,48 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
-import reprlib
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestFailed, RequestOutput
+from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
 from hfaccel.engine.engine import check_text
 from hfaccel.engine.media import MAX_IMAGES, MediaInputs
 from hfaccel.lora import LoRAAdapter
 from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
-from hfaccel.sampling.structured import tag_ids
 from hfaccel.serve.chat import ChatShape, ChoiceStream, render_chat
+from hfaccel.serve.config import ServerConfig, ServerState
+from hfaccel.serve.errors import APIError, engine_error, quoted
 from hfaccel.serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     SamplingRequest, TokenizeRequest, image_parts, message_dicts)
 from hfaccel.serve.media import image_bytes
-from hfaccel.serve.reasoning import PARSERS as REASONING_PARSERS
-from hfaccel.serve.reasoning import END, START, detect_reasoning
-from hfaccel.serve.responses import (OutputItems, ResponsesRequest, ResponseStore, StoredResponse, input_messages,
-                                     response_body, response_usage)
-from hfaccel.serve.tools import PARSERS as TOOL_PARSERS
-from hfaccel.serve.tools import Tool, ToolError, ToolParser, constrained_schema, detect_parser, parse_tool_choice, \
-    parse_tools
+from hfaccel.serve.responses import (OutputItems, ResponsesRequest, StoredResponse, input_messages, response_body,
+                                     response_usage)
+from hfaccel.serve.tools import Tool, ToolError, constrained_schema, parse_tool_choice, parse_tools
 
-MAX_BODY_BYTES = 8 << 20
-REQUEST_TIMEOUT_S = 600.0  # the openai client's own default timeout: no one waits for a longer answer
-READ_TIMEOUT_S = 30.0  # for a request's headers, then for its body
+__all__ = ["ServerConfig", "create_app", "serve"]
+
 FINAL_WRITE_S = 5.0  # after shutdown's grace period: time to write the final events before uvicorn cancels
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models")
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ERROR_TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error"}
-_short = reprlib.Repr()  # client input quoted in an error message: bounded in length and depth
-_short.maxstring = _short.maxother = 200
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's format (type by status unless given)."""
-
-    def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.type = type_ or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> Response:
-        # json.dumps escapes non-ASCII, so any text (a lone surrogate from a client's JSON) can be sent
-        return Response(json.dumps(self.body()), self.status, self.headers, media_type="application/json")
-
-
-class Metrics:
-    """Prometheus metrics of one server, in a registry of its own (nothing process-global)."""
-
-    def __init__(self, engine: AsyncEngine):
-        self.registry = registry = CollectorRegistry()
-        self.requests = Counter("hfaccel_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=registry)
-        self.prompt_tokens = Counter("hfaccel_prompt_tokens", "prompt tokens processed", registry=registry)
-        self.generation_tokens = Counter("hfaccel_generation_tokens", "tokens generated", registry=registry)
-        self.ttft = Histogram("hfaccel_time_to_first_token_seconds", "time to first token",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("hfaccel_inter_token_latency_seconds", "time between tokens of a completion",
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.latency = Histogram("hfaccel_request_latency_seconds", "request arrival to finish",
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        gauges = {"hfaccel_queue_depth": ("requests waiting for a slot", lambda s: s["waiting"] + s["queued"]),
-                  "hfaccel_running_sequences": ("sequences being decoded", lambda s: s["running"]),
-                  "hfaccel_kv_blocks_used": ("KV cache blocks in use", lambda s: s["blocks_used"]),
-                  "hfaccel_kv_blocks_free": ("KV cache blocks free", lambda s: s["blocks_free"])}
-        for name, (doc, read) in gauges.items():
-            Gauge(name, doc, registry=registry).set_function(lambda read=read: read(engine.stats()))
-
-    def observe(self, output: RequestOutput) -> None:
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
-        metrics = output.metrics
-        if metrics is None:
-            return
-        if metrics.ttft is not None:
-            self.ttft.observe(metrics.ttft)
-        for gap in metrics.inter_token_latencies:
-            self.itl.observe(gap)
-        if metrics.finished_time is not None:
-            self.latency.observe(metrics.finished_time - metrics.arrival_time)
-
-
-@dataclass
-class ServerConfig:
-    model_name: str
-    api_key: str | None = None
-    max_queue: int = 256  # requests (prompts) in flight at most; more get 429
-    request_timeout: float | None = REQUEST_TIMEOUT_S  # seconds a request may run; None: no limit
-    read_timeout: float = READ_TIMEOUT_S  # seconds a client gets to send a request's headers, then its body
-    max_body_bytes: int = MAX_BODY_BYTES
-    tool_call_parser: str = "auto"  # a name of tools.PARSERS, "auto" (from the chat template) or "none"
-    reasoning_parser: str = "auto"  # a name of reasoning.PARSERS, "auto" (from the chat template) or "none"
-    allowed_origins: tuple[str, ...] = ()  # origins browsers may call from (CORS); "*": any
-    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (oldest dropped); 0: none
-    allowed_media_domains: tuple[str, ...] = ()  # hosts (and subdomains) http(s) image URLs come from; (): any
-
-    def __post_init__(self):
-        for field_name, names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
-            if getattr(self, field_name) not in ("auto", "none", *names):
-                raise ValueError(f"{field_name} must be 'auto', 'none' or one of {', '.join(names)}; got "
-                                 f"{getattr(self, field_name)!r}")
-        if self.max_stored_responses < 0:
-            raise ValueError(f"max_stored_responses must be >= 0; got {self.max_stored_responses}")
-
-
-@dataclass
-class _State:
-    engine: AsyncEngine
-    config: ServerConfig
-    metrics: Metrics
-    tool_parser: type[ToolParser] | None  # how tool_choice="auto" reads calls (None: it reads none)
-    reasoning: bool  # outputs' <think> text goes to reasoning_content
-    reasoning_tags_are_tokens: bool  # <think> and </think> are single tokens: a constraint can wait for the answer
-    responses: ResponseStore
-    in_flight: int = 0
-    created: int = field(default_factory=lambda: int(time.time()))
-    draining: bool = False  # shutdown began: new requests get 503
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # its grace period is over: end the rest
-
-    def drain(self, grace_s: float) -> None:
-        """Shutdown began (in the event loop): refuse new requests; ``grace_s`` seconds from now, end those in
-        flight cleanly."""
-        self.draining = True
-        asyncio.get_running_loop().call_later(grace_s, self.stopping.set)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``engine`` (shut down with the app)."""
-    tool_parser, reasoning = _chat_features(config, engine.engine.processor or engine.engine.tokenizer)
-    state = _State(engine, config, Metrics(engine), tool_parser, reasoning, _single_tokens(engine.engine, (START, END)),
-                   ResponseStore(config.max_stored_responses))
+    state = ServerState.serving(engine, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -204,7 +96,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
-        return APIError(400, f"invalid request: {_short.repr(error.errors())}").response()
+        return APIError(400, f"invalid request: {quoted(error.errors())}").response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):  # a bug: still an OpenAI-shaped answer
@@ -262,34 +154,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _generating(state: _State, model: type[BaseModel], handler):
+def _generating(state: ServerState, model: type[BaseModel], handler):
     """The endpoint of a generating route: its body parsed as ``model``, then ``handler(state, body, request)``."""
 
     async def endpoint(request: Request):
         return await handler(state, _parse(model, await _json_body(request, state.config)), request)
 
     return endpoint
-
-
-def _chat_features(config: ServerConfig, tokenizer) -> tuple[type[ToolParser] | None, bool]:
-    """(the parser of ``tool_choice="auto"``'s calls, whether reasoning is split out): as configured, or ("auto")
-    from what the tokenizer's chat template writes."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates: what any of them writes
-        template = "\n".join(template.values())
-    parser = detect_parser(template) if config.tool_call_parser == "auto" else config.tool_call_parser
-    reasoning = detect_reasoning(template) if config.reasoning_parser == "auto" else config.reasoning_parser != "none"
-    return (None if parser in (None, "none") else TOOL_PARSERS[parser]), reasoning
-
-
-def _single_tokens(engine, tags: tuple[str, ...]) -> bool:
-    if engine.tokenizer is None:
-        return False
-    try:
-        tag_ids(engine.tokenizer, tags, engine.vocab_size)
-    except ValueError:
-        return False
-    return True
 
 
 class _RequestId:
@@ -318,7 +189,7 @@ class _AuthorizeAndCount:
     answer counted by endpoint and status. (Pure ASGI: the request body and disconnects reach the app as they
     come.)"""
 
-    def __init__(self, app, state: _State):
+    def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
@@ -404,10 +275,10 @@ def _parse(model: type[BaseModel], body: dict):
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"])
-        raise APIError(400, f"{param}: {first['msg']} (got {_short.repr(first.get('input'))})", param=param) from None
+        raise APIError(400, f"{param}: {first['msg']} (got {quoted(first.get('input'))})", param=param) from None
 
 
-def _check_model(state: _State, name: str) -> LoRAAdapter | None:
+def _check_model(state: ServerState, name: str) -> LoRAAdapter | None:
     """The LoRA adapter a request's ``model`` names (None: the served model itself), or a 404."""
     if name == state.config.model_name:
         return None
@@ -420,7 +291,7 @@ def _check_model(state: _State, name: str) -> LoRAAdapter | None:
     return adapter
 
 
-async def _prepare(state: _State, prompt, max_tokens: int | None, params_for, param: str = "prompt",
+async def _prepare(state: ServerState, prompt, max_tokens: int | None, params_for, param: str = "prompt",
                    structured_param: str = "structured_outputs", lora: LoRAAdapter | None = None,
                    media: MediaInputs | None = None) -> PreparedPrompt:
     """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
@@ -465,7 +336,7 @@ class _Admission:
     """Counts prompts in flight; beyond the limit a request is refused with 429 before any work (400 if it
     could never be admitted, 503 once shutdown began)."""
 
-    def __init__(self, state: _State, count: int):
+    def __init__(self, state: ServerState, count: int):
         limit = state.config.max_queue
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -485,7 +356,7 @@ class _Admission:
 
 
 # -------------------------------------------------------------------------------------------- handlers
-async def _completions(state: _State, req: CompletionRequest, request: Request):
+async def _completions(state: ServerState, req: CompletionRequest, request: Request):
     lora = _check_model(state, req.model)
     _refuse_fields(req)
     best_of = req.n if req.best_of is None else req.best_of
@@ -520,7 +391,7 @@ def _best(outputs: list, n: int) -> list:
     return sorted(outputs, key=lambda o: -sum(entry.logprob for entry in o.logprobs or []))[:n]
 
 
-async def _chat(state: _State, req: ChatCompletionRequest, request: Request):
+async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
     lora = _check_model(state, req.model)
     _refuse_fields(req)
     tools, messages = await _chat_input(state, req)
@@ -558,7 +429,7 @@ class _ChatPlan:
     media: MediaInputs | None = None  # the prompt's images, as the model's processor made them
 
 
-async def _plan_chat(state: _State, req: SamplingRequest, messages: list[dict], tools: list[Tool],
+async def _plan_chat(state: ServerState, req: SamplingRequest, messages: list[dict], tools: list[Tool],
                      choice: str | Tool, *, add_generation_prompt: bool = True,
                      continue_final_message: bool = False) -> _ChatPlan:
     """The prompt rendered by the model's chat template, and the answer's constraint: a ``required`` or named tool
@@ -585,7 +456,7 @@ async def _plan_chat(state: _State, req: SamplingRequest, messages: list[dict], 
     return _ChatPlan(ids, shape, structured, "tools" if schema is not None else req.structured_field, media)
 
 
-async def _render(state: _State, messages: list[dict], tools: list[Tool],
+async def _render(state: ServerState, messages: list[dict], tools: list[Tool],
                   **template) -> tuple[str, list[int], MediaInputs | None]:
     """(prompt text, token ids, images' inputs) of a conversation through the chat template (in a worker thread),
     or a 400."""
@@ -595,7 +466,7 @@ async def _render(state: _State, messages: list[dict], tools: list[Tool],
         raise APIError(400, str(error), param="messages") from None
 
 
-async def _chat_input(state: _State, req) -> tuple[list[Tool], list[dict]]:
+async def _chat_input(state: ServerState, req) -> tuple[list[Tool], list[dict]]:
     """A chat request's tools and messages as the chat template takes them, their images fetched; a 400 naming
     what is malformed."""
     try:
@@ -609,7 +480,7 @@ async def _chat_input(state: _State, req) -> tuple[list[Tool], list[dict]]:
     return tools, messages
 
 
-async def _fetch_images(state: _State, messages: list[dict]) -> None:
+async def _fetch_images(state: ServerState, messages: list[dict]) -> None:
     """Put each image part's encoded image in place of its URL (``data:`` decoded, http(s) fetched in worker
     threads), or a 400 naming the part; a model that takes no images refuses them."""
     parts = image_parts(messages)
@@ -631,7 +502,7 @@ async def _fetch_images(state: _State, messages: list[dict]) -> None:
         part["image"] = data
 
 
-async def _responses(state: _State, req: ResponsesRequest, request: Request):
+async def _responses(state: ServerState, req: ResponsesRequest, request: Request):
     """``POST /v1/responses``: the input (after the stored conversation it continues) as a chat, its output as
     Responses items."""
     lora = _check_model(state, req.model)
@@ -654,7 +525,7 @@ async def _responses(state: _State, req: ResponsesRequest, request: Request):
     except ToolError as error:
         raise APIError(400, str(error), param=error.param) from None
     except (ValueError, ValidationError) as error:
-        raise APIError(400, f"input: {_short.repr(error.errors()) if isinstance(error, ValidationError) else error}",
+        raise APIError(400, f"input: {quoted(error.errors()) if isinstance(error, ValidationError) else error}",
                        param="input") from None
     instructions = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     await _fetch_images(state, new)
@@ -670,7 +541,7 @@ async def _responses(state: _State, req: ResponsesRequest, request: Request):
     return ctx.complete(outputs[0])
 
 
-async def _tokenize(state: _State, req: TokenizeRequest) -> dict:
+async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
     """vLLM's ``/tokenize``: a prompt's ids as ``/v1/completions`` makes them, or chat messages' as
     ``/v1/chat/completions`` renders them."""
     if req.model is not None:
@@ -694,7 +565,7 @@ async def _tokenize(state: _State, req: TokenizeRequest) -> dict:
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
 
-def _detokenize(state: _State, req: DetokenizeRequest) -> dict:
+def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     if req.model is not None:
         _check_model(state, req.model)
     engine = state.engine.engine
@@ -734,7 +605,7 @@ async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse
 class _Call:
     """One API call: its id and object names, and how its outputs become OpenAI JSON."""
 
-    def __init__(self, state: _State, prefix: str, obj: str, n: int, chat: bool, model: str,
+    def __init__(self, state: ServerState, prefix: str, obj: str, n: int, chat: bool, model: str,
                  shape: ChatShape | None = None, echo: bool = False, prompt_logprobs: bool = False):
         self.state, self.obj, self.n, self.chat = state, obj, n, chat
         self.model = model  # the name the request used: the served model's or a LoRA adapter's
@@ -757,7 +628,7 @@ class _Call:
         try:
             outputs = work.result()
         except Exception as error:
-            raise _engine_error(error) from None
+            raise engine_error(error) from None
         for output in outputs:
             self.state.metrics.observe(output)
         return outputs
@@ -781,7 +652,7 @@ class _Call:
                     break
                 item = get.result()
                 if isinstance(item, BaseException):
-                    yield self.error_event(_engine_error(item))
+                    yield self.error_event(engine_error(item))
                     break
                 prompt_index, delta = item
                 if delta is None:
@@ -928,7 +799,7 @@ class _ResponseCall(_Call):
     """A ``/v1/responses`` call: its output as Responses items, whole or streamed as the Responses events (each
     with its ``sequence_number``), and the response stored for ``previous_response_id``."""
 
-    def __init__(self, state: _State, req: ResponsesRequest, shape: ChatShape, messages: list[dict]):
+    def __init__(self, state: ServerState, req: ResponsesRequest, shape: ChatShape, messages: list[dict]):
         super().__init__(state, "resp", "response", 1, chat=True, model=req.model, shape=shape)
         self.req, self.messages = req, messages
         self.items, self.choice = OutputItems(), shape.stream()
@@ -1015,7 +886,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _first_end(state: _State, waits: list[Awaitable], deadline: float | None) -> APIError | None:
+async def _first_end(state: ServerState, waits: list[Awaitable], deadline: float | None) -> APIError | None:
     """Wait for ``waits[0]``; None once it is done. If first the deadline (``time.monotonic``) passes (408),
     shutdown's grace period ends (503) or another wait returns (the client went away: 499), ``waits[0]`` is
     cancelled — its requests are aborted — and the error is returned. The other waits are cancelled anyway."""
@@ -1036,16 +907,6 @@ async def _first_end(state: _State, waits: list[Awaitable], deadline: float | No
         return APIError(499, "the client closed the connection; the request was aborted", code="client_closed")
     return APIError(408, f"the request took longer than the server's limit of {state.config.request_timeout} s "
                          f"and was aborted", code="timeout")
-
-
-def _engine_error(error: BaseException) -> APIError:
-    """What the client is told when the engine did not serve its request."""
-    if isinstance(error, ValueError):  # refused on submission
-        return APIError(400, str(error))
-    if isinstance(error, RequestFailed):  # the engine failed this request alone
-        return APIError(500, str(error))
-    # a step failed as a whole (e.g. out of memory), or the engine is stopping
-    return APIError(503, f"the engine could not serve the request: {error}")
 
 
 def _finish(reason: str | None, called: bool = False) -> str | None:
