@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
@@ -41,10 +40,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect
 
 from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
@@ -52,12 +49,15 @@ from hfaccel.engine.engine import check_text
 from hfaccel.engine.media import MAX_IMAGES, MediaInputs
 from hfaccel.lora import LoRAAdapter
 from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
+from hfaccel.serve.admission import Admission, client_disconnected, request_deadline, wait_or_abort
 from hfaccel.serve.chat import ChatShape, ChoiceStream, render_chat
 from hfaccel.serve.config import ServerConfig, ServerState
 from hfaccel.serve.errors import APIError, engine_error, quoted
+from hfaccel.serve.middleware import AuthorizeAndCountMiddleware, RequestIdMiddleware
 from hfaccel.serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     SamplingRequest, TokenizeRequest, image_parts, message_dicts)
 from hfaccel.serve.media import image_bytes
+from hfaccel.serve.request_body import parsed_body
 from hfaccel.serve.responses import (OutputItems, ResponsesRequest, StoredResponse, input_messages, response_body,
                                      response_usage)
 from hfaccel.serve.tools import Tool, ToolError, constrained_schema, parse_tool_choice, parse_tools
@@ -65,7 +65,6 @@ from hfaccel.serve.tools import Tool, ToolError, constrained_schema, parse_tool_
 __all__ = ["ServerConfig", "create_app", "serve"]
 
 FINAL_WRITE_S = 5.0  # after shutdown's grace period: time to write the final events before uvicorn cancels
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models")
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -79,8 +78,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="hfaccel", lifespan=lifespan)
     app.state.hfaccel = state
-    app.add_middleware(_AuthorizeAndCount, state=state)
-    app.add_middleware(_RequestId)
+    app.add_middleware(AuthorizeAndCountMiddleware, state=state)
+    app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:  # outermost: a browser's preflight is answered before the API key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
@@ -139,12 +138,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = _parse(TokenizeRequest, await _json_body(request, config))
+        body = await parsed_body(TokenizeRequest, request, config)
         return await _tokenize(state, body)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = _parse(DetokenizeRequest, await _json_body(request, config))
+        body = await parsed_body(DetokenizeRequest, request, config)
         return _detokenize(state, body)
 
     @app.get("/version")
@@ -158,126 +157,12 @@ def _generating(state: ServerState, model: type[BaseModel], handler):
     """The endpoint of a generating route: its body parsed as ``model``, then ``handler(state, body, request)``."""
 
     async def endpoint(request: Request):
-        return await handler(state, _parse(model, await _json_body(request, state.config)), request)
+        return await handler(state, await parsed_body(model, request, state.config), request)
 
     return endpoint
 
 
-class _RequestId:
-    """ASGI middleware: every HTTP answer carries an ``X-Request-Id`` header — the request's own, or a new one."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = Headers(scope=scope).get("x-request-id", "")
-        request_id = given if 0 < len(given) <= 200 and given.isprintable() and given.isascii() else uuid.uuid4().hex
-
-        async def tagged(message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", request_id.encode())]}
-            await send(message)
-
-        await self.app(scope, receive, tagged)
-
-
-class _AuthorizeAndCount:
-    """ASGI middleware for ``/v1/*``: the bearer token checked before anything else runs (401), and every
-    answer counted by endpoint and status. (Pure ASGI: the request body and disconnects reach the app as they
-    come.)"""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        status = 500  # unless a response starts
-
-        async def counted(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            if self._authorized(scope):
-                await self.app(scope, receive, counted)
-            else:
-                error = APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-                await error.response()(scope, receive, counted)
-        finally:
-            endpoint = path if path in ROUTES else "other"  # a fixed label set, whatever clients send
-            self.state.metrics.requests.labels(endpoint, str(status)).inc()
-
-    def _authorized(self, scope) -> bool:
-        key = self.state.config.api_key
-        if key is None:
-            return True
-        given = Headers(scope=scope).get("authorization", "").encode("utf-8", "replace")
-        return secrets.compare_digest(given, f"Bearer {key}".encode())
-
-
 # ----------------------------------------------------------------------------------------- request checks
-async def _json_body(request: Request, config: ServerConfig) -> dict:
-    raw = await _read_body(request, config)
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise APIError(400, f"the request body is not valid UTF-8: {error}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
-    except ValueError as error:  # malformed, or an integer of more digits than Python converts
-        raise APIError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object; got {type(body).__name__}")
-    return body
-
-
-async def _read_body(request: Request, config: ServerConfig) -> bytes:
-    """The request body, refused (413) as soon as it is known to be too large — from ``Content-Length`` before
-    reading anything, else once the chunks read so far add up to more — or (408) when it takes longer than
-    ``read_timeout`` to arrive. At most the limit plus one chunk is ever held."""
-    limit = config.max_body_bytes
-    declared = request.headers.get("content-length", "").lstrip("0")
-    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
-        raise _too_large(f"of {declared:.30} bytes", limit)
-    deadline = time.monotonic() + config.read_timeout
-    chunks, size, stream = [], 0, request.stream()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
-        except StopAsyncIteration:
-            return b"".join(chunks)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {config.read_timeout} s ({size} bytes "
-                                f"came)", code="timeout", headers={"Connection": "close"}) from None
-        except ClientDisconnect:
-            raise APIError(499, "the client closed the connection while sending the request",
-                           code="client_closed") from None
-        size += len(chunk)
-        if size > limit:
-            raise _too_large("over", limit)
-        chunks.append(chunk)
-
-
-def _too_large(size: str, limit: int) -> APIError:
-    return APIError(413, f"the request body {size} is over the limit of {limit} bytes", code="body_too_large")
-
-
-def _parse(model: type[BaseModel], body: dict):
-    try:
-        return model.model_validate(body)  # strict types: the models say so
-    except ValidationError as error:
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"])
-        raise APIError(400, f"{param}: {first['msg']} (got {quoted(first.get('input'))})", param=param) from None
-
-
 def _check_model(state: ServerState, name: str) -> LoRAAdapter | None:
     """The LoRA adapter a request's ``model`` names (None: the served model itself), or a 404."""
     if name == state.config.model_name:
@@ -330,29 +215,6 @@ async def _prepare(state: ServerState, prompt, max_tokens: int | None, params_fo
     except ImportError as error:  # structured outputs without xgrammar installed
         raise APIError(400, f"structured outputs are not available on this server: {error}",
                        param=structured_param) from None
-
-
-class _Admission:
-    """Counts prompts in flight; beyond the limit a request is refused with 429 before any work (400 if it
-    could never be admitted, 503 once shutdown began)."""
-
-    def __init__(self, state: ServerState, count: int):
-        limit = state.config.max_queue
-        if state.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        if count > limit:
-            raise APIError(400, f"a request of {count} prompts can never be admitted: the server holds at most "
-                                f"{limit} in flight (--max-queue)", param="prompt")
-        if state.in_flight + count > limit:
-            raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight, limit "
-                                f"{limit}); retry later", code="overloaded", headers={"Retry-After": "1"})
-        self.state, self.count = state, count
-        state.in_flight += count
-
-    def release(self) -> None:
-        if self.count:
-            self.state.in_flight -= self.count
-            self.count = 0
 
 
 # -------------------------------------------------------------------------------------------- handlers
@@ -592,7 +454,7 @@ def _shown_choice(choice) -> str:
 
 async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse | list[RequestOutput]:
     """Admit the call's prompts, then stream them, or run them to completion and return their outputs."""
-    admission = _Admission(ctx.state, len(prepared))
+    admission = Admission(ctx.state, len(prepared))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _EventStream(ctx.stream(prepared, admission, include_usage), admission)
@@ -622,7 +484,7 @@ class _Call:
         """The outputs of every prompt; the requests are aborted when the client goes away, the timeout passes
         or shutdown's grace period ends first (an APIError says which)."""
         work = asyncio.ensure_future(_all(self.state.engine.generate(p) for p in prepared))
-        ended = await _first_end(self.state, [work, _disconnected(request)], self._deadline())
+        ended = await wait_or_abort(self.state, work, request_deadline(self.state), client_disconnected(request))
         if ended is not None:
             raise ended
         try:
@@ -633,12 +495,12 @@ class _Call:
             self.state.metrics.observe(output)
         return outputs
 
-    async def stream(self, prepared, admission: _Admission, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, prepared, admission: Admission, include_usage: bool) -> AsyncIterator[str]:
         """SSE lines: every prompt's deltas as they come (merged), then usage if asked, then [DONE] — also after
         an error event (a timeout, an engine failure, the end of shutdown's grace period)."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, p, queue)) for i, p in enumerate(prepared)]
-        deadline = self._deadline()
+        deadline = request_deadline(self.state)
         finals: list[RequestOutput | None] = [None] * len(prepared)
         try:
             for line in self.opening():
@@ -646,7 +508,7 @@ class _Call:
             pending = len(tasks)
             while pending:
                 get = asyncio.ensure_future(queue.get())
-                ended = await _first_end(self.state, [get], deadline)
+                ended = await wait_or_abort(self.state, get, deadline)
                 if ended is not None:
                     yield self.error_event(ended)
                     break
@@ -687,10 +549,6 @@ class _Call:
         """The events a stream ends with (``finals``: each prompt's last delta; None when it was cut short)."""
         usage = [_event(self.chunk([], usage=_usage_from_counts(self._counts)))] if include_usage and finals else []
         return usage + ["data: [DONE]\n\n"]
-
-    def _deadline(self) -> float | None:
-        timeout = self.state.config.request_timeout
-        return None if timeout is None else time.monotonic() + timeout
 
     async def _pump(self, prompt_index: int, prepared: PreparedPrompt, queue: asyncio.Queue) -> None:
         self._counts["prompt"] += len(prepared.prompt_ids)
@@ -880,35 +738,6 @@ async def _all(jobs: Iterable[Awaitable]) -> list:
             task.cancel()
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has closed the connection (call once the body is read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _first_end(state: ServerState, waits: list[Awaitable], deadline: float | None) -> APIError | None:
-    """Wait for ``waits[0]``; None once it is done. If first the deadline (``time.monotonic``) passes (408),
-    shutdown's grace period ends (503) or another wait returns (the client went away: 499), ``waits[0]`` is
-    cancelled — its requests are aborted — and the error is returned. The other waits are cancelled anyway."""
-    futures = [asyncio.ensure_future(w) for w in waits]
-    stop = asyncio.ensure_future(state.stopping.wait())
-    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-    try:
-        done, _ = await asyncio.wait([*futures, stop], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for future in [*futures[1:], stop]:
-            future.cancel()
-    if futures[0] in done:
-        return None
-    futures[0].cancel()
-    if stop in done:
-        return APIError(503, "the server is shutting down; the request was aborted", code="shutting_down")
-    if done:  # 499, nginx's "client closed request": nobody reads it, but /metrics counts it
-        return APIError(499, "the client closed the connection; the request was aborted", code="client_closed")
-    return APIError(408, f"the request took longer than the server's limit of {state.config.request_timeout} s "
-                         f"and was aborted", code="timeout")
-
-
 def _finish(reason: str | None, called: bool = False) -> str | None:
     """OpenAI's finish reason of an output's (``called``: it made tool calls; one cut short is still "length")."""
     if called and reason not in (None, "length"):
@@ -935,7 +764,7 @@ class _EventStream(StreamingResponse):
     """Server-sent events that give their admission back however the response ends — also when the client
     is gone before the first event (the event generator then never starts, so its own ``finally`` never runs)."""
 
-    def __init__(self, lines: AsyncIterator[str], admission: _Admission):
+    def __init__(self, lines: AsyncIterator[str], admission: Admission):
         super().__init__(lines, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.admission = admission
