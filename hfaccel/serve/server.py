@@ -33,7 +33,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,21 +45,20 @@ from starlette.middleware.cors import CORSMiddleware
 from hfaccel.engine import AsyncEngine, PreparedPrompt, RequestOutput
 from hfaccel.engine.async_engine import OutputAccumulator
 from hfaccel.engine.engine import check_text
-from hfaccel.engine.media import MAX_IMAGES, MediaInputs
-from hfaccel.lora import LoRAAdapter
-from hfaccel.sampling import InvalidSamplingParams, TokenLogprob
+from hfaccel.sampling import TokenLogprob
 from hfaccel.serve.admission import Admission, client_disconnected, request_deadline, wait_or_abort
-from hfaccel.serve.chat import ChatShape, ChoiceStream, render_chat
+from hfaccel.serve.chat import ChatShape, ChoiceStream
 from hfaccel.serve.config import ServerConfig, ServerState
 from hfaccel.serve.errors import APIError, engine_error, quoted
 from hfaccel.serve.middleware import AuthorizeAndCountMiddleware, RequestIdMiddleware
+from hfaccel.serve.prompts import (chat_tools_and_messages, fetch_images, plan_chat, prepare_prompt, prompt_list,
+                                   refuse_unsupported_fields, render_conversation, requested_adapter)
 from hfaccel.serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                    SamplingRequest, TokenizeRequest, image_parts, message_dicts)
-from hfaccel.serve.media import image_bytes
+                                    TokenizeRequest, message_dicts)
 from hfaccel.serve.request_body import parsed_body
 from hfaccel.serve.responses import (OutputItems, ResponsesRequest, StoredResponse, input_messages, response_body,
                                      response_usage)
-from hfaccel.serve.tools import Tool, ToolError, constrained_schema, parse_tool_choice, parse_tools
+from hfaccel.serve.tools import ToolError, parse_tool_choice, parse_tools
 
 __all__ = ["ServerConfig", "create_app", "serve"]
 
@@ -162,65 +160,10 @@ def _generating(state: ServerState, model: type[BaseModel], handler):
     return endpoint
 
 
-# ----------------------------------------------------------------------------------------- request checks
-def _check_model(state: ServerState, name: str) -> LoRAAdapter | None:
-    """The LoRA adapter a request's ``model`` names (None: the served model itself), or a 404."""
-    if name == state.config.model_name:
-        return None
-    engine = state.engine.engine
-    adapter = None if engine.loras is None else engine.loras.adapters.get(name)
-    if adapter is None:
-        served = ", ".join(repr(n) for n in [state.config.model_name, *engine.list_loras()])
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
-                       code="model_not_found", param="model")
-    return adapter
-
-
-async def _prepare(state: ServerState, prompt, max_tokens: int | None, params_for, param: str = "prompt",
-                   structured_param: str = "structured_outputs", lora: LoRAAdapter | None = None,
-                   media: MediaInputs | None = None) -> PreparedPrompt:
-    """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
-    by the engine's own rules, with its sampling parameters (``max_tokens`` None: the rest of the context), or a
-    400 saying what is wrong (``structured_param``: the field a structured-outputs spec that does not compile came
-    from). ``lora``: the LoRA adapter it runs through (None: the base model); ``media``: the images' inputs of a
-    chat prompt (token ids) the processor made."""
-    engine = state.engine.engine
-    try:
-        text, ids = await asyncio.to_thread(engine.tokenize_prompt, prompt)
-    except ValueError as error:
-        code = "context_length_exceeded" if "context" in str(error) else None
-        raise APIError(400, str(error), param=param, code=code) from None
-    room = engine.max_model_len - len(ids)
-    max_tokens = room if max_tokens is None else max_tokens
-    if max_tokens > room:
-        raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
-                            f"context is {engine.max_model_len}", param="max_tokens",
-                       code="context_length_exceeded")
-    try:
-        params = params_for(max_tokens)
-        engine.check_media(media, params, lora)
-    except InvalidSamplingParams as error:
-        raise APIError(400, str(error), param=error.param) from None
-    except ValueError as error:
-        raise APIError(400, str(error), param=param) from None
-    try:
-        if params.structured_outputs is None:
-            return engine.prepared(text, ids, params, lora=lora, media=media)
-        # compiling a grammar can take a while (the first one also indexes the vocabulary): in a worker thread
-        return await asyncio.to_thread(engine.prepared, text, ids, params, lora=lora, media=media)
-    except InvalidSamplingParams as error:
-        raise APIError(400, str(error), param=error.param) from None
-    except ValueError as error:  # a structured-outputs spec that does not compile: the compiler's message
-        raise APIError(400, str(error), param=structured_param) from None
-    except ImportError as error:  # structured outputs without xgrammar installed
-        raise APIError(400, f"structured outputs are not available on this server: {error}",
-                       param=structured_param) from None
-
-
 # -------------------------------------------------------------------------------------------- handlers
 async def _completions(state: ServerState, req: CompletionRequest, request: Request):
-    lora = _check_model(state, req.model)
-    _refuse_fields(req)
+    lora = requested_adapter(state, req.model)
+    refuse_unsupported_fields(req)
     best_of = req.n if req.best_of is None else req.best_of
     if best_of < req.n or best_of != req.n and req.stream:
         raise APIError(400, f"best_of must be at least n={req.n}, and equal to it when streaming; got {best_of}",
@@ -230,9 +173,11 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                           default=None)
     # best_of ranks its completions by their tokens' logprobs
     logprobs = req.logprobs if best_of == req.n else (req.logprobs or 0)
-    prepared = [await _prepare(state, p, req.max_new_tokens,
-                               lambda m: req.sampling_params(m, logprobs, n=best_of, prompt_logprobs=prompt_logprobs),
-                               structured_param=req.structured_field, lora=lora) for p in _prompt_list(req.prompt)]
+    prepared = [await prepare_prompt(state, p, req.max_new_tokens,
+                                     lambda m: req.sampling_params(m, logprobs, n=best_of,
+                                                                   prompt_logprobs=prompt_logprobs),
+                                     structured_param=req.structured_field, lora=lora)
+                for p in prompt_list(req.prompt)]
     ctx = _Call(state, "cmpl", "text_completion", req.n, chat=False, model=req.model, echo=req.echo,
                 prompt_logprobs=req.prompt_logprobs is not None)
     outputs = await _run(ctx, req, prepared, request)
@@ -254,20 +199,20 @@ def _best(outputs: list, n: int) -> list:
 
 
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request):
-    lora = _check_model(state, req.model)
-    _refuse_fields(req)
-    tools, messages = await _chat_input(state, req)
+    lora = requested_adapter(state, req.model)
+    refuse_unsupported_fields(req)
+    tools, messages = await chat_tools_and_messages(state, req)
     try:
         choice = parse_tool_choice(req.tool_choice, tools)
     except ToolError as error:
         raise APIError(400, str(error), param=error.param) from None
-    plan = await _plan_chat(state, req, messages, tools, choice, add_generation_prompt=req.add_generation_prompt,
-                            continue_final_message=req.continue_final_message)
+    plan = await plan_chat(state, req, messages, tools, choice, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prepared = [await _prepare(state, plan.ids, req.max_new_tokens,
-                               lambda m: req.sampling_params(m, logprobs, structured=plan.structured),
-                               param="messages", structured_param=plan.structured_param, lora=lora,
-                               media=plan.media)]
+    prepared = [await prepare_prompt(state, plan.ids, req.max_new_tokens,
+                                     lambda m: req.sampling_params(m, logprobs, structured=plan.structured),
+                                     param="messages", structured_param=plan.structured_param, lora=lora,
+                                     media=plan.media)]
     ctx = _Call(state, "chatcmpl", "chat.completion", req.n, chat=True, model=req.model, shape=plan.shape)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
@@ -280,95 +225,11 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     return ctx.body(choices, _usage(outputs))
 
 
-@dataclass(frozen=True)
-class _ChatPlan:
-    """A chat-shaped call's prompt, how its outputs become messages, and the constraint of its answer."""
-
-    ids: list[int]
-    shape: ChatShape
-    structured: dict | None  # SamplingParams.structured_outputs: the tool calls' or the request's own constraint
-    structured_param: str  # the request field a constraint that does not compile came from
-    media: MediaInputs | None = None  # the prompt's images, as the model's processor made them
-
-
-async def _plan_chat(state: ServerState, req: SamplingRequest, messages: list[dict], tools: list[Tool],
-                     choice: str | Tool, *, add_generation_prompt: bool = True,
-                     continue_final_message: bool = False) -> _ChatPlan:
-    """The prompt rendered by the model's chat template, and the answer's constraint: a ``required`` or named tool
-    choice's calls, else the request's own structured outputs — after the output's reasoning where the model
-    reasons (the reasoning tags are single tokens), else from its first token with no reasoning split out."""
-    schema = constrained_schema(choice, tools, req.parallel_tool_calls)
-    try:
-        own = req.structured_request()
-    except InvalidSamplingParams as error:
-        raise APIError(400, str(error), param=error.param) from None
-    if schema is not None and own is not None:
-        raise APIError(400, f"tool_choice={_shown_choice(choice)} constrains the output to tool calls; it cannot also "
-                            f"follow {req.structured_field}", param="tool_choice")
-    prompt, ids, media = await _render(state, messages, tools, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       template_arguments=req.chat_template_kwargs)
-    shape = ChatShape.of(choice, state.tool_parser, state.reasoning, prompt, schema is not None)
-    structured = {"json": schema} if schema is not None else own
-    if structured is not None and shape.reasoning is not None and "reasoning" not in structured:
-        if state.reasoning_tags_are_tokens:
-            structured = {**structured, "reasoning": shape.reasoning}
-        else:  # the grammar cannot wait for a multi-token tag: the answer is constrained from its first token
-            shape = replace(shape, reasoning=None)
-    return _ChatPlan(ids, shape, structured, "tools" if schema is not None else req.structured_field, media)
-
-
-async def _render(state: ServerState, messages: list[dict], tools: list[Tool],
-                  **template) -> tuple[str, list[int], MediaInputs | None]:
-    """(prompt text, token ids, images' inputs) of a conversation through the chat template (in a worker thread),
-    or a 400."""
-    try:
-        return await asyncio.to_thread(render_chat, state.engine.engine, messages, tools, **template)
-    except ValueError as error:
-        raise APIError(400, str(error), param="messages") from None
-
-
-async def _chat_input(state: ServerState, req) -> tuple[list[Tool], list[dict]]:
-    """A chat request's tools and messages as the chat template takes them, their images fetched; a 400 naming
-    what is malformed."""
-    try:
-        tools = parse_tools(req.tools)
-        messages = message_dicts(req.messages)
-    except ToolError as error:
-        raise APIError(400, str(error), param=error.param) from None
-    except ValueError as error:
-        raise APIError(400, str(error), param="messages") from None
-    await _fetch_images(state, messages)
-    return tools, messages
-
-
-async def _fetch_images(state: ServerState, messages: list[dict]) -> None:
-    """Put each image part's encoded image in place of its URL (``data:`` decoded, http(s) fetched in worker
-    threads), or a 400 naming the part; a model that takes no images refuses them."""
-    parts = image_parts(messages)
-    if not parts:
-        return
-    if state.engine.engine.processor is None:
-        raise APIError(400, f"{parts[0][0]}: the served model takes no images (an image-text-to-text model and its "
-                            "processor do)", param="messages")
-    if len(parts) > MAX_IMAGES:
-        raise APIError(400, f"a request takes at most {MAX_IMAGES} images; got {len(parts)}", param="messages")
-    domains = state.config.allowed_media_domains
-    try:
-        loaded = await asyncio.gather(*(asyncio.to_thread(image_bytes, part["url"], domains, where)
-                                        for where, part in parts))
-    except ValueError as error:
-        raise APIError(400, str(error), param="messages") from None
-    for (_, part), data in zip(parts, loaded):
-        del part["url"]
-        part["image"] = data
-
-
 async def _responses(state: ServerState, req: ResponsesRequest, request: Request):
     """``POST /v1/responses``: the input (after the stored conversation it continues) as a chat, its output as
     Responses items."""
-    lora = _check_model(state, req.model)
-    _refuse_fields(req, also=("top_logprobs",))
+    lora = requested_adapter(state, req.model)
+    refuse_unsupported_fields(req, also=("top_logprobs",))
     if req.n != 1:
         raise APIError(400, f"the Responses API makes one output; got n={req.n}", param="n")
     history: list[dict] = []
@@ -390,12 +251,12 @@ async def _responses(state: ServerState, req: ResponsesRequest, request: Request
         raise APIError(400, f"input: {quoted(error.errors()) if isinstance(error, ValidationError) else error}",
                        param="input") from None
     instructions = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
-    await _fetch_images(state, new)
-    plan = await _plan_chat(state, req, instructions + history + new, tools, choice)
-    prepared = [await _prepare(state, plan.ids, req.max_output_tokens,
-                               lambda m: req.sampling_params(m, None, structured=plan.structured),
-                               param="input", structured_param=plan.structured_param, lora=lora,
-                               media=plan.media)]
+    await fetch_images(state, new)
+    plan = await plan_chat(state, req, instructions + history + new, tools, choice)
+    prepared = [await prepare_prompt(state, plan.ids, req.max_output_tokens,
+                                     lambda m: req.sampling_params(m, None, structured=plan.structured),
+                                     param="input", structured_param=plan.structured_param, lora=lora,
+                                     media=plan.media)]
     ctx = _ResponseCall(state, req, plan.shape, history + new)
     outputs = await _run(ctx, req, prepared, request)
     if isinstance(outputs, StreamingResponse):
@@ -407,7 +268,7 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
     """vLLM's ``/tokenize``: a prompt's ids as ``/v1/completions`` makes them, or chat messages' as
     ``/v1/chat/completions`` renders them."""
     if req.model is not None:
-        _check_model(state, req.model)
+        requested_adapter(state, req.model)
     engine = state.engine.engine
     if engine.tokenizer is None:
         raise APIError(400, "the served model has no tokenizer: send token ids", param="prompt")
@@ -420,16 +281,16 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict:
             raise APIError(400, str(error), param="prompt") from None
         ids = list(engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
     else:
-        tools, messages = await _chat_input(state, req)
-        _, ids, _ = await _render(state, messages, tools, add_generation_prompt=req.add_generation_prompt,
-                                  continue_final_message=req.continue_final_message,
-                                  template_arguments=req.chat_template_kwargs)
+        tools, messages = await chat_tools_and_messages(state, req)
+        _, ids, _ = await render_conversation(state, messages, tools, add_generation_prompt=req.add_generation_prompt,
+                                              continue_final_message=req.continue_final_message,
+                                              template_arguments=req.chat_template_kwargs)
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
 
 def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
     if req.model is not None:
-        _check_model(state, req.model)
+        requested_adapter(state, req.model)
     engine = state.engine.engine
     if engine.tokenizer is None:
         raise APIError(400, "the served model has no tokenizer", param="tokens")
@@ -438,18 +299,6 @@ def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict:
         raise APIError(400, f"tokens: {bad} is not a token id of this model (0 to {engine.vocab_size - 1})",
                        param="tokens")
     return {"prompt": engine.tokenizer.decode(req.tokens)}
-
-
-def _refuse_fields(req, also: tuple[str, ...] = ()) -> None:
-    """A 400 naming the first OpenAI field of the request this server does not implement (``protocol.REFUSED``)."""
-    name = req.refused_field(also)
-    if name is not None:
-        raise APIError(400, f"{name} is not supported by this server (its value would change the output; send it "
-                            f"unset)", param=name)
-
-
-def _shown_choice(choice) -> str:
-    return repr(choice.name) if isinstance(choice, Tool) else repr(choice)
 
 
 async def _run(ctx: _Call, req, prepared, request: Request) -> StreamingResponse | list[RequestOutput]:
@@ -715,17 +564,6 @@ class _ResponseCall(_Call):
         last = finals[0]
         body = self._finished(last, self._counts["completion"], last.outputs[0].finish_reason if last.outputs else None)
         return self._events([{"type": f"response.{body['status']}", "response": body}])
-
-
-def _prompt_list(prompt) -> list:
-    """A completions ``prompt`` field as a list of prompts (text or token ids)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]
-    if not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    return list(prompt)
 
 
 async def _all(jobs: Iterable[Awaitable]) -> list:
