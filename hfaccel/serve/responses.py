@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
+from hfaccel.engine import CompletionOutput, RequestOutput
 from hfaccel.sampling import InvalidSamplingParams
-from hfaccel.serve.protocol import SamplingRequest, structured_spec
+from hfaccel.serve.chat import ChatShape
+from hfaccel.serve.errors import APIError
+from hfaccel.serve.protocol import ChatMessage, SamplingRequest, message_dicts, structured_spec
+from hfaccel.serve.shaping import CallShaper, sse_event
 
 # Responses input items turned into chat messages; others are refused (a reasoning item is dropped: chat templates
 # do not show earlier turns' reasoning)
@@ -212,26 +216,6 @@ class OutputItems:
         return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
-def response_body(response_id: str, created: int, req: ResponsesRequest, model: str, items: list[dict],
-                  status: str, usage: dict | None, incomplete: str | None = None) -> dict:
-    """A Response object."""
-    return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
-            "output": items, "error": None,
-            "incomplete_details": None if incomplete is None else {"reason": incomplete},
-            "instructions": req.instructions, "metadata": req.metadata or {}, "tools": req.tools or [],
-            "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none"),
-            "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature, "top_p": req.top_p,
-            "max_output_tokens": req.max_output_tokens, "previous_response_id": req.previous_response_id,
-            "store": req.store, "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
-            "usage": usage}
-
-
-def response_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
-
-
 @dataclass
 class StoredResponse:
     body: dict
@@ -254,3 +238,88 @@ class ResponseStore:
         self._responses[response_id] = response
         while len(self._responses) > self.capacity:
             self._responses.popitem(last=False)
+
+
+class ResponsesShaper(CallShaper):
+    """A ``/v1/responses`` call: its output as Responses items, whole or streamed as the Responses events (each
+    with its ``sequence_number``), and the response stored for ``previous_response_id``."""
+
+    def __init__(self, tokenizer, store: ResponseStore, request: ResponsesRequest, shape: ChatShape,
+                 messages: list[dict]):
+        super().__init__(tokenizer, "resp", "response", 1, chat=True, model=request.model, shape=shape)
+        self.store, self.request, self.messages = store, request, messages
+        self.items, self.choice_stream = OutputItems(), shape.stream()
+        self._sequence = 0
+
+    def complete(self, output: RequestOutput) -> dict:
+        """The Response of a finished output (stored if asked)."""
+        completion = output.outputs[0]
+        self.items.feed(self.choice_stream.feed(completion.text) + self.choice_stream.finish())
+        self.items.finish()
+        return self._finished(output, len(completion.token_ids), completion.finish_reason)
+
+    def opening(self) -> list[str]:
+        response = self._response("in_progress")
+        return self._events([{"type": "response.created", "response": response},
+                             {"type": "response.in_progress", "response": response}])
+
+    def delta_events(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> list[str]:
+        stream = self.choice_stream
+        deltas = stream.feed(completion.text) + (stream.finish() if completion.finish_reason else [])
+        events = self.items.feed(deltas)
+        if completion.finish_reason:
+            events += self.items.finish()
+        return self._events(events)
+
+    def error_event(self, error: APIError) -> str:
+        return self._events([{"type": "error", "code": error.code, "message": error.message,
+                              "param": error.param}])[0]
+
+    def closing(self, finals: list[RequestOutput] | None, include_usage: bool, usage: dict) -> list[str]:
+        if finals is None:
+            return []
+        last = finals[0]
+        response = self._finished(last, usage["completion_tokens"],
+                                  last.outputs[0].finish_reason if last.outputs else None)
+        return self._events([{"type": f"response.{response['status']}", "response": response}])
+
+    def _finished(self, last: RequestOutput, output_tokens: int, finish_reason: str | None) -> dict:
+        """The finished Response (``last``: the output, or a stream's last delta), stored if asked."""
+        incomplete = "max_output_tokens" if finish_reason == "length" else None
+        reasoning = "".join(item["content"][0]["text"] for item in self.items.items if item["type"] == "reasoning")
+        usage = _usage(len(last.prompt_token_ids), output_tokens,
+                       last.metrics.num_cached_tokens if last.metrics is not None else 0,
+                       len(self.tokenizer(reasoning, add_special_tokens=False).input_ids) if reasoning else 0)
+        response = self._response("incomplete" if incomplete else "completed", usage, incomplete)
+        if self.request.store:
+            reply = message_dicts([ChatMessage.model_validate(self.items.message())])  # as the template takes it
+            self.store.put(self.id, StoredResponse(response, self.messages + reply))
+        return response
+
+    def _response(self, status: str, usage: dict | None = None, incomplete: str | None = None) -> dict:
+        """The Response object, as it stands."""
+        request = self.request
+        tool_choice = request.tool_choice if request.tool_choice is not None else ("auto" if request.tools else "none")
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+                "output": self.items.items, "error": None,
+                "incomplete_details": None if incomplete is None else {"reason": incomplete},
+                "instructions": request.instructions, "metadata": request.metadata or {}, "tools": request.tools or [],
+                "tool_choice": tool_choice, "parallel_tool_calls": request.parallel_tool_calls,
+                "temperature": request.temperature, "top_p": request.top_p,
+                "max_output_tokens": request.max_output_tokens, "previous_response_id": request.previous_response_id,
+                "store": request.store, "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled",
+                "usage": usage}
+
+    def _events(self, events: list[dict]) -> list[str]:
+        lines = []
+        for event in events:
+            lines.append(f"event: {event['type']}\n" + sse_event({**event, "sequence_number": self._sequence}))
+            self._sequence += 1
+        return lines
+
+
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
+    """The Responses API's ``usage`` object."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt_tokens + output_tokens}
