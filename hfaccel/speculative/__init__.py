@@ -1,7 +1,6 @@
 """Lossless, batched speculative decoding over hfaccel's runner (a draft model, or prompt lookup)."""
 
-from hfaccel.speculative.decoding import (
-    SpeculativeRunners, SpeculativeStats, lookup_continuation, speculative_generate, vocab_size,
-)
+from hfaccel.speculative.decoding import SpeculativeRunners, SpeculativeStats, speculative_generate, vocab_size
+from hfaccel.speculative.drafters import lookup_continuation
 
 __all__ = ["SpeculativeRunners", "SpeculativeStats", "lookup_continuation", "speculative_generate", "vocab_size"]

@@ -1,24 +1,11 @@
-"""Speculative decoding: a cheap drafter proposes tokens, the target verifies them all in one forward.
-
-Lossless: greedy output is the target's own greedy output, token for token; sampled output has exactly the
-target's distribution (Leviathan et al. 2023, Chen et al. 2023): drafted token ``d`` is accepted with
-probability ``min(1, p(d) / q(d))``; at the first rejection the token is drawn from
-``normalize(max(p - q, 0))``; when all drafts pass, one bonus token is drawn from ``p``. ``p`` and ``q`` are
-the target's and drafter's distributions after the same warpers (``hfaccel.sampling.warpers``: temperature,
-top-k, top-p, as ``generate`` applies them), and every draw is the sampler's exponential race.
-
-Seeded, the random numbers are the engine's (``hfaccel.sampling.sampler``): row ``i`` of a call is stream ``i`` of
-the seed — completion ``i`` of an Engine request with that seed — and the token at output index ``t`` is drafted
-(or, after all drafts passed, drawn) with the noise the engine's sampler draws it with; the acceptance test and
-the draw after a rejection take their own numbers keyed by the same (seed, row, ``t``). So with a draft that
-agrees with the target (draft = target) every draft is accepted and the tokens are the engine's, and a rounding
-difference changes a token only where the engine's own draw is a near-tie. Every number depends on its key only:
-what other rows or steps do changes none.
+"""Speculative decoding: a drafter (``hfaccel.speculative.drafters``: a smaller model, or prompt lookup) proposes
+tokens, the target verifies them all in one forward (``hfaccel.speculative.verification``: lossless, and seeded as
+the engine is).
 
 Batched: every row is its own sequence of the target's and the draft model's :class:`ModelRunner` (packed
 forwards, no padding), so each row accepts its own number of tokens per step, and the rejected tail of a
 row is cropped from its KV cache without recomputing anything. The draft model may live on another device
-or dtype than the target. ``draft="ngram"`` drafts without a model (prompt lookup).
+or dtype than the target.
 
 One host read per step: drafting and verification run on the device from what the host already knows (the
 rows' tokens, the draft counts; host values go up by non-blocking copies), and the host reads each row's
@@ -40,10 +27,9 @@ from hfaccel.kv.layout import model_layout
 from hfaccel.device import model_device, to_device
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
-from hfaccel.sampling import (
-    ACCEPT, DRAW, RESIDUAL, IncrementalDetokenizer, SamplingParams, StopChecker, Warping, global_noise, keyed_race,
-    probabilities, race, seed_key, seeded_uniforms, token_ids,
-)
+from hfaccel.sampling import IncrementalDetokenizer, StopChecker, token_ids
+from hfaccel.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from hfaccel.speculative.verification import SpeculativeSampler, step_outcomes, target_distributions, verify
 
 
 @dataclass
@@ -86,7 +72,7 @@ class SpeculativeStats:
 
 
 @dataclass
-class _Row:
+class Row:
     """One batch row: its tokens (prompt + generated) and where each model's cache stands."""
 
     index: int
@@ -105,65 +91,6 @@ class _Row:
     @property
     def remaining(self) -> int:
         return self.budget - (len(self.tokens) - self.prompt_len)
-
-
-@dataclass
-class _Drafts:
-    """A step's proposals, padded to the step's longest: ``tokens [R, K]`` on the target device."""
-
-    tokens: torch.Tensor  # [R, K] int64 (padding past counts[r] is 0)
-    counts: list[int]  # drafted tokens per row (<= K)
-    probs: torch.Tensor | None  # [R, K, V] fp32 drafter distribution, or None: drafts are deterministic
-
-
-_Keys = tuple[torch.Tensor, torch.Tensor]  # a seeded call's rows' streams and output indices, [R] each
-
-
-class _Sampler:
-    """Greedy or warped sampling for one call: the sampler's warpers (built once per device) and its exponential
-    race, with the engine's keyed numbers when a seed is given (module docstring) and the global generator's
-    otherwise."""
-
-    def __init__(self, do_sample: bool, temperature: float, top_k: int | None, top_p: float, seed: int | None):
-        if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a number > 0 when sampling; got {temperature!r}")
-        self.do_sample = do_sample
-        self.params = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_k=top_k,
-                                     top_p=float(top_p)) if do_sample else None
-        self.seed = None if seed is None else seed_key(seed)
-        self._warpings: dict[torch.device, Warping] = {}
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [..., V]`` -> the sampling distribution ``[..., V]`` (fp32)."""
-        flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-        if flat.device not in self._warpings:
-            self._warpings[flat.device] = Warping.of([self.params], flat.shape[-1], flat.device)
-        return probabilities(flat, self._warpings[flat.device].expand(flat.shape[0])).reshape(logits.shape)
-
-    def keys(self, rows: list[_Row], device: torch.device) -> _Keys | None:
-        """A seeded call's keys on ``device``: each row's stream (its index in the batch) and the output index of
-        its next token, ``[R]`` each; None when unseeded or greedy (nothing to key)."""
-        if self.seed is None or not self.do_sample:
-            return None
-        streams, counters = to_device([[row.index for row in rows], [len(row.generated) for row in rows]],
-                                      torch.long, device)  # [2, R]
-        return streams, counters
-
-    def draw(self, probs: torch.Tensor, keys: _Keys | None, purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
-        """One token per row of a distribution ``probs [N, V]`` -> ``[N]``; ``keys``: each row's stream and the
-        output index of the token drawn, ``[N]`` each (None: the global generator's noise)."""
-        if keys is None:
-            return race(probs, global_noise(*probs.shape, probs.device))
-        return keyed_race(probs, self.seed, *keys, purpose)
-
-    def acceptance(self, keys: _Keys | None, rows: int, width: int, device: torch.device) -> torch.Tensor:
-        """U(0, 1) numbers ``[R, K]`` for the acceptance tests of each row's drafts (output indices ``keys[1]``
-        to ``keys[1] + K - 1``)."""
-        if keys is None:
-            return torch.rand(rows, width, device=device)
-        streams, counters = keys
-        counters = counters[:, None] + torch.arange(width, device=device)  # [R, K]
-        return seeded_uniforms(self.seed, counters, streams=streams[:, None], purpose=ACCEPT)
 
 
 class SpeculativeRunners:
@@ -229,165 +156,6 @@ class SpeculativeRunners:
         self.target = self.draft = self._key = None
 
 
-class _ModelDrafter:
-    """Drafts with a smaller model through its own :class:`ModelRunner`."""
-
-    def __init__(self, runner: ModelRunner, target_device: torch.device):
-        self.runner = runner
-        self.target_device = target_device
-
-    def propose(self, rows: list[_Row], counts: list[int], sampler: _Sampler) -> _Drafts:
-        """Draft ``counts[i]`` tokens for ``rows[i]``: first the tokens the draft has not seen, then one per step."""
-        runner, device = self.runner, self.runner.device
-        pending = [row.tokens[runner.seq_len(row.index) if row.index in runner.pool.manager else 0:]
-                   for row in rows]
-        width = max(counts)
-        drafted = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # [R, K]
-        live = [i for i, c in enumerate(counts) if c > 0]
-        if not live:
-            return _Drafts(drafted.to(self.target_device), counts, None)
-        draft_probs = []
-        keys = sampler.keys(rows, device)  # the rows' streams and output indices, or None
-        logits = runner.forward([rows[i].index for i in live],
-                                to_device([t for i in live for t in pending[i]], torch.long, device),
-                                [len(pending[i]) for i in live])
-        for step in range(width):
-            where = to_device(live, torch.long, device)  # [R']: the drafting rows
-            step_keys = None if keys is None else (keys[0][where], keys[1][where] + step)  # [R'] each
-            tokens, probs = self._draw(logits, sampler, step_keys)  # [R'], [R', V] or None
-            drafted[:, step].index_copy_(0, where, tokens)
-            if probs is not None:
-                draft_probs.append(probs.new_zeros(len(rows), probs.shape[-1]).index_copy_(0, where, probs))
-            live_next = [j for j, i in enumerate(live) if counts[i] > step + 1]
-            if not live_next:
-                break
-            live = [live[j] for j in live_next]
-            logits = runner.forward([rows[i].index for i in live], tokens[to_device(live_next, torch.long, device)],
-                                    [1] * len(live))
-        probs = None
-        if draft_probs:
-            probs = torch.stack(draft_probs, 1).to(self.target_device)  # [R, K', V]
-            probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
-        return _Drafts(drafted.to(self.target_device), counts, probs)
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, sampler: _Sampler,
-              keys: _Keys | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The drafted tokens ``[R']`` of ``logits [R', V]`` and their distribution (None: greedy)."""
-        if not sampler.do_sample:
-            return logits.argmax(-1), None
-        probs = sampler.probs(logits)  # [R', V]
-        return sampler.draw(probs, keys), probs
-
-    def accept(self, row: _Row, kept: int) -> None:
-        """The row now holds ``kept`` tokens that the draft cache may still vouch for."""
-        if row.index in self.runner.pool.manager:
-            self.runner.crop(row.index, min(self.runner.seq_len(row.index), kept))
-
-    def free(self, row: _Row) -> None:
-        self.runner.free(row.index)
-
-
-class _NgramDrafter:
-    """Prompt lookup: propose what followed the most recent earlier occurrence of the row's last n-gram."""
-
-    def __init__(self, max_ngram: int, target_device: torch.device):
-        if max_ngram < 1:
-            raise ValueError(f"ngram_size must be >= 1; got {max_ngram}")
-        self.max_ngram = max_ngram
-        self.target_device = target_device
-
-    def propose(self, rows: list[_Row], counts: list[int], sampler: _Sampler) -> _Drafts:
-        proposals = [lookup_continuation(row.tokens, self.max_ngram, count) for row, count in zip(rows, counts)]
-        width = max((len(p) for p in proposals), default=0)
-        padded = [p + [0] * (width - len(p)) for p in proposals]
-        tokens = to_device(padded, torch.long, self.target_device).reshape(len(rows), width)  # [R, K]
-        return _Drafts(tokens, [len(p) for p in proposals], None)
-
-    def accept(self, row: _Row, kept: int) -> None:
-        return None
-
-    def free(self, row: _Row) -> None:
-        return None
-
-
-def lookup_continuation(tokens: Sequence[int], max_ngram: int, count: int) -> list[int]:
-    """Up to ``count`` tokens that followed the latest earlier occurrence of the longest suffix n-gram."""
-    if count <= 0:
-        return []
-    length = len(tokens)
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = list(tokens[length - n:])
-        for start in range(length - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == suffix:
-                return list(tokens[start + n:start + n + count])
-    return []
-
-
-def verify(target_probs: torch.Tensor, drafts: _Drafts, sampler: _Sampler,
-           keys: _Keys | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept or reject each row's drafts against the target, on the device; returns (accepted count, next
-    token) per row, ``[R]`` each.
-
-    ``target_probs [R, K + 1, V]``: logits (greedy) or warped probabilities (sampling) at each drafted
-    position and one past the last. ``keys``: a seeded call's rows' streams and output indices of their first
-    drafts (:meth:`_Sampler.keys`).
-    """
-    rows, width = drafts.tokens.shape
-    device = target_probs.device
-    counts = to_device(drafts.counts, torch.long, device)  # [R]
-    valid = torch.arange(width, device=device) < counts[:, None]  # [R, K]
-    if not sampler.do_sample:
-        best = target_probs.argmax(-1)  # [R, K + 1]
-        accepted = _leading_true((best[:, :width] == drafts.tokens) & valid)  # [R]
-        return accepted, best.gather(1, accepted[:, None])[:, 0]
-    p_draft = target_probs[:, :width].gather(2, drafts.tokens[..., None])[..., 0]  # [R, K]
-    q_draft = (torch.ones_like(p_draft) if drafts.probs is None
-               else drafts.probs.gather(2, drafts.tokens[..., None])[..., 0])
-    uniform = sampler.acceptance(keys, rows, width, device)  # [R, K]
-    accepted = _leading_true((uniform * q_draft <= p_draft) & valid)  # accept with probability min(1, p/q)
-    p_next = target_probs[torch.arange(rows, device=device), accepted]  # [R, V]
-    rejected = accepted < counts  # [R]: the next token replaces a rejected draft (else it follows the last)
-    if width:
-        q_next = _draft_probs_at(drafts, accepted, p_next.shape[-1])
-        p_next = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)
-    next_keys = None if keys is None else (keys[0], keys[1] + accepted)  # [R] each
-    return accepted, sampler.draw(p_next, next_keys, torch.where(rejected, RESIDUAL, DRAW))
-
-
-def _outcomes(drafts: torch.Tensor, accepted: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-    """Each row's step in one tensor for one host read: ``drafts [R, K]``, ``accepted [R]``, ``next_tokens [R]`` ->
-    ``[R, K + 2]``: the emitted tokens (the accepted drafts, then the next token; anything after it is unused) and,
-    in the last column, the accepted count."""
-    emitted = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], 1)  # [R, K + 1]
-    emitted.scatter_(1, accepted[:, None], next_tokens[:, None])
-    return torch.cat([emitted, accepted[:, None]], 1)
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``normalize(max(p - q, 0))`` per row of ``[R, V]`` (``p`` where the difference vanishes)."""
-    residual = (p - q).clamp_min(0)
-    total = residual.sum(-1, keepdim=True)
-    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
-
-
-def _draft_probs_at(drafts: _Drafts, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The drafter's distribution at each row's ``position`` (one-hot for deterministic drafts): ``[R, V]``."""
-    rows, width = drafts.tokens.shape
-    index = position.clamp_max(width - 1)
-    arange = torch.arange(rows, device=position.device)
-    if drafts.probs is not None:
-        return drafts.probs[arange, index]
-    tokens = drafts.tokens[arange, index]  # [R]
-    # a one-hot by scatter: F.one_hot off CUDA reads the tokens on the host to check their range
-    return torch.zeros(rows, vocab, device=tokens.device, dtype=torch.float32).scatter_(1, tokens[:, None], 1.0)
-
-
-def _leading_true(mask: torch.Tensor) -> torch.Tensor:
-    """Per row of ``mask [R, K]``, how many leading entries are True -> ``[R]`` int64."""
-    return mask.long().cumprod(1).sum(1)
-
-
 def _check_stop_strings(stop_strings: str | Sequence[str] | None, tokenizer) -> list[str]:
     strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
     if strings and tokenizer is None:
@@ -438,7 +206,7 @@ def speculative_generate(
             is padded with ``pad_token_id``.
         stop_strings, tokenizer: a row also stops after the token that completes one of these strings.
         seed: any int: sampling with the Engine's seeded numbers — row ``i`` draws as completion ``i`` of an Engine
-            request with this seed (module docstring); None: torch's global generator.
+            request with this seed (``hfaccel.speculative.verification``); None: torch's global generator.
         compile: the target's verification steps and the draft model's one-token steps run as the runners'
             static steps (CUDA graphs on CUDA), compiled with ``torch.compile`` when True or ``"auto"`` on CUDA.
         runners: a :class:`SpeculativeRunners` that keeps the runners (pools, compiled and captured steps) for
@@ -454,7 +222,7 @@ def speculative_generate(
     for row in rows:
         detokenizer = IncrementalDetokenizer(tokenizer, row.tokens, strings, False) if strings else None
         row.stopper = StopChecker(eos, detokenizer, max_new_tokens)
-    sampler = _Sampler(do_sample, temperature, top_k, top_p, seed)
+    sampler = SpeculativeSampler(do_sample, temperature, top_k, top_p, seed)
     stats = SpeculativeStats(num_draft_tokens)
     capacity = [row.prompt_len + row.budget + num_draft_tokens + 1 for row in rows]
     compiles(compile, model_device(model))  # a bad setting raises before any work
@@ -464,12 +232,12 @@ def speculative_generate(
             target, draft_runner = runners.get(model, draft_model if draft == "model" else None, len(rows), capacity,
                                                num_draft_tokens, block_size, compile)
             if draft == "ngram":
-                drafter = _NgramDrafter(ngram_size, target.device)
+                drafter = NgramDrafter(ngram_size, target.device)
                 clock = _Clock([target.device], exact=return_stats)
                 _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
             else:
                 with hfaccel_attention(draft_model):
-                    drafter = _ModelDrafter(draft_runner, target.device)
+                    drafter = ModelDrafter(draft_runner, target.device)
                     clock = _Clock([target.device, drafter.runner.device], exact=return_stats)
                     _decode(rows, target, drafter, sampler, num_draft_tokens, stats, clock)
     finally:
@@ -483,7 +251,7 @@ def speculative_generate(
     return (sequences, stats) if return_stats else sequences
 
 
-def _decode(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k: int,
+def _decode(rows: list[Row], target: ModelRunner, drafter: Drafter, sampler: SpeculativeSampler, k: int,
             stats: SpeculativeStats, clock: _Clock) -> None:
     start = clock.now()
     _prefill(rows, target)
@@ -492,17 +260,17 @@ def _decode(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k
         _step(active, target, drafter, sampler, k, stats, clock)
 
 
-def _step(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k: int, stats: SpeculativeStats,
-          clock: _Clock) -> None:
+def _step(rows: list[Row], target: ModelRunner, drafter: Drafter, sampler: SpeculativeSampler, k: int,
+          stats: SpeculativeStats, clock: _Clock) -> None:
     """One verification step of the unfinished ``rows``: draft, verify, and only then read the outcome (the
     step's one host read) to emit each row's tokens and roll both caches back to them."""
     start = clock.now()
     counts = [max(0, min(k, row.remaining - 1)) for row in rows]
     drafts = drafter.propose(rows, counts, sampler)
     middle = clock.now()
-    target_probs = _verify_forward(target, rows, drafts, sampler)  # [R, K + 1, V]
+    target_probs = target_distributions(target, rows, drafts, sampler)  # [R, K + 1, V]
     verdict = verify(target_probs, drafts, sampler, sampler.keys(rows, target.device))
-    outcomes = _outcomes(drafts.tokens, *verdict).tolist()  # R lists of K + 2
+    outcomes = step_outcomes(drafts.tokens, *verdict).tolist()  # R lists of K + 2
     stats.draft_seconds += middle - start
     stats.verify_seconds += clock.now() - middle
     accepted = [outcome[-1] for outcome in outcomes]
@@ -523,7 +291,7 @@ def _step(rows: list[_Row], target: ModelRunner, drafter, sampler: _Sampler, k: 
     stats.emitted += sum(accepted) + len(rows)
 
 
-def _prefill(rows: list[_Row], target: ModelRunner) -> None:
+def _prefill(rows: list[Row], target: ModelRunner) -> None:
     """Run every prompt but its last token through the target (packed); the first verification feeds the last
     token with the first drafts, so every generated token goes through speculation."""
     ready = [row for row in rows if row.prompt_len > 1]
@@ -532,25 +300,7 @@ def _prefill(rows: list[_Row], target: ModelRunner) -> None:
         target.forward([row.index for row in ready], flat, [row.prompt_len - 1 for row in ready])
 
 
-def _verify_forward(target: ModelRunner, rows: list[_Row], drafts: _Drafts, sampler: _Sampler) -> torch.Tensor:
-    """Feed each row's last token and its drafts to the target; its distributions ``[R, K + 1, V]``."""
-    num_rows, width = drafts.tokens.shape
-    device = drafts.tokens.device
-    last = to_device([row.tokens[-1] for row in rows], torch.long, device)  # [R]
-    grid = torch.cat([last[:, None], drafts.tokens], 1).reshape(-1)  # [R * (K + 1)]
-    take = [r * (width + 1) + j for r, c in enumerate(drafts.counts) for j in range(c + 1)]
-    inputs = grid[to_device(take, torch.long, device)]  # [T] packed
-    logits = target.forward([row.index for row in rows], inputs, [c + 1 for c in drafts.counts],
-                            logits_for="all")  # [T, V]
-    starts = [0]
-    for c in drafts.counts:
-        starts.append(starts[-1] + c + 1)
-    spread = [starts[r] + min(j, c) for r, c in enumerate(drafts.counts) for j in range(width + 1)]
-    logits = logits[to_device(spread, torch.long, logits.device)].reshape(num_rows, width + 1, -1)
-    return sampler.probs(logits) if sampler.do_sample else logits
-
-
-def _emit(row: _Row, tokens: list[int]) -> None:
+def _emit(row: Row, tokens: list[int]) -> None:
     """Append tokens to a row until its budget, EOS or a stop string ends it."""
     for token in tokens:
         row.tokens.append(int(token))
@@ -559,7 +309,7 @@ def _emit(row: _Row, tokens: list[int]) -> None:
             return
 
 
-def _rows(input_ids, attention_mask, max_new_tokens: int) -> list[_Row]:
+def _rows(input_ids, attention_mask, max_new_tokens: int) -> list[Row]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a [batch, length] tensor of token ids; got "
                          f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
@@ -568,7 +318,7 @@ def _rows(input_ids, attention_mask, max_new_tokens: int) -> list[_Row]:
                          f"{tuple(attention_mask.shape)}")
     ids = input_ids.tolist()
     keep = attention_mask.bool().tolist() if attention_mask is not None else [[True] * len(r) for r in ids]
-    rows = [_Row(i, [t for t, k in zip(r, m) if k], 0, max_new_tokens) for i, (r, m) in enumerate(zip(ids, keep))]
+    rows = [Row(i, [t for t, k in zip(r, m) if k], 0, max_new_tokens) for i, (r, m) in enumerate(zip(ids, keep))]
     for row in rows:
         if not row.tokens:
             raise ValueError(f"row {row.index} of input_ids has no tokens (attention_mask is all 0)")
@@ -576,7 +326,7 @@ def _rows(input_ids, attention_mask, max_new_tokens: int) -> list[_Row]:
     return rows
 
 
-def _check_arguments(model, draft_model, draft: str, k: int, rows: list[_Row]) -> None:
+def _check_arguments(model, draft_model, draft: str, k: int, rows: list[Row]) -> None:
     if draft not in ("model", "ngram"):
         raise ValueError(f"draft must be 'model' or 'ngram'; got {draft!r}")
     if draft == "model" and draft_model is None:
@@ -620,7 +370,7 @@ def _max_new_tokens(config, max_new_tokens: int | None, input_ids) -> int:
     return max_new_tokens
 
 
-def _assemble(input_ids: torch.Tensor, rows: list[_Row], pad: int | None) -> torch.Tensor:
+def _assemble(input_ids: torch.Tensor, rows: list[Row], pad: int | None) -> torch.Tensor:
     """``input_ids`` followed by each row's new tokens, padded to the longest with ``pad``."""
     width = max(len(row.generated) for row in rows)
     if pad is None and any(len(row.generated) < width for row in rows):

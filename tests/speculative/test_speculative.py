@@ -15,7 +15,7 @@ import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from hfaccel.kv import KVPool
 from hfaccel.speculative import decoding as speculative
-from hfaccel.speculative import lookup_continuation, speculative_generate
+from hfaccel.speculative import lookup_continuation, speculative_generate, verification
 from tests.devices import DEVICE
 from tests.models import ARCHITECTURES, padded_batch, tiny_model
 from tests.sampling.reference import chi_square_p_value, transformers_probabilities
@@ -367,7 +367,7 @@ def test_sampled_distribution_is_the_targets(sampling_setup):
 def test_a_biased_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatch):
     """The test has power: resampling from p (not from max(p - q, 0)) after a rejection is caught."""
     target, draft, exact = sampling_setup
-    monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
     p_value = chi_square_p_value(_sampled_pairs(target, draft), exact)
     assert p_value < 1e-6, f"a biased rule went unnoticed (p = {p_value:.2e})"
 
