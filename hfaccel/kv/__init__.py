@@ -2,9 +2,9 @@
 layer of a model keeps, and transformers ``Cache`` views over the pool."""
 
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
-from hfaccel.kv.hf_cache import (PagedCache, PagedKV, PoolCache, PromptCache, SequenceKVCache,
-                                  paged_reader_backend)
+from hfaccel.kv.hf_cache import PagedKV, PoolCache, PromptCache, SequenceKVCache, paged_reader_backend
 from hfaccel.kv.layout import ModelLayout, model_layout
+from hfaccel.kv.paged_cache import PagedCache
 from hfaccel.kv.pool import DeviceBlockTables, KVPool, PackedStep, kv_dims, local_kv_heads, token_metadata
 
 __all__ = ["BlockCopy", "BlockManager", "CacheFullError", "DeviceBlockTables", "KVPool", "ModelLayout", "PackedStep",
