@@ -1,40 +1,12 @@
-"""The runner's decode mode: steps of one token per sequence with static shapes — compiled, and replayed from
-CUDA graphs per padded batch size.
+"""The runner's decode mode: steps of one token per sequence (or a few: speculative verification) with static
+shapes, compiled, and replayed from CUDA graphs per padded batch size, so that a decode step costs one launch.
 
-A decode step's inputs live in static buffers sized for the largest batch: token ids, positions, slot mapping,
-block tables (one row per sequence, ``max_model_len / block_size`` wide), sequence lengths, ``cu_seqlens_q`` and,
-for a model with LoRA layers, each token's adapter slot (so one step serves any mix of adapters; a step whose rows
-take none runs the variant without LoRA ops, compiled and captured beside it). A step of ``B`` sequences runs
-the step of the smallest ladder size ``>= B``; the padding rows write nowhere (slot ``-1``, which ``write_kv``
-skips) and see no keys (length 0, so the paged kernel returns zeros for them), and their logits are dropped.
-
-Two ways to feed a step:
-
-- :meth:`DecodeGraphs.run` (the engine): the host says which sequences decode at which positions each step; one
-  non-blocking copy brings those and whatever changed in the sequences' block tables (the pool's tables live on
-  the device, :class:`~hfaccel.kv.DeviceBlockTables`), the buffers are filled on the device, then the step runs.
-  With ``draws`` a step can also draw each sequence's next token inside itself (``run(draw=rows)``: the rows'
-  sampling parameters and keys come up in the same copy, and :func:`hfaccel.sampling.sampler.draw_step` ends the
-  step — one more variant per size, captured with it, compiled on its own so the model is not compiled twice).
-- :meth:`DecodeGraphs.begin` then :meth:`DecodeGraphs.advance` (``generate``, where every row advances by one
-  token per step): the buffers are filled once; each step then computes its slots on the device from the
-  positions and block tables, runs the model, and moves positions and lengths on by one for the next step — the
-  host only hands over the new tokens (a device-to-device copy). The rows' blocks must already be reserved for
-  every position the steps will reach.
-
-With ``compile=True`` the step (slot arithmetic, the model's forward, the increments) is one
-``torch.compile(fullgraph=True)`` function: inductor fuses the glue between hfaccel's kernels (custom ops). Only
-the dimensions that vary are symbolic, on purpose (:func:`mark_step_dynamic`): the batch (rows, tokens) and the
-pool's block count — the weights, the block tables' width (``max_model_len``) and every other dimension stay
-static, and while the step traces duck sizing is off (a batch size equal to another dimension never ties the two)
-and sizes 1 are not specialised (:func:`hfaccel.compat.marked_sizes_only`); no cat repeats a tensor (RoPE's
-did: inductor's rewrite of it guards on one token, :func:`hfaccel.compat.inductor_backend`). One compiled graph
-then serves every batch size of a mode, batch 1 included, and a pool that grows. With ``capture`` (CUDA) each
-(size, mode) is captured as a CUDA graph from that compiled step after one warm-up run (Triton and inductor
-compile there), so a step costs one graph launch; a size whose capture fails runs eagerly with its reason in
-:attr:`DecodeGraphs.capture_failures`, the other sizes stay captured. The paged kernel's launch is fixed at capture
-from ``max_model_len``; per-sequence work follows the device-side lengths. Without CUDA the same static step runs
-uncaptured, which is what the CPU tests check.
+A step of ``B`` sequences runs at the smallest ladder size ``>= B`` on static buffers sized for the largest; its
+padding rows write nowhere (slot ``-1``) and see no keys (length 0), their logits dropped. The host feeds a step
+(:meth:`DecodeGraphs.run`, one non-blocking copy), or the device does (:meth:`DecodeGraphs.begin` then
+:meth:`DecodeGraphs.advance`: ``generate``'s rows move on one token a step). Only the batch and the pool's block
+count are dynamic (:func:`mark_step_dynamic`), so one compiled graph serves every size; a size that cannot be
+compiled or captured runs eagerly with its reason (:meth:`DecodeGraphs.status`). docs/architecture.md: the details.
 """
 
 from __future__ import annotations
@@ -478,11 +450,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def release_generator_from_capture(device: torch.device) -> None:
-    """Take ``device``'s default CUDA generator out of capture mode after a capture that failed. ``torch.cuda.graph``
-    puts the generator's state in capture mode as the capture begins and back only when ``capture_end`` succeeds;
-    after a failed capture it stays there, and every later random op on the device — transformers' own sampling
-    included — fails with "Offset increment outside graph capture encountered unexpectedly" (torch 2.11 on an H200,
-    2026-11-26). A capture that succeeds puts it back: one of a single fill, on a side stream."""
+    """Take ``device``'s default CUDA generator out of capture mode after a capture that failed: ``torch.cuda.graph``
+    puts it back only when ``capture_end`` succeeds, and until then every random op on the device fails
+    (docs/benchmarks.md). A capture that succeeds puts it back: one of a single fill, on a side stream."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     try:
         with torch.cuda.stream(stream):
