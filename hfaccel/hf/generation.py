@@ -184,8 +184,8 @@ def _compiled_static_cache(model, args: tuple, kwargs: dict) -> dict | None:
     shape = request_shape(model, args, kwargs)
     if shape is not None:
         wanted = kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)) or 0
-        bucket = context_bucket(shape[1], whole=False, model=model)
-        compiled["max_cache_len"] = max(wanted, MIN_STATIC_CACHE_LEN, bucket)
+        bucket = context_bucket(shape[1], whole=False, model=model, floor=MIN_STATIC_CACHE_LEN)
+        compiled["max_cache_len"] = max(wanted, bucket)
     return compiled
 
 

@@ -43,15 +43,15 @@ def compiles(setting: bool | str, device: torch.device) -> bool:
     return setting is True or (setting == "auto" and device.type == "cuda")
 
 
-def context_bucket(context: int, *, whole: bool, model) -> int:
+def context_bucket(context: int, *, whole: bool, model, floor: int = MIN_CONTEXT_BUCKET) -> int:
     """The context static steps are built for: compiled or captured steps (``whole``) for the model's whole context
     (``max_position_embeddings``) at once, so that nothing compiles again; plain eager steps, which rebuild for
-    free, for the power of two that holds ``context`` (>= 64) — the paged kernel's launch (its split count) is sized
-    by it, so a short context runs no empty splits."""
+    free, for the power of two that holds ``context`` (at least ``floor``) — the paged kernel's launch (its split
+    count) is sized by it, so a short context runs no empty splits."""
     if whole:
         config = model.config.get_text_config(decoder=True)
         return max(context, int(getattr(config, "max_position_embeddings", None) or 0))
-    return max(MIN_CONTEXT_BUCKET, 1 << (context - 1).bit_length())
+    return max(floor, 1 << (context - 1).bit_length())
 
 
 class DecodeGraphs:

@@ -11,6 +11,8 @@ from hfaccel.kv.fp8 import KVScales
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.graphs import DEFAULT_LADDER, context_bucket
 
+MIN_RUNNERS_CONTEXT = 256  # eager runners are rebuilt whole (both models') past their bucket: a wide one keeps them
+
 
 class SpeculativeRunners:
     """The target's and the draft model's runners — KV pools, compiled and captured steps — kept across
@@ -58,7 +60,8 @@ class SpeculativeRunners:
         runner = ModelRunner(model, self._pool(model, blocks, block_size))
         compiled = compiles(compile, runner.device)
         max_batch = max(rows, DEFAULT_LADDER[-1])
-        max_len = context_bucket(length, whole=compiled or runner.device.type == "cuda", model=model)
+        max_len = context_bucket(length, whole=compiled or runner.device.type == "cuda", model=model,
+                                 floor=MIN_RUNNERS_CONTEXT)
         runner.enable_decode_graphs(max_batch, max_len, tokens_per_seq=tokens_per_seq, compile=compiled)
         if catch_up:
             runner.enable_catch_up_graphs(max_batch, max_len, tokens_per_seq=2, compile=compiled)
