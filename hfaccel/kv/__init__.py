@@ -2,10 +2,11 @@
 layer of a model keeps, and transformers ``Cache`` views over the pool."""
 
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.device_tables import DeviceBlockTables
 from hfaccel.kv.hf_cache import PagedKV, PoolCache, PromptCache, SequenceKVCache, paged_reader_backend
-from hfaccel.kv.layout import ModelLayout, model_layout
+from hfaccel.kv.layout import ModelLayout, kv_dims, local_kv_heads, model_layout
 from hfaccel.kv.paged_cache import PagedCache
-from hfaccel.kv.pool import DeviceBlockTables, KVPool, PackedStep, kv_dims, local_kv_heads, token_metadata
+from hfaccel.kv.pool import KVPool, PackedStep, token_metadata
 
 __all__ = ["BlockCopy", "BlockManager", "CacheFullError", "DeviceBlockTables", "KVPool", "ModelLayout", "PackedStep",
            "PagedCache", "PagedKV", "PoolCache", "PromptCache", "SequenceKVCache", "kv_dims", "local_kv_heads",

@@ -134,7 +134,7 @@ class BlockManager:
     def table_epoch(self, seq_id: Hashable) -> int:
         """A number that changes whenever an entry of the sequence's block table is replaced or removed (a new
         sequence, a copy-on-write, a crop that frees blocks) and stays while blocks are only appended: a copy of the
-        table made at the same epoch is a prefix of the table (``hfaccel.kv.pool.DeviceBlockTables``)."""
+        table made at the same epoch is a prefix of the table (``hfaccel.kv.device_tables.DeviceBlockTables``)."""
         return self._get(seq_id).epoch
 
     def num_tokens(self) -> int:

@@ -103,6 +103,29 @@ def uniform_layout(num_layers: int, kv_heads: int, head_dim: int) -> ModelLayout
     return ModelLayout(num_layers, {i: AttentionKV(kv_heads, head_dim, head_dim) for i in range(num_layers)})
 
 
+def kv_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model config (its text config for composite models)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def local_kv_heads(model) -> int:
+    """The KV heads this process holds of each layer: the config's, or on a tensor-parallel rank (a model
+    transformers loaded with ``tp_plan``) its share, ``num_key_value_heads / tp_size``. A ``ValueError`` when the
+    TP size does not divide the KV heads (no rank can hold whole heads)."""
+    _, heads, _ = kv_dims(model.config)
+    size = compat.tp_size(model)
+    if size == 1 or not compat.tp_splits_kv_heads(model):
+        return heads
+    if heads % size:
+        raise ValueError(f"hfaccel needs the tensor-parallel size to divide the model's KV heads, so that each rank "
+                         f"holds whole heads: num_key_value_heads={heads}, tp_size={size} (use a tp_size that "
+                         f"divides {heads})")
+    return heads // size
+
+
 class LayoutError(ValueError):
     """A model whose cache hfaccel's pool cannot hold; the message says why."""
 

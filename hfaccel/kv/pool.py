@@ -17,37 +17,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from hfaccel import compat
 from hfaccel.device import model_device, to_device
 from hfaccel.kernels.ops import write_kv_op
 from hfaccel.kernels.write_kv import KV_QUANT_DTYPES
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
-from hfaccel.kv.layout import ModelLayout, model_layout, uniform_layout
+from hfaccel.kv.layout import ModelLayout, kv_dims, model_layout, uniform_layout
 from hfaccel.kv.fp8 import KVScales, check_kv_scales, fill_scales, model_kv_scales, prefill_scales
 from hfaccel.kv.state import StatePool, StateStep, state_groups
-
-
-def kv_dims(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a model config (its text config for composite models)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, kv_heads, head_dim
-
-
-def local_kv_heads(model) -> int:
-    """The KV heads this process holds of each layer: the config's, or on a tensor-parallel rank (a model
-    transformers loaded with ``tp_plan``) its share, ``num_key_value_heads / tp_size``. A ``ValueError`` when the
-    TP size does not divide the KV heads (no rank can hold whole heads)."""
-    _, heads, _ = kv_dims(model.config)
-    size = compat.tp_size(model)
-    if size == 1 or not compat.tp_splits_kv_heads(model):
-        return heads
-    if heads % size:
-        raise ValueError(f"hfaccel needs the tensor-parallel size to divide the model's KV heads, so that each rank "
-                         f"holds whole heads: num_key_value_heads={heads}, tp_size={size} (use a tp_size that "
-                         f"divides {heads})")
-    return heads // size
 
 
 @dataclass(frozen=True)
@@ -97,7 +73,7 @@ class KVPool:
             layer's first prefill) or ``{layer: [2, Hkv or 1]}``.
         enable_prefix_caching: sequences whose prompts share full leading blocks share those blocks.
         num_kv_heads: with a config, the KV heads per layer this process holds; default the config's (a
-            tensor-parallel rank holds its share: :func:`local_kv_heads`).
+            tensor-parallel rank holds its share: :func:`~hfaccel.kv.layout.local_kv_heads`).
         max_num_seqs: for a model whose layers keep recurrent state, how many sequences the pool holds at once (one
             state slot each, ``hfaccel.kv.state``).
     """
@@ -353,7 +329,8 @@ class KVPool:
 def token_metadata(tables: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
                    width: torch.Tensor, tokens: int, block_size: int) -> tuple[torch.Tensor, ...]:
     """The per-token metadata of a packed forward, computed with tensor ops only (on the host for
-    :meth:`KVPool.packed_step`, on the device for the decode steps' :class:`DeviceBlockTables`).
+    :meth:`KVPool.packed_step`, on the device for the decode steps'
+    :class:`~hfaccel.kv.device_tables.DeviceBlockTables`).
 
     Sequence ``s`` (block table ``tables[rows[s]]``) computes ``real[s]`` new tokens from position ``start[s]`` in
     ``width[s] >= real[s]`` packed rows (``tokens`` in all); the rows past ``real[s]`` are padding: they write nowhere
@@ -373,82 +350,3 @@ def token_metadata(tables: torch.Tensor, rows: torch.Tensor, start: torch.Tensor
     slots = torch.where(counts, slot_mapping(tables, rows[owner], positions, block_size), -1)  # [T]
     lens = torch.where(real > 0, start + width, 0)  # [S]
     return positions, slots, lens, cu
-
-
-class DeviceBlockTables:
-    """The block tables of a pool's sequences, kept on the device and updated incrementally, for the decode steps
-    (``hfaccel.runner.graphs``): each sequence has a row of ``table [rows, width]`` for as long as the block manager
-    holds it, and a step sends up only what changed since the last — the blocks a sequence appended, or its whole
-    table after a copy-on-write or a crop (:meth:`BlockManager.table_epoch`) — together with the step's rows and
-    positions in one non-blocking copy, instead of every sequence's table rebuilt from Python lists each step.
-
-    Rows of sequences the manager no longer holds are reused once the table runs out of rows; it grows (doubling)
-    only when every row is held.
-    """
-
-    def __init__(self, manager: BlockManager, width: int, device: torch.device, rows: int = 64):
-        self.manager, self.width, self.device = manager, width, device
-        self.table = torch.zeros(max(rows, 1), width, dtype=torch.int32, device=device)  # [rows, W]
-        self._row: dict[Hashable, int] = {}  # sequence -> its row
-        self._synced: dict[Hashable, tuple[int, int]] = {}  # sequence -> (table epoch, blocks on the device)
-        self._free_rows = list(range(len(self.table) - 1, -1, -1))
-
-    def upload(self, seq_ids: Sequence[Hashable], ends: Sequence[int], columns: Sequence[Sequence[int]],
-               size: int) -> torch.Tensor:
-        """The sequences' tables brought up to date on the device, and ``columns`` (host values, one per sequence:
-        e.g. each sequence's start and token count) put there with them, in one non-blocking copy, for a step of
-        ``size >= len(seq_ids)`` rows.
-        ``ends[i]``: the length the step needs sequence ``i`` to hold (a ``ValueError`` if it holds fewer slots).
-        Returns ``[1 + len(columns), size]`` int64 on the device: the sequences' rows of :attr:`table`, then the
-        columns; the padding rows past ``len(seq_ids)`` hold 0 (row 0 of the table, whatever it holds)."""
-        changed: list[tuple[int, int, list[int]]] = []  # (row, first column, blocks) the device lacks
-        rows = [self._sync(seq_id, end, changed) for seq_id, end in zip(seq_ids, ends)]
-        flat = rows + [0] * (size - len(rows))
-        for column in columns:
-            flat += list(column) + [0] * (size - len(column))
-        update_rows, update_columns, update_blocks = [], [], []
-        for row, first, blocks in changed:
-            update_rows += [row] * len(blocks)
-            update_columns += range(first, first + len(blocks))
-            update_blocks += blocks
-        flat += update_rows + update_columns + update_blocks
-        moved = to_device(flat, torch.int64, self.device)
-        head = size * (1 + len(columns))
-        if len(flat) > head:
-            where = moved[head:].view(3, -1)  # [3, U]: rows, columns, blocks
-            self.table.index_put_((where[0], where[1]), where[2].to(torch.int32))
-        return moved[:head].view(1 + len(columns), size)
-
-    def _sync(self, seq_id: Hashable, end: int, changed: list[tuple[int, int, list[int]]]) -> int:
-        """The sequence's row; the blocks of its table the device lacks appended to ``changed``."""
-        manager = self.manager
-        if end > manager.seq_len(seq_id):
-            raise ValueError(f"sequence {seq_id!r} holds {manager.seq_len(seq_id)} slots; a step needs {end}")
-        blocks, epoch = manager.block_table(seq_id), manager.table_epoch(seq_id)
-        if len(blocks) > self.width:
-            raise ValueError(f"a sequence of {len(blocks)} blocks exceeds the decode steps' tables of {self.width} "
-                             f"blocks (max_model_len)")
-        row = self._row.get(seq_id)
-        if row is None:
-            row = self._row[seq_id] = self._take_row()
-        synced_epoch, done = self._synced.get(seq_id, (0, 0))
-        if synced_epoch != epoch:
-            done = 0
-        if len(blocks) > done:
-            changed.append((row, done, blocks[done:]))
-        self._synced[seq_id] = (epoch, len(blocks))
-        return row
-
-    def _take_row(self) -> int:
-        """A free row: one no sequence holds, else one of a sequence the manager has let go, else a new one."""
-        if not self._free_rows:
-            gone = [seq_id for seq_id in self._row if seq_id not in self.manager]
-            for seq_id in gone:
-                self._free_rows.append(self._row.pop(seq_id))
-                del self._synced[seq_id]
-        if not self._free_rows:
-            old = self.table
-            self.table = torch.zeros(2 * len(old), self.width, dtype=old.dtype, device=self.device)
-            self.table[:len(old)] = old
-            self._free_rows = list(range(len(self.table) - 1, len(old) - 1, -1))
-        return self._free_rows.pop()
