@@ -8,7 +8,8 @@ from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from hfaccel import compat
-from hfaccel.attention.functions import ATTENTION_FUNCTIONS, MASK_FUNCTIONS, PATHS_ATTRIBUTE, AttentionPaths
+from hfaccel.attention.functions import ATTENTION_FUNCTIONS, MASK_FUNCTIONS
+from hfaccel.attention.paths import PATHS_ATTRIBUTE, AttentionPaths
 
 # hfaccel's attention implementations, by kernel backend
 ATTENTION_NAMES: dict[str, str] = {"auto": "hfaccel", "triton": "hfaccel_triton", "torch": "hfaccel_torch"}

@@ -31,7 +31,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.attention import is_image_text_to_text
-from hfaccel.attention.functions import packed_mask
+from hfaccel.attention.masks import packed_mask
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.hf_cache import paged_reader_backend, sequence_cache

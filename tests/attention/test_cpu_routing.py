@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import hfaccel
-from hfaccel.attention import functions
-from hfaccel.attention.functions import FLASH, SDPA, TORCH, KernelMask
+from hfaccel.attention import sdpa
+from hfaccel.attention.masks import KernelMask
+from hfaccel.attention.paths import FLASH, SDPA, TORCH
 from hfaccel.kernels import flash_attention_reference
 from tests.kernels.helpers import assert_close
 from tests.models import ARCHITECTURES, padded_batch, tiny_model
@@ -36,7 +37,7 @@ def test_the_sdpa_route_computes_the_kernels_rule(mask, softcap):
     seq_q = 41 if mask.q_offset == 0 else 41 - mask.q_offset
     q = torch.randn(2, 6, seq_q, 24, generator=gen)
     k, v = torch.randn(2, 2, 41, 24, generator=gen), torch.randn(2, 2, 41, 24, generator=gen)
-    out = functions._sdpa(q, k, v, mask, 0.2, softcap, None)  # [B, Sq, Hq, D]
+    out = sdpa.sdpa_dense(q, k, v, mask, 0.2, softcap, None)  # [B, Sq, Hq, D]
     expected = flash_attention_reference(q, k, v, scale=0.2, causal=mask.causal, q_offset=mask.q_offset,
                                          kv_offset=mask.kv_offset, key_mask=mask.key_mask,
                                          sliding_window=mask.sliding_window, softcap=softcap)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import hfaccel
-from hfaccel.attention import functions
-from hfaccel.attention.functions import FLASH, PAGED, PATHS_ATTRIBUTE, SDPA, AttentionPaths, KernelMask
+from hfaccel.attention import functions, sdpa
+from hfaccel.attention.masks import KernelMask
+from hfaccel.attention.paths import FLASH, PAGED, PATHS_ATTRIBUTE, SDPA, AttentionPaths
 from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.flash_attention import table_key
 from tests.devices import DEVICE
@@ -37,13 +38,13 @@ def _qkv(batch=2, heads=6, kv_heads=2, seq=37, kv_seq=None, head_dim=64, dtype=t
 ])
 def test_sdpa_computes_only_aligned_causal_calls_without_masks(mask, softcap, kv_seq, expected):
     q, k, _ = _qkv(kv_seq=kv_seq)
-    assert functions.sdpa_computes(q, k, mask, softcap) is expected
+    assert sdpa.sdpa_computes(q, k, mask, softcap) is expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_the_sdpa_route_computes_the_reference(dtype):
     q, k, v = _qkv(batch=2, heads=9, kv_heads=3, seq=41, head_dim=80, dtype=dtype)
-    out = functions.sdpa_causal(q, k, v, 0.1)
+    out = sdpa.sdpa_causal(q, k, v, 0.1)
     assert out.shape == (2, 41, 9, 80) and out.is_contiguous()
     assert_close(out, flash_attention_reference(q, k, v, scale=0.1))
 
@@ -55,14 +56,14 @@ def test_prefill_route_follows_the_tuned_table(tuned_table):
     entry = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
     tuned_table({"flash_attention": {table_key(64, 4, 600, torch.float16): dict(entry, us=9.0, sdpa_us=10.0)}})
     on_cuda = DEVICE.type == "cuda"
-    assert functions.prefill_route("auto", q, k, PLAIN, None) == FLASH  # hfaccel measured faster
+    assert sdpa.prefill_route("auto", q, k, PLAIN, None) == FLASH  # hfaccel measured faster
     tuned_table({"flash_attention": {table_key(64, 4, 600, torch.float16): dict(entry, us=11.0, sdpa_us=10.0)}})
-    assert functions.prefill_route("auto", q, k, PLAIN, None) == (SDPA if on_cuda else FLASH)
+    assert sdpa.prefill_route("auto", q, k, PLAIN, None) == (SDPA if on_cuda else FLASH)
     tuned_table({})
-    assert functions.prefill_route("auto", q, k, PLAIN, None) == (SDPA if on_cuda else FLASH)  # not measured
-    assert functions.prefill_route("triton", q, k, PLAIN, None) == FLASH
-    assert functions.prefill_route("auto", q.float(), k.float(), PLAIN, None) == FLASH
-    assert functions.prefill_route("auto", q, k, PLAIN, 5.0) == FLASH
+    assert sdpa.prefill_route("auto", q, k, PLAIN, None) == (SDPA if on_cuda else FLASH)  # not measured
+    assert sdpa.prefill_route("triton", q, k, PLAIN, None) == FLASH
+    assert sdpa.prefill_route("auto", q.float(), k.float(), PLAIN, None) == FLASH
+    assert sdpa.prefill_route("auto", q, k, PLAIN, 5.0) == FLASH
 
 
 def test_routed_calls_run_sdpa_and_are_counted(monkeypatch):
@@ -72,7 +73,7 @@ def test_routed_calls_run_sdpa_and_are_counted(monkeypatch):
     paths = AttentionPaths()
     setattr(module, PATHS_ATTRIBUTE, paths)
     monkeypatch.setattr(functions, "prefill_route",
-                        lambda backend, query, key, mask, softcap, sinks: SDPA if functions.sdpa_computes(
+                        lambda backend, query, key, mask, softcap, sinks: SDPA if sdpa.sdpa_computes(
                             query, key, mask, softcap, sinks) else FLASH)
     q, k, v = _qkv()
     out, _ = functions.auto_attention(module, q, k, v, PLAIN, scaling=0.125)

@@ -8,7 +8,7 @@ import torch
 from transformers import StaticCache
 
 import hfaccel
-from hfaccel.attention.functions import FLASH, TORCH
+from hfaccel.attention.paths import FLASH, TORCH
 from tests.models import model_cache, padded_batch, tiny_model
 from tests.speculative.host_reads import HostReads, counting
 

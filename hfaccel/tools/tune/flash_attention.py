@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import torch
 
-from hfaccel.attention.functions import sdpa_causal
+from hfaccel.attention.sdpa import sdpa_causal
 from hfaccel.kernels.flash_attention import OP, SEQ_BUCKETS, candidate_configs, flash_attention, table_key
 from hfaccel.tools.bench.timing import time_ms
 from hfaccel.tools.tune._measure import fastest
