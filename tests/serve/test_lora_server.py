@@ -102,7 +102,8 @@ def test_an_unknown_model_is_a_404(server):
 
 
 def test_lora_options_are_checked_before_any_model_loads():
-    from hfaccel.tools.cli import build_parser, lora_adapters, main
+    from hfaccel.tools.cli import build_parser, main
+    from hfaccel.tools.serving import lora_adapters
 
     def parse(*options):
         return build_parser().parse_args(["serve", "base", *options])

@@ -418,7 +418,8 @@ def test_serve_loads_quantized_models(model_dir, tmp_path):
     import torch
 
     import hfaccel
-    from hfaccel.tools.cli import build_parser, load_for_serving
+    from hfaccel.tools.cli import build_parser
+    from hfaccel.tools.serving import load_for_serving
 
     args = build_parser().parse_args(["serve", str(model_dir), "--quantize", "rtn", "--group-size", "32"])
     model, tokenizer = load_for_serving(args, torch.device("cpu"), torch.float32)
