@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hfaccel.kv import BlockManager, CacheFullError, DeviceBlockTables
-from hfaccel.kv import pool as pool_module
+from hfaccel.kv import device_tables as device_tables_module
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -178,7 +178,7 @@ def test_device_tables_send_only_what_changed(monkeypatch):
     """An append-only step sends only the new blocks; a copy-on-write or a crop, the sequence's whole table; a
     sequence id used again after being freed gets its new table; a step longer than a sequence holds is refused."""
     sent = []
-    monkeypatch.setattr(pool_module, "to_device", lambda values, *args: sent.append(len(values)) or
+    monkeypatch.setattr(device_tables_module, "to_device", lambda values, *args: sent.append(len(values)) or
                         torch.tensor(values, dtype=torch.int64))
     manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
     tables = DeviceBlockTables(manager, 8, torch.device("cpu"), rows=1)
