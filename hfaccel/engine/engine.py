@@ -32,14 +32,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
-from hfaccel.distributed import check_sharding, follow, tensor_parallel, tp_runner
-from hfaccel.engine.kv_budget import KVBudget, plan_kv_cache
+from hfaccel.distributed import TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel, tp_runner
+from hfaccel.engine.kv_budget import plan_kv_cache
 from hfaccel.engine.media import MediaInputs, is_processor, media_token_ids, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
@@ -63,7 +63,7 @@ Prompt = str | Sequence[int] | Sequence[dict] | dict
 _log = logging.getLogger("hfaccel")
 
 
-class Engine:
+class Engine(TPRole):
     """Continuous-batching generation engine over a Hugging Face causal LM.
 
     Args:
@@ -170,7 +170,7 @@ class Engine:
                 self.runner = ModelRunner(model, pool)
                 self.runner.lora = None if self.loras is None else self.loras.context
             else:
-                self.kv_budget = _agreed_budget(self.tp, self.kv_budget)
+                self.kv_budget = agreed_budget(self.tp, self.kv_budget)
                 self.runner, self._channel = tp_runner(
                     model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                     max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
@@ -188,7 +188,7 @@ class Engine:
                                                  compile=compiles(compile, self.runner.device))
             graphs = self.runner.graphs
             if self.tp is not None:
-                _agree_on_static_steps(self.tp, graphs)
+                agree_on_static_steps(self.tp, graphs)
             if graphs is not None and (graphs.compiled or graphs.capture):
                 _warm_up(graphs)
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
@@ -205,31 +205,6 @@ class Engine:
             if self.loras is not None:
                 self.loras.undo()
             raise
-
-    # ------------------------------------------------------------------------------- tensor parallelism
-    @property
-    def is_leader(self) -> bool:
-        """Whether this process takes requests: always on one process; under tensor parallelism, TP rank 0."""
-        return self.tp is None or self.tp.is_leader
-
-    def follow(self) -> int:
-        """Run rank 0's forwards on this rank (a TP rank other than 0) until rank 0 calls :meth:`shutdown`;
-        returns how many ran."""
-        if self.is_leader:
-            raise RuntimeError("Engine.follow() is for the TP ranks other than 0; this process is the leader (it "
-                               "takes the requests: generate, add_request, stream...)")
-        return follow(self.runner, self._channel)
-
-    def shutdown(self) -> None:
-        """Stop the follower ranks (rank 0 under tensor parallelism; once; a no-op otherwise)."""
-        if self._channel is not None and self.is_leader:
-            self._channel.send_stop()
-            self._channel = None
-
-    def _need_leader(self, what: str) -> None:
-        if not self.is_leader:
-            raise RuntimeError(f"Engine.{what}: rank {self.tp.rank} of {self.tp.size} follows TP rank 0, which takes "
-                               "every request; call engine.follow() on this rank")
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
@@ -1058,25 +1033,6 @@ def _use_hfaccel_attention(model) -> None:
     check_served(model, "hfaccel.Engine")
     if not uses_hfaccel_attention(model):
         set_hfaccel_attention(model)
-
-
-def _agreed_budget(tp, budget: KVBudget) -> KVBudget:
-    """The pool every TP rank reserves: the smallest any rank planned (rank 0's block ids index every rank's pool)."""
-    blocks = tp.min_over_ranks(budget.num_blocks)
-    if blocks == budget.num_blocks:
-        return budget
-    return replace(budget, num_blocks=blocks, reason=f"{budget.reason}; the smallest of the {tp.size} TP ranks'")
-
-
-def _agree_on_static_steps(tp, graphs) -> None:
-    """Under tensor parallelism every rank must run the same static steps (the collectives inside them pair up): a
-    clear error on every rank when their settings differ; then each capture's verdict is every rank's."""
-    mine = 0 if graphs is None else 1 + 2 * graphs.compiled + 4 * graphs.capture
-    if tp.min_over_ranks(mine) != -tp.min_over_ranks(-mine):
-        raise ValueError("hfaccel.Engine under tensor parallelism: the ranks' decode steps differ (cuda_graphs, "
-                         "compile or the device); build the engine with the same arguments on every rank")
-    if graphs is not None:
-        graphs.agree = lambda captured: tp.min_over_ranks(int(captured)) == 1
 
 
 def _is_single_prompt(prompts) -> bool:
