@@ -29,7 +29,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,14 +39,14 @@ from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel, tp_runner
 from hfaccel.engine.kv_budget import plan_kv_cache
+from hfaccel.engine.lora_admin import LoRAAdmin
 from hfaccel.engine.media import MediaInputs, is_processor, media_token_ids, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
 from hfaccel.kv.fp8 import KVScales, resolve_kv_cache_dtype
-from hfaccel.kv.hf_cache import paged_reader_backend
-from hfaccel.lora import LoRAAdapter, LoRAManager
+from hfaccel.lora import LoRAAdapter
 from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.multimodal import EncoderCache, MediaOffsets, prefill_sequence
@@ -63,7 +62,7 @@ Prompt = str | Sequence[int] | Sequence[dict] | dict
 _log = logging.getLogger("hfaccel")
 
 
-class Engine(TPRole):
+class Engine(TPRole, LoRAAdmin):
     """Continuous-batching generation engine over a Hugging Face causal LM.
 
     Args:
@@ -140,11 +139,7 @@ class Engine(TPRole):
         _use_hfaccel_attention(model)
         self._closed = False
         # LoRA layers first: their slots take memory the KV budget must see (and nothing changes if one is bad)
-        self.loras = None if lora_adapters is None else LoRAManager(
-            model, lora_adapters, max_loras=max_loras, max_rank=max_lora_rank, target_modules=lora_target_modules,
-            backend=paged_reader_backend(model.config) or "auto")
-        if self.loras is not None:
-            weakref.finalize(self, self.loras.close)  # the model's own layers back even without close()
+        self._serve_loras(model, lora_adapters, max_loras, max_lora_rank, lora_target_modules)
         try:
             self.model = model
             self.processor = tokenizer if is_processor(tokenizer) else None  # takes prompts with images
@@ -227,9 +222,7 @@ class Engine(TPRole):
         else:
             prepared = self.prepare_prompt(prompt, params or SamplingParams(), lora=lora)
         text, prompt_ids, params = prepared.text, list(prepared.prompt_ids), prepared.params
-        if prepared.lora is not None and (self.loras is None or not self.loras.is_registered(prepared.lora)):
-            raise ValueError(f"the LoRA adapter {prepared.lora.name!r} was removed from this engine after the request "
-                             "was prepared")
+        self._check_registered(prepared.lora)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -299,46 +292,6 @@ class Engine(TPRole):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
-
-    # ------------------------------------------------------------------------------------------ LoRA adapters
-    def lora_adapter(self, name: str | None) -> LoRAAdapter | None:
-        """The LoRA adapter served as ``name`` (None: the base model), or a ValueError naming those there are."""
-        if name is None:
-            return None
-        if not isinstance(name, str):
-            raise ValueError(f"lora must be the name of a LoRA adapter (a string) or None; got {type(name).__name__}")
-        if self.loras is None:
-            raise ValueError(f"this engine serves no LoRA adapters (lora={name!r}); make it with "
-                             "Engine(..., lora_adapters={name: path}) (or lora_adapters={} and add_lora later)")
-        return self.loras.get(name)
-
-    def add_lora(self, name: str, path: str | os.PathLike) -> None:
-        """Serve the PEFT LoRA adapter at ``path`` as ``name`` from now on (read and checked here: a ValueError says
-        what does not fit, and changes nothing). Needs an engine made with ``lora_adapters`` (``{}`` will do)."""
-        self._lora_manager("add_lora").add(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        """Stop serving the adapter ``name``. Refused (ValueError) while unfinished requests use it: abort them or
-        let them finish first. Requests already prepared for it but not yet added are refused when added."""
-        manager = self._lora_manager("remove_lora")
-        adapter = manager.get(name)
-        users = [request.request_id for request in self.requests.values()
-                 if request.lora is adapter and not request.finished]
-        if users:
-            raise ValueError(f"the LoRA adapter {name!r} is in use by {len(users)} unfinished request(s) "
-                             f"({', '.join(users[:5])}{', ...' if len(users) > 5 else ''}); abort them or let them "
-                             "finish, then remove it")
-        manager.remove(name)
-
-    def list_loras(self) -> list[str]:
-        """The names of the LoRA adapters served (empty without LoRA)."""
-        return [] if self.loras is None else self.loras.names()
-
-    def _lora_manager(self, what: str) -> LoRAManager:
-        if self.loras is None:
-            raise ValueError(f"Engine.{what}: this engine was made without LoRA; make it with "
-                             "Engine(..., lora_adapters={...}) ({} to add adapters later)")
-        return self.loras
 
     def close(self) -> None:
         """Give the model back as it came: every request aborted, the LoRA layers unwrapped, the KV pool and decode
