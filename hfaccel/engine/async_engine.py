@@ -22,7 +22,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from hfaccel.engine.engine import DeltaTracker, Engine, PreparedPrompt, Prompt
+from hfaccel.engine.deltas import DeltaTracker
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.inputs import PreparedPrompt, Prompt
 from hfaccel.engine.outputs import RequestFailed, RequestOutput
 from hfaccel.engine.scheduler import Request
 from hfaccel.sampling import SamplingParams

@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,30 +34,29 @@ from dataclasses import dataclass
 
 import torch
 
-from hfaccel.attention import is_image_text_to_text, set_hfaccel_attention, uses_hfaccel_attention
+from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device, to_device
 from hfaccel.distributed import TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel, tp_runner
+from hfaccel.engine.deltas import DeltaTracker, error_output, snapshot
+from hfaccel.engine.inputs import Intake, PreparedPrompt, Prompt, per_prompt
 from hfaccel.engine.kv_budget import plan_kv_cache
 from hfaccel.engine.lora_admin import LoRAAdmin
-from hfaccel.engine.media import MediaInputs, is_processor, media_token_ids, process, processed_media
-from hfaccel.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, empty_prompt_logprobs
+from hfaccel.engine.media import MediaInputs, is_processor
+from hfaccel.engine.outputs import RequestOutput
+from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
 from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
 from hfaccel.kv import KVPool
 from hfaccel.kv.fp8 import KVScales, resolve_kv_cache_dtype
 from hfaccel.lora import LoRAAdapter
-from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
+from hfaccel.sampling.structured import AfterReasoning, Constraint, apply_masks
 from hfaccel.runner import ModelRunner, compiles
 from hfaccel.runner.multimodal import EncoderCache, MediaOffsets, prefill_sequence
 from hfaccel.runner.runner import packed_token_limit
 from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
-    IncrementalDetokenizer, InvalidSamplingParams, SampledTokens, SampleRow, SamplingParams, StopChecker, TokenCounts,
-    TokenLogprob, draws_in_step, eos_token_ids, sample,
+    SampledTokens, SampleRow, SamplingParams, TokenCounts, TokenLogprob, draws_in_step, eos_token_ids, sample,
 )
 
-# a text prompt, token ids, chat messages, or (image-text-to-text models) {"prompt": text or messages, "images": [...]}
-Prompt = str | Sequence[int] | Sequence[dict] | dict
 _log = logging.getLogger("hfaccel")
 
 
@@ -177,6 +175,9 @@ class Engine(TPRole, LoRAAdmin):
                                        max_num_batched_tokens=max_num_batched_tokens, loras=self.loras,
                                        media_offsets=self.media_offsets)
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
+            self.intake = Intake(model, self.processor, self.tokenizer, pool, vocab_size=self.vocab_size,
+                                 max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                 eos_token_ids=self.eos_token_ids, tp=self.tp)
             on_cuda = self.runner.device.type == "cuda"
             if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
                 self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
@@ -190,10 +191,7 @@ class Engine(TPRole, LoRAAdmin):
             self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
-            self._seq_ids = itertools.count()
             self.host_times = HostTimes(self.runner)
-            self._grammar_cache: Grammars | None = None  # structured outputs' compiled grammars (on first use)
-            self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
             self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
             self.encoder_cache = EncoderCache()  # the vision encoder's outputs of recent requests' images
         except BaseException:  # a start that fails leaves the model's layers as they were
@@ -221,37 +219,23 @@ class Engine(TPRole, LoRAAdmin):
             prepared = prompt
         else:
             prepared = self.prepare_prompt(prompt, params or SamplingParams(), lora=lora)
-        text, prompt_ids, params = prepared.text, list(prepared.prompt_ids), prepared.params
         self._check_registered(prepared.lora)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, text, prompt_ids, params,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()),
-                          lora=prepared.lora, media=prepared.media)
-        request.prompt_logprobs = empty_prompt_logprobs(request)
-        request.seqs.append(self._new_sequence(request, 0, list(prompt_ids)))
-        request.forked = params.n == 1
-        self.requests[request_id] = request
+        request = self.requests[request_id] = self.intake.request(request_id, prepared, arrival_time)
         self.scheduler.add(request.seqs[0])
         return request_id
 
     def prepare_prompt(self, prompt: Prompt, params: SamplingParams, *, lora: str | None = None) -> PreparedPrompt:
         """The request checked and tokenized once (what :meth:`add_request` queues without checking again), or a
         ValueError saying why it cannot be served (``lora``: the name of its LoRA adapter, None for the base)."""
-        adapter = self.lora_adapter(lora)
-        self.check_params(params)
-        if _has_images(prompt):
-            text, ids, media = self.process_prompt(prompt)
-            return self.prepared(text, ids, params, params_checked=True, lora=adapter, media=media)
-        return self.prepared(*self.tokenize_prompt(prompt), params, params_checked=True, lora=adapter)
+        return self.intake.prepare_prompt(prompt, params, self.lora_adapter(lora))
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a prompt this engine can hold, or a ValueError saying why not. Thread-safe
         (a server runs it off its event loop)."""
-        text, prompt_ids = self._tokenize(prompt)
-        self._check_prompt(prompt_ids)
-        return text, prompt_ids
+        return self.intake.tokenize_prompt(prompt)
 
     def prepared(self, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
                  params_checked: bool = False, lora: str | LoRAAdapter | None = None,
@@ -260,25 +244,23 @@ class Engine(TPRole, LoRAAdmin):
         gave, ``params`` checked (unless they were), run through the LoRA adapter ``lora`` (a name, or the adapter
         :meth:`lora_adapter` gave; None: the base)."""
         adapter = lora if isinstance(lora, LoRAAdapter) else self.lora_adapter(lora)
-        if not params_checked:
-            self.check_params(params)
-        self.check_media(media, params, adapter)
-        if media is not None:
-            media = media.located(prompt_ids, media_token_ids(self.model.config))
-        return PreparedPrompt(text, tuple(prompt_ids), params, adapter, media)
+        return self.intake.prepared(text, prompt_ids, params, adapter, media, params_checked=params_checked)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise :class:`~hfaccel.sampling.InvalidSamplingParams` (a ValueError) if this engine cannot serve
         ``params``: every value within what this model's vocabulary and the engine's limits hold. A request is
         checked here before it can join a batch, so a bad value never fails a step."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be hfaccel.SamplingParams; got {type(params).__name__}")
-        params.validate(self.vocab_size)
-        if params.structured_outputs is not None:
-            self._grammars().compile(params.structured_outputs)  # a spec that does not compile: ValueError now
-        if params.n > self.scheduler.max_num_seqs:
-            raise InvalidSamplingParams("n", f"n={params.n} completions cannot run at once: the engine runs at "
-                                             f"most max_num_seqs={self.scheduler.max_num_seqs} sequences")
+        self.intake.check_params(params)
+
+    def process_prompt(self, prompt: Prompt, **template) -> tuple[str | None, list[int], MediaInputs | None]:
+        """(prompt text, token ids, multimodal inputs or None) of a prompt with images (or chat messages), by the
+        engine's processor (``template``: chat-template arguments), or a ValueError saying why it cannot be served.
+        Thread-safe (a server runs it off its event loop)."""
+        return self.intake.process_prompt(prompt, **template)
+
+    def check_media(self, media: MediaInputs | None, params: SamplingParams, adapter: LoRAAdapter | None) -> None:
+        """ValueError for what a request with images cannot have yet (a no-op without images)."""
+        self.intake.check_media(media, params, adapter)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -372,22 +354,16 @@ class Engine(TPRole, LoRAAdmin):
         ``lora``: one LoRA adapter name for every prompt, or one per prompt (None: the base model); a name the
         engine does not serve raises ValueError before anything runs.
         """
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} LoRA adapter names for {len(prompts)} prompts")
-        for name in set(loras):
+        batch = per_prompt(prompts, params, lora)
+        for name in {name for _, _, name in batch}:
             self.lora_adapter(name)  # an unknown name: nothing admitted
         ids: list[str | RequestOutput] = []
         try:
-            for prompt, param, name in zip(prompts, params, loras):
+            for prompt, param, name in batch:
                 try:
                     ids.append(self.add_request(prompt, param, lora=name))
                 except ValueError as error:
-                    ids.append(_error_output(prompt, error))
+                    ids.append(error_output(prompt, error))
             while self.has_unfinished_requests():
                 self.step_requests()
             return [self.snapshot(self.requests[i]) if isinstance(i, str) else i for i in ids]
@@ -423,17 +399,7 @@ class Engine(TPRole, LoRAAdmin):
     # ------------------------------------------------------------------------------------------- state
     def snapshot(self, request: Request) -> RequestOutput:
         """The request's outputs so far (text held back where a stop string might still begin)."""
-        outputs = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            out = seq.output
-            finished = out.finish_reason is not None
-            text = seq.detokenizer.stable_text(finished) if seq.detokenizer is not None else ""
-            outputs.append(CompletionOutput(out.index, text, list(out.token_ids),
-                                            None if out.logprobs is None else list(out.logprobs),
-                                            out.finish_reason, out.stop_reason))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.error, request.metrics,
-                             None if request.prompt_logprobs is None else list(request.prompt_logprobs))
+        return snapshot(request)
 
     def stats(self) -> dict[str, int | str]:
         """Requests and KV blocks now, the KV memory reserved, and how decode steps run (``decode_steps``:
@@ -639,7 +605,7 @@ class Engine(TPRole, LoRAAdmin):
             seq, request = chunk.seq, chunk.seq.request
             family = [seq]
             if not request.forked:
-                family += [self._new_sequence(request, index, list(seq.token_ids))
+                family += [self.intake.new_sequence(request, index, list(seq.token_ids))
                            for index in range(1, request.params.n)]
                 children += [(seq, child) for child in family[1:]]
             targets += family
@@ -673,18 +639,11 @@ class Engine(TPRole, LoRAAdmin):
                                   counter=counter, stream=seq.index, key=seq.seq_id, banned=banned))
         return rows
 
-    def _grammars(self) -> Grammars:
-        """The compiled grammars of this engine's tokenizer (made on the first structured request)."""
-        with self._grammar_lock:  # one vocabulary index, however many threads ask first
-            if self._grammar_cache is None:
-                self._grammar_cache = Grammars(self.tokenizer, self.vocab_size)
-        return self._grammar_cache
-
     def _constraint(self, seq: Seq) -> Constraint | AfterReasoning | None:
         """The sequence's place in its grammar (None: unconstrained); made at its first draw."""
         spec = seq.request.params.structured_outputs
         if spec is not None and seq.constraint is None:
-            seq.constraint = self._grammars().constraint(spec)
+            seq.constraint = self.intake.grammars().constraint(spec)
         return seq.constraint
 
     def _register_fork(self, parent: Seq, child: Seq) -> None:
@@ -783,100 +742,6 @@ class Engine(TPRole, LoRAAdmin):
         if seq.request.finished:
             seq.request.metrics.finished_time = time.perf_counter()
 
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Seq:
-        params = request.params
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                                 params.skip_special_tokens)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        budget = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)  # or the context ends it
-        stopper = StopChecker(stop_ids, detokenizer, budget, params.min_tokens)
-        output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        # the completion's stream: the request's seed with its index (SampleRow.stream)
-        return Seq(next(self._seq_ids), request, index, token_ids, output, stopper, params.seed)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            self._need_tokenizer("text prompts")
-            check_text(prompt, "the prompt")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            if self.processor is not None:  # a multimodal model's chat template is its processor's
-                text, ids, _ = self.process_prompt(prompt)
-                return text, ids
-            self._need_tokenizer("chat messages")
-            for i, message in enumerate(prompt):
-                for key, value in message.items():
-                    if isinstance(value, str):
-                        check_text(value, f"message {i}'s {key!r}")
-            try:
-                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            except Exception as error:  # jinja2 template errors ("roles must alternate", ...)
-                raise ValueError(f"the tokenizer's chat template rejected the messages: {error}") from None
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return None, [int(t) for t in ids]
-        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
-            prompt = prompt.tolist()
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a list of chat messages (dicts); got "
-                         f"{type(prompt).__name__}")
-
-    def process_prompt(self, prompt: Prompt, **template) -> tuple[str | None, list[int], MediaInputs | None]:
-        """(prompt text, token ids, multimodal inputs or None) of a prompt with images (or chat messages), by the
-        engine's processor (``template``: chat-template arguments), or a ValueError saying why it cannot be served.
-        Thread-safe (a server runs it off its event loop)."""
-        processed = isinstance(prompt, dict) and "prompt_token_ids" in prompt
-        if not is_image_text_to_text(self.model) or self.processor is None and not processed:
-            raise ValueError("prompts with images need an image-text-to-text model and its processor "
-                             "(Engine(model, processor)); this engine has "
-                             + ("no processor" if self.processor is None else f"a {type(self.model).__name__}"))
-        if processed:
-            if sorted(prompt) != ["multimodal_inputs", "prompt_token_ids"]:
-                raise ValueError(f"a processed prompt dict has the keys 'prompt_token_ids' and 'multimodal_inputs'; "
-                                 f"got {sorted(prompt)}")
-            text, ids, media = None, self._tokenize(prompt["prompt_token_ids"])[1], processed_media(
-                prompt["multimodal_inputs"])
-        elif isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "images"})
-            if unknown or "prompt" not in prompt:
-                raise ValueError(f"a prompt dict has the keys 'prompt' and 'images'; got {sorted(prompt)}")
-            text, ids, media = process(self.processor, prompt["prompt"], prompt.get("images"), **template)
-        else:
-            text, ids, media = process(self.processor, prompt, None, **template)
-        self._check_prompt(ids)
-        return text, ids, media
-
-    def check_media(self, media: MediaInputs | None, params: SamplingParams, adapter: LoRAAdapter | None) -> None:
-        """ValueError for what a request with images cannot have yet (a no-op without images)."""
-        if media is None:
-            return
-        refused = {"a LoRA adapter": adapter is not None, "prompt_logprobs": params.prompt_logprobs is not None,
-                   "tensor parallelism": self.tp is not None,
-                   "a model whose layers keep recurrent state": self.runner.pool.states is not None}
-        refused = [what for what, present in refused.items() if present]
-        if refused:
-            raise ValueError(f"requests with images are not supported with {', '.join(refused)} yet")
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got values from {min(ids)} to "
-                             f"{max(ids)}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                             f"(prompt + at least one new token must fit)")
-        manager = self.scheduler.manager
-        if manager.blocks_needed(len(ids) + 1) > manager.num_blocks:
-            raise ValueError(f"the prompt needs {manager.blocks_needed(len(ids) + 1)} KV blocks; the pool has "
-                             f"{manager.num_blocks} in all")
-
-    def _need_tokenizer(self, what: str) -> None:
-        if self.tokenizer is None:
-            raise ValueError(f"{what} need the engine's tokenizer (Engine(model, tokenizer)); give token ids "
-                             f"instead")
 
 
 @dataclass
@@ -934,53 +799,6 @@ class _Launched:
         return torch.where(index >= 0, self.sampled.tokens[index.clamp(min=0)], -1)
 
 
-class DeltaTracker:
-    """What is new in one request since the last call: new text and tokens per completion (read from the
-    live request, so the cost follows the new tokens, not the output's length)."""
-
-    def __init__(self):
-        self.text: dict[int, int] = {}
-        self.tokens: dict[int, int] = {}
-        self.done: set[int] = set()
-        self.prompt_sent = False
-
-    def delta(self, request: Request) -> RequestOutput | None:
-        outputs = [delta for seq in sorted(request.seqs, key=lambda s: s.index)
-                   if (delta := self._completion_delta(seq)) is not None]
-        prompt = self._prompt_logprobs(request)
-        if not outputs and not request.finished and prompt is None:
-            return None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.error, request.metrics, prompt)
-
-    def _prompt_logprobs(self, request: Request) -> list | None:
-        """The request's prompt logprobs the first time they are all known (the first token's is always None)."""
-        known = request.prompt_logprobs
-        if self.prompt_sent or known is None or any(entry is None for entry in known[1:]):
-            return None
-        self.prompt_sent = True
-        return list(known)
-
-    def _completion_delta(self, seq: Seq) -> CompletionOutput | None:
-        out = seq.output
-        if out.index in self.done:
-            return None
-        finished = out.finish_reason is not None
-        detokenizer = seq.detokenizer
-        end = detokenizer.stable_length(finished) if detokenizer is not None else 0
-        text_at, token_at = self.text.get(out.index, 0), self.tokens.get(out.index, 0)
-        if end == text_at and len(out.token_ids) == token_at and not finished:
-            return None
-        text = detokenizer.text[text_at:end] if detokenizer is not None else ""
-        delta = CompletionOutput(out.index, text, out.token_ids[token_at:],
-                                 None if out.logprobs is None else out.logprobs[token_at:], out.finish_reason,
-                                 out.stop_reason)
-        self.text[out.index], self.tokens[out.index] = end, len(out.token_ids)
-        if finished:
-            self.done.add(out.index)
-        return delta
-
-
 def _use_hfaccel_attention(model) -> None:
     """Put the model on hfaccel's attention (the runner's packed forwards need it), or say why it cannot be."""
     check_served(model, "hfaccel.Engine")
@@ -988,54 +806,9 @@ def _use_hfaccel_attention(model) -> None:
         set_hfaccel_attention(model)
 
 
-def _is_single_prompt(prompts) -> bool:
-    if isinstance(prompts, (str, dict)) or isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
-        return True
-    if isinstance(prompts, (list, tuple)) and prompts:
-        first = prompts[0]
-        return isinstance(first, int) or isinstance(first, dict) and "role" in first  # chat messages
-    return False
-
-
-def check_text(text: str, what: str) -> None:
-    """ValueError if ``text`` is not valid Unicode (a lone surrogate, as JSON's "\\ud800" escapes can make)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"{what} is not valid Unicode text: {error.reason} {text[error.start:error.end]!r} at "
-                         f"character {error.start}") from None
-
-
-def _error_output(prompt, error: Exception) -> RequestOutput:
-    return RequestOutput("", prompt if isinstance(prompt, str) else None, [],
-                         [CompletionOutput(0, finish_reason="error")], finished=True, error=str(error))
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A request checked against an engine and tokenized (:meth:`Engine.prepare_prompt`): the engine queues it
-    without checking or tokenizing it again."""
-
-    text: str | None
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    lora: LoRAAdapter | None = None  # the LoRA adapter it runs through (None: the base model)
-    media: MediaInputs | None = None  # its images' inputs (an image-text-to-text model's processor made them)
-
-
 def _prefills_images(chunk: ScheduledChunk) -> bool:
     """Whether a chunk computes a prompt with images (from its first token: the multimodal prefill)."""
     return chunk.seq.request.media is not None and chunk.start == 0
-
-
-def _has_images(prompt) -> bool:
-    """Whether a prompt brings images: a ``{"prompt", "images"}`` dict, or chat messages with image parts."""
-    if isinstance(prompt, dict):
-        return True
-    return isinstance(prompt, (list, tuple)) and any(
-        isinstance(message, dict) and isinstance(message.get("content"), list)
-        and any(isinstance(part, dict) and part.get("type") == "image" for part in message["content"])
-        for message in prompt)
 
 
 def _warm_up(graphs) -> None:

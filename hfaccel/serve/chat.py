@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hfaccel.engine.engine import check_text
+from hfaccel.engine.inputs import check_text
 from hfaccel.engine.media import MediaInputs
 from hfaccel.serve.reasoning import ReasoningStream, reasoning_mode, split_reasoning
 from hfaccel.serve.tools import Tool, ToolCall, ToolParser, ToolStream, constrained_calls

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from hfaccel.engine import CompletionOutput
-from hfaccel.engine.engine import check_text
+from hfaccel.engine.inputs import check_text
 from hfaccel.serve.config import ServerState
 from hfaccel.serve.engine_calls import run_call
 from hfaccel.serve.errors import APIError, quoted

@@ -19,7 +19,7 @@ def counted():
     model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
     engine = Engine(model, char_tokenizer(), max_num_seqs=4, num_blocks=64, block_size=4)
     calls = {"tokenize": [], "check_params": 0}
-    tokenize, check = engine._tokenize, engine.check_params
+    tokenize, check = engine.intake.tokenize, engine.intake.check_params
 
     def counting_tokenize(prompt):
         calls["tokenize"].append(threading.get_ident())
@@ -29,7 +29,7 @@ def counted():
         calls["check_params"] += 1
         return check(params)
 
-    engine._tokenize, engine.check_params = counting_tokenize, counting_check
+    engine.intake.tokenize, engine.intake.check_params = counting_tokenize, counting_check
     async_engine = AsyncEngine(engine)
     yield async_engine, calls
     async_engine.shutdown()
