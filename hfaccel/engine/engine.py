@@ -44,7 +44,7 @@ from hfaccel.engine.lora_admin import LoRAAdmin
 from hfaccel.engine.media import MediaInputs, is_processor
 from hfaccel.engine.outputs import RequestOutput
 from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
-from hfaccel.engine.scheduler import PENDING, Request, ScheduledChunk, Scheduler, Sequence as Seq, Status
+from hfaccel.engine.scheduler import Request, ScheduledChunk, Scheduler, Sequence as Seq, Status, StepOutput
 from hfaccel.kv import KVPool
 from hfaccel.kv.fp8 import KVScales, resolve_kv_cache_dtype
 from hfaccel.lora import LoRAAdapter
@@ -54,7 +54,7 @@ from hfaccel.runner.multimodal import EncoderCache, MediaOffsets, prefill_sequen
 from hfaccel.runner.runner import packed_token_limit
 from hfaccel.runner.support import check_served
 from hfaccel.sampling import (
-    SampledTokens, SampleRow, SamplingParams, TokenCounts, TokenLogprob, draws_in_step, eos_token_ids, sample,
+    SampledTokens, SampleRow, SamplingParams, TokenCounts, draws_in_step, eos_token_ids, sample,
 )
 
 _log = logging.getLogger("hfaccel")
@@ -170,14 +170,6 @@ class Engine(TPRole, LoRAAdmin):
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
                 pool = self.runner.pool
             _log.info("hfaccel Engine: %s", self.kv_budget)
-            self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
-            self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, loras=self.loras,
-                                       media_offsets=self.media_offsets)
-            self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
-            self.intake = Intake(model, self.processor, self.tokenizer, pool, vocab_size=self.vocab_size,
-                                 max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                 eos_token_ids=self.eos_token_ids, tp=self.tp)
             on_cuda = self.runner.device.type == "cuda"
             if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
                 self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
@@ -188,11 +180,19 @@ class Engine(TPRole, LoRAAdmin):
             if graphs is not None and (graphs.compiled or graphs.capture):
                 _warm_up(graphs)
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
+            self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
+            self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
+            self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens, loras=self.loras,
+                                       media_offsets=self.media_offsets, release=self._token_counts.release)
+            self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
+            self.intake = Intake(model, self.processor, self.tokenizer, pool, vocab_size=self.vocab_size,
+                                 max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                 eos_token_ids=self.eos_token_ids, tp=self.tp)
             self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
             self.host_times = HostTimes(self.runner)
-            self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
             self.encoder_cache = EncoderCache()  # the vision encoder's outputs of recent requests' images
         except BaseException:  # a start that fails leaves the model's layers as they were
             if self.loras is not None:
@@ -267,9 +267,7 @@ class Engine(TPRole, LoRAAdmin):
         request = self.requests.get(str(request_id))
         if request is None or request.finished:
             return False
-        for seq in request.seqs:
-            if seq.status is not Status.FINISHED:
-                self._finish(seq, "abort")
+        self.scheduler.finish_request(request, "abort")
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -310,12 +308,8 @@ class Engine(TPRole, LoRAAdmin):
         self._collect_all_but(1 if overlap else 0, touched)  # a step with prefill work sees the last one's tokens
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        for seq in plan.out_of_blocks:  # alone in the pool and out of blocks: the pool is the limit
-            if seq.num_pending:
-                seq.finishing = True  # ends when its token in flight arrives
-            else:
-                self._finish(seq, "length")
-                touched[seq.request.request_id] = seq.request
+        for request in self.scheduler.end_out_of_blocks(plan):
+            touched[request.request_id] = request
         launched = None
         scheduled = time.perf_counter()
         self.host_times.scheduling += scheduled - start
@@ -335,14 +329,10 @@ class Engine(TPRole, LoRAAdmin):
 
     def _overlaps(self) -> bool:
         """Whether this step is launched before the previous one is collected: with asynchronous scheduling, in
-        the decode steady state only — no request waiting, no prompt still being computed. A step with prefill
-        work collects first, so its admissions see the blocks and slots just freed and a first token reaches the
-        host a step sooner (on an H100, overlapping mixed prefill + decode steps lost both throughput and TTFT;
-        overlapping pure decode steps won)."""
-        return self.async_scheduling and not self.scheduler.waiting and all(
-            seq.num_tokens - seq.num_computed <= 1 and (seq.num_pending or seq.output.token_ids)
-            and seq.request.params.structured_outputs is None  # its mask needs the last token on the host
-            for seq in self.scheduler.running)
+        the decode steady state only. A step with prefill work collects first, so its admissions see the blocks and
+        slots just freed and a first token reaches the host a step sooner (overlapping mixed prefill + decode steps
+        lost both throughput and TTFT; overlapping pure decode steps won)."""
+        return self.async_scheduling and self.scheduler.decoding_only()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
                  None = None, *, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
@@ -439,7 +429,7 @@ class Engine(TPRole, LoRAAdmin):
                 self._recompute_states(chunks)
                 raise
         for request, error in failures.items():
-            self._fail(request, error)
+            self.scheduler.fail(request, error)
             touched[request.request_id] = request
         rest = [chunk for chunk in chunks if chunk.seq.request not in failures]
         if self.runner.pool.states is not None:
@@ -473,13 +463,6 @@ class Engine(TPRole, LoRAAdmin):
                 failures[request] = error
         return failures
 
-    def _fail(self, request: Request, error: Exception) -> None:
-        """End a request whose part of a step raised: its completions finish with "error", blocks freed."""
-        request.error = f"the engine failed this request: {type(error).__name__}: {error}"
-        for seq in request.seqs:
-            if seq.status is not Status.FINISHED:
-                self._finish(seq, "error")
-
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         """Queue one packed forward of the chunks and the sampling of every sequence whose last token it
         computes; the step counts (computed tokens, forks, pending tokens) only once nothing can fail."""
@@ -506,7 +489,7 @@ class Engine(TPRole, LoRAAdmin):
         for parent, child in children:
             self._register_fork(parent, child)
         for seq in targets:
-            self._add_pending(seq)
+            seq.add_pending()
         return _Launched(chunks, targets, sampled, prompt)
 
     def _forward(self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None,
@@ -653,13 +636,6 @@ class Engine(TPRole, LoRAAdmin):
         parent.request.seqs.append(child)
         self.scheduler.add_running(child)
 
-    def _add_pending(self, seq: Seq) -> None:
-        """Hold the slot of a token sampled on the device; the host fills it in at ``_collect``."""
-        seq.token_ids.append(PENDING)
-        seq.num_pending += 1
-        if len(seq.output.token_ids) + seq.num_pending >= seq.stopper.max_tokens:
-            seq.finishing = True
-
     def _collect_all_but(self, keep: int, touched: dict[str, Request]) -> None:
         """Collect the oldest launched steps until ``keep`` remain. A step leaves the queue only once
         collected, so a wait that raised (an interrupt, an error surfacing from the device) is retried."""
@@ -668,8 +644,8 @@ class Engine(TPRole, LoRAAdmin):
             self._in_flight.popleft()
 
     def _collect(self, launched: _Launched, touched: dict[str, Request]) -> None:
-        """A launched step's results on the host: computed blocks registered, sampled tokens filled in and
-        checked for stops (the host waits here for the device, once per step)."""
+        """A launched step's results on the host (the host waits here for the device, once per step), taken by the
+        scheduler: computed blocks registered, sampled tokens filled in and checked for stops."""
         if not any(seq.status is not Status.FINISHED for seq in launched.sequences()):
             return  # all stopped or aborted meanwhile: nothing to wait for
         start = time.perf_counter()
@@ -679,69 +655,10 @@ class Engine(TPRole, LoRAAdmin):
         collected = time.perf_counter()
         self.host_times.waiting += collected - start
         try:
-            self._take_tokens(launched, tokens, logprobs, touched)
+            for request in self.scheduler.update(StepOutput(launched.chunks, launched.targets, tokens, logprobs)):
+                touched[request.request_id] = request
         finally:
             self.host_times.detokenizing += time.perf_counter() - collected
-
-    def _take_tokens(self, launched: _Launched, tokens: list[int], logprobs: list[TokenLogprob | None],
-                     touched: dict[str, Request]) -> None:
-        """The host's part of collecting a step: computed blocks registered, each sampled token filled in,
-        checked for stops and detokenized."""
-        manager = self.scheduler.manager
-        for chunk in launched.chunks:
-            if chunk.seq.status is Status.RUNNING:  # not preempted, finished or aborted since
-                manager.mark_computed(chunk.seq.seq_id, chunk.start + chunk.length)
-        for seq, token, logprob in zip(launched.targets, tokens, logprobs):
-            if seq.status is Status.FINISHED:  # stopped, aborted or failed while this token was in flight
-                continue
-            touched[seq.request.request_id] = seq.request
-            try:
-                self._fill_pending(seq, token)
-                self._accept_token(seq, token, logprob)  # stop checks and detokenization
-            except Exception as error:  # this request's tokenizer or stop strings: it fails alone
-                self._fail(seq.request, error)
-                continue
-            if seq.finishing and not seq.num_pending and seq.status is not Status.FINISHED:
-                self._finish(seq, "length")
-
-    def _fill_pending(self, seq: Seq, token: int) -> None:
-        position = seq.num_known_tokens
-        seq.token_ids[position] = token
-        seq.num_pending -= 1
-        manager = self.scheduler.manager
-        if seq.status is Status.RUNNING and position < manager.seq_len(seq.seq_id):
-            manager.set_token(seq.seq_id, position, token)
-
-    def _accept_token(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
-        out, now = seq.output, time.perf_counter()
-        out.token_ids.append(token)
-        if logprob is not None:
-            out.logprobs.append(logprob)
-        metrics = seq.request.metrics
-        if seq.index == 0:
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.token_times.append(now)
-        ended = seq.stopper.check(token, len(out.token_ids))
-        if seq.constraint is not None:
-            if not seq.constraint.accept(token):
-                raise RuntimeError(f"token {token} is not allowed by the request's structured_outputs grammar")
-            if ended is None and seq.constraint.finished:
-                ended = ("stop", token)  # the grammar ended on a stop token the request's EOS list lacks
-        if ended is not None:
-            self._finish(seq, *ended)
-
-    def _finish(self, seq: Seq, reason: str, stop_reason: str | int | None = None) -> None:
-        seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
-        if seq.num_pending:  # tokens sampled past the end: dropped when they arrive
-            del seq.token_ids[-seq.num_pending:]
-            seq.num_pending = 0
-        if seq.detokenizer is not None and not isinstance(stop_reason, str) and reason != "error":
-            seq.detokenizer.flush()  # a stop string already cut the text
-        self.scheduler.finish(seq)
-        self._token_counts.release(seq.seq_id)
-        if seq.request.finished:
-            seq.request.metrics.finished_time = time.perf_counter()
-
 
 
 @dataclass

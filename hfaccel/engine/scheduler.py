@@ -19,20 +19,24 @@ their slots forever); a sequence holds a reference on its adapter's slot while i
 Its blocks are shared through the prefix cache only with sequences of the same adapter, and a prompt with images
 only with prompts of the same images (``salt``).
 
+After a step the scheduler takes its output (:meth:`Scheduler.update`): each sampled token is appended to its
+sequence, stop rules applied, and finished sequences freed at once.
+
 Plain Python over the engine's :class:`~hfaccel.kv.BlockManager`; nothing here touches tensors.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
-from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker
+from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker, TokenLogprob
 from hfaccel.sampling.structured import AfterReasoning, Constraint
 
 if TYPE_CHECKING:
@@ -86,6 +90,14 @@ class Sequence:
         """The output's text (None without a tokenizer)."""
         return None if self.stopper is None else self.stopper.detokenizer
 
+    def add_pending(self) -> None:
+        """Hold the slot of a token sampled on the device (:meth:`Scheduler.update` fills it in); when that token is
+        its last for sure (``max_tokens`` or the context), the sequence is ``finishing``."""
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+        if len(self.output.token_ids) + self.num_pending >= self.stopper.max_tokens:
+            self.finishing = True
+
 
 @dataclass(eq=False)
 class Request:
@@ -136,13 +148,26 @@ class SchedulerOutput:
     out_of_blocks: list[Sequence]  # sequences the whole pool cannot hold (they end: the pool is the limit)
 
 
+@dataclass
+class StepOutput:
+    """What a step computed, on the host: its chunks' K/V are in the pool, and ``targets[i]`` sampled
+    ``tokens[i]`` (with ``logprobs[i]``)."""
+
+    chunks: list[ScheduledChunk]
+    targets: list[Sequence]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
 class Scheduler:
     """FCFS iteration-level scheduler with chunked prefill, preemption by recompute and prefix caching."""
 
     def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 loras: LoRAManager | None = None, media_offsets: Container[str] = ()):
+                 loras: LoRAManager | None = None, media_offsets: Container[str] = (),
+                 release: Callable[[int], None] | None = None):
         """``media_offsets``: the content hashes of the images whose position offset the engine knows (prompts
-        with them may take prefix-cache hits that cover their images)."""
+        with them may take prefix-cache hits that cover their images). ``release``: frees what else a finished
+        sequence held, by its id (the engine's: its penalties' token counts, on the device)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, "
                              f"{max_num_batched_tokens}")
@@ -151,6 +176,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.loras = loras
         self.media_offsets = media_offsets
+        self.release = release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -165,20 +191,17 @@ class Scheduler:
         self.running.append(seq)
         self._acquire_lora(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence from the queues and free its blocks at once."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-            self._release_lora(seq)
-        elif seq.status is Status.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq.seq_id in self.manager:
-            self.manager.free(seq.seq_id)
-        seq.status = Status.FINISHED
-
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def decoding_only(self) -> bool:
+        """Whether the next step decodes one token of every running sequence and nothing else (no sequence waiting,
+        none with a prompt still being computed), and no grammar needs a token on the host first."""
+        return not self.waiting and all(
+            seq.num_tokens - seq.num_computed <= 1 and (seq.num_pending or seq.output.token_ids)
+            and seq.request.params.structured_outputs is None  # its mask needs the last token on the host
+            for seq in self.running)
 
     # -------------------------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
@@ -301,6 +324,101 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.chunks = [chunk for chunk in out.chunks if chunk.seq is not seq]
+
+    # ---------------------------------------------------------------------------------- updates, finishing
+    def update(self, output: StepOutput) -> list[Request]:
+        """Take a step's output: its computed blocks registered for prefix caching, then each sampled token filled
+        in, appended to its sequence's output, checked for stops and detokenized, finished sequences freed.
+        Returns the requests whose sequences took a token (one whose tokenizer or stop strings raise fails
+        alone)."""
+        for chunk in output.chunks:
+            if chunk.seq.status is Status.RUNNING:  # not preempted, finished or aborted since
+                self.manager.mark_computed(chunk.seq.seq_id, chunk.start + chunk.length)
+        updated = []
+        for seq, token, logprob in zip(output.targets, output.tokens, output.logprobs):
+            if seq.status is Status.FINISHED:  # stopped, aborted or failed while this token was in flight
+                continue
+            updated.append(seq.request)
+            try:
+                self._fill_pending(seq, token)
+                self._append_token(seq, token, logprob)
+            except Exception as error:
+                self.fail(seq.request, error)
+                continue
+            if seq.finishing and not seq.num_pending and seq.status is not Status.FINISHED:
+                self.finish(seq, "length")
+        return updated
+
+    def _fill_pending(self, seq: Sequence, token: int) -> None:
+        position = seq.num_known_tokens
+        seq.token_ids[position] = token
+        seq.num_pending -= 1
+        if seq.status is Status.RUNNING and position < self.manager.seq_len(seq.seq_id):
+            self.manager.set_token(seq.seq_id, position, token)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        """The token in the sequence's output, then its stop rules (the stop checker, the grammar)."""
+        out, now = seq.output, time.perf_counter()
+        out.token_ids.append(token)
+        if logprob is not None:
+            out.logprobs.append(logprob)
+        metrics = seq.request.metrics
+        if seq.index == 0:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.token_times.append(now)
+        ended = seq.stopper.check(token, len(out.token_ids))
+        if seq.constraint is not None:
+            if not seq.constraint.accept(token):
+                raise RuntimeError(f"token {token} is not allowed by the request's structured_outputs grammar")
+            if ended is None and seq.constraint.finished:
+                ended = ("stop", token)  # the grammar ended on a stop token the request's EOS list lacks
+        if ended is not None:
+            self.finish(seq, *ended)
+
+    def end_out_of_blocks(self, plan: SchedulerOutput) -> list[Request]:
+        """End the plan's sequences the whole pool cannot hold ("length": the pool is the limit); one with a token in
+        flight ends when it arrives. Returns the requests of those ended now."""
+        ended = []
+        for seq in plan.out_of_blocks:
+            if seq.num_pending:
+                seq.finishing = True
+            else:
+                self.finish(seq, "length")
+                ended.append(seq.request)
+        return ended
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a sequence now (``reason``: its output's finish reason): tokens still in flight are dropped when
+        they arrive, it leaves the queues and its blocks are freed at once."""
+        seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
+        if seq.num_pending:  # tokens sampled past the end
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
+        if seq.detokenizer is not None and not isinstance(stop_reason, str) and reason != "error":
+            seq.detokenizer.flush()  # a stop string already cut the text
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._release_lora(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.manager:
+            self.manager.free(seq.seq_id)
+        seq.status = Status.FINISHED
+        if self.release is not None:
+            self.release(seq.seq_id)
+        if seq.request.finished:
+            seq.request.metrics.finished_time = time.perf_counter()
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End every completion of ``request`` not finished yet (``reason``: "abort", "error")."""
+        for seq in request.seqs:
+            if seq.status is not Status.FINISHED:
+                self.finish(seq, reason)
+
+    def fail(self, request: Request, error: Exception) -> None:
+        """End a request whose part of a step raised: its completions finish with "error", blocks freed."""
+        request.error = f"the engine failed this request: {type(error).__name__}: {error}"
+        self.finish_request(request, "error")
 
     # -------------------------------------------------------------------------------------- LoRA slots
     def _lora_slot_ready(self, seq: Sequence) -> bool:

@@ -23,7 +23,7 @@ def test_a_sequence_the_whole_pool_cannot_hold_ends_instead_of_waiting_forever()
     scheduler.add(fits)
     plan = scheduler.schedule()
     assert plan.out_of_blocks == [too_long] and [c.seq for c in plan.chunks] == [fits]
-    scheduler.finish(too_long)
+    scheduler.finish(too_long, "length")
     assert too_long.status is Status.FINISHED and list(scheduler.waiting) == []
     fits.num_computed = 3
     fits.token_ids += list(range(20, 30))  # grown to 13 tokens while running
