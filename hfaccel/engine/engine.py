@@ -1,10 +1,12 @@
 """``hfaccel.Engine``: continuous batching over one Hugging Face model.
 
-Requests come in at any time (``add_request``), each ``step`` runs one packed forward of every running
-sequence's next token plus prefill chunks of waiting ones (see ``scheduler``), samples the sequences whose
-prompt or last token was just computed (``sampler``), and finishes those that hit EOS, a stop token or string,
-``max_tokens`` or the context length, freeing their blocks at once. ``generate`` and ``stream`` drive steps
-for the caller; ``AsyncEngine`` drives them from a background thread for services.
+Requests come in at any time (``add_request``: prompts tokenized and checked by ``inputs``); each ``step`` is
+schedule → run → update: the ``scheduler`` picks every running sequence's next token plus prefill chunks of waiting
+ones, the ``executor`` runs them in one packed forward and samples the sequences whose prompt or last token was just
+computed, and ``Scheduler.update`` takes the sampled tokens and finishes the sequences that hit EOS, a stop token or
+string, ``max_tokens`` or the context length, freeing their blocks at once. ``generate`` and ``stream`` drive steps
+for the caller (``deltas``: what is new after each); ``AsyncEngine`` drives them from a background thread for
+services.
 
 Asynchronous scheduling (the default on CUDA): in the decode steady state a step queues its forward and sampling
 on the device and then handles the previous step's tokens — stop checks, detokenization, freeing — while the
@@ -19,7 +21,7 @@ the base model share each batch; the model's Linear layers are wrapped with a po
 (``hfaccel.lora``) while the engine serves — :meth:`Engine.close` gives them back.
 
 One bad request never fails another: parameters are checked against the model before a request joins a batch
-(``check_params``), and a request whose part of a step raises anyway is failed alone (``_launch_isolating``).
+(``check_params``), and a request whose part of a step raises anyway is failed alone (``StepExecutor``).
 """
 
 from __future__ import annotations
@@ -27,35 +29,31 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
-from hfaccel.device import model_device, to_device
-from hfaccel.distributed import TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel, tp_runner
+from hfaccel.device import model_device
+from hfaccel.distributed import (
+    TensorParallel, TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel, tp_runner,
+)
 from hfaccel.engine.deltas import DeltaTracker, error_output, snapshot
+from hfaccel.engine.executor import HostTimes, StepExecutor
 from hfaccel.engine.inputs import Intake, PreparedPrompt, Prompt, per_prompt
 from hfaccel.engine.kv_budget import plan_kv_cache
 from hfaccel.engine.lora_admin import LoRAAdmin
 from hfaccel.engine.media import MediaInputs, is_processor
 from hfaccel.engine.outputs import RequestOutput
-from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
-from hfaccel.engine.scheduler import Request, ScheduledChunk, Scheduler, Sequence as Seq, Status, StepOutput
+from hfaccel.engine.scheduler import Request, Scheduler
 from hfaccel.kv import KVPool
 from hfaccel.kv.fp8 import KVScales, resolve_kv_cache_dtype
 from hfaccel.lora import LoRAAdapter
-from hfaccel.sampling.structured import AfterReasoning, Constraint, apply_masks
 from hfaccel.runner import ModelRunner, compiles
-from hfaccel.runner.multimodal import EncoderCache, MediaOffsets, prefill_sequence
+from hfaccel.runner.multimodal import EncoderCache, MediaOffsets
 from hfaccel.runner.runner import packed_token_limit
 from hfaccel.runner.support import check_served
-from hfaccel.sampling import (
-    SampledTokens, SampleRow, SamplingParams, TokenCounts, draws_in_step, eos_token_ids, sample,
-)
+from hfaccel.sampling import SamplingParams, TokenCounts, eos_token_ids
 
 _log = logging.getLogger("hfaccel")
 
@@ -142,14 +140,9 @@ class Engine(TPRole, LoRAAdmin):
             self.model = model
             self.processor = tokenizer if is_processor(tokenizer) else None  # takes prompts with images
             self.tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
-            text_config = model.config.get_text_config(decoder=True)
-            limit = getattr(text_config, "max_position_embeddings", None) or 1 << 20
-            packed = packed_token_limit(model.config)
-            if packed is not None:  # every sequence, forward and decode batch within what the runner is exact for
-                limit = min(limit, packed)
-                max_num_batched_tokens, max_num_seqs = min(max_num_batched_tokens, packed), min(max_num_seqs, packed)
-            self.max_model_len = min(max_model_len or limit, limit)
-            self.vocab_size = int(text_config.vocab_size)
+            self.vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
+            self.max_model_len, max_num_batched_tokens, max_num_seqs = _limits(
+                model.config, max_model_len, max_num_batched_tokens, max_num_seqs)
             self.kv_budget = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                            max_model_len=self.max_model_len,
                                            max_num_batched_tokens=max_num_batched_tokens,
@@ -168,32 +161,29 @@ class Engine(TPRole, LoRAAdmin):
                     model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                     max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
-                pool = self.runner.pool
             _log.info("hfaccel Engine: %s", self.kv_budget)
             on_cuda = self.runner.device.type == "cuda"
-            if cuda_graphs if cuda_graphs is not None else on_cuda:  # under TP on every rank, in the same order
-                self.runner.enable_decode_graphs(max_num_seqs, self.max_model_len, draws=self.tp is None,
-                                                 compile=compiles(compile, self.runner.device))
-            graphs = self.runner.graphs
-            if self.tp is not None:
-                agree_on_static_steps(self.tp, graphs)
-            if graphs is not None and (graphs.compiled or graphs.capture):
-                _warm_up(graphs)
+            _build_static_steps(self.runner, self.tp, cuda_graphs if cuda_graphs is not None else on_cuda, compile,
+                                max_num_seqs, self.max_model_len)
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
-            self._token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
+            token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
             self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
-            self.scheduler = Scheduler(pool.manager, max_num_seqs=max_num_seqs,
+            self.scheduler = Scheduler(self.runner.pool.manager, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, loras=self.loras,
-                                       media_offsets=self.media_offsets, release=self._token_counts.release)
+                                       media_offsets=self.media_offsets, release=token_counts.release)
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
-            self.intake = Intake(model, self.processor, self.tokenizer, pool, vocab_size=self.vocab_size,
+            self.intake = Intake(model, self.processor, self.tokenizer, self.runner.pool, vocab_size=self.vocab_size,
                                  max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                  eos_token_ids=self.eos_token_ids, tp=self.tp)
-            self._in_flight: deque[_Launched] = deque()  # launched steps not collected yet, oldest first
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
             self.host_times = HostTimes(self.runner)
             self.encoder_cache = EncoderCache()  # the vision encoder's outputs of recent requests' images
+            self.executor = StepExecutor(
+                model, self.runner, self.scheduler, new_sequence=self.intake.new_sequence,
+                grammars=self.intake.grammars, token_counts=token_counts, loras=self.loras,
+                media_offsets=self.media_offsets, encoder_cache=self.encoder_cache, host_times=self.host_times,
+                async_scheduling=self.async_scheduling)
         except BaseException:  # a start that fails leaves the model's layers as they were
             if self.loras is not None:
                 self.loras.undo()
@@ -280,7 +270,7 @@ class Engine(TPRole, LoRAAdmin):
             return
         for request_id in list(self.requests):
             self.abort(request_id)
-        self._in_flight.clear()
+        self.executor.in_flight.clear()
         if self.loras is not None:
             self.loras.close()
         self.shutdown()
@@ -299,28 +289,19 @@ class Engine(TPRole, LoRAAdmin):
         return [self.snapshot(request) for request in self.step_requests()]
 
     def step_requests(self) -> list[Request]:
-        """Run one step; returns the live requests it changed, copying nothing (``DeltaTracker`` reads the
-        new part of each: what ``generate``, ``stream`` and ``AsyncEngine`` use, so a step costs the same
-        however long the outputs already are)."""
+        """Run one step — schedule, run, update — and return the live requests it changed, copying nothing
+        (``DeltaTracker`` reads the new part of each: what ``generate``, ``stream`` and ``AsyncEngine`` use, so a
+        step costs the same however long the outputs already are)."""
         self._need_leader("step")
         touched: dict[str, Request] = {}
         overlap = self._overlaps()
         self._collect_all_but(1 if overlap else 0, touched)  # a step with prefill work sees the last one's tokens
-        start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        for request in self.scheduler.end_out_of_blocks(plan):
-            touched[request.request_id] = request
-        launched = None
-        scheduled = time.perf_counter()
-        self.host_times.scheduling += scheduled - start
-        if plan.chunks:
-            self.runner.pool.copy_blocks(plan.copies)
-            chunks = sorted(plan.chunks, key=_prefills_images)  # the packed forward's chunks first (_forward)
-            launched = self._launch_isolating(chunks, touched)
-            self.host_times.steps += 1
-        if launched is not None:
-            self._in_flight.append(launched)
-        self.host_times.launch += time.perf_counter() - scheduled
+        with self.host_times.timed("scheduling"):
+            plan = self.scheduler.schedule()
+            _touch(touched, self.scheduler.end_out_of_blocks(plan))
+        with self.host_times.timed("launch"):
+            launched, failed = self.executor.run(plan)
+            _touch(touched, failed)
         # asynchronous: the previous step is collected while the device computes the one just launched
         self._collect_all_but(1 if overlap and launched is not None else 0, touched)
         if not self.has_unfinished_requests():
@@ -333,6 +314,18 @@ class Engine(TPRole, LoRAAdmin):
         slots just freed and a first token reaches the host a step sooner (overlapping mixed prefill + decode steps
         lost both throughput and TTFT; overlapping pure decode steps won)."""
         return self.async_scheduling and self.scheduler.decoding_only()
+
+    def _collect_all_but(self, keep: int, touched: dict[str, Request]) -> None:
+        """Collect the oldest launched steps until ``keep`` remain, the scheduler taking each one's tokens. A step
+        leaves the queue only once collected, so a wait that raised (an interrupt, an error surfacing from the
+        device) is retried."""
+        in_flight = self.executor.in_flight
+        while len(in_flight) > keep:
+            output = self.executor.collect(in_flight[0])
+            if output is not None:
+                with self.host_times.timed("detokenizing"):
+                    _touch(touched, self.scheduler.update(output))
+            in_flight.popleft()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
                  None = None, *, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
@@ -413,307 +406,10 @@ class Engine(TPRole, LoRAAdmin):
             stats.update(lora_adapters=len(self.loras.adapters), lora_slots_loaded=self.loras.num_loaded)
         return stats
 
-    # --------------------------------------------------------------------------------------- internals
-    def _launch_isolating(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> _Launched | None:
-        """Launch the step. If it raises, run each request's part alone (committing nothing) to find the
-        requests whose part fails by itself: those are failed alone and the others launched again without them.
-        A failure that is not theirs — every part fails alone, or none does (out of memory) — is raised, and the
-        step changes nothing. A model whose layers keep recurrent state cannot write its state twice: there the
-        step's other sequences are computed again from their tokens instead (``Scheduler.recompute``)."""
-        try:
-            return self._launch(chunks)
-        except Exception:
-            requests = {chunk.seq.request for chunk in chunks}
-            failures = self._failing_alone(chunks) if len(requests) > 1 else {}
-            if not 0 < len(failures) < len(requests):
-                self._recompute_states(chunks)
-                raise
-        for request, error in failures.items():
-            self.scheduler.fail(request, error)
-            touched[request.request_id] = request
-        rest = [chunk for chunk in chunks if chunk.seq.request not in failures]
-        if self.runner.pool.states is not None:
-            self._recompute_states(rest)
-            return None
-        return self._launch(rest)
 
-    def _recompute_states(self, chunks: list[ScheduledChunk]) -> None:
-        """After a step that did not count, the sequences whose recurrent state its forwards may have advanced are
-        computed again from their tokens (a model without recurrent state rewrites the same K/V: nothing to do)."""
-        if self.runner.pool.states is not None:
-            for chunk in chunks:
-                self.scheduler.recompute(chunk.seq)
-
-    def _failing_alone(self, chunks: list[ScheduledChunk]) -> dict[Request, Exception]:
-        """The requests whose chunks' forward and sampling raise when run alone, and their errors. Nothing is
-        committed: the K/V the forwards write are written again by the step that counts (recurrent state is
-        recomputed: :meth:`_launch_isolating`), and a seeded row's noise depends only on its key (seed, completion,
-        token index), so a trial draw changes nothing."""
-        by_request: dict[Request, list[ScheduledChunk]] = {}
-        for chunk in chunks:
-            by_request.setdefault(chunk.seq.request, []).append(chunk)
-        failures = {}
-        for request, own in by_request.items():
-            try:
-                logits = self._forward(own)
-                completing = [chunk.seq for chunk in own if chunk.completes]
-                if completing:
-                    self._sample(logits, list(range(len(completing))), completing)
-            except Exception as error:
-                failures[request] = error
-        return failures
-
-    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
-        """Queue one packed forward of the chunks and the sampling of every sequence whose last token it
-        computes; the step counts (computed tokens, forks, pending tokens) only once nothing can fail."""
-        now = time.perf_counter()
-        draw = self._draw_in_step(chunks)
-        prompt = None
-        if draw is not None:  # the decode step draws the tokens itself: [C]
-            targets, children = [chunk.seq for chunk in chunks], []
-            sampled = SampledTokens(self._forward(chunks, draw=draw))
-        else:
-            prompt_rows = PromptRows.of(chunks)
-            logits = self._forward(chunks, prompt_rows=prompt_rows)  # [C (+ P), V]: a row per completing chunk
-            completing = sum(chunk.completes for chunk in chunks)
-            if prompt_rows is not None:  # then the rows that give prompt logprobs
-                prompt = prompt_rows.logprobs(logits[completing:])
-            targets, rows, children = self._targets([c for c in chunks if c.completes])
-            sampled = self._sample(logits[:completing], rows, targets) if targets else None
-        if sampled is not None and self.async_scheduling:
-            sampled.start_copy()
-        for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + chunk.length
-            if chunk.seq.request.metrics.first_scheduled_time is None:
-                chunk.seq.request.metrics.first_scheduled_time = now
-        for parent, child in children:
-            self._register_fork(parent, child)
-        for seq in targets:
-            seq.add_pending()
-        return _Launched(chunks, targets, sampled, prompt)
-
-    def _forward(self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None,
-                 prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks (with
-        ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``; with
-        ``prompt_rows``, their logits after those). Chunks that prefill a prompt with images come last (the
-        step sorts them so): each runs the multimodal prefill of its own (their images encoded together where they
-        stack), its row after the packed forward's."""
-        start = time.perf_counter()
-        flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
-        input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
-        device_tokens = self._device_tokens(chunks)
-        if device_tokens is not None:
-            input_ids.index_copy_(0, *device_tokens)
-        self.host_times.inputs += time.perf_counter() - start
-        packed = [c for c in chunks if not _prefills_images(c)]
-        for chunk in packed:
-            self._continue_after_images(chunk)
-        logits = self._packed_forward(packed, input_ids[:sum(c.length for c in packed)], draw, prompt_rows)
-        if len(packed) == len(chunks):
-            return logits
-        rows, offset, completing = [], sum(c.length for c in packed), sum(c.completes for c in packed)
-        with_images = chunks[len(packed):]
-        encoded = self.encoder_cache.inputs(self.model, [
-            (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.length), c.seq.token_ids[:c.length])
-            for c in with_images])
-        for chunk, inputs in zip(with_images, encoded):  # [1, V] each
-            media = chunk.seq.request.media
-            rows.append(prefill_sequence(self.model, self.runner, chunk.seq.seq_id,
-                                         input_ids[offset:offset + chunk.length], inputs))
-            self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))
-            offset += chunk.length
-        if logits is None:
-            return torch.cat(rows)
-        return torch.cat([logits[:completing], *rows, logits[completing:]])  # the prompt rows stay last
-
-    def _continue_after_images(self, chunk: ScheduledChunk) -> None:
-        """A sequence of a prompt with images that its own prefill did not compute (prefix-cache hits covered its
-        images: the text after them runs in the packed forward) continues its positions at the offset its images
-        gave."""
-        media, seq_id = chunk.seq.request.media, chunk.seq.seq_id
-        if media is None or seq_id in self.runner.position_offsets:
-            return
-        offset = self.media_offsets.get(media.digest)
-        if offset:
-            self.runner.position_offsets[seq_id] = offset
-
-    def _packed_forward(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor, draw: list[SampleRow] | None,
-                        prompt_rows: PromptRows | None) -> torch.Tensor | None:
-        """The packed forward of ``chunks`` (what :meth:`_forward` returns for them; None for no chunk)."""
-        if not chunks:
-            return None
-        completing = [i for i, c in enumerate(chunks) if c.completes]
-        lora_slots = None if self.loras is None else [self.loras.slot_of(c.seq.request.lora) for c in chunks]
-        return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
-                                   starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots,
-                                   draw=draw, prompt_rows=None if prompt_rows is None else prompt_rows.rows)
-
-    def _draw_in_step(self, chunks: list[ScheduledChunk]) -> list[SampleRow] | None:
-        """The sampling rows of a decode step whose tokens the step can draw itself, or None: every chunk one
-        token of a sequence already forked, no row needing more than its token (``draws_in_step``), some row
-        sampling (an all-greedy step takes the argmax of the logits, cheaper than the draw's sort)."""
-        seqs = [chunk.seq for chunk in chunks]
-        params = [seq.request.params for seq in seqs]
-        if not (all(draws_in_step(p) for p in params) and not all(p.greedy for p in params)
-                and not any(map(_prefills_images, chunks))
-                and all(chunk.completes and chunk.seq.request.forked for chunk in chunks)
-                and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))),
-                                      [chunk.start for chunk in chunks])):
-            return None
-        return self._sample_rows(seqs)
-
-    def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(positions [F], tokens [F])`` in the packed input of the tokens still in flight (sampled by the
-        step before, read from its device tensor), or None when the host knows every token."""
-        positions, sources, offset = [], [], 0
-        for chunk in chunks:
-            seq = chunk.seq
-            for pos in range(max(chunk.start, seq.num_known_tokens), chunk.start + chunk.length):
-                assert seq.num_pending == 1, "a sequence has one token in flight at most when it is scheduled"
-                positions.append(offset + pos - chunk.start)
-                sources.append(self._in_flight[-1].row_of[seq.seq_id])
-            offset += chunk.length
-        if not positions:
-            return None
-        device = self.runner.device
-        return to_device(positions, torch.long, device), self._in_flight[-1].tokens(sources)
-
-    def _targets(self, chunks: list[ScheduledChunk]) -> tuple[list[Seq], list[int], list[tuple[Seq, Seq]]]:
-        """The sequences that sample from the completing chunks' logits and the logits row of each: a chunk's
-        own sequence, plus its n - 1 siblings the first time its prompt is computed (made here; they share its
-        blocks once ``_register_fork`` runs)."""
-        targets, rows, children = [], [], []
-        for row, chunk in enumerate(chunks):
-            seq, request = chunk.seq, chunk.seq.request
-            family = [seq]
-            if not request.forked:
-                family += [self.intake.new_sequence(request, index, list(seq.token_ids))
-                           for index in range(1, request.params.n)]
-                children += [(seq, child) for child in family[1:]]
-            targets += family
-            rows += [row] * len(family)
-        return targets, rows, children
-
-    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Seq]) -> SampledTokens:
-        """Next tokens of ``seqs`` (``seqs[i]`` samples from ``logits[rows[i]]``), queued on the device."""
-        if rows != list(range(logits.shape[0])):
-            logits = logits[to_device(rows, torch.long, logits.device)]
-        sample_rows = self._sample_rows(seqs)
-        pending = None  # the penalties count a token still in flight
-        if any(row.params.penalized for row in sample_rows) and any(seq.num_pending for seq in seqs):
-            previous = self._in_flight[-1]
-            pending = previous.tokens([previous.row_of[s.seq_id] if s.num_pending else -1 for s in seqs])
-        if any(seq.request.params.structured_outputs is not None for seq in seqs):
-            start = time.perf_counter()
-            logits = apply_masks(logits, [self._constraint(seq) for seq in seqs])
-            self.host_times.masks += time.perf_counter() - start
-        return sample(logits, sample_rows, pending, self._token_counts)
-
-    @staticmethod
-    def _sample_rows(seqs: list[Seq]) -> list[SampleRow]:
-        """What the sampler needs of each sequence: its params, seed and stream, the index of the token it draws
-        now (tokens in flight counted), and the stop tokens it may not draw yet (below its ``min_tokens``)."""
-        rows = []
-        for seq in seqs:
-            counter = len(seq.output.token_ids) + seq.num_pending
-            banned = sorted(seq.stopper.stop_token_ids) if counter < seq.stopper.min_tokens else ()
-            rows.append(SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
-                                  counter=counter, stream=seq.index, key=seq.seq_id, banned=banned))
-        return rows
-
-    def _constraint(self, seq: Seq) -> Constraint | AfterReasoning | None:
-        """The sequence's place in its grammar (None: unconstrained); made at its first draw."""
-        spec = seq.request.params.structured_outputs
-        if spec is not None and seq.constraint is None:
-            seq.constraint = self.intake.grammars().constraint(spec)
-        return seq.constraint
-
-    def _register_fork(self, parent: Seq, child: Seq) -> None:
-        self.runner.fork(parent.seq_id, child.seq_id)
-        child.num_computed = parent.num_computed
-        parent.request.forked = True
-        parent.request.seqs.append(child)
-        self.scheduler.add_running(child)
-
-    def _collect_all_but(self, keep: int, touched: dict[str, Request]) -> None:
-        """Collect the oldest launched steps until ``keep`` remain. A step leaves the queue only once
-        collected, so a wait that raised (an interrupt, an error surfacing from the device) is retried."""
-        while len(self._in_flight) > keep:
-            self._collect(self._in_flight[0], touched)
-            self._in_flight.popleft()
-
-    def _collect(self, launched: _Launched, touched: dict[str, Request]) -> None:
-        """A launched step's results on the host (the host waits here for the device, once per step), taken by the
-        scheduler: computed blocks registered, sampled tokens filled in and checked for stops."""
-        if not any(seq.status is not Status.FINISHED for seq in launched.sequences()):
-            return  # all stopped or aborted meanwhile: nothing to wait for
-        start = time.perf_counter()
-        if launched.prompt is not None:
-            launched.prompt.fill()
-        tokens, logprobs = launched.sampled.result() if launched.sampled is not None else ([], [])
-        collected = time.perf_counter()
-        self.host_times.waiting += collected - start
-        try:
-            for request in self.scheduler.update(StepOutput(launched.chunks, launched.targets, tokens, logprobs)):
-                touched[request.request_id] = request
-        finally:
-            self.host_times.detokenizing += time.perf_counter() - collected
-
-
-@dataclass
-class HostTimes:
-    """Where the host's time went in the engine's steps since :meth:`reset` (or the engine's start), in seconds:
-    ``scheduling`` (choosing the step's work), ``metadata`` (its inputs and the runner's per-step metadata: token
-    ids, block tables, positions, slots), ``launch`` (queueing the forward and the sampling on the device, less the
-    metadata; on a CPU, which computes as it queues, this holds the computation), ``waiting`` (for the device's
-    tokens) and ``detokenizing`` (stop checks, detokenization and freeing). ``hfaccel bench engine --host``
-    reports them per step."""
-
-    runner: ModelRunner
-    steps: int = 0
-    scheduling: float = 0.0
-    inputs: float = 0.0  # the engine's share of the metadata (the runner's share is counted by the runner)
-    launch: float = 0.0  # including the metadata
-    waiting: float = 0.0
-    detokenizing: float = 0.0
-    masks: float = 0.0  # structured outputs' masks: filled on the host and queued (a part of ``launch``)
-
-    def reset(self) -> None:
-        self.steps = 0
-        for part in ("scheduling", "inputs", "launch", "waiting", "detokenizing", "masks"):
-            setattr(self, part, 0.0)
-        self.runner.metadata_seconds = 0.0
-
-    def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per step of each part (``metadata`` split out of ``launch``)."""
-        metadata = self.inputs + self.runner.metadata_seconds
-        parts = {"scheduling": self.scheduling, "metadata": metadata, "launch": self.launch - metadata,
-                 "waiting": self.waiting, "detokenizing": self.detokenizing}
-        return {name: seconds * 1e3 / max(self.steps, 1) for name, seconds in parts.items()}
-
-
-@dataclass
-class _Launched:
-    """A step whose forward and sampling are queued on the device; its tokens reach the host later."""
-
-    chunks: list[ScheduledChunk]
-    targets: list[Seq]  # the sequences that sampled, in the order of ``sampled``'s rows
-    sampled: SampledTokens | None
-    prompt: PendingPromptLogprobs | None = None  # prompt logprobs the step computed
-
-    def __post_init__(self):
-        self.row_of = {seq.seq_id: row for row, seq in enumerate(self.targets)}
-
-    def sequences(self) -> list[Seq]:
-        return [chunk.seq for chunk in self.chunks] + self.targets
-
-    def tokens(self, rows: list[int]) -> torch.Tensor:
-        """The sampled tokens of ``rows`` (``-1`` for a row of -1), gathered on the device: ``[len(rows)]``."""
-        index = to_device(rows, torch.long, self.sampled.tokens.device)
-        if min(rows) >= 0:  # the decode inputs: a plain gather
-            return self.sampled.tokens[index]
-        return torch.where(index >= 0, self.sampled.tokens[index.clamp(min=0)], -1)
+def _touch(touched: dict[str, Request], requests: Iterable[Request]) -> None:
+    """Add ``requests`` to a step's changed requests (kept in the order they first changed)."""
+    touched.update((request.request_id, request) for request in requests)
 
 
 def _use_hfaccel_attention(model) -> None:
@@ -723,14 +419,31 @@ def _use_hfaccel_attention(model) -> None:
         set_hfaccel_attention(model)
 
 
-def _prefills_images(chunk: ScheduledChunk) -> bool:
-    """Whether a chunk computes a prompt with images (from its first token: the multimodal prefill)."""
-    return chunk.seq.request.media is not None and chunk.start == 0
+def _limits(config, max_model_len: int | None, max_num_batched_tokens: int,
+            max_num_seqs: int) -> tuple[int, int, int]:
+    """``(max_model_len, max_num_batched_tokens, max_num_seqs)`` within the model's context, and within the length
+    its packed forward is exact for where it has one (``packed_token_limit``: Llama 4)."""
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 20
+    packed = packed_token_limit(config)
+    if packed is not None:  # every sequence, forward and decode batch within what the runner is exact for
+        limit = min(limit, packed)
+        max_num_batched_tokens, max_num_seqs = min(max_num_batched_tokens, packed), min(max_num_seqs, packed)
+    return min(max_model_len or limit, limit), max_num_batched_tokens, max_num_seqs
 
 
-def _warm_up(graphs) -> None:
-    """Compile and capture every batch size of the engine's decode steps now, with a progress line, so that no
-    request (and no server's first request) waits for them."""
+def _build_static_steps(runner: ModelRunner, tp: TensorParallel | None, enabled: bool, compile: bool | str,
+                        max_num_seqs: int, max_model_len: int) -> None:
+    """The runner's static decode steps when ``enabled`` — under tensor parallelism on every rank, in the same
+    order, agreed on — each batch size compiled and captured now, with a progress line, so that no request (and no
+    server's first request) waits for them."""
+    if enabled:
+        runner.enable_decode_graphs(max_num_seqs, max_model_len, draws=tp is None,
+                                    compile=compiles(compile, runner.device))
+    graphs = runner.graphs
+    if tp is not None:
+        agree_on_static_steps(tp, graphs)
+    if graphs is None or not (graphs.compiled or graphs.capture):
+        return
     from rich.progress import Progress
 
     with Progress(transient=True) as progress:

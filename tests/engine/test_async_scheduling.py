@@ -64,7 +64,7 @@ def test_outputs_equal_synchronous_scheduling(model, config):
     expected = summary(sync.generate(PROMPTS, params))
     assert summary(overlapped.generate(PROMPTS, params)) == expected
     assert expected[0][0][2:4] == ("stop", params[0].stop_token_ids[0]) and expected[1][0][2] == "stop"
-    assert overlapped.stats()["blocks_used"] == 0 and not overlapped._in_flight
+    assert overlapped.stats()["blocks_used"] == 0 and not overlapped.executor.in_flight
 
 
 def test_each_step_is_launched_before_the_previous_tokens_are_read(model, monkeypatch):
@@ -94,7 +94,7 @@ def test_a_stop_drops_the_token_in_flight(model):
     seq = e.requests[request_id].seqs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == params.stop_token_ids[0]
     assert seq.token_ids[len(seq.request.prompt_token_ids):] == out.token_ids  # nothing past the stop
-    assert seq.num_pending == 0 and e.stats()["blocks_used"] == 0 and not e._in_flight
+    assert seq.num_pending == 0 and e.stats()["blocks_used"] == 0 and not e.executor.in_flight
 
 
 def test_abort_while_a_token_is_in_flight(model):
@@ -136,7 +136,7 @@ def test_steps_with_prefill_work_do_not_overlap(model):
     e = engine(model, True, cuda_graphs=False, max_num_batched_tokens=4)  # a 9-token prompt runs in 3 chunks
     forward, collect = e.runner.forward, e._collect_all_but
     e.runner.forward = lambda *args, **kwargs: events.append("launch") or forward(*args, **kwargs)
-    e._collect_all_but = lambda keep, touched: events.append(f"in flight {len(e._in_flight)}, keep {keep}") \
+    e._collect_all_but = lambda keep, touched: events.append(f"in flight {len(e.executor.in_flight)}, keep {keep}") \
         or collect(keep, touched)
     e.add_request("123456789", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     for _ in range(3):
@@ -196,4 +196,4 @@ def test_an_interrupted_wait_is_retried(model, monkeypatch, async_scheduling):
     while e.has_unfinished_requests():
         e.step()
     assert [e.snapshot(e.requests[i]).outputs[0].token_ids for i in ids] == expected
-    assert e.stats()["blocks_used"] == 0 and not e._in_flight
+    assert e.stats()["blocks_used"] == 0 and not e.executor.in_flight

@@ -354,7 +354,7 @@ def test_n_beyond_max_num_seqs_and_any_seed():
 def test_a_failed_step_changes_nothing(monkeypatch, hybrid):
     """If sampling fails (e.g. out of memory) the step does not count: the next one recomputes it (a hybrid model's
     sequences from their tokens: the forward already advanced their recurrent state, which cannot be written twice)."""
-    import hfaccel.engine.engine as engine_module
+    import hfaccel.engine.executor as executor_module
 
     model = family_model("qwen3_next") if hybrid else tiny_model("llama")
     prompts, budgets = mixed_prompts(3, seed=6)
@@ -364,11 +364,11 @@ def test_a_failed_step_changes_nothing(monkeypatch, hybrid):
     ids = [engine.add_request(p, greedy(b)) for p, b in zip(prompts, budgets)]
     engine.step()
     engine.step()
-    real = engine_module.sample
-    monkeypatch.setattr(engine_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    real = executor_module.sample
+    monkeypatch.setattr(executor_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
-    monkeypatch.setattr(engine_module, "sample", real)
+    monkeypatch.setattr(executor_module, "sample", real)
     while engine.has_unfinished_requests():
         engine.step()
     assert [engine.snapshot(engine.requests[i]).outputs[0].token_ids for i in ids] == expected

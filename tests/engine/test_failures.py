@@ -116,16 +116,16 @@ def test_a_request_whose_step_fails_fails_alone(model, where, async_scheduling):
 
 def test_a_failure_of_the_whole_step_leaves_the_engine_serving(model, monkeypatch):
     """Every request fails alike (out of memory): generate() raises, takes its requests out, the next works."""
-    import hfaccel.engine.engine as engine_module
+    import hfaccel.engine.executor as executor_module
 
     engine = make_engine(model)
     expected = tokens(engine.generate(PROMPTS, greedy()))
-    real = engine_module.sample
-    monkeypatch.setattr(engine_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    real = executor_module.sample
+    monkeypatch.setattr(executor_module, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.generate(PROMPTS, greedy())
     assert engine.requests == {} and engine.stats()["blocks_used"] == 0
-    monkeypatch.setattr(engine_module, "sample", real)
+    monkeypatch.setattr(executor_module, "sample", real)
     assert tokens(engine.generate(PROMPTS, greedy())) == expected
 
 

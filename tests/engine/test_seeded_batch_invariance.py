@@ -63,7 +63,7 @@ def _rounding() -> Iterator[None]:
         noise = torch.randn(logits.shape, generator=gen, device=logits.device)  # [R, V]
         return sample(logits + ROUNDING * noise, *args, **kwargs)
 
-    with mock.patch("hfaccel.engine.engine.sample", perturbed):
+    with mock.patch("hfaccel.engine.executor.sample", perturbed):
         yield
 
 
