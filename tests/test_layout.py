@@ -130,3 +130,14 @@ def test_accelerate_loads_neither_the_engine_nor_the_server_nor_the_tools_nor_pe
                             cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+MAX_MODULE_LINES = 500  # a module one reads whole; kernels keep their launcher and reference beside the kernel
+
+
+def test_no_module_outgrows_a_read():
+    """Every module of the package but a kernel's fits in ``MAX_MODULE_LINES`` lines: a module that grows past it
+    holds more than one concern and is split along them."""
+    long = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
+            if path.parent.name != "kernels" and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -5,8 +5,8 @@ schedule → run → update: the ``scheduler`` picks every running sequence's ne
 ones, the ``executor`` runs them in one packed forward and samples the sequences whose prompt or last token was just
 computed, and ``Scheduler.update`` takes the sampled tokens and finishes the sequences that hit EOS, a stop token or
 string, ``max_tokens`` or the context length, freeing their blocks at once. ``generate`` and ``stream`` drive steps
-for the caller (``deltas``: what is new after each); ``AsyncEngine`` drives them from a background thread for
-services.
+for the caller (``blocking``; ``deltas``: what is new after each); ``AsyncEngine`` drives them from a background
+thread for services.
 
 Asynchronous scheduling (the default on CUDA): in the decode steady state a step queues its forward and sampling
 on the device and then handles the previous step's tokens — stop checks, detokenization, freeing — while the
@@ -29,18 +29,20 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device
 from hfaccel.distributed import (
-    TensorParallel, TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel, tp_runner,
+    StepChannel, TensorParallel, TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel,
+    tp_runner,
 )
-from hfaccel.engine.deltas import DeltaTracker, error_output, snapshot
+from hfaccel.engine.blocking import BlockingCalls
+from hfaccel.engine.deltas import snapshot
 from hfaccel.engine.executor import HostTimes, StepExecutor
-from hfaccel.engine.inputs import Intake, PreparedPrompt, Prompt, per_prompt
+from hfaccel.engine.inputs import Intake, PreparedPrompt, Prompt
 from hfaccel.engine.kv_budget import plan_kv_cache
 from hfaccel.engine.lora_admin import LoRAAdmin
 from hfaccel.engine.media import MediaInputs, is_processor
@@ -58,62 +60,31 @@ from hfaccel.sampling import SamplingParams, TokenCounts, eos_token_ids
 _log = logging.getLogger("hfaccel")
 
 
-class Engine(TPRole, LoRAAdmin):
-    """Continuous-batching generation engine over a Hugging Face causal LM.
+class Engine(TPRole, LoRAAdmin, BlockingCalls):
+    """Continuous-batching generation engine over a Hugging Face causal LM (docs/usage.md, docs/serving.md).
 
     Args:
-        model: the model (put on hfaccel's attention here if it is not yet: ``ValueError`` if it cannot be).
-        tokenizer: its tokenizer (needed for text prompts, chat messages, stop strings and output text) — or, for an
-            image-text-to-text model, its processor (``AutoProcessor``), which also takes prompts with images
-            (``hfaccel.engine.media``): ``{"prompt": text_or_messages, "images": [...]}`` or chat messages with image
-            parts; prompts a processor made already are ``{"prompt_token_ids": [...], "multimodal_inputs": {...}}``
-            (its outputs for that prompt but the ids and mask). Such a prompt is prefilled whole, alone, through the
-            model's own forward (vision encoder, projector, merge) into the pool, then decodes in the batch with every
-            other request.
+        model: the model (put on hfaccel's attention here; ``ValueError`` if it cannot be). Under tensor parallelism
+            every rank makes the engine alike: rank 0 (``is_leader``) serves, the others :meth:`follow`.
+        tokenizer: its tokenizer, or an image-text-to-text model's processor (prompts with images then).
         max_num_seqs: sequences decoded together at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
-        num_blocks: KV pool size in blocks. Default (``hfaccel.engine.kv_budget``): room for ``max_num_seqs``
-            sequences of ``max_model_len`` tokens, capped on CUDA by ``kv_cache_fraction`` of the device's total
-            memory and by its free memory less the engine's activations, on the CPU by 1 GiB. ``stats()`` and
-            the log at start-up say what was reserved and why.
+        num_blocks: KV pool size in blocks (default: ``hfaccel.engine.kv_budget``, what ``stats()`` reports).
         kv_cache_memory: KV pool size in bytes instead (not with ``num_blocks``).
         block_size: token slots per block.
         enable_prefix_caching: requests sharing a prompt prefix share its KV blocks.
-        max_model_len: longest sequence (prompt + output); default the model's ``max_position_embeddings``. A model
-            whose packed forward is exact only up to some length (``hfaccel.runner.runner.packed_token_limit``:
-            Llama 4) caps this, ``max_num_batched_tokens`` and ``max_num_seqs`` there.
+        max_model_len: longest sequence, prompt + output (default: the model's context).
         kv_cache_fraction: on CUDA, the most of the device's total memory the default pool takes.
-        kv_cache_dtype: how the pool stores keys and values: ``"auto"`` (None), the model's dtype; ``"fp8"`` (or
-            ``torch.float8_e4m3fn``), e4m3 with per-KV-head scales (``kv_scales``), half the bytes of 16-bit, so
-            twice the tokens in the same memory (a GPU of sm_89 or later, or the CPU).
-        kv_scales: an fp8 pool's scales: None — the checkpoint's (``k_scale`` / ``v_scale``, e.g. a
-            compressed-tensors ``kv_cache_scheme``), else 1.0 (values beyond ±448 saturate); a number; or
-            ``"prefill"`` — each layer's from its first prefill (``hfaccel.kv.fp8``).
-        cuda_graphs: decode-only steps replay CUDA graphs captured per padded batch size (default: on CUDA).
-            ``True`` on another device runs the same static-shape decode step without capture.
-        compile: decode-only steps compiled with ``torch.compile`` (inductor fuses the glue between hfaccel's
-            kernels): True, False or ``"auto"`` (on CUDA, with ``cuda_graphs``). The first steps compile (one graph
-            serves every batch size but 1, which compiles on its own).
-        async_scheduling: in the decode steady state, schedule and launch each step before the previous step's
-            tokens reach the host, so the host's work overlaps the device's (default: on CUDA). The outputs are
-            the same; ``step()`` then returns what the step before it produced.
-        lora_adapters: ``{name: PEFT LoRA adapter directory}`` to serve (``{}``: none yet, :meth:`add_lora` later);
-            None (the default) serves the base model only and changes nothing in it. Every adapter is checked when
-            the engine is made (a ``ValueError`` names what does not fit); a request picks one with ``lora=name``.
-        max_loras: adapter slots on the device: the most distinct adapters one step serves (requests of another
-            adapter wait until a slot frees up; the others keep running).
-        max_lora_rank: the slots' rank; an adapter of a higher rank is refused. The slots take
-            ``max_loras * max_lora_rank * (in + out features)`` values per wrapped layer.
-        lora_target_modules: name endings of the Linear layers wrapped for LoRA besides the given adapters' targets
-            (default: the attention and MLP projections, ``hfaccel.lora.DEFAULT_TARGET_MODULES``), so adapters added
-            later find their layers.
-
-    Tensor parallelism: over a model transformers sharded with ``tp_plan="auto"`` (under ``torchrun``), every rank
-    makes the engine with the same arguments; rank 0 (``is_leader``) takes the requests, schedules, samples and
-    streams, and sends each forward's inputs to the other ranks in one broadcast; the other ranks call
-    :meth:`follow`, which runs those forwards until rank 0 calls :meth:`shutdown`. Decode steps run through every
-    rank's static steps (``cuda_graphs``, which the ranks must agree on), the others eagerly; rank 0 samples after
-    the step.
+        cuda_graphs: decode steps replay CUDA graphs per padded batch size (default: on CUDA).
+        compile: decode steps compiled by ``torch.compile``: True, False or ``"auto"`` (on CUDA).
+        async_scheduling: launch each decode step before the last one's tokens reach the host (default: on CUDA);
+            ``step()`` then returns what the step before it produced.
+        lora_adapters: ``{name: PEFT LoRA adapter directory}`` served (None: the base model only, unchanged).
+        max_loras: adapters one step serves at most (device slots).
+        max_lora_rank: the slots' rank; an adapter of a higher rank is refused.
+        lora_target_modules: Linear layers wrapped for adapters added later (default: attention and MLP).
+        kv_cache_dtype: the pool's storage: ``"auto"`` / None (the model's dtype) or ``"fp8"`` (e4m3).
+        kv_scales: an fp8 pool's scales: None (the checkpoint's, else 1.0), a number, or ``"prefill"``.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
@@ -123,15 +94,8 @@ class Engine(TPRole, LoRAAdmin):
                  lora_adapters: Mapping[str, str | os.PathLike] | None = None, max_loras: int = 8,
                  max_lora_rank: int = 64, lora_target_modules: Sequence[str] | None = None,
                  kv_cache_dtype: str | torch.dtype | None = None, kv_scales: KVScales = None):
-        compiles(compile, model_device(model))  # a bad setting raises before anything changes
-        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
-        if kv_scales is not None and kv_cache_dtype is None:
-            raise ValueError(f"kv_scales={kv_scales!r} needs an fp8 pool (kv_cache_dtype='fp8')")
-        check_sharding(model, "hfaccel.Engine")
+        kv_cache_dtype = _check_arguments(model, compile, kv_cache_dtype, kv_scales, lora_adapters)
         self.tp = tensor_parallel(model)
-        if self.tp is not None and lora_adapters is not None:
-            raise ValueError("hfaccel.Engine: LoRA adapters (lora_adapters) are not supported under tensor "
-                             "parallelism yet; serve them on one GPU, or merge the adapter into the model")
         _use_hfaccel_attention(model)
         self._closed = False
         # LoRA layers first: their slots take memory the KV budget must see (and nothing changes if one is bad)
@@ -148,19 +112,13 @@ class Engine(TPRole, LoRAAdmin):
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                                            kv_cache_fraction=kv_cache_fraction, kv_cache_dtype=kv_cache_dtype)
-            self._channel = None  # the TP step broadcast (None: one process)
-            if self.tp is None:
-                pool = KVPool.for_model(model, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                                        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
-                self.runner = ModelRunner(model, pool)
-                self.runner.lora = None if self.loras is None else self.loras.context
-            else:
+            if self.tp is not None:
                 self.kv_budget = agreed_budget(self.tp, self.kv_budget)
-                self.runner, self._channel = tp_runner(
-                    model, self.tp, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                    max_model_len=self.max_model_len, num_blocks=self.kv_budget.num_blocks, block_size=block_size,
-                    enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+            pool_options = dict(num_blocks=self.kv_budget.num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                                kv_scales=kv_scales)
+            self.runner, self._channel = _make_runner(model, self.tp, self.loras, max_num_batched_tokens,
+                                                      self.max_model_len, pool_options)
             _log.info("hfaccel Engine: %s", self.kv_budget)
             on_cuda = self.runner.device.type == "cuda"
             _build_static_steps(self.runner, self.tp, cuda_graphs if cuda_graphs is not None else on_cuda, compile,
@@ -327,58 +285,6 @@ class Engine(TPRole, LoRAAdmin):
                     _touch(touched, self.scheduler.update(output))
             in_flight.popleft()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
-                 None = None, *, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion (continuous batching); outputs in prompt order.
-
-        A prompt that cannot be served (empty, too long, bad token ids, parameters beyond the model), or whose
-        part of a step fails, gets an output with ``error`` set and ``finish_reason="error"``; the others run
-        normally. A step that fails as a whole (out of memory) raises, with this call's requests taken out.
-        ``lora``: one LoRA adapter name for every prompt, or one per prompt (None: the base model); a name the
-        engine does not serve raises ValueError before anything runs.
-        """
-        batch = per_prompt(prompts, params, lora)
-        for name in {name for _, _, name in batch}:
-            self.lora_adapter(name)  # an unknown name: nothing admitted
-        ids: list[str | RequestOutput] = []
-        try:
-            for prompt, param, name in batch:
-                try:
-                    ids.append(self.add_request(prompt, param, lora=name))
-                except ValueError as error:
-                    ids.append(error_output(prompt, error))
-            while self.has_unfinished_requests():
-                self.step_requests()
-            return [self.snapshot(self.requests[i]) if isinstance(i, str) else i for i in ids]
-        finally:  # also when a step raised: this call's requests leave the engine, which goes on serving
-            for i in ids:
-                if isinstance(i, str):
-                    self.abort(i)
-                    self.release(i)
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               lora: str | None = None) -> Iterator[RequestOutput]:
-        """Yield what is new for this request after each step (other queued requests advance too).
-
-        Each yielded output holds only the new text and token ids of each completion; the last one has
-        ``finished=True``. Closing the iterator early aborts the request. ``lora``: its LoRA adapter's name.
-        """
-        request_id = self.add_request(prompt, params, lora=lora)
-        seen = DeltaTracker()
-        try:
-            while True:
-                request = self.requests[request_id]
-                if not request.finished:
-                    self.step_requests()
-                delta = seen.delta(request)
-                if delta is not None:
-                    yield delta
-                if request.finished:
-                    return
-        finally:
-            self.abort(request_id)
-            self.release(request_id)
-
     # ------------------------------------------------------------------------------------------- state
     def snapshot(self, request: Request) -> RequestOutput:
         """The request's outputs so far (text held back where a stop string might still begin)."""
@@ -387,19 +293,11 @@ class Engine(TPRole, LoRAAdmin):
     def stats(self) -> dict[str, int | str]:
         """Requests and KV blocks now, the KV memory reserved, and how decode steps run (``decode_steps``:
         compiled or not, the sizes captured as CUDA graphs, and the reason of any fallback)."""
-        manager = self.scheduler.manager
         graphs = self.runner.graphs
         stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                 "blocks_total": manager.num_blocks, "blocks_used": manager.num_used_blocks,
-                 "blocks_free": manager.num_free_blocks, "kv_cache_tokens": self.kv_budget.tokens,
-                 "kv_cache_bytes": self.kv_budget.bytes, "kv_cache_dtype": str(self.runner.pool.cache_dtype),
-                 "prefix_caching": "on" if manager.enable_prefix_caching else (
-                     "off (the model's layers keep recurrent state, which is not kept per block)"
-                     if manager.state_slots else "off"),
+                 **self.scheduler.manager.stats(), **self.kv_budget.stats(),
+                 "kv_cache_dtype": str(self.runner.pool.cache_dtype),
                  "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)"}
-        if manager.state_slots:  # a hybrid model: one slot of recurrent state per running sequence
-            stats.update(state_slots=manager.state_slots, state_slots_free=manager.num_free_state_slots,
-                         state_bytes=self.kv_budget.state_bytes)
         if self.processor is not None:  # prompts with images: the encoder's outputs kept for their images
             stats["encoder_cache"] = str(self.encoder_cache)
         if self.loras is not None:  # adapters served, and how many of the max_loras slots hold one
@@ -410,6 +308,31 @@ class Engine(TPRole, LoRAAdmin):
 def _touch(touched: dict[str, Request], requests: Iterable[Request]) -> None:
     """Add ``requests`` to a step's changed requests (kept in the order they first changed)."""
     touched.update((request.request_id, request) for request in requests)
+
+
+def _check_arguments(model, compile: bool | str, kv_cache_dtype, kv_scales: KVScales,
+                     lora_adapters: Mapping | None) -> torch.dtype | None:
+    """Refuse what the engine cannot serve before anything changes; returns the pool's KV dtype (None: the model's)."""
+    compiles(compile, model_device(model))
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
+    if kv_scales is not None and kv_cache_dtype is None:
+        raise ValueError(f"kv_scales={kv_scales!r} needs an fp8 pool (kv_cache_dtype='fp8')")
+    check_sharding(model, "hfaccel.Engine")
+    if tensor_parallel(model) is not None and lora_adapters is not None:
+        raise ValueError("hfaccel.Engine: LoRA adapters (lora_adapters) are not supported under tensor "
+                         "parallelism yet; serve them on one GPU, or merge the adapter into the model")
+    return kv_cache_dtype
+
+
+def _make_runner(model, tp: TensorParallel | None, loras, max_num_batched_tokens: int, max_model_len: int,
+                 pool_options: dict) -> tuple[ModelRunner, StepChannel | None]:
+    """The engine's runner over a pool of ``pool_options``, and the TP step broadcast (None: one process)."""
+    if tp is not None:
+        return tp_runner(model, tp, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                         **pool_options)
+    runner = ModelRunner(model, KVPool.for_model(model, **pool_options))
+    runner.lora = None if loras is None else loras.context
+    return runner, None
 
 
 def _use_hfaccel_attention(model) -> None:

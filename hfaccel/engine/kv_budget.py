@@ -45,6 +45,11 @@ class KVBudget:
     def bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    def stats(self) -> dict[str, int]:
+        """What the pool reserved: tokens and bytes of KV, and bytes of recurrent state where there is any."""
+        stats = {"kv_cache_tokens": self.tokens, "kv_cache_bytes": self.bytes}
+        return {**stats, "state_bytes": self.state_bytes} if self.state_bytes else stats
+
     def __str__(self) -> str:
         state = f" and {self.state_bytes / (1 << 30):.2f} GiB of recurrent state" if self.state_bytes else ""
         return (f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "

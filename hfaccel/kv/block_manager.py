@@ -105,6 +105,16 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def stats(self) -> dict[str, int | str]:
+        """Blocks now (total, used, free), whether prefix caching is on, and state slots where the model keeps state."""
+        prefix = "on" if self.enable_prefix_caching else (
+            "off (the model's layers keep recurrent state, which is not kept per block)" if self.state_slots else "off")
+        stats = {"blocks_total": self.num_blocks, "blocks_used": self.num_used_blocks,
+                 "blocks_free": self.num_free_blocks, "prefix_caching": prefix}
+        if self.state_slots:  # a hybrid model: one slot of recurrent state per running sequence
+            stats.update(state_slots=self.state_slots, state_slots_free=self.num_free_state_slots)
+        return stats
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 
