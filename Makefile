@@ -38,6 +38,7 @@ test: test-newest test-lowest
 test-newest:
 	$(MAKE) venv VENV=$(VENV)
 	$(VENV)/bin/ruff check hfaccel tests
+	$(VENV)/bin/ruff format --check hfaccel tests
 	$(VENV)/bin/python -m hfaccel.tools.assets
 	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 

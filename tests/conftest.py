@@ -76,8 +76,10 @@ def pytest_report_header(config):
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
-    return (f"hfaccel tests: torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"triton {triton.__version__}, device {device}")
+    return (
+        f"hfaccel tests: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"triton {triton.__version__}, device {device}"
+    )
 
 
 @pytest.fixture
@@ -87,8 +89,11 @@ def tuned_table(monkeypatch, tmp_path):
     from hfaccel.kernels import tuning
 
     monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA Test GPU 80GB"
-                        if torch.device(device or "cuda").type == "cuda" else None)
+    monkeypatch.setattr(
+        tuning,
+        "gpu_name",
+        lambda device=None: "NVIDIA Test GPU 80GB" if torch.device(device or "cuda").type == "cuda" else None,
+    )
     tuning.load_table.cache_clear()
 
     def write(ops: dict):

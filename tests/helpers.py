@@ -36,10 +36,32 @@ class Server:
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
         self.log = open(model_dir / f"server-{self.port}.log", "w")
         self.process = subprocess.Popen(
-            [sys.executable, *launcher, "-m", "hfaccel.tools.cli", "serve", str(model_dir), "--port", str(self.port),
-             "--served-model-name", "tiny", "--attention", "torch", "--num-blocks", "512",
-             "--max-num-seqs", "64", "--graceful-shutdown", "5", *extra],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                *launcher,
+                "-m",
+                "hfaccel.tools.cli",
+                "serve",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                "tiny",
+                "--attention",
+                "torch",
+                "--num-blocks",
+                "512",
+                "--max-num-seqs",
+                "64",
+                "--graceful-shutdown",
+                "5",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -92,9 +114,14 @@ def reference(model, prompts, budgets) -> list[list[int]]:
     """Each prompt's own greedy generate() (no EOS: fixed lengths)."""
     outs = []
     for prompt, budget in zip(prompts, budgets):
-        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=budget, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
+        out = model.generate(
+            torch.tensor([prompt], device=model.device),
+            max_new_tokens=budget,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(out[0, len(prompt) :].tolist())
     return outs
 
 
@@ -115,12 +142,26 @@ def word_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
     vocab.update({chr(ord("a") + i): 4 + i for i in range(26)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                  eos_token="</s>", unk_token="<unk>", padding_side="left")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
-QUANT_LLAMA = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+QUANT_LLAMA = dict(
+    vocab_size=96,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+)
 
 
 def quant_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **extra) -> transformers.PreTrainedModel:

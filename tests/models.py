@@ -10,17 +10,33 @@ from tests.devices import DEVICE
 
 # Small enough for the Triton interpreter, large enough to exercise GQA (4 query heads over 2 KV heads)
 # and, with sliding_window=8, windows shorter than the prompts.
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
-              {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 24}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 24},
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_key_value_heads": 4}),
 }
 
@@ -28,10 +44,21 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
 # experts (MoE routing with nonzero): what torch.compile may not trace on every transformers release.
 _HALF_ROTARY = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
 DATA_DEPENDENT_ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
-    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {
-        "num_key_value_heads": 4, "rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-            "short_factor": [1.0] * _HALF_ROTARY, "long_factor": [2.0 + i / 8 for i in range(_HALF_ROTARY)]}}),
+    "phi3-longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "short_factor": [1.0] * _HALF_ROTARY,
+                "long_factor": [2.0 + i / 8 for i in range(_HALF_ROTARY)],
+            },
+        },
+    ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
@@ -74,8 +101,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma4": ("gemma4_text", {}),  # per-layer head sizes and KV heads, layers sharing K/V (gemma4_config)
     # chunked attention (chunks of 8, shorter than prompt + new tokens) on the RoPE layers, full attention with the
     # attention temperature on the no-RoPE ones
-    "llama4": ("llama4_text", {"attention_chunk_size": 8, "num_hidden_layers": 4, "no_rope_layers": [1, 0, 1, 0],
-                               "layer_types": ["chunked_attention", "full_attention"] * 2}),
+    "llama4": (
+        "llama4_text",
+        {
+            "attention_chunk_size": 8,
+            "num_hidden_layers": 4,
+            "no_rope_layers": [1, 0, 1, 0],
+            "layer_types": ["chunked_attention", "full_attention"] * 2,
+        },
+    ),
 }
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax")
 
@@ -85,8 +119,9 @@ def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers
     from tests.hf.tiny_configs import tiny_config
 
     model_type, overrides = FAMILIES[name]
-    config = gemma4_config(vocab_size) if name == "gemma4" else tiny_config(model_type, vocab_size=vocab_size,
-                                                                            **overrides)
+    config = (
+        gemma4_config(vocab_size) if name == "gemma4" else tiny_config(model_type, vocab_size=vocab_size, **overrides)
+    )
     torch.manual_seed(seed)
     try:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -104,17 +139,31 @@ def gemma4_config(vocab_size: int = 96) -> transformers.PretrainedConfig:
     """Gemma 4's text model, tiny: sliding layers of 2 KV heads x 16 and global layers of 1 KV head x 32 (its
     ``attention_k_eq_v``: values are the keys), the last two layers reading the K/V of earlier ones."""
     return transformers.Gemma4TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=8, num_kv_shared_layers=2,
-        attention_k_eq_v=True, hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab_size,
-        max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=vocab_size,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def wide_head_model() -> transformers.PreTrainedModel:
     """A tiny Llama whose heads are 640 wide: wider than hfaccel's kernels take (512), so hfaccel cannot serve it."""
-    config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 1, "num_key_value_heads": 1,
-                                         "head_dim": 640})
+    config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 640})
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval().to(DEVICE)
 
@@ -136,8 +185,8 @@ def padded_batch(lengths=(11, 7, 4), vocab_size: int = 96, seed: int = 1) -> dic
     input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
     attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for row, length in enumerate(lengths):
-        input_ids[row, width - length:] = torch.randint(3, vocab_size, (length,), generator=gen)
-        attention_mask[row, width - length:] = 1
+        input_ids[row, width - length :] = torch.randint(3, vocab_size, (length,), generator=gen)
+        attention_mask[row, width - length :] = 1
     return {"input_ids": input_ids.to(DEVICE), "attention_mask": attention_mask.to(DEVICE)}
 
 
@@ -150,9 +199,10 @@ def char_tokenizer(vocab_size: int = 96) -> transformers.PreTrainedTokenizerFast
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     specials = ["<pad>", "<s>", "</s>"]
-    vocab = {token: i for i, token in enumerate(specials + list(CHARS[:vocab_size - len(specials)]))}
+    vocab = {token: i for i, token in enumerate(specials + list(CHARS[: vocab_size - len(specials)]))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )

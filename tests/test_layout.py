@@ -18,8 +18,18 @@ from pathlib import Path
 import hfaccel
 
 PACKAGE = Path(hfaccel.__file__).parent
-LAYERS = [{"kernels"}, {"compat", "device"}, {"kv", "quant"}, {"attention", "lora"}, {"sampling"}, {"runner"},
-          {"distributed"}, {"engine", "speculative"}, {"serve", "hf"}, {"tools"}]
+LAYERS = [
+    {"kernels"},
+    {"compat", "device"},
+    {"kv", "quant"},
+    {"attention", "lora"},
+    {"sampling"},
+    {"runner"},
+    {"distributed"},
+    {"engine", "speculative"},
+    {"serve", "hf"},
+    {"tools"},
+]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 
@@ -52,7 +62,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[st
             base = node.module or ""
             if node.level:  # relative import
                 anchor = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                base = ".".join(anchor[:len(anchor) - node.level + 1] + ([base] if base else []))
+                base = ".".join(anchor[: len(anchor) - node.level + 1] + ([base] if base else []))
             names = [f"{base}.{alias.name}" for alias in node.names]
         for name in names:
             if name == "hfaccel" or name.startswith("hfaccel."):
@@ -101,7 +111,7 @@ def test_no_import_cycles():
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if nxt in path:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = path[path.index(nxt) :] + [nxt]
                 raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
             if state.get(nxt) is None:
                 visit(nxt)
@@ -126,8 +136,9 @@ def test_accelerate_loads_neither_the_engine_nor_the_server_nor_the_tools_nor_pe
                                                                    ["hfaccel", "tools"])
                      or m.split(".")[0] == "peft"))  # peft (optional) only for a PEFT model
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            cwd=PACKAGE.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
@@ -138,6 +149,9 @@ MAX_MODULE_LINES = 500  # a module one reads whole; kernels keep their launcher 
 def test_no_module_outgrows_a_read():
     """Every module of the package but a kernel's fits in ``MAX_MODULE_LINES`` lines: a module that grows past it
     holds more than one concern and is split along them."""
-    long = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
-            if path.parent.name != "kernels" and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.parent.name != "kernels" and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -21,8 +21,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def smollm2():
     path = smollm2_or_skip()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="sdpa").eval().to(DEVICE)
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        .eval()
+        .to(DEVICE)
+    )
     return model, tokenizer
 
 
@@ -35,7 +38,7 @@ def test_greedy_continuations_identical(smollm2):
     batch = _batch(tokenizer)
     kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = model.generate(**batch, **kwargs)
-    assert "Paris" in tokenizer.decode(expected[0, batch["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(expected[0, batch["input_ids"].shape[1] :])
     hfaccel.accelerate(model, attention="triton")  # paged=True: generate() runs on a PagedCache
     try:
         got = model.generate(**batch, **kwargs)
@@ -90,18 +93,21 @@ def test_speculative_with_an_int4_draft(smollm2):
     draft = hfaccel.accelerate(int4_draft(model), attention="torch")
     hfaccel.accelerate(model, attention="torch")
     try:
-        got, stats = hfaccel.speculative_generate(model, draft, **batch, num_draft_tokens=4, return_stats=True,
-                                                  **kwargs)
-        stopped = hfaccel.speculative_generate(model, draft, **batch, stop_strings=[".", "\n\n"],
-                                               tokenizer=tokenizer, **kwargs)
+        got, stats = hfaccel.speculative_generate(
+            model, draft, **batch, num_draft_tokens=4, return_stats=True, **kwargs
+        )
+        stopped = hfaccel.speculative_generate(
+            model, draft, **batch, stop_strings=[".", "\n\n"], tokenizer=tokenizer, **kwargs
+        )
     finally:
         hfaccel.restore(model)
     print(f"SmolLM2-135M with an int4 (RTN, g=64) copy as draft: {stats}")
     assert torch.equal(got, expected), "\n".join(tokenizer.batch_decode(got) + tokenizer.batch_decode(expected))
     assert stats.proposed > 0
     expected_stop = model.generate(**batch, stop_strings=[".", "\n\n"], tokenizer=tokenizer, **kwargs)
-    assert torch.equal(stopped, expected_stop), "\n".join(tokenizer.batch_decode(stopped) +
-                                                          tokenizer.batch_decode(expected_stop))
+    assert torch.equal(stopped, expected_stop), "\n".join(
+        tokenizer.batch_decode(stopped) + tokenizer.batch_decode(expected_stop)
+    )
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -113,11 +119,12 @@ def test_engine_greedy_equals_generate(smollm2, async_scheduling):
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(DEVICE)
         out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        expected.append(out[0, ids.shape[1]:].tolist())
+        expected.append(out[0, ids.shape[1] :].tolist())
     hfaccel.accelerate(model, attention="torch", paged=False)
     try:
-        engine = hfaccel.Engine(model, tokenizer, max_num_seqs=4, num_blocks=6, max_num_batched_tokens=24,
-                                async_scheduling=async_scheduling)
+        engine = hfaccel.Engine(
+            model, tokenizer, max_num_seqs=4, num_blocks=6, max_num_batched_tokens=24, async_scheduling=async_scheduling
+        )
         outputs = engine.generate(prompts, hfaccel.SamplingParams(max_tokens=24, temperature=0))
     finally:
         hfaccel.restore(model)

@@ -34,9 +34,17 @@ from hfaccel.kernels.runtime import interpreting
 from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
 
 
-def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask, scaling: float | None = None, dropout: float = 0.0,
-               **kwargs) -> tuple[torch.Tensor, None]:
+def _attention(
+    backend: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     # query: [B, Hq, Sq, D]; key, value: [B, Hkv, Skv, D]; returns ([B, Sq, Hq, D], None)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
     if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
@@ -59,22 +67,45 @@ def _attention(backend: str, module: torch.nn.Module, query: torch.Tensor, key: 
     if dropout > 0.0:
         _warn_fallback("attention dropout is active (model in training mode)")
         record_path(module, TORCH)
-        return dense_attention(query, key, value, dense_mask(attention_mask, query, key), scaling, softcap, sinks,
-                               dropout), None
+        return dense_attention(
+            query, key, value, dense_mask(attention_mask, query, key), scaling, softcap, sinks, dropout
+        ), None
     mask = attention_mask
     if prefill_route(backend, query, key, mask, softcap, sinks) == SDPA:  # exact, and differentiable
         record_path(module, SDPA)
         return sdpa_dense(query, key, value, mask, scaling, softcap, sinks), None
     if _needs_autograd(query, key, value):  # differentiable
         record_path(module, TORCH)
-        return flash_attention_reference(query, key, value, scale=scaling, causal=mask.causal,
-                                         q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
-                                         sliding_window=mask.sliding_window, chunk_size=mask.chunk_size,
-                                         softcap=softcap, sinks=sinks), None
+        return flash_attention_reference(
+            query,
+            key,
+            value,
+            scale=scaling,
+            causal=mask.causal,
+            q_offset=mask.q_offset,
+            kv_offset=mask.kv_offset,
+            key_mask=mask.key_mask,
+            sliding_window=mask.sliding_window,
+            chunk_size=mask.chunk_size,
+            softcap=softcap,
+            sinks=sinks,
+        ), None
     record_path(module, FLASH, backend, query)
-    return flash_attention_op(query, key, value, mask.key_mask, softmax_scale(scaling, query), mask.causal,
-                              mask.q_offset, mask.kv_offset, mask.sliding_window, mask.chunk_size, softcap, sinks,
-                              backend), None
+    return flash_attention_op(
+        query,
+        key,
+        value,
+        mask.key_mask,
+        softmax_scale(scaling, query),
+        mask.causal,
+        mask.q_offset,
+        mask.kv_offset,
+        mask.sliding_window,
+        mask.chunk_size,
+        softcap,
+        sinks,
+        backend,
+    ), None
 
 
 def _needs_autograd(*tensors: torch.Tensor) -> bool:
@@ -86,34 +117,86 @@ def _paged_kernel_serves(mask, dropout: float, query: torch.Tensor) -> bool:
     return isinstance(mask, KernelMask) and mask.causal and dropout == 0.0 and not _needs_autograd(query)
 
 
-def _paged(backend: str, query: torch.Tensor, kv: PagedKV, mask: KernelMask, scaling: float | None,
-           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def _paged(
+    backend: str,
+    query: torch.Tensor,
+    kv: PagedKV,
+    mask: KernelMask,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     # query: [B, Hq, Sq, D] -> [B, Sq, Hq, D], reading K/V from the pool through the block tables
-    return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, None, query.shape[2],
-                              kv.max_seq_len, softmax_scale(scaling, query),
-                              mask.key_mask if kv.padding is None else None, mask.sliding_window, mask.chunk_size,
-                              softcap, sinks, backend, kv.kv_scales)
+    return paged_attention_op(
+        query,
+        kv.kv_cache,
+        kv.layer,
+        kv.block_tables,
+        kv.seq_lens,
+        None,
+        query.shape[2],
+        kv.max_seq_len,
+        softmax_scale(scaling, query),
+        mask.key_mask if kv.padding is None else None,
+        mask.sliding_window,
+        mask.chunk_size,
+        softcap,
+        sinks,
+        backend,
+        kv.kv_scales,
+    )
 
 
-def _packed(backend: str, query: torch.Tensor, kv: PagedKV, mask, scaling: float | None, softcap: float | None,
-            sinks: torch.Tensor | None, dropout: float, sliding_window: int | None) -> torch.Tensor:
+def _packed(
+    backend: str,
+    query: torch.Tensor,
+    kv: PagedKV,
+    mask,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]
     if not _paged_kernel_serves(mask, dropout, query):
         raise NotImplementedError(
             "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
             f"without dropout or autograd; got mask {type(mask).__name__}, dropout {dropout}, "
-            f"grad {_needs_autograd(query)}")
-    return paged_attention_op(query, kv.kv_cache, kv.layer, kv.block_tables, kv.seq_lens, kv.cu_seqlens_q,
-                              kv.max_seqlen_q, kv.max_seq_len, softmax_scale(scaling, query), None, sliding_window,
-                              kv.chunk, softcap, sinks, backend, kv.kv_scales)
+            f"grad {_needs_autograd(query)}"
+        )
+    return paged_attention_op(
+        query,
+        kv.kv_cache,
+        kv.layer,
+        kv.block_tables,
+        kv.seq_lens,
+        kv.cu_seqlens_q,
+        kv.max_seqlen_q,
+        kv.max_seq_len,
+        softmax_scale(scaling, query),
+        None,
+        sliding_window,
+        kv.chunk,
+        softcap,
+        sinks,
+        backend,
+        kv.kv_scales,
+    )
 
 
 def auto_attention(module, query, key, value, attention_mask, **kwargs):
     """Attention registered as ``hfaccel``: hfaccel's Triton kernels where they run; elsewhere (the CPU, MPS)
     transformers' own SDPA attention for dense calls (:func:`auto_mask` made its mask), the torch paths for what it
     does not compute (softcap, KernelMasks), and the batched torch paged attention for paged calls."""
-    if (query.device.type != "cuda" and not isinstance(key, PagedKV) and not isinstance(attention_mask, KernelMask)
-            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and not interpreting()):
+    if (
+        query.device.type != "cuda"
+        and not isinstance(key, PagedKV)
+        and not isinstance(attention_mask, KernelMask)
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and not interpreting()
+    ):
         record_path(module, SDPA)
         return compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     return _attention("auto", module, query, key, value, attention_mask, **kwargs)

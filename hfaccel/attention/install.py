@@ -44,8 +44,11 @@ def attention_implementations(model: PreTrainedModel) -> str | dict[str, str]:
     config = model.config
     if not config.sub_configs:
         return compat.attn_implementation(config)
-    subs = {key: compat.attn_implementation(getattr(config, key)) for key in config.sub_configs
-            if getattr(config, key, None) is not None}
+    subs = {
+        key: compat.attn_implementation(getattr(config, key))
+        for key in config.sub_configs
+        if getattr(config, key, None) is not None
+    }
     return {"": compat.attn_implementation(config), **subs}
 
 
@@ -107,8 +110,10 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return "encoder-decoder models are not supported (hfaccel serves decoder-only causal LMs)"
     text = config.get_text_config(decoder=True)
     if text is not config and not is_image_text_to_text(model):
-        return (f"multimodal models other than image-text-to-text ones are not supported yet (sub-configs: "
-                f"{sorted(config.sub_configs)})")
+        return (
+            f"multimodal models other than image-text-to-text ones are not supported yet (sub-configs: "
+            f"{sorted(config.sub_configs)})"
+        )
     if text is not config and text_config_key(config) is None:
         return "its language model's config is not one of its sub-configs"
     if not compat.can_set_attn_implementation(model):

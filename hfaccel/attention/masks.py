@@ -33,8 +33,13 @@ class KernelMask:
         """The mask of a run of its queries, ``mask[:, :, queries, :]``, as of the ``[B, 1, Sq, Skv]`` mask it stands
         for (Gemma 4's KV-shared layers keep only the last queries of a prefill)."""
         whole = slice(None)
-        if not (isinstance(index, tuple) and len(index) == 4 and index[0] == index[1] == index[3] == whole
-                and isinstance(index[2], slice) and index[2].step in (None, 1)):
+        if not (
+            isinstance(index, tuple)
+            and len(index) == 4
+            and index[0] == index[1] == index[3] == whole
+            and isinstance(index[2], slice)
+            and index[2].step in (None, 1)
+        ):
             raise TypeError(f"a KernelMask takes only mask[:, :, start:stop, :] (a run of its queries); got {index!r}")
         queries = index[2]
         if queries.start in (None, 0) and queries.stop is None:
@@ -95,39 +100,86 @@ def kernel_mask(
     on_device = isinstance(q_offset, torch.Tensor)
     if pattern is None or on_device and q_length > 1:
         return compat.dense_bool_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-            local_size=local_size, use_vmap=use_vmap, **kwargs)
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            use_vmap=use_vmap,
+            **kwargs,
+        )
     padding = compat.padding_mask(attention_mask, kv_length, kv_offset)
-    key_mask = None if padding is None else padding[:, kv_offset:kv_offset + kv_length].bool()
+    key_mask = None if padding is None else padding[:, kv_offset : kv_offset + kv_length].bool()
     if on_device:
         return _one_query_mask(pattern, batch_size, kv_length, q_offset, int(kv_offset), key_mask)
-    return KernelMask(key_mask=key_mask, q_offset=int(q_offset), kv_offset=int(kv_offset),
-                      causal=pattern.causal, sliding_window=pattern.sliding_window, q_length=q_length)
+    return KernelMask(
+        key_mask=key_mask,
+        q_offset=int(q_offset),
+        kv_offset=int(kv_offset),
+        causal=pattern.causal,
+        sliding_window=pattern.sliding_window,
+        q_length=q_length,
+    )
 
 
-def auto_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0, kv_offset: int = 0,
-              mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
-              use_vmap: bool = False, device: torch.device | str = "cpu", **kwargs):
+def auto_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs,
+):
     """The ``auto`` backend's mask function: :func:`kernel_mask` where hfaccel's kernels run, transformers' ``sdpa``
     mask where they do not (the CPU, MPS), for ``hfaccel.attention.functions.auto_attention`` to hand to
     transformers' SDPA attention."""
-    arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, use_vmap=use_vmap, **kwargs)
+    arguments = dict(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
     if isinstance(attention_mask, KernelMask) or triton_can_run(device):
         return kernel_mask(**arguments)
     return compat.sdpa_mask(device=device, **arguments)
 
 
-def _one_query_mask(pattern: compat.MaskPattern, batch_size: int, kv_length: int, q_offset: torch.Tensor,
-                    kv_offset: int, key_mask: torch.Tensor | None) -> KernelMask:
+def _one_query_mask(
+    pattern: compat.MaskPattern,
+    batch_size: int,
+    kv_length: int,
+    q_offset: torch.Tensor,
+    kv_offset: int,
+    key_mask: torch.Tensor | None,
+) -> KernelMask:
     """The mask of one query per row at position ``q_offset`` (a 0-d device tensor), with no host read: the
     pattern's causal and window rules become key padding ``[B, Skv]``, which the kernels take as it is (they then
     run over every key, those the query may not see hidden)."""
-    visible = visibility_mask(batch_size, 1, kv_length, causal=pattern.causal, q_offset=q_offset, kv_offset=kv_offset,
-                              key_mask=key_mask, sliding_window=pattern.sliding_window,
-                              device=q_offset.device)  # [B, 1, 1, Skv]
+    visible = visibility_mask(
+        batch_size,
+        1,
+        kv_length,
+        causal=pattern.causal,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        key_mask=key_mask,
+        sliding_window=pattern.sliding_window,
+        device=q_offset.device,
+    )  # [B, 1, 1, Skv]
     return KernelMask(key_mask=visible[:, 0, 0], q_offset=0, kv_offset=0, causal=False, sliding_window=None)
 
 
@@ -140,6 +192,15 @@ def implicit_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
 def dense_mask(mask: KernelMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """The ``[B, 1, Sq, Skv]`` bool mask (True = attend) a :class:`KernelMask` stands for, for the torch paths."""
-    return visibility_mask(query.shape[0], query.shape[2], key.shape[2], causal=mask.causal,
-                           q_offset=mask.q_offset, kv_offset=mask.kv_offset, key_mask=mask.key_mask,
-                           sliding_window=mask.sliding_window, chunk_size=mask.chunk_size, device=query.device)
+    return visibility_mask(
+        query.shape[0],
+        query.shape[2],
+        key.shape[2],
+        causal=mask.causal,
+        q_offset=mask.q_offset,
+        kv_offset=mask.kv_offset,
+        key_mask=mask.key_mask,
+        sliding_window=mask.sliding_window,
+        chunk_size=mask.chunk_size,
+        device=query.device,
+    )

@@ -37,8 +37,9 @@ class AttentionPaths:
         return f"AttentionPaths({dict(self.counts)}, last={self.last!r})"
 
 
-def record_path(module: torch.nn.Module, path: str, backend: str | None = None,
-                query: torch.Tensor | None = None) -> None:
+def record_path(
+    module: torch.nn.Module, path: str, backend: str | None = None, query: torch.Tensor | None = None
+) -> None:
     """Count the path in the module's AttentionPaths (a model that ``accelerate`` tracks; eager calls only).
     hfaccel's kernels are named with the backend that runs them (``hfaccel flash (triton)``)."""
     if torch.compiler.is_compiling():

@@ -44,8 +44,9 @@ def peft_base_model(model):
 
 def peft_adapter_types(model) -> dict[str, str]:
     """adapter name -> PEFT method (``"LORA"``, ``"PROMPT_TUNING"``, ...) of every adapter a ``PeftModel`` holds."""
-    return {name: str(getattr(config.peft_type, "value", config.peft_type))
-            for name, config in model.peft_config.items()}
+    return {
+        name: str(getattr(config.peft_type, "value", config.peft_type)) for name, config in model.peft_config.items()
+    }
 
 
 def peft_active_adapters(model) -> tuple[str, ...]:
@@ -120,8 +121,11 @@ class AdapterLayerState:
 
 def adapter_layer_state(module) -> AdapterLayerState:
     """The adapter state of a PEFT layer or wrapper."""
-    return AdapterLayerState(tuple(module.active_adapters), bool(module.disable_adapters),
-                             tuple(getattr(module, "merged_adapters", None) or ()))
+    return AdapterLayerState(
+        tuple(module.active_adapters),
+        bool(module.disable_adapters),
+        tuple(getattr(module, "merged_adapters", None) or ()),
+    )
 
 
 def has_forward_pre_hooks(module) -> bool:
@@ -177,5 +181,8 @@ def lora_linear_parts(layer) -> tuple[torch.nn.Linear, dict[str, tuple[torch.Ten
 def peft_wrapped_names(layer) -> list[str]:
     """The names, inside a PEFT layer or wrapper, of the submodules that hold adapter weights or copies: everything
     but a LoRA layer's ``base_layer`` (for a wrapper — ``modules_to_save``, trainable tokens — everything)."""
-    return [name for name, _ in layer.named_modules() if name and name != "base_layer"
-            and not name.startswith("base_layer.")]
+    return [
+        name
+        for name, _ in layer.named_modules()
+        if name and name != "base_layer" and not name.startswith("base_layer.")
+    ]

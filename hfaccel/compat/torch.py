@@ -88,4 +88,3 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter transformers' TP sharded (a ``DTensor``: its local shard); other tensors as
     they are."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-

@@ -24,8 +24,7 @@ MIN_TRANSFORMERS = Version("5.17.0")
 def check_transformers_version() -> None:
     """Raise a clear error on a transformers release hfaccel was not built for."""
     if not (MIN_TRANSFORMERS <= TRANSFORMERS_VERSION < Version("6")):
-        raise ImportError(
-            f"hfaccel needs transformers >= {MIN_TRANSFORMERS}, < 6; found {TRANSFORMERS_VERSION}")
+        raise ImportError(f"hfaccel needs transformers >= {MIN_TRANSFORMERS}, < 6; found {TRANSFORMERS_VERSION}")
 
 
 # ---- the cache argument: ``past_key_values`` until 5.23, ``cache`` from 5.24 (the old name a deprecated alias);
@@ -211,8 +210,7 @@ def pipeline_generation_config(pipe, generate_kwargs: dict):
 _FAST_CONTINUOUS_BATCHING = {"use_cuda_graph": True, "use_async_batching": True, "default_compile_level": 1}
 
 
-def continuous_batching_config(num_blocks: int, block_size: int, max_batch_tokens: int, *,
-                               fastest: bool = False):
+def continuous_batching_config(num_blocks: int, block_size: int, max_batch_tokens: int, *, fastest: bool = False):
     """``(config, description)``: transformers' ``ContinuousBatchingConfig`` sized explicitly (its block-size
     argument was renamed ``page_size`` after 5.17: delete ``block_size`` at a later floor) and, with ``fastest`` (on
     CUDA), its fastest settings that the installed release offers; the description names the settings used."""
@@ -221,8 +219,9 @@ def continuous_batching_config(num_blocks: int, block_size: int, max_batch_token
     fields = inspect.signature(ContinuousBatchingConfig).parameters
     size_name = "page_size" if "page_size" in fields else "block_size"
     extra = {name: value for name, value in _FAST_CONTINUOUS_BATCHING.items() if fastest and name in fields}
-    config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                                      **{size_name: block_size}, **extra)
+    config = ContinuousBatchingConfig(
+        num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, **{size_name: block_size}, **extra
+    )
     description = ", ".join(f"{name}={value}" for name, value in extra.items()) or "defaults"
     return config, description
 
@@ -231,16 +230,44 @@ def continuous_batching_config(num_blocks: int, block_size: int, max_batch_token
 # "off" (None always means off too). A path that serves generate() calls itself (speculative decoding, the
 # engine behind pipeline()) names the ones it implements; any other that is on sends the call to transformers.
 _GENERATION_OPTIONS: dict[str, object] = {
-    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "num_return_sequences": 1,
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "min_new_tokens": 0, "min_length": 0, "min_p": 0.0, "top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0, "penalty_alpha": None, "dola_layers": None, "bad_words_ids": None, "force_words_ids": None,
-    "constraints": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
-    "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": 1.0, "watermarking_config": None,
-    "renormalize_logits": False, "exponential_decay_length_penalty": None, "max_time": None, "stop_strings": None,
-    "token_healing": False, "cache_implementation": None, "prompt_lookup_num_tokens": None,
-    "return_dict_in_generate": False, "output_scores": False, "output_logits": False,
-    "output_attentions": False, "output_hidden_states": False,
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_new_tokens": 0,
+    "min_length": 0,
+    "min_p": 0.0,
+    "top_h": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "constraints": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+    "exponential_decay_length_penalty": None,
+    "max_time": None,
+    "stop_strings": None,
+    "token_healing": False,
+    "cache_implementation": None,
+    "prompt_lookup_num_tokens": None,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+    "output_attentions": False,
+    "output_hidden_states": False,
 }
 
 
@@ -290,8 +317,14 @@ def transformers_sample(model, input_ids, logits_processor, stopping_criteria, g
     hands back from inside ``generate``."""
     from transformers.generation.utils import GenerationMixin
 
-    return GenerationMixin._sample(model, input_ids, logits_processor=logits_processor,
-                                   stopping_criteria=stopping_criteria, generation_config=generation_config, **kwargs)
+    return GenerationMixin._sample(
+        model,
+        input_ids,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        generation_config=generation_config,
+        **kwargs,
+    )
 
 
 def transformers_prefill(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict):
@@ -379,8 +412,9 @@ def tp_group(model):
 
 def tp_splits_kv_heads(model) -> bool:
     """Whether the model's TP plan splits the KV heads across the ranks (a colwise key projection)."""
-    return any(key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise"
-               for key, style in tp_plan(model).items())
+    return any(
+        key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise" for key, style in tp_plan(model).items()
+    )
 
 
 def tp_style(model, module_name: str) -> str | None:
@@ -395,4 +429,3 @@ def tp_style(model, module_name: str) -> str | None:
 def device_map_devices(model) -> set[str]:
     """The devices ``from_pretrained(device_map=...)`` spread the model over (empty without a device map)."""
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
-

@@ -9,5 +9,18 @@ from hfaccel.distributed.model import TensorParallel, check_sharding, tensor_par
 from hfaccel.distributed.role import TPRole
 from hfaccel.distributed.steps import LeaderRunner, StepChannel, follow, tp_runner
 
-__all__ = ["LeaderRunner", "RankFailed", "StepChannel", "TPRole", "TensorParallel", "agree_on_static_steps",
-           "agreed_budget", "check_sharding", "follow", "launched", "supervise", "tensor_parallel", "tp_runner"]
+__all__ = [
+    "LeaderRunner",
+    "RankFailed",
+    "StepChannel",
+    "TPRole",
+    "TensorParallel",
+    "agree_on_static_steps",
+    "agreed_budget",
+    "check_sharding",
+    "follow",
+    "launched",
+    "supervise",
+    "tensor_parallel",
+    "tp_runner",
+]

@@ -33,7 +33,9 @@ def agree_on_static_steps(tp: TensorParallel, graphs: DecodeGraphs | None) -> No
     clear error on every rank when their settings differ; then each capture's verdict is every rank's."""
     mine = 0 if graphs is None else 1 + 2 * graphs.compiled + 4 * graphs.capture
     if tp.min_over_ranks(mine) != -tp.min_over_ranks(-mine):
-        raise ValueError("hfaccel.Engine under tensor parallelism: the ranks' decode steps differ (cuda_graphs, "
-                         "compile or the device); build the engine with the same arguments on every rank")
+        raise ValueError(
+            "hfaccel.Engine under tensor parallelism: the ranks' decode steps differ (cuda_graphs, "
+            "compile or the device); build the engine with the same arguments on every rank"
+        )
     if graphs is not None:
         graphs.agree = lambda captured: tp.min_over_ranks(int(captured)) == 1

@@ -44,8 +44,10 @@ class RankFailed(RuntimeError):
     """A rank of a :func:`supervise` run failed (every other rank has been stopped)."""
 
     def __init__(self, rank: int, size: int, cause: str, details: str = ""):
-        super().__init__(f"tensor-parallel rank {rank} of {size} failed: {cause}; every rank was stopped"
-                         + (f"\n{details}" if details else ""))
+        super().__init__(
+            f"tensor-parallel rank {rank} of {size} failed: {cause}; every rank was stopped"
+            + (f"\n{details}" if details else "")
+        )
         self.rank, self.size = rank, size
 
 
@@ -75,8 +77,9 @@ def supervise(target: Callable, args: tuple, size: int) -> None:
     importable by the spawned processes (a module-level function)."""
     if size < 1:
         raise ValueError(f"a tensor-parallel size must be at least 1; got {size}")
-    context = torch.multiprocessing.start_processes(_rank_main, (size, _free_port(), target, args), nprocs=size,
-                                                    join=False, start_method="spawn")
+    context = torch.multiprocessing.start_processes(
+        _rank_main, (size, _free_port(), target, args), nprocs=size, join=False, start_method="spawn"
+    )
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: _stop_leader(context))
     previous_interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0 itself
     try:
@@ -104,16 +107,25 @@ def exit_with_parent() -> None:
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
-        print(f"hfaccel: the supervising process {parent.pid} exited; rank process {os.getpid()} stops",
-              file=sys.stderr, flush=True)
+        print(
+            f"hfaccel: the supervising process {parent.pid} exited; rank process {os.getpid()} stops",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     threading.Thread(target=watch, name="hfaccel-exit-with-parent", daemon=True).start()
 
 
 def _rank_main(index: int, size: int, port: int, target: Callable, args: tuple) -> None:
-    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(index),
+        LOCAL_RANK=str(index),
+        WORLD_SIZE=str(size),
+        LOCAL_WORLD_SIZE=str(size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     exit_with_parent()
     if index > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops the others

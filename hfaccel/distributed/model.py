@@ -16,8 +16,10 @@ from hfaccel import compat
 from hfaccel.device import model_device
 from hfaccel.kv import local_kv_heads
 
-SUPPORTED = ("hfaccel serves a model on one device, or sharded by transformers' tensor parallelism "
-             "(from_pretrained(path, tp_plan=\"auto\") under torchrun: one device per rank)")
+SUPPORTED = (
+    "hfaccel serves a model on one device, or sharded by transformers' tensor parallelism "
+    '(from_pretrained(path, tp_plan="auto") under torchrun: one device per rank)'
+)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ def tensor_parallel(model) -> TensorParallel | None:
     group = compat.tp_group(model)
     if group is None:
         return None
-    return TensorParallel(group, dist.get_world_size(group), dist.get_rank(group), dist.get_global_rank(group, 0),
-                          model_device(model))
+    return TensorParallel(
+        group, dist.get_world_size(group), dist.get_rank(group), dist.get_global_rank(group, 0), model_device(model)
+    )
 
 
 def _checkpoint_fp8_layer(model) -> str | None:
@@ -60,8 +63,11 @@ def _checkpoint_fp8_layer(model) -> str | None:
     layers), or None; hfaccel's own per-rank fp8 shards (``quantize="fp8"``) do not count."""
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn
-                and not type(module).__module__.startswith("hfaccel.")):
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.dtype == torch.float8_e4m3fn
+            and not type(module).__module__.startswith("hfaccel.")
+        ):
             return name
     return None
 
@@ -73,16 +79,22 @@ def check_sharding(model, what: str = "hfaccel.accelerate", *, quantize: str | N
     rank quantizes its shard, :func:`hfaccel.distributed.quant.quantize_shards`)."""
     devices = compat.device_map_devices(model)
     if len(devices) > 1:
-        raise ValueError(f"{what}: {SUPPORTED}; this model is split across devices {sorted(devices)} by "
-                         f"device_map. Load it on one device, or with tp_plan=\"auto\" under torchrun")
+        raise ValueError(
+            f"{what}: {SUPPORTED}; this model is split across devices {sorted(devices)} by "
+            f'device_map. Load it on one device, or with tp_plan="auto" under torchrun'
+        )
     if compat.tp_size(model) > 1:
         local_kv_heads(model)  # raises when the TP size does not divide the KV heads
     if compat.tp_size(model) > 1 and _checkpoint_fp8_layer(model) is not None:
-        raise ValueError(f"{what}: an fp8 checkpoint's layers under tensor parallelism (e.g. "
-                         f"{_checkpoint_fp8_layer(model)}) are not served, as int4 checkpoints are not; load the "
-                         "16-bit model with tp_plan=\"auto\" and pass quantize=\"fp8\": each rank quantizes its "
-                         "shard")
+        raise ValueError(
+            f"{what}: an fp8 checkpoint's layers under tensor parallelism (e.g. "
+            f"{_checkpoint_fp8_layer(model)}) are not served, as int4 checkpoints are not; load the "
+            '16-bit model with tp_plan="auto" and pass quantize="fp8": each rank quantizes its '
+            "shard"
+        )
     if compat.tp_size(model) > 1 and quantize not in (None, "rtn", "fp8"):
-        raise ValueError(f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
-                         f"(quantize=\"rtn\"; fp8 too: quantize=\"fp8\"); quantize={quantize!r} calibrates on one "
-                         "process")
+        raise ValueError(
+            f"{what}: int4 under tensor parallelism quantizes each rank's shard with RTN "
+            f'(quantize="rtn"; fp8 too: quantize="fp8"); quantize={quantize!r} calibrates on one '
+            "process"
+        )

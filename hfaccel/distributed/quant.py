@@ -40,8 +40,9 @@ class RowwiseInt4Linear(Int4Linear):
     group: dist.ProcessGroup | None = None
 
     @classmethod
-    def sharded(cls, weight: Int4Weight, bias: torch.Tensor | None, group: dist.ProcessGroup,
-                dtype: torch.dtype) -> RowwiseInt4Linear:
+    def sharded(
+        cls, weight: Int4Weight, bias: torch.Tensor | None, group: dist.ProcessGroup, dtype: torch.dtype
+    ) -> RowwiseInt4Linear:
         module = cls.from_weight(weight, bias, dtype=dtype)
         module.group = group
         return module
@@ -66,8 +67,9 @@ class RowwiseFp8Linear(Fp8Linear):
         return out if self.bias is None else out + self.bias
 
 
-def quantize_shards(model: nn.Module, method: str = "rtn", *, group_size: int = 128,
-                    skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+def quantize_shards(
+    model: nn.Module, method: str = "rtn", *, group_size: int = 128, skip: tuple[str, ...] = ("lm_head",)
+) -> nn.Module:
     """Replace the Linear layers of a model transformers sharded with ``tp_plan`` by int4 (``method="rtn"``) or fp8
     (``"fp8"``) layers of each rank's shard, in place (``hfaccel.quantize``'s choice of layers); returns the model. A
     layer whose shard cannot be quantized as the whole layer would be is a ``ValueError`` naming it (nothing
@@ -75,11 +77,15 @@ def quantize_shards(model: nn.Module, method: str = "rtn", *, group_size: int = 
     if method == "fp8":
         return _fp8_shards(model, skip)
     if method != "rtn":
-        raise ValueError(f"int4 under tensor parallelism: quantize='rtn' only (awq and gptq calibrate on one "
-                         f"process); got {method!r}")
+        raise ValueError(
+            f"int4 under tensor parallelism: quantize='rtn' only (awq and gptq calibrate on one "
+            f"process); got {method!r}"
+        )
     size = compat.tp_size(model)
-    plans = [(name, linear, _shard_plan(model, name, linear, size, group_size))
-             for name, linear in rtn_targets(model, group_size, skip)]  # every check before anything changes
+    plans = [
+        (name, linear, _shard_plan(model, name, linear, size, group_size))
+        for name, linear in rtn_targets(model, group_size, skip)
+    ]  # every check before anything changes
     tp = tensor_parallel(model)
     if tp is None:
         raise ValueError("quantize_shards: the model is not sharded by transformers' tensor parallelism")
@@ -87,8 +93,11 @@ def quantize_shards(model: nn.Module, method: str = "rtn", *, group_size: int = 
         weight = quantize_rtn(compat.local_tensor(linear.weight), group_size)
         bias = None if linear.bias is None else compat.local_tensor(linear.bias)
         dtype = linear.weight.dtype
-        module = (RowwiseInt4Linear.sharded(weight, bias, tp.group, dtype) if style == "rowwise"
-                  else Int4Linear.from_weight(weight, bias, dtype=dtype))
+        module = (
+            RowwiseInt4Linear.sharded(weight, bias, tp.group, dtype)
+            if style == "rowwise"
+            else Int4Linear.from_weight(weight, bias, dtype=dtype)
+        )
         replace_module(model, name, module)
     return model
 
@@ -102,8 +111,10 @@ def _fp8_shards(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
     for name, linear in fp8_targets(model, skip):  # every check before anything changes
         style = compat.tp_style(model, name)
         if style not in (None, *STYLES):
-            raise ValueError(f"fp8 under tensor parallelism: {name} is sharded {style!r}; fp8 shards only {STYLES} "
-                             f"Linear layers (skip it: hfaccel.quantize's skip=)")
+            raise ValueError(
+                f"fp8 under tensor parallelism: {name} is sharded {style!r}; fp8 shards only {STYLES} "
+                f"Linear layers (skip it: hfaccel.quantize's skip=)"
+            )
         plans.append((name, linear, style))
     for name, linear, style in plans:
         weight = compat.local_tensor(linear.weight)  # [N or N/tp, K or K/tp]
@@ -127,8 +138,10 @@ def _shard_plan(model: nn.Module, name: str, linear: nn.Linear, size: int, group
     if style is None:
         return None
     if style not in STYLES:
-        raise ValueError(f"int4 under tensor parallelism: {name} is sharded {style!r}; int4 shards only {STYLES} "
-                         f"Linear layers (skip it: hfaccel.quantize's skip=)")
+        raise ValueError(
+            f"int4 under tensor parallelism: {name} is sharded {style!r}; int4 shards only {STYLES} "
+            f"Linear layers (skip it: hfaccel.quantize's skip=)"
+        )
     out_features, in_features = compat.local_tensor(linear.weight).shape
     whole = (linear.out_features, linear.in_features)
     if style == "colwise":
@@ -138,7 +151,9 @@ def _shard_plan(model: nn.Module, name: str, linear: nn.Linear, size: int, group
         fits = in_features * size == whole[1] and in_features % group_size == 0
         need = f"its in_features ({whole[1]}) split {size} ways into multiples of group_size ({group_size})"
     if not fits:
-        raise ValueError(f"int4 under tensor parallelism: {name} ({style}, [out, in] = {list(whole)}, this rank's "
-                         f"shard {[out_features, in_features]}) cannot be split on int4 group boundaries: it needs "
-                         f"{need}. Use a group size that divides its shard, or another tensor-parallel size")
+        raise ValueError(
+            f"int4 under tensor parallelism: {name} ({style}, [out, in] = {list(whole)}, this rank's "
+            f"shard {[out_features, in_features]}) cannot be split on int4 group boundaries: it needs "
+            f"{need}. Use a group size that divides its shard, or another tensor-parallel size"
+        )
     return style

@@ -25,8 +25,10 @@ class TPRole:
         """Run rank 0's forwards on this rank (a TP rank other than 0) until rank 0 calls :meth:`shutdown`;
         returns how many ran."""
         if self.is_leader:
-            raise RuntimeError("Engine.follow() is for the TP ranks other than 0; this process is the leader (it "
-                               "takes the requests: generate, add_request, stream...)")
+            raise RuntimeError(
+                "Engine.follow() is for the TP ranks other than 0; this process is the leader (it "
+                "takes the requests: generate, add_request, stream...)"
+            )
         return follow(self.runner, self._channel)
 
     def shutdown(self) -> None:
@@ -37,5 +39,7 @@ class TPRole:
 
     def _need_leader(self, what: str) -> None:
         if not self.is_leader:
-            raise RuntimeError(f"Engine.{what}: rank {self.tp.rank} of {self.tp.size} follows TP rank 0, which takes "
-                               "every request; call engine.follow() on this rank")
+            raise RuntimeError(
+                f"Engine.{what}: rank {self.tp.rank} of {self.tp.size} follows TP rank 0, which takes "
+                "every request; call engine.follow() on this rank"
+            )

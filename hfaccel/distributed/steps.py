@@ -49,8 +49,15 @@ class StepLimits:
     @property
     def size(self) -> int:
         """int64 values of one message."""
-        return (_HEADER + 3 * self.max_tokens + self.max_seqs * self.max_blocks + 2 * self.max_seqs + 1
-                + self.max_seqs + 2 * self.max_copies)
+        return (
+            _HEADER
+            + 3 * self.max_tokens
+            + self.max_seqs * self.max_blocks
+            + 2 * self.max_seqs
+            + 1
+            + self.max_seqs
+            + 2 * self.max_copies
+        )
 
 
 @dataclass
@@ -72,26 +79,49 @@ class StepChannel:
         self.tp, self.limits, self.device = tp, limits, device
         self.buffer = torch.zeros(limits.size, dtype=torch.int64, device=device)  # [N]
 
-    def send_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
-                     copies: Sequence[BlockCopy], *, static: bool = False) -> None:
+    def send_forward(
+        self,
+        input_ids: torch.Tensor,
+        step: PackedStep,
+        keep: torch.Tensor | int,
+        copies: Sequence[BlockCopy],
+        *,
+        static: bool = False,
+    ) -> None:
         """Broadcast one forward (leader only): ``input_ids [T]`` and ``step`` on the device, ``keep`` as
         :meth:`ModelRunner.run_model` takes it, and the block copies to make first; ``static``: a decode step the
         static steps run (``keep`` 0)."""
         limits = self.limits
         copies = list(copies)
         while len(copies) > limits.max_copies:  # rare (many forks at once): the excess goes ahead alone
-            self._send(COPIES, [], copies[:limits.max_copies])
-            copies = copies[limits.max_copies:]
+            self._send(COPIES, [], copies[: limits.max_copies])
+            copies = copies[limits.max_copies :]
         tokens, (seqs, width) = input_ids.shape[0], step.block_tables.shape
         if tokens > limits.max_tokens or seqs > limits.max_seqs or width > limits.max_blocks:
-            raise ValueError(f"a forward of {tokens} tokens, {seqs} sequences and {width} blocks per sequence exceeds "
-                             f"the TP step buffer ({limits.max_tokens} tokens, {limits.max_seqs} sequences, "
-                             f"{limits.max_blocks} blocks)")
+            raise ValueError(
+                f"a forward of {tokens} tokens, {seqs} sequences and {width} blocks per sequence exceeds "
+                f"the TP step buffer ({limits.max_tokens} tokens, {limits.max_seqs} sequences, "
+                f"{limits.max_blocks} blocks)"
+            )
         kept = -1 if isinstance(keep, int) else keep.shape[0]
-        header = [STATIC if static else FORWARD, tokens, seqs, width, kept, len(copies), step.max_seq_len,
-                  step.max_q_len]
-        parts = [input_ids, step.positions, step.slot_mapping.reshape(-1), step.block_tables.reshape(-1),
-                 step.seq_lens, step.cu_seqlens_q] + ([] if isinstance(keep, int) else [keep])
+        header = [
+            STATIC if static else FORWARD,
+            tokens,
+            seqs,
+            width,
+            kept,
+            len(copies),
+            step.max_seq_len,
+            step.max_q_len,
+        ]
+        parts = [
+            input_ids,
+            step.positions,
+            step.slot_mapping.reshape(-1),
+            step.block_tables.reshape(-1),
+            step.seq_lens,
+            step.cu_seqlens_q,
+        ] + ([] if isinstance(keep, int) else [keep])
         self._send_parts(header, parts, copies)
 
     def send_stop(self) -> None:
@@ -105,7 +135,7 @@ class StepChannel:
         values = [c.src for c in copies] + [c.dst for c in copies]
         head = torch.tensor(header + values, dtype=torch.int64).to(self.device, non_blocking=True)
         packed = torch.cat([head[:_HEADER]] + [p.to(torch.int64) for p in parts] + [head[_HEADER:]])  # [n]
-        self.buffer[:packed.shape[0]] = packed
+        self.buffer[: packed.shape[0]] = packed
         self.tp.broadcast(self.buffer)
 
     def receive(self) -> Message:
@@ -115,13 +145,20 @@ class StepChannel:
         forward = kind in (FORWARD, STATIC)
         sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1 if forward else 0, max(kept, 0), copies, copies]
         (input_ids, positions, slots, tables, seq_lens, cu, keep, src, dst) = torch.split(
-            self.buffer[_HEADER:_HEADER + sum(sizes)], sizes)
+            self.buffer[_HEADER : _HEADER + sum(sizes)], sizes
+        )
         moves = [BlockCopy(s, d) for s, d in zip(src.tolist(), dst.tolist())]
         if not forward:
             return Message(kind, moves)
-        step = PackedStep(slot_mapping=slots[None], block_tables=tables.view(seqs, width).to(torch.int32),
-                          seq_lens=seq_lens.to(torch.int32), cu_seqlens_q=cu.to(torch.int32), positions=positions,
-                          max_seq_len=max_seq_len, max_q_len=max_q_len)
+        step = PackedStep(
+            slot_mapping=slots[None],
+            block_tables=tables.view(seqs, width).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            cu_seqlens_q=cu.to(torch.int32),
+            positions=positions,
+            max_seq_len=max_seq_len,
+            max_q_len=max_q_len,
+        )
         return Message(kind, moves, input_ids, step, keep if kept >= 0 else 0)
 
 
@@ -152,37 +189,62 @@ class LeaderRunner(ModelRunner):
         super().__init__(model, pool)
         self.channel = channel
 
-    def _eager_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
-                       lora_index: torch.Tensor | None) -> torch.Tensor:
+    def _eager_forward(
+        self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int, lora_index: torch.Tensor | None
+    ) -> torch.Tensor:
         if lora_index is not None:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
         self.channel.send_forward(input_ids, step, keep, self.pool.take_queued())
         return self.run_model(input_ids, step, keep)
 
-    def _static_forward(self, graphs: DecodeGraphs, seq_ids: Sequence[Hashable], input_ids: torch.Tensor,
-                        starts: Sequence[int], num_new: Sequence[int], extra: dict) -> torch.Tensor:
+    def _static_forward(
+        self,
+        graphs: DecodeGraphs,
+        seq_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        starts: Sequence[int],
+        num_new: Sequence[int],
+        extra: dict,
+    ) -> torch.Tensor:
         """A decode step of the static steps: its metadata built here, broadcast marked static, then run through
         :meth:`DecodeGraphs.run_packed` as every follower does."""
         if extra or graphs is not self.graphs:
-            raise NotImplementedError("under tensor parallelism the static steps serve plain decode steps only (no "
-                                      f"LoRA, in-step draw or catch-up steps); got {sorted(extra) or 'catch-up'}")
+            raise NotImplementedError(
+                "under tensor parallelism the static steps serve plain decode steps only (no "
+                f"LoRA, in-step draw or catch-up steps); got {sorted(extra) or 'catch-up'}"
+            )
         step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
         self.channel.send_forward(input_ids, step, 0, self.pool.take_queued(), static=True)
         return graphs.run_packed(input_ids, step)
 
 
-def tp_runner(model, tp: TensorParallel, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-              num_blocks: int, block_size: int, enable_prefix_caching: bool,
-              kv_cache_dtype: torch.dtype | None = None, kv_scales: KVScales = None) -> tuple[ModelRunner, StepChannel]:
+def tp_runner(
+    model,
+    tp: TensorParallel,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+    enable_prefix_caching: bool,
+    kv_cache_dtype: torch.dtype | None = None,
+    kv_scales: KVScales = None,
+) -> tuple[ModelRunner, StepChannel]:
     """An engine's runner on a TP rank, and the channel its steps go through: on the leader a
     :class:`LeaderRunner` over a :class:`LeaderPool`; on a follower a plain runner for :func:`follow` (its pool's
     block manager stays unused: the leader's block tables come with each step)."""
     limits = StepLimits(max_num_batched_tokens, max_num_seqs, -(-max_model_len // block_size))
     channel = StepChannel(tp, limits, tp.device)
     pool_class = LeaderPool if tp.is_leader else KVPool
-    pool = pool_class.for_model(model, num_blocks=num_blocks, block_size=block_size,
-                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                kv_scales=kv_scales)
+    pool = pool_class.for_model(
+        model,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_scales=kv_scales,
+    )
     runner = LeaderRunner(model, pool, channel) if tp.is_leader else ModelRunner(model, pool)
     return runner, channel
 

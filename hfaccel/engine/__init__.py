@@ -6,5 +6,15 @@ from hfaccel.engine.inputs import PreparedPrompt
 from hfaccel.engine.outputs import CompletionOutput, RequestFailed, RequestMetrics, RequestOutput
 from hfaccel.sampling import InvalidSamplingParams, SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "InvalidSamplingParams", "PreparedPrompt", "RequestFailed",
-           "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = [
+    "AsyncEngine",
+    "CompletionOutput",
+    "Engine",
+    "InvalidSamplingParams",
+    "PreparedPrompt",
+    "RequestFailed",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

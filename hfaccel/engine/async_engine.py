@@ -57,15 +57,22 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="hfaccel-engine", daemon=True)
         self._thread.start()
 
-    async def prepare(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                      lora: str | None = None) -> PreparedPrompt:
+    async def prepare(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, lora: str | None = None
+    ) -> PreparedPrompt:
         """The request checked and tokenized (:meth:`Engine.prepare_prompt`) in a worker thread, so that a long
         prompt never stalls the event loop's other streams; a bad one (an unknown LoRA adapter ``lora`` included)
         raises ValueError."""
         return await asyncio.to_thread(self.engine.prepare_prompt, prompt, params or SamplingParams(), lora=lora)
 
-    async def stream(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
-                     request_id: str | None = None, *, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self,
+        prompt: Prompt | PreparedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        lora: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's new text and tokens as they come; the last output has ``finished=True``.
 
         A bad prompt or parameter raises ValueError before anything is yielded; a request the engine failed
@@ -95,8 +102,14 @@ class AsyncEngine:
             if not finished:
                 self.abort(pending.request_id)
 
-    async def generate(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, *, lora: str | None = None) -> RequestOutput:
+    async def generate(
+        self,
+        prompt: Prompt | PreparedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        lora: str | None = None,
+    ) -> RequestOutput:
         """The request's final output (text and tokens of every completion)."""
         tracker, last = OutputAccumulator(), None
         async for delta in self.stream(prompt, params, request_id, lora=lora):
@@ -157,8 +170,11 @@ class AsyncEngine:
         future = loop.create_future()
         with self._lock:  # checked and queued at once: the thread's last drain cannot slip in between
             if self._stopping or self._error is not None or self._calls_closed:
-                raise RuntimeError("the engine is shutting down" if self._stopping or self._error is None else
-                                   f"the engine thread failed: {self._error!r}")
+                raise RuntimeError(
+                    "the engine is shutting down"
+                    if self._stopping or self._error is None
+                    else f"the engine thread failed: {self._error!r}"
+                )
             self._calls.append((call, future, loop))
         self._wake.set()
         return await future
@@ -197,8 +213,9 @@ class AsyncEngine:
             for _, future, loop in calls:  # queued after the last pass: they never ran
                 _resolve(future, loop, exception=RuntimeError("the engine thread stopped"))
 
-    def _fail_in_flight(self, error: BaseException, trackers: dict[str, DeltaTracker],
-                        running_only: bool = False) -> None:
+    def _fail_in_flight(
+        self, error: BaseException, trackers: dict[str, DeltaTracker], running_only: bool = False
+    ) -> None:
         """Abort every request in flight (``running_only``: those the failed step ran — the requests with a
         running sequence — or all if none has); each stream gets ``error``."""
         failing = list(self._streams.items())
@@ -259,8 +276,9 @@ def _settle(call: Callable[[], object], future: asyncio.Future, loop: asyncio.Ab
         _resolve(future, loop, result=result)
 
 
-def _resolve(future: asyncio.Future, loop: asyncio.AbstractEventLoop, *, result=None,
-             exception: BaseException | None = None) -> None:
+def _resolve(
+    future: asyncio.Future, loop: asyncio.AbstractEventLoop, *, result=None, exception: BaseException | None = None
+) -> None:
     def settle() -> None:
         if not future.done():
             future.set_exception(exception) if exception is not None else future.set_result(result)
@@ -288,8 +306,9 @@ class OutputAccumulator:
 
     def add(self, delta: RequestOutput) -> RequestOutput:
         if self.full is None:
-            self.full = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], delta.finished,
-                                      delta.error, delta.metrics)
+            self.full = RequestOutput(
+                delta.request_id, delta.prompt, delta.prompt_token_ids, [], delta.finished, delta.error, delta.metrics
+            )
         by_index = {out.index: out for out in self.full.outputs}
         for out in delta.outputs:
             if out.index not in by_index:

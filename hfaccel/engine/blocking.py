@@ -17,8 +17,13 @@ class BlockingCalls:
 
     requests: dict[str, Request]
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] |
-                 None = None, *, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order.
 
         A prompt that cannot be served (empty, too long, bad token ids, parameters beyond the model), or whose
@@ -46,8 +51,9 @@ class BlockingCalls:
                     self.abort(i)
                     self.release(i)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               lora: str | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, lora: str | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield what is new for this request after each step (other queued requests advance too).
 
         Each yielded output holds only the new text and token ids of each completion; the last one has

@@ -15,18 +15,38 @@ def snapshot(request: Request) -> RequestOutput:
         out = seq.output
         finished = out.finish_reason is not None
         text = seq.detokenizer.stable_text(finished) if seq.detokenizer is not None else ""
-        outputs.append(CompletionOutput(out.index, text, list(out.token_ids),
-                                        None if out.logprobs is None else list(out.logprobs),
-                                        out.finish_reason, out.stop_reason))
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                         request.finished, request.error, request.metrics,
-                         None if request.prompt_logprobs is None else list(request.prompt_logprobs))
+        outputs.append(
+            CompletionOutput(
+                out.index,
+                text,
+                list(out.token_ids),
+                None if out.logprobs is None else list(out.logprobs),
+                out.finish_reason,
+                out.stop_reason,
+            )
+        )
+    return RequestOutput(
+        request.request_id,
+        request.prompt,
+        request.prompt_token_ids,
+        outputs,
+        request.finished,
+        request.error,
+        request.metrics,
+        None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+    )
 
 
 def error_output(prompt, error: Exception) -> RequestOutput:
     """The finished output of a prompt that could not be served: ``error`` says why."""
-    return RequestOutput("", prompt if isinstance(prompt, str) else None, [],
-                         [CompletionOutput(0, finish_reason="error")], finished=True, error=str(error))
+    return RequestOutput(
+        "",
+        prompt if isinstance(prompt, str) else None,
+        [],
+        [CompletionOutput(0, finish_reason="error")],
+        finished=True,
+        error=str(error),
+    )
 
 
 class DeltaTracker:
@@ -40,13 +60,24 @@ class DeltaTracker:
         self.prompt_sent = False
 
     def delta(self, request: Request) -> RequestOutput | None:
-        outputs = [delta for seq in sorted(request.seqs, key=lambda s: s.index)
-                   if (delta := self._completion_delta(seq)) is not None]
+        outputs = [
+            delta
+            for seq in sorted(request.seqs, key=lambda s: s.index)
+            if (delta := self._completion_delta(seq)) is not None
+        ]
         prompt = self._prompt_logprobs(request)
         if not outputs and not request.finished and prompt is None:
             return None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.error, request.metrics, prompt)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            request.finished,
+            request.error,
+            request.metrics,
+            prompt,
+        )
 
     def _prompt_logprobs(self, request: Request) -> list | None:
         """The request's prompt logprobs the first time they are all known (the first token's is always None)."""
@@ -67,9 +98,14 @@ class DeltaTracker:
         if end == text_at and len(out.token_ids) == token_at and not finished:
             return None
         text = detokenizer.text[text_at:end] if detokenizer is not None else ""
-        delta = CompletionOutput(out.index, text, out.token_ids[token_at:],
-                                 None if out.logprobs is None else out.logprobs[token_at:], out.finish_reason,
-                                 out.stop_reason)
+        delta = CompletionOutput(
+            out.index,
+            text,
+            out.token_ids[token_at:],
+            None if out.logprobs is None else out.logprobs[token_at:],
+            out.finish_reason,
+            out.stop_reason,
+        )
         self.text[out.index], self.tokens[out.index] = end, len(out.token_ids)
         if finished:
             self.done.add(out.index)

@@ -36,7 +36,13 @@ import torch
 from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device
 from hfaccel.distributed import (
-    StepChannel, TensorParallel, TPRole, agree_on_static_steps, agreed_budget, check_sharding, tensor_parallel,
+    StepChannel,
+    TensorParallel,
+    TPRole,
+    agree_on_static_steps,
+    agreed_budget,
+    check_sharding,
+    tensor_parallel,
     tp_runner,
 )
 from hfaccel.engine.blocking import BlockingCalls
@@ -87,13 +93,29 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         kv_scales: an fp8 pool's scales: None (the checkpoint's, else 1.0), a number, or ``"prefill"``.
     """
 
-    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
-                 num_blocks: int | None = None, kv_cache_memory: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None, kv_cache_fraction: float = 0.5,
-                 cuda_graphs: bool | None = None, compile: bool | str = "auto", async_scheduling: bool | None = None,
-                 lora_adapters: Mapping[str, str | os.PathLike] | None = None, max_loras: int = 8,
-                 max_lora_rank: int = 64, lora_target_modules: Sequence[str] | None = None,
-                 kv_cache_dtype: str | torch.dtype | None = None, kv_scales: KVScales = None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        kv_cache_fraction: float = 0.5,
+        cuda_graphs: bool | None = None,
+        compile: bool | str = "auto",
+        async_scheduling: bool | None = None,
+        lora_adapters: Mapping[str, str | os.PathLike] | None = None,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
+        lora_target_modules: Sequence[str] | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
+        kv_scales: KVScales = None,
+    ):
         kv_cache_dtype = _check_arguments(model, compile, kv_cache_dtype, kv_scales, lora_adapters)
         self.tp = tensor_parallel(model)
         _use_hfaccel_attention(model)
@@ -106,51 +128,97 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
             self.tokenizer = tokenizer.tokenizer if self.processor is not None else tokenizer
             self.vocab_size = int(model.config.get_text_config(decoder=True).vocab_size)
             self.max_model_len, max_num_batched_tokens, max_num_seqs = _limits(
-                model.config, max_model_len, max_num_batched_tokens, max_num_seqs)
-            self.kv_budget = plan_kv_cache(model, block_size=block_size, max_num_seqs=max_num_seqs,
-                                           max_model_len=self.max_model_len,
-                                           max_num_batched_tokens=max_num_batched_tokens,
-                                           num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                           kv_cache_fraction=kv_cache_fraction, kv_cache_dtype=kv_cache_dtype)
+                model.config, max_model_len, max_num_batched_tokens, max_num_seqs
+            )
+            self.kv_budget = plan_kv_cache(
+                model,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                kv_cache_fraction=kv_cache_fraction,
+                kv_cache_dtype=kv_cache_dtype,
+            )
             if self.tp is not None:
                 self.kv_budget = agreed_budget(self.tp, self.kv_budget)
-            pool_options = dict(num_blocks=self.kv_budget.num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                kv_scales=kv_scales)
-            self.runner, self._channel = _make_runner(model, self.tp, self.loras, max_num_batched_tokens,
-                                                      self.max_model_len, pool_options)
+            pool_options = dict(
+                num_blocks=self.kv_budget.num_blocks,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_scales=kv_scales,
+            )
+            self.runner, self._channel = _make_runner(
+                model, self.tp, self.loras, max_num_batched_tokens, self.max_model_len, pool_options
+            )
             _log.info("hfaccel Engine: %s", self.kv_budget)
             on_cuda = self.runner.device.type == "cuda"
-            _build_static_steps(self.runner, self.tp, cuda_graphs if cuda_graphs is not None else on_cuda, compile,
-                                max_num_seqs, self.max_model_len)
+            _build_static_steps(
+                self.runner,
+                self.tp,
+                cuda_graphs if cuda_graphs is not None else on_cuda,
+                compile,
+                max_num_seqs,
+                self.max_model_len,
+            )
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
             token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
             self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
-            self.scheduler = Scheduler(self.runner.pool.manager, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, loras=self.loras,
-                                       media_offsets=self.media_offsets, release=token_counts.release)
+            self.scheduler = Scheduler(
+                self.runner.pool.manager,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                loras=self.loras,
+                media_offsets=self.media_offsets,
+                release=token_counts.release,
+            )
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
-            self.intake = Intake(model, self.processor, self.tokenizer, self.runner.pool, vocab_size=self.vocab_size,
-                                 max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                 eos_token_ids=self.eos_token_ids, tp=self.tp)
+            self.intake = Intake(
+                model,
+                self.processor,
+                self.tokenizer,
+                self.runner.pool,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=max_num_seqs,
+                eos_token_ids=self.eos_token_ids,
+                tp=self.tp,
+            )
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
             self.host_times = HostTimes(self.runner)
             self.encoder_cache = EncoderCache()  # the vision encoder's outputs of recent requests' images
             self.executor = StepExecutor(
-                model, self.runner, self.scheduler, new_sequence=self.intake.new_sequence,
-                grammars=self.intake.grammars, token_counts=token_counts, loras=self.loras,
-                media_offsets=self.media_offsets, encoder_cache=self.encoder_cache, host_times=self.host_times,
-                async_scheduling=self.async_scheduling)
+                model,
+                self.runner,
+                self.scheduler,
+                new_sequence=self.intake.new_sequence,
+                grammars=self.intake.grammars,
+                token_counts=token_counts,
+                loras=self.loras,
+                media_offsets=self.media_offsets,
+                encoder_cache=self.encoder_cache,
+                host_times=self.host_times,
+                async_scheduling=self.async_scheduling,
+            )
         except BaseException:  # a start that fails leaves the model's layers as they were
             if self.loras is not None:
                 self.loras.undo()
             raise
 
     # ------------------------------------------------------------------------------------------ requests
-    def add_request(self, prompt: Prompt | PreparedPrompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, arrival_time: float | None = None,
-                    lora: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt | PreparedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        arrival_time: float | None = None,
+        lora: str | None = None,
+    ) -> str:
         """Queue a request; returns its id. A bad prompt or parameter raises ValueError and changes nothing. A
         :class:`PreparedPrompt` (from :meth:`prepare_prompt`) was checked already and carries its parameters and
         its LoRA adapter. ``lora``: the name of the LoRA adapter to run the request through (None: the base model;
@@ -162,8 +230,9 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
             if params is not None and params is not prompt.params:
                 raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
             if lora is not None and (prompt.lora is None or prompt.lora.name != lora):
-                raise ValueError("a PreparedPrompt carries its own LoRA adapter; pass lora=None (or prepare it with "
-                                 "lora=...)")
+                raise ValueError(
+                    "a PreparedPrompt carries its own LoRA adapter; pass lora=None (or prepare it with lora=...)"
+                )
             prepared = prompt
         else:
             prepared = self.prepare_prompt(prompt, params or SamplingParams(), lora=lora)
@@ -185,9 +254,16 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         (a server runs it off its event loop)."""
         return self.intake.tokenize_prompt(prompt)
 
-    def prepared(self, text: str | None, prompt_ids: list[int], params: SamplingParams, *,
-                 params_checked: bool = False, lora: str | LoRAAdapter | None = None,
-                 media: MediaInputs | None = None) -> PreparedPrompt:
+    def prepared(
+        self,
+        text: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        params_checked: bool = False,
+        lora: str | LoRAAdapter | None = None,
+        media: MediaInputs | None = None,
+    ) -> PreparedPrompt:
         """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` (or :meth:`process_prompt`, with its ``media``)
         gave, ``params`` checked (unless they were), run through the LoRA adapter ``lora`` (a name, or the adapter
         :meth:`lora_adapter` gave; None: the base)."""
@@ -294,10 +370,14 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         """Requests and KV blocks now, the KV memory reserved, and how decode steps run (``decode_steps``:
         compiled or not, the sizes captured as CUDA graphs, and the reason of any fallback)."""
         graphs = self.runner.graphs
-        stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                 **self.scheduler.manager.stats(), **self.kv_budget.stats(),
-                 "kv_cache_dtype": str(self.runner.pool.cache_dtype),
-                 "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)"}
+        stats = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            **self.scheduler.manager.stats(),
+            **self.kv_budget.stats(),
+            "kv_cache_dtype": str(self.runner.pool.cache_dtype),
+            "decode_steps": graphs.status() if graphs is not None else "eager (no static decode steps)",
+        }
         if self.processor is not None:  # prompts with images: the encoder's outputs kept for their images
             stats["encoder_cache"] = str(self.encoder_cache)
         if self.loras is not None:  # adapters served, and how many of the max_loras slots hold one
@@ -310,8 +390,9 @@ def _touch(touched: dict[str, Request], requests: Iterable[Request]) -> None:
     touched.update((request.request_id, request) for request in requests)
 
 
-def _check_arguments(model, compile: bool | str, kv_cache_dtype, kv_scales: KVScales,
-                     lora_adapters: Mapping | None) -> torch.dtype | None:
+def _check_arguments(
+    model, compile: bool | str, kv_cache_dtype, kv_scales: KVScales, lora_adapters: Mapping | None
+) -> torch.dtype | None:
     """Refuse what the engine cannot serve before anything changes; returns the pool's KV dtype (None: the model's)."""
     compiles(compile, model_device(model))
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
@@ -319,17 +400,21 @@ def _check_arguments(model, compile: bool | str, kv_cache_dtype, kv_scales: KVSc
         raise ValueError(f"kv_scales={kv_scales!r} needs an fp8 pool (kv_cache_dtype='fp8')")
     check_sharding(model, "hfaccel.Engine")
     if tensor_parallel(model) is not None and lora_adapters is not None:
-        raise ValueError("hfaccel.Engine: LoRA adapters (lora_adapters) are not supported under tensor "
-                         "parallelism yet; serve them on one GPU, or merge the adapter into the model")
+        raise ValueError(
+            "hfaccel.Engine: LoRA adapters (lora_adapters) are not supported under tensor "
+            "parallelism yet; serve them on one GPU, or merge the adapter into the model"
+        )
     return kv_cache_dtype
 
 
-def _make_runner(model, tp: TensorParallel | None, loras, max_num_batched_tokens: int, max_model_len: int,
-                 pool_options: dict) -> tuple[ModelRunner, StepChannel | None]:
+def _make_runner(
+    model, tp: TensorParallel | None, loras, max_num_batched_tokens: int, max_model_len: int, pool_options: dict
+) -> tuple[ModelRunner, StepChannel | None]:
     """The engine's runner over a pool of ``pool_options``, and the TP step broadcast (None: one process)."""
     if tp is not None:
-        return tp_runner(model, tp, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                         **pool_options)
+        return tp_runner(
+            model, tp, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, **pool_options
+        )
     runner = ModelRunner(model, KVPool.for_model(model, **pool_options))
     runner.lora = None if loras is None else loras.context
     return runner, None
@@ -342,8 +427,7 @@ def _use_hfaccel_attention(model) -> None:
         set_hfaccel_attention(model)
 
 
-def _limits(config, max_model_len: int | None, max_num_batched_tokens: int,
-            max_num_seqs: int) -> tuple[int, int, int]:
+def _limits(config, max_model_len: int | None, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int, int]:
     """``(max_model_len, max_num_batched_tokens, max_num_seqs)`` within the model's context, and within the length
     its packed forward is exact for where it has one (``packed_token_limit``: Llama 4)."""
     limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 20
@@ -354,14 +438,21 @@ def _limits(config, max_model_len: int | None, max_num_batched_tokens: int,
     return min(max_model_len or limit, limit), max_num_batched_tokens, max_num_seqs
 
 
-def _build_static_steps(runner: ModelRunner, tp: TensorParallel | None, enabled: bool, compile: bool | str,
-                        max_num_seqs: int, max_model_len: int) -> None:
+def _build_static_steps(
+    runner: ModelRunner,
+    tp: TensorParallel | None,
+    enabled: bool,
+    compile: bool | str,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> None:
     """The runner's static decode steps when ``enabled`` — under tensor parallelism on every rank, in the same
     order, agreed on — each batch size compiled and captured now, with a progress line, so that no request (and no
     server's first request) waits for them."""
     if enabled:
-        runner.enable_decode_graphs(max_num_seqs, max_model_len, draws=tp is None,
-                                    compile=compiles(compile, runner.device))
+        runner.enable_decode_graphs(
+            max_num_seqs, max_model_len, draws=tp is None, compile=compiles(compile, runner.device)
+        )
     graphs = runner.graphs
     if tp is not None:
         agree_on_static_steps(tp, graphs)

@@ -66,8 +66,13 @@ class HostTimes:
     def per_step_ms(self) -> dict[str, float]:
         """Milliseconds per step of each part (``metadata`` split out of ``launch``)."""
         metadata = self.inputs + self.runner.metadata_seconds
-        parts = {"scheduling": self.scheduling, "metadata": metadata, "launch": self.launch - metadata,
-                 "waiting": self.waiting, "detokenizing": self.detokenizing}
+        parts = {
+            "scheduling": self.scheduling,
+            "metadata": metadata,
+            "launch": self.launch - metadata,
+            "waiting": self.waiting,
+            "detokenizing": self.detokenizing,
+        }
         return {name: seconds * 1e3 / max(self.steps, 1) for name, seconds in parts.items()}
 
 
@@ -102,10 +107,21 @@ class StepExecutor:
     to the host as soon as they are sampled.
     """
 
-    def __init__(self, model, runner: ModelRunner, scheduler: Scheduler, *,
-                 new_sequence: Callable[[Request, int, list[int]], Sequence], grammars: Callable[[], Grammars],
-                 token_counts: TokenCounts, loras: LoRAManager | None, media_offsets: MediaOffsets,
-                 encoder_cache: EncoderCache, host_times: HostTimes, async_scheduling: bool):
+    def __init__(
+        self,
+        model,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        new_sequence: Callable[[Request, int, list[int]], Sequence],
+        grammars: Callable[[], Grammars],
+        token_counts: TokenCounts,
+        loras: LoRAManager | None,
+        media_offsets: MediaOffsets,
+        encoder_cache: EncoderCache,
+        host_times: HostTimes,
+        async_scheduling: bool,
+    ):
         self.model, self.runner, self.scheduler = model, runner, scheduler
         self.new_sequence, self.grammars, self.token_counts = new_sequence, grammars, token_counts
         self.loras, self.media_offsets, self.encoder_cache = loras, media_offsets, encoder_cache
@@ -217,15 +233,16 @@ class StepExecutor:
             seq.add_pending()
         return Launched(chunks, targets, sampled, prompt)
 
-    def _forward(self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None,
-                 prompt_rows: PromptRows | None = None) -> torch.Tensor:
+    def _forward(
+        self, chunks: list[ScheduledChunk], draw: list[SampleRow] | None = None, prompt_rows: PromptRows | None = None
+    ) -> torch.Tensor:
         """Logits ``[C, V]`` of the completing chunks' last tokens, after one packed forward of all chunks (with
         ``draw``, one row per chunk: the tokens drawn inside the decode step instead, ``[C]``; with
         ``prompt_rows``, their logits after those). Chunks that prefill a prompt with images come last (the
         step sorts them so): each runs the multimodal prefill of its own (their images encoded together where they
         stack), its row after the packed forward's."""
         with self.host_times.timed("inputs"):
-            flat = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.length]]
+            flat = [t for c in chunks for t in c.seq.token_ids[c.start : c.start + c.length]]
             input_ids = to_device([max(t, 0) for t in flat], torch.long, self.runner.device)  # [T]
             device_tokens = self._device_tokens(chunks)
             if device_tokens is not None:
@@ -233,18 +250,25 @@ class StepExecutor:
         packed = [c for c in chunks if not _prefills_images(c)]
         for chunk in packed:
             self._continue_after_images(chunk)
-        logits = self._packed_forward(packed, input_ids[:sum(c.length for c in packed)], draw, prompt_rows)
+        logits = self._packed_forward(packed, input_ids[: sum(c.length for c in packed)], draw, prompt_rows)
         if len(packed) == len(chunks):
             return logits
         rows, offset, completing = [], sum(c.length for c in packed), sum(c.completes for c in packed)
-        with_images = chunks[len(packed):]
-        encoded = self.encoder_cache.inputs(self.model, [
-            (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.length), c.seq.token_ids[:c.length])
-            for c in with_images])
+        with_images = chunks[len(packed) :]
+        encoded = self.encoder_cache.inputs(
+            self.model,
+            [
+                (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.length), c.seq.token_ids[: c.length])
+                for c in with_images
+            ],
+        )
         for chunk, inputs in zip(with_images, encoded):  # [1, V] each
             media = chunk.seq.request.media
-            rows.append(prefill_sequence(self.model, self.runner, chunk.seq.seq_id,
-                                         input_ids[offset:offset + chunk.length], inputs))
+            rows.append(
+                prefill_sequence(
+                    self.model, self.runner, chunk.seq.seq_id, input_ids[offset : offset + chunk.length], inputs
+                )
+            )
             self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))
             offset += chunk.length
         if logits is None:
@@ -262,16 +286,28 @@ class StepExecutor:
         if offset:
             self.runner.position_offsets[seq_id] = offset
 
-    def _packed_forward(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor, draw: list[SampleRow] | None,
-                        prompt_rows: PromptRows | None) -> torch.Tensor | None:
+    def _packed_forward(
+        self,
+        chunks: list[ScheduledChunk],
+        input_ids: torch.Tensor,
+        draw: list[SampleRow] | None,
+        prompt_rows: PromptRows | None,
+    ) -> torch.Tensor | None:
         """The packed forward of ``chunks`` (what :meth:`_forward` returns for them; None for no chunk)."""
         if not chunks:
             return None
         completing = [i for i, c in enumerate(chunks) if c.completes]
         lora_slots = None if self.loras is None else [self.loras.slot_of(c.seq.request.lora) for c in chunks]
-        return self.runner.forward([c.seq.seq_id for c in chunks], input_ids, [c.length for c in chunks],
-                                   starts=[c.start for c in chunks], logits_for=completing, lora_slots=lora_slots,
-                                   draw=draw, prompt_rows=None if prompt_rows is None else prompt_rows.rows)
+        return self.runner.forward(
+            [c.seq.seq_id for c in chunks],
+            input_ids,
+            [c.length for c in chunks],
+            starts=[c.start for c in chunks],
+            logits_for=completing,
+            lora_slots=lora_slots,
+            draw=draw,
+            prompt_rows=None if prompt_rows is None else prompt_rows.rows,
+        )
 
     def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(positions [F], tokens [F])`` in the packed input of the tokens still in flight (sampled by the
@@ -303,16 +339,21 @@ class StepExecutor:
         sampling (an all-greedy step takes the argmax of the logits, cheaper than the draw's sort)."""
         seqs = [chunk.seq for chunk in chunks]
         params = [seq.request.params for seq in seqs]
-        if not (all(draws_in_step(p) for p in params) and not all(p.greedy for p in params)
-                and not any(map(_prefills_images, chunks))
-                and all(chunk.completes and chunk.seq.request.forked for chunk in chunks)
-                and self.runner.draws([chunk.length for chunk in chunks], list(range(len(chunks))),
-                                      [chunk.start for chunk in chunks])):
+        if not (
+            all(draws_in_step(p) for p in params)
+            and not all(p.greedy for p in params)
+            and not any(map(_prefills_images, chunks))
+            and all(chunk.completes and chunk.seq.request.forked for chunk in chunks)
+            and self.runner.draws(
+                [chunk.length for chunk in chunks], list(range(len(chunks))), [chunk.start for chunk in chunks]
+            )
+        ):
             return None
         return _sample_rows(seqs)
 
-    def _targets(self, chunks: list[ScheduledChunk]) -> tuple[list[Sequence], list[int],
-                                                              list[tuple[Sequence, Sequence]]]:
+    def _targets(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[Sequence], list[int], list[tuple[Sequence, Sequence]]]:
         """The sequences that sample from the completing chunks' logits and the logits row of each: a chunk's
         own sequence, plus its n - 1 siblings the first time its prompt is computed (made here; they share its
         blocks once ``_register_fork`` runs)."""
@@ -321,8 +362,9 @@ class StepExecutor:
             seq, request = chunk.seq, chunk.seq.request
             family = [seq]
             if not request.forked:
-                family += [self.new_sequence(request, index, list(seq.token_ids))
-                           for index in range(1, request.params.n)]
+                family += [
+                    self.new_sequence(request, index, list(seq.token_ids)) for index in range(1, request.params.n)
+                ]
                 children += [(seq, child) for child in family[1:]]
             targets += family
             rows += [row] * len(family)
@@ -357,8 +399,18 @@ def _sample_rows(seqs: list[Sequence]) -> list[SampleRow]:
     for seq in seqs:
         counter = len(seq.output.token_ids) + seq.num_pending
         banned = sorted(seq.stopper.stop_token_ids) if counter < seq.stopper.min_tokens else ()
-        rows.append(SampleRow(seq.request.params, seq.seed, seq.request.prompt_token_ids, seq.output.token_ids,
-                              counter=counter, stream=seq.index, key=seq.seq_id, banned=banned))
+        rows.append(
+            SampleRow(
+                seq.request.params,
+                seq.seed,
+                seq.request.prompt_token_ids,
+                seq.output.token_ids,
+                counter=counter,
+                stream=seq.index,
+                key=seq.seq_id,
+                banned=banned,
+            )
+        )
     return rows
 
 

@@ -51,8 +51,19 @@ class Intake:
     engine's KV pool (a prompt must fit it); ``tp``: the tensor-parallel ranks, if any (no images there yet).
     """
 
-    def __init__(self, model, processor, tokenizer, pool: KVPool, *, vocab_size: int, max_model_len: int,
-                 max_num_seqs: int, eos_token_ids: set[int], tp: TensorParallel | None):
+    def __init__(
+        self,
+        model,
+        processor,
+        tokenizer,
+        pool: KVPool,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        eos_token_ids: set[int],
+        tp: TensorParallel | None,
+    ):
         self.model, self.processor, self.tokenizer, self.pool = model, processor, tokenizer, pool
         self.vocab_size, self.max_model_len, self.max_num_seqs = vocab_size, max_model_len, max_num_seqs
         self.eos_token_ids, self.tp = eos_token_ids, tp
@@ -75,8 +86,16 @@ class Intake:
         self._check_prompt(prompt_ids)
         return text, prompt_ids
 
-    def prepared(self, text: str | None, prompt_ids: list[int], params: SamplingParams, adapter: LoRAAdapter | None,
-                 media: MediaInputs | None = None, *, params_checked: bool = False) -> PreparedPrompt:
+    def prepared(
+        self,
+        text: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: LoRAAdapter | None,
+        media: MediaInputs | None = None,
+        *,
+        params_checked: bool = False,
+    ) -> PreparedPrompt:
         """A :class:`PreparedPrompt` of ids :meth:`tokenize_prompt` (or :meth:`process_prompt`, with its ``media``)
         gave, ``params`` checked (unless they were)."""
         if not params_checked:
@@ -111,23 +130,32 @@ class Intake:
             prompt = prompt.tolist()
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a list of chat messages (dicts); got "
-                         f"{type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a list of chat messages (dicts); got "
+            f"{type(prompt).__name__}"
+        )
 
     def process_prompt(self, prompt: Prompt, **template) -> tuple[str | None, list[int], MediaInputs | None]:
         """(prompt text, token ids, multimodal inputs or None) of a prompt with images (or chat messages), by the
         processor (``template``: chat-template arguments), or a ValueError saying why it cannot be served."""
         processed = isinstance(prompt, dict) and "prompt_token_ids" in prompt
         if not is_image_text_to_text(self.model) or self.processor is None and not processed:
-            raise ValueError("prompts with images need an image-text-to-text model and its processor "
-                             "(Engine(model, processor)); this engine has "
-                             + ("no processor" if self.processor is None else f"a {type(self.model).__name__}"))
+            raise ValueError(
+                "prompts with images need an image-text-to-text model and its processor "
+                "(Engine(model, processor)); this engine has "
+                + ("no processor" if self.processor is None else f"a {type(self.model).__name__}")
+            )
         if processed:
             if sorted(prompt) != ["multimodal_inputs", "prompt_token_ids"]:
-                raise ValueError(f"a processed prompt dict has the keys 'prompt_token_ids' and 'multimodal_inputs'; "
-                                 f"got {sorted(prompt)}")
-            text, ids, media = None, self.tokenize(prompt["prompt_token_ids"])[1], processed_media(
-                prompt["multimodal_inputs"])
+                raise ValueError(
+                    f"a processed prompt dict has the keys 'prompt_token_ids' and 'multimodal_inputs'; "
+                    f"got {sorted(prompt)}"
+                )
+            text, ids, media = (
+                None,
+                self.tokenize(prompt["prompt_token_ids"])[1],
+                processed_media(prompt["multimodal_inputs"]),
+            )
         elif isinstance(prompt, dict):
             unknown = sorted(set(prompt) - {"prompt", "images"})
             if unknown or "prompt" not in prompt:
@@ -148,16 +176,22 @@ class Intake:
         if params.structured_outputs is not None:
             self.grammars().compile(params.structured_outputs)  # a spec that does not compile: ValueError now
         if params.n > self.max_num_seqs:
-            raise InvalidSamplingParams("n", f"n={params.n} completions cannot run at once: the engine runs at "
-                                             f"most max_num_seqs={self.max_num_seqs} sequences")
+            raise InvalidSamplingParams(
+                "n",
+                f"n={params.n} completions cannot run at once: the engine runs at "
+                f"most max_num_seqs={self.max_num_seqs} sequences",
+            )
 
     def check_media(self, media: MediaInputs | None, params: SamplingParams, adapter: LoRAAdapter | None) -> None:
         """ValueError for what a request with images cannot have yet (a no-op without images)."""
         if media is None:
             return
-        refused = {"a LoRA adapter": adapter is not None, "prompt_logprobs": params.prompt_logprobs is not None,
-                   "tensor parallelism": self.tp is not None,
-                   "a model whose layers keep recurrent state": self.pool.states is not None}
+        refused = {
+            "a LoRA adapter": adapter is not None,
+            "prompt_logprobs": params.prompt_logprobs is not None,
+            "tensor parallelism": self.tp is not None,
+            "a model whose layers keep recurrent state": self.pool.states is not None,
+        }
         refused = [what for what, present in refused.items() if present]
         if refused:
             raise ValueError(f"requests with images are not supported with {', '.join(refused)} yet")
@@ -166,20 +200,24 @@ class Intake:
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got values from {min(ids)} to "
-                             f"{max(ids)}")
+            raise ValueError(
+                f"prompt token ids must be in [0, {self.vocab_size}); got values from {min(ids)} to {max(ids)}"
+            )
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                             f"(prompt + at least one new token must fit)")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                f"(prompt + at least one new token must fit)"
+            )
         manager = self.pool.manager
         if manager.blocks_needed(len(ids) + 1) > manager.num_blocks:
-            raise ValueError(f"the prompt needs {manager.blocks_needed(len(ids) + 1)} KV blocks; the pool has "
-                             f"{manager.num_blocks} in all")
+            raise ValueError(
+                f"the prompt needs {manager.blocks_needed(len(ids) + 1)} KV blocks; the pool has "
+                f"{manager.num_blocks} in all"
+            )
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
-            raise ValueError(f"{what} need the engine's tokenizer (Engine(model, tokenizer)); give token ids "
-                             f"instead")
+            raise ValueError(f"{what} need the engine's tokenizer (Engine(model, tokenizer)); give token ids instead")
 
     def grammars(self) -> Grammars:
         """The compiled grammars of the tokenizer (made on the first structured request)."""
@@ -192,9 +230,15 @@ class Intake:
     def request(self, request_id: str, prepared: PreparedPrompt, arrival_time: float | None) -> Request:
         """A new request of ``prepared`` with its first sequence (its ``n - 1`` siblings fork from it later)."""
         prompt_ids, params = list(prepared.prompt_ids), prepared.params
-        request = Request(request_id, prepared.text, prompt_ids, params,
-                          RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()),
-                          lora=prepared.lora, media=prepared.media)
+        request = Request(
+            request_id,
+            prepared.text,
+            prompt_ids,
+            params,
+            RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()),
+            lora=prepared.lora,
+            media=prepared.media,
+        )
         request.prompt_logprobs = empty_prompt_logprobs(request)
         request.seqs.append(self.new_sequence(request, 0, list(prompt_ids)))
         request.forked = params.n == 1
@@ -205,8 +249,9 @@ class Intake:
         params = request.params
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                                 params.skip_special_tokens)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens
+            )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         budget = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)  # or the context ends it
         stopper = StopChecker(stop_ids, detokenizer, budget, params.min_tokens)
@@ -220,14 +265,17 @@ def check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"{what} is not valid Unicode text: {error.reason} {text[error.start:error.end]!r} at "
-                         f"character {error.start}") from None
+        raise ValueError(
+            f"{what} is not valid Unicode text: {error.reason} {text[error.start : error.end]!r} at "
+            f"character {error.start}"
+        ) from None
 
 
-def per_prompt(prompts: Prompt | collections.abc.Sequence[Prompt],
-               params: SamplingParams | collections.abc.Sequence[SamplingParams] | None,
-               lora: str | collections.abc.Sequence[str | None] | None,
-               ) -> list[tuple[Prompt, SamplingParams | None, str | None]]:
+def per_prompt(
+    prompts: Prompt | collections.abc.Sequence[Prompt],
+    params: SamplingParams | collections.abc.Sequence[SamplingParams] | None,
+    lora: str | collections.abc.Sequence[str | None] | None,
+) -> list[tuple[Prompt, SamplingParams | None, str | None]]:
     """``Engine.generate``'s arguments as (prompt, params, LoRA adapter name) per prompt: ``prompts`` one prompt or a
     list of them, ``params`` and ``lora`` one for all or one per prompt."""
     prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
@@ -254,6 +302,8 @@ def _has_images(prompt) -> bool:
     if isinstance(prompt, dict):
         return True
     return isinstance(prompt, (list, tuple)) and any(
-        isinstance(message, dict) and isinstance(message.get("content"), list)
+        isinstance(message, dict)
+        and isinstance(message.get("content"), list)
         and any(isinstance(part, dict) and part.get("type") == "image" for part in message["content"])
-        for message in prompt)
+        for message in prompt
+    )

@@ -52,12 +52,15 @@ class KVBudget:
 
     def __str__(self) -> str:
         state = f" and {self.state_bytes / (1 << 30):.2f} GiB of recurrent state" if self.state_bytes else ""
-        return (f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "
-                f"of {self.block_size}){state}: {self.reason}")
+        return (
+            f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "
+            f"of {self.block_size}){state}: {self.reason}"
+        )
 
 
-def activation_reserve(config, layout: ModelLayout, dtype: torch.dtype, max_num_batched_tokens: int,
-                       max_num_seqs: int) -> int:
+def activation_reserve(
+    config, layout: ModelLayout, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
     """Bytes an engine's own forward and sampling may need beside the pool (an estimate, with margin): twice a
     full-budget forward's hidden states, MLP and q/k/v activations (the widest attention layer's), the fp32 logits
     and sampling buffers of ``max_num_seqs`` rows, and :data:`GRAPHS_RESERVE`."""
@@ -80,9 +83,18 @@ def _global_int(config, name: str, default: int) -> int:
     return int(value) if isinstance(value, int) else default
 
 
-def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                  kv_cache_fraction: float = 0.5, kv_cache_dtype: torch.dtype | None = None) -> KVBudget:
+def plan_kv_cache(
+    model,
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    num_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    kv_cache_fraction: float = 0.5,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> KVBudget:
     """The pool an engine over ``model`` reserves (module docstring), its K/V stored in ``kv_cache_dtype`` (default
     the model's). ``ValueError`` for settings that cannot hold one block, or that contradict each other."""
     if num_blocks is not None and kv_cache_memory is not None:
@@ -91,7 +103,8 @@ def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: i
         raise ValueError(f"kv_cache_fraction must be in (0, 1]; got {kv_cache_fraction}")
     layout = model_layout(model)
     block_bytes = KVPool(layout, num_blocks=1, block_size=block_size, max_num_seqs=1).block_bytes(
-        kv_cache_dtype or model.dtype)
+        kv_cache_dtype or model.dtype
+    )
     state_bytes = layout.state_bytes() * max_num_seqs
     budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason, state_bytes)  # noqa: E731
     if num_blocks is not None:
@@ -100,8 +113,9 @@ def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: i
         return budget(num_blocks, "num_blocks given")
     if kv_cache_memory is not None:
         if kv_cache_memory < block_bytes:
-            raise ValueError(f"kv_cache_memory must hold at least one block ({block_bytes} bytes); got "
-                             f"{kv_cache_memory}")
+            raise ValueError(
+                f"kv_cache_memory must hold at least one block ({block_bytes} bytes); got {kv_cache_memory}"
+            )
         return budget(kv_cache_memory // block_bytes, f"kv_cache_memory={kv_cache_memory} bytes given")
     wanted = max_num_seqs * -(-max_model_len // block_size)
     served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
@@ -118,11 +132,19 @@ def plan_kv_cache(model, *, block_size: int, max_num_seqs: int, max_model_len: i
     if wanted <= min(by_fraction, by_free):
         return budget(wanted, f"room for {served}")
     if by_fraction <= by_free:
-        return budget(max(1, by_fraction), f"{served} need {wanted:,} blocks; capped at kv_cache_fraction="
-                                           f"{kv_cache_fraction} of the device's {total / (1 << 30):.1f} GiB")
+        return budget(
+            max(1, by_fraction),
+            f"{served} need {wanted:,} blocks; capped at kv_cache_fraction="
+            f"{kv_cache_fraction} of the device's {total / (1 << 30):.1f} GiB",
+        )
     if by_free < 1:
-        raise RuntimeError(f"no device memory is left for a KV cache: {free / (1 << 30):.2f} GiB free, "
-                           f"{reserve / (1 << 30):.2f} GiB kept for the engine's activations; free memory or give "
-                           "num_blocks / kv_cache_memory")
-    return budget(by_free, f"{served} need {wanted:,} blocks; capped at the free "
-                                   f"{free / (1 << 30):.1f} GiB less {reserve / (1 << 30):.1f} GiB for activations")
+        raise RuntimeError(
+            f"no device memory is left for a KV cache: {free / (1 << 30):.2f} GiB free, "
+            f"{reserve / (1 << 30):.2f} GiB kept for the engine's activations; free memory or give "
+            "num_blocks / kv_cache_memory"
+        )
+    return budget(
+        by_free,
+        f"{served} need {wanted:,} blocks; capped at the free "
+        f"{free / (1 << 30):.1f} GiB less {reserve / (1 << 30):.1f} GiB for activations",
+    )

@@ -18,13 +18,28 @@ class LoRAAdmin:
     loras: LoRAManager | None
     requests: dict[str, Request]
 
-    def _serve_loras(self, model, adapters: Mapping[str, str | os.PathLike] | None, max_loras: int, max_rank: int,
-                     target_modules: Sequence[str] | None) -> None:
+    def _serve_loras(
+        self,
+        model,
+        adapters: Mapping[str, str | os.PathLike] | None,
+        max_loras: int,
+        max_rank: int,
+        target_modules: Sequence[str] | None,
+    ) -> None:
         """Wrap the model's Linear layers for ``adapters`` (None: no LoRA, the model unchanged), each adapter checked
         first; the model gets its own layers back when the engine closes or is collected."""
-        self.loras = None if adapters is None else LoRAManager(
-            model, adapters, max_loras=max_loras, max_rank=max_rank, target_modules=target_modules,
-            backend=paged_reader_backend(model.config) or "auto")
+        self.loras = (
+            None
+            if adapters is None
+            else LoRAManager(
+                model,
+                adapters,
+                max_loras=max_loras,
+                max_rank=max_rank,
+                target_modules=target_modules,
+                backend=paged_reader_backend(model.config) or "auto",
+            )
+        )
         if self.loras is not None:
             weakref.finalize(self, self.loras.close)  # the model's own layers back even without close()
 
@@ -35,8 +50,10 @@ class LoRAAdmin:
         if not isinstance(name, str):
             raise ValueError(f"lora must be the name of a LoRA adapter (a string) or None; got {type(name).__name__}")
         if self.loras is None:
-            raise ValueError(f"this engine serves no LoRA adapters (lora={name!r}); make it with "
-                             "Engine(..., lora_adapters={name: path}) (or lora_adapters={} and add_lora later)")
+            raise ValueError(
+                f"this engine serves no LoRA adapters (lora={name!r}); make it with "
+                "Engine(..., lora_adapters={name: path}) (or lora_adapters={} and add_lora later)"
+            )
         return self.loras.get(name)
 
     def add_lora(self, name: str, path: str | os.PathLike) -> None:
@@ -49,12 +66,15 @@ class LoRAAdmin:
         let them finish first. Requests already prepared for it but not yet added are refused when added."""
         manager = self._lora_manager("remove_lora")
         adapter = manager.get(name)
-        users = [request.request_id for request in self.requests.values()
-                 if request.lora is adapter and not request.finished]
+        users = [
+            request.request_id for request in self.requests.values() if request.lora is adapter and not request.finished
+        ]
         if users:
-            raise ValueError(f"the LoRA adapter {name!r} is in use by {len(users)} unfinished request(s) "
-                             f"({', '.join(users[:5])}{', ...' if len(users) > 5 else ''}); abort them or let them "
-                             "finish, then remove it")
+            raise ValueError(
+                f"the LoRA adapter {name!r} is in use by {len(users)} unfinished request(s) "
+                f"({', '.join(users[:5])}{', ...' if len(users) > 5 else ''}); abort them or let them "
+                "finish, then remove it"
+            )
         manager.remove(name)
 
     def list_loras(self) -> list[str]:
@@ -64,11 +84,14 @@ class LoRAAdmin:
     def _check_registered(self, adapter: LoRAAdapter | None) -> None:
         """ValueError if a prepared request's adapter was removed since it was prepared."""
         if adapter is not None and (self.loras is None or not self.loras.is_registered(adapter)):
-            raise ValueError(f"the LoRA adapter {adapter.name!r} was removed from this engine after the request "
-                             "was prepared")
+            raise ValueError(
+                f"the LoRA adapter {adapter.name!r} was removed from this engine after the request was prepared"
+            )
 
     def _lora_manager(self, what: str) -> LoRAManager:
         if self.loras is None:
-            raise ValueError(f"Engine.{what}: this engine was made without LoRA; make it with "
-                             "Engine(..., lora_adapters={...}) ({} to add adapters later)")
+            raise ValueError(
+                f"Engine.{what}: this engine was made without LoRA; make it with "
+                "Engine(..., lora_adapters={...}) ({} to add adapters later)"
+            )
         return self.loras

@@ -73,8 +73,9 @@ def load_image(image, what: str):
         try:
             with Image.open(source) as opened:
                 if opened.width * opened.height > MAX_IMAGE_PIXELS:
-                    raise ValueError(f"{what} is {opened.width}x{opened.height} pixels; at most {MAX_IMAGE_PIXELS} "
-                                     "are taken")
+                    raise ValueError(
+                        f"{what} is {opened.width}x{opened.height} pixels; at most {MAX_IMAGE_PIXELS} are taken"
+                    )
                 loaded = opened.convert("RGB")
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as error:
             raise ValueError(f"{what} is not an image that can be decoded ({type(error).__name__}: {error})") from None
@@ -100,8 +101,10 @@ def process(processor, prompt, images: Sequence | None, **template) -> tuple[str
         ids = _token_ids(out)
         placeholder = getattr(processor, "image_token_id", None)
         if not loaded and placeholder is not None and placeholder in ids:
-            raise ValueError("the processor rejected the prompt and its 0 images: the prompt has image placeholders "
-                             "and no image was given")
+            raise ValueError(
+                "the processor rejected the prompt and its 0 images: the prompt has image placeholders "
+                "and no image was given"
+            )
         return prompt, ids, _media(out, loaded)
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         messages, loaded = _messages_with_images(prompt, images)
@@ -109,13 +112,15 @@ def process(processor, prompt, images: Sequence | None, **template) -> tuple[str
         template = {"add_generation_prompt": True, **template}
         try:  # the text (for the caller), then transformers' own tokenization of it with the images
             text = processor.apply_chat_template(messages, tokenize=False, **template)
-            out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
-                                                **template)
+            out = processor.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_tensors="pt", **template
+            )
         except Exception as error:  # jinja2 template errors, a processor's checks
             raise ValueError(f"the processor's chat template rejected the messages: {error}") from None
         return text, _token_ids(out), _media(out, loaded)
-    raise ValueError(f"a prompt with images is a string or a list of chat messages (dicts); got "
-                     f"{type(prompt).__name__}")
+    raise ValueError(
+        f"a prompt with images is a string or a list of chat messages (dicts); got {type(prompt).__name__}"
+    )
 
 
 def _messages_with_images(messages: Sequence[dict], images: list) -> tuple[list[dict], list]:
@@ -133,8 +138,10 @@ def _messages_with_images(messages: Sequence[dict], images: list) -> tuple[list[
                 source = part.get("image", part.get("url", part.get("path")))
                 if source is None:
                     if taken == len(images):
-                        raise ValueError(f"message {m}'s part {p} is an image part with no image, and the "
-                                         f"request's {len(images)} images are all taken")
+                        raise ValueError(
+                            f"message {m}'s part {p} is an image part with no image, and the "
+                            f"request's {len(images)} images are all taken"
+                        )
                     source, taken = images[taken], taken + 1
                 image = load_image(source, f"message {m}'s image part {p}")
                 loaded.append(image)
@@ -164,16 +171,22 @@ def _media(out, images: list) -> MediaInputs | None:
     for image in images:
         digest.update(f"{image.size}".encode())
         digest.update(image.tobytes())
-    inputs = {name: value for name, value in out.items()
-              if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor)}
+    inputs = {
+        name: value
+        for name, value in out.items()
+        if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor)
+    }
     return MediaInputs(inputs, digest.hexdigest())
 
 
 def processed_media(inputs) -> MediaInputs:
     """The multimodal inputs a processor made for one prompt (``{"prompt_token_ids", "multimodal_inputs"}``
     prompts), checked: a dict of tensors, the images' (not the per-token types') content hashed."""
-    if not isinstance(inputs, dict) or not inputs or not all(
-            isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in inputs.items()):
+    if (
+        not isinstance(inputs, dict)
+        or not inputs
+        or not all(isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in inputs.items())
+    ):
         raise ValueError("multimodal_inputs is a dict of the processor's tensors for the prompt (pixel_values, ...)")
     digest = hashlib.sha256()
     for name, value in sorted(inputs.items()):

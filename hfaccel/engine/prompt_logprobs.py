@@ -47,8 +47,9 @@ class PromptRows:
 
     def logprobs(self, logits: torch.Tensor) -> PendingPromptLogprobs:
         """From the logits of :attr:`rows` (``[len(rows), V]``), queued on the device and copying to the host."""
-        targets = to_device([r.prompt_token_ids[p] for r, p in zip(self.requests, self.positions)], torch.long,
-                            logits.device)
+        targets = to_device(
+            [r.prompt_token_ids[p] for r, p in zip(self.requests, self.positions)], torch.long, logits.device
+        )
         counts = [r.params.prompt_logprobs for r in self.requests]
         result = add_logprobs(SampledTokens(targets), logits, targets, list(range(len(self.rows))), counts)
         return PendingPromptLogprobs(self, result.start_copy())

@@ -162,15 +162,23 @@ class StepOutput:
 class Scheduler:
     """FCFS iteration-level scheduler with chunked prefill, preemption by recompute and prefix caching."""
 
-    def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 loras: LoRAManager | None = None, media_offsets: Container[str] = (),
-                 release: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        loras: LoRAManager | None = None,
+        media_offsets: Container[str] = (),
+        release: Callable[[int], None] | None = None,
+    ):
         """``media_offsets``: the content hashes of the images whose position offset the engine knows (prompts
         with them may take prefix-cache hits that cover their images). ``release``: frees what else a finished
         sequence held, by its id (the engine's: its penalties' token counts, on the device)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, "
-                             f"{max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, {max_num_batched_tokens}"
+            )
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -199,9 +207,11 @@ class Scheduler:
         """Whether the next step decodes one token of every running sequence and nothing else (no sequence waiting,
         none with a prompt still being computed), and no grammar needs a token on the host first."""
         return not self.waiting and all(
-            seq.num_tokens - seq.num_computed <= 1 and (seq.num_pending or seq.output.token_ids)
+            seq.num_tokens - seq.num_computed <= 1
+            and (seq.num_pending or seq.output.token_ids)
             and seq.request.params.structured_outputs is None  # its mask needs the last token on the host
-            for seq in self.running)
+            for seq in self.running
+        )
 
     # -------------------------------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
@@ -263,7 +273,7 @@ class Scheduler:
                     self._preempt(seq, out)
                 return False
             self._preempt(victim, out)
-        new = seq.token_ids[self.manager.seq_len(seq.seq_id):]
+        new = seq.token_ids[self.manager.seq_len(seq.seq_id) :]
         out.copies += self.manager.append(seq.seq_id, missing, new, computed=False)
         return True
 
@@ -278,8 +288,9 @@ class Scheduler:
             return False
         free_before = manager.num_free_blocks
         try:
-            cached = manager.add_sequence(seq.seq_id, seq.token_ids, computed=False, salt=_cache_salt(seq),
-                                          least_hit=self._least_hit(seq))
+            cached = manager.add_sequence(
+                seq.seq_id, seq.token_ids, computed=False, salt=_cache_salt(seq), least_hit=self._least_hit(seq)
+            )
         except CacheFullError:
             return False
         if manager.num_free_blocks < watermark and free_before >= watermark:
@@ -392,7 +403,7 @@ class Scheduler:
         they arrive, it leaves the queues and its blocks are freed at once."""
         seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
         if seq.num_pending:  # tokens sampled past the end
-            del seq.token_ids[-seq.num_pending:]
+            del seq.token_ids[-seq.num_pending :]
             seq.num_pending = 0
         if seq.detokenizer is not None and not isinstance(stop_reason, str) and reason != "error":
             seq.detokenizer.flush()  # a stop string already cut the text

@@ -9,8 +9,15 @@ import torch
 from transformers import PreTrainedModel
 
 from hfaccel import compat
-from hfaccel.attention import (ATTENTION_NAMES, AttentionPaths, attention_implementations, set_hfaccel_attention,
-                               text_config_key, track_paths, untrack_paths)
+from hfaccel.attention import (
+    ATTENTION_NAMES,
+    AttentionPaths,
+    attention_implementations,
+    set_hfaccel_attention,
+    text_config_key,
+    track_paths,
+    untrack_paths,
+)
 from hfaccel.device import model_device
 from hfaccel.distributed import check_sharding
 from hfaccel.distributed.quant import quantize_shards
@@ -20,8 +27,14 @@ from hfaccel.hf.generation import install_generate, uninstall_generate
 from hfaccel.kernels import resolve_backend
 from hfaccel.kernels.runtime import BACKENDS
 from hfaccel.quant import quantize as quantize_model
-from hfaccel.quant.fp8 import (adopt_fp8_layers, check_fp8_backend, dense_where_no_fp8_kernels, fp8_layers,
-                               fp8_summary, put_back)
+from hfaccel.quant.fp8 import (
+    adopt_fp8_layers,
+    check_fp8_backend,
+    dense_where_no_fp8_kernels,
+    fp8_layers,
+    fp8_summary,
+    put_back,
+)
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.kv.fp8 import KVScales, check_kv_scales, resolve_kv_cache_dtype
 from hfaccel.kv.layout import ModelLayout
@@ -82,21 +95,32 @@ class Acceleration:
         if not self.active:
             return f"hfaccel: not accelerated, attention stays {language!r} ({self.fallback_reason})"
         encoders = "".join(f"; {key} keeps transformers' {name!r} attention" for key, name in self.encoders.items())
-        return (f"hfaccel: {'language model ' if self.encoders else ''}attention {language!r} -> "
-                f"{self.attn_implementation!r} (backend {self.attention!r}){encoders}; {self.layout.describe()}; "
-                f"generate(): {self._loop()}"
-                f"; last call: {self.decode}"
-                f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
-                f"; attention calls: {self.attention_paths}"
-                f"{'; int4 layers: ' + int4_paths(self.int4_layers) if self.int4_layers else ''}"
-                f"{'; fp8 layers: ' + fp8_summary(self.fp8_layers) if self.fp8_layers else ''}"
-                f"{'; ' + str(self.lora) if self.lora is not None else ''}")
+        return (
+            f"hfaccel: {'language model ' if self.encoders else ''}attention {language!r} -> "
+            f"{self.attn_implementation!r} (backend {self.attention!r}){encoders}; {self.layout.describe()}; "
+            f"generate(): {self._loop()}"
+            f"; last call: {self.decode}"
+            f"{'; decode steps: ' + self.session.steps() if self.session is not None else ''}"
+            f"; attention calls: {self.attention_paths}"
+            f"{'; int4 layers: ' + int4_paths(self.int4_layers) if self.int4_layers else ''}"
+            f"{'; fp8 layers: ' + fp8_summary(self.fp8_layers) if self.fp8_layers else ''}"
+            f"{'; ' + str(self.lora) if self.lora is not None else ''}"
+        )
 
 
-def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool = True, quantize: str | None = None,
-               calib_data=None, group_size: int = 128, compile: bool | str = "auto",
-               merge_lora: bool = False, kv_cache_dtype: str | torch.dtype | None = None,
-               kv_scales: KVScales = None) -> PreTrainedModel:
+def accelerate(
+    model: PreTrainedModel,
+    *,
+    attention: str = "auto",
+    paged: bool = True,
+    quantize: str | None = None,
+    calib_data=None,
+    group_size: int = 128,
+    compile: bool | str = "auto",
+    merge_lora: bool = False,
+    kv_cache_dtype: str | torch.dtype | None = None,
+    kv_scales: KVScales = None,
+) -> PreTrainedModel:
     """Serve ``model``'s attention and ``generate()`` by hfaccel; returns the same model object (a ``PeftModel``
     too). Only this instance changes; :func:`restore` undoes it, a second call re-applies with the new arguments.
     Whether hfaccel serves the model exactly is decided here, before any call: one it cannot serve keeps
@@ -145,8 +169,14 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
     if reason is not None:
         put_back(model, list(adopted))
         warnings.warn(f"hfaccel: {type(model).__name__} keeps its {original!r} attention: {reason}", stacklevel=2)
-        model.hfaccel = Acceleration(attention, original, original, fallback_reason=reason, lora=lora,
-                                     text_config_key=text_config_key(model.config))
+        model.hfaccel = Acceleration(
+            attention,
+            original,
+            original,
+            fallback_reason=reason,
+            lora=lora,
+            text_config_key=text_config_key(model.config),
+        )
         return given
     set_hfaccel_attention(model, attention)
     if support.layout.hybrid:
@@ -158,10 +188,21 @@ def accelerate(model: PreTrainedModel, *, attention: str = "auto", paged: bool =
         session = DecodeSession(model, compile=compile, **kv_storage)
     layers = int4_layers(model)
     prepare_int4(layers)
-    model.hfaccel = Acceleration(attention, name, original, paged=paged, compile=compile, session=session,
-                                 attention_paths=track_paths(model), int4_layers=layers,
-                                 fp8_layers=fp8_layers(model), fp8_adopted=adopted, lora=lora,
-                                 layout=support.layout, text_config_key=text_config_key(model.config))
+    model.hfaccel = Acceleration(
+        attention,
+        name,
+        original,
+        paged=paged,
+        compile=compile,
+        session=session,
+        attention_paths=track_paths(model),
+        int4_layers=layers,
+        fp8_layers=fp8_layers(model),
+        fp8_adopted=adopted,
+        lora=lora,
+        layout=support.layout,
+        text_config_key=text_config_key(model.config),
+    )
     return given
 
 
@@ -170,8 +211,10 @@ def _kv_storage(model, paged: bool, kv_cache_dtype, kv_scales: KVScales) -> dict
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_device(model))
     check_kv_scales(kv_scales)
     if dtype is not None and not paged:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is the KV pool of hfaccel's generate() (paged=True); "
-                         f"with paged=False generate() keeps transformers' cache")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is the KV pool of hfaccel's generate() (paged=True); "
+            f"with paged=False generate() keeps transformers' cache"
+        )
     if kv_scales is not None and dtype is None:
         raise ValueError(f"kv_scales={kv_scales!r} needs an fp8 KV pool (kv_cache_dtype='fp8')")
     return {"kv_cache_dtype": dtype, "kv_scales": kv_scales}
@@ -218,9 +261,13 @@ def _check_model(model) -> PreTrainedModel:
         model = compat.peft_base_model(model)
     if not isinstance(model, PreTrainedModel):
         also = " or a peft PeftModel with LoRA adapters wrapping one" if compat.from_peft(model) else ""
-        raise TypeError(f"hfaccel.accelerate expects a transformers PreTrainedModel (e.g. from "
-                        f"AutoModelForCausalLM.from_pretrained){also}; got {type(model).__name__}")
+        raise TypeError(
+            f"hfaccel.accelerate expects a transformers PreTrainedModel (e.g. from "
+            f"AutoModelForCausalLM.from_pretrained){also}; got {type(model).__name__}"
+        )
     if not model.can_generate():
-        raise ValueError(f"hfaccel.accelerate expects a causal language model that can generate (e.g. "
-                         f"AutoModelForCausalLM); got {type(model).__name__}, which cannot generate")
+        raise ValueError(
+            f"hfaccel.accelerate expects a causal language model that can generate (e.g. "
+            f"AutoModelForCausalLM); got {type(model).__name__}, which cannot generate"
+        )
     return model

@@ -32,8 +32,10 @@ def check_peft_model(model) -> None:
     kinds = compat.peft_adapter_types(model)
     other = {name: kind for name, kind in kinds.items() if kind != "LORA"}
     if other:
-        raise ValueError(f"hfaccel.accelerate serves PEFT models with LoRA adapters (peft_type LORA); "
-                         f"{type(model).__name__} holds {other}")
+        raise ValueError(
+            f"hfaccel.accelerate serves PEFT models with LoRA adapters (peft_type LORA); "
+            f"{type(model).__name__} holds {other}"
+        )
 
 
 @dataclass
@@ -79,10 +81,12 @@ class LoraState:
         active = compat.peft_active_adapters(self.owner)
         if compat.peft_adapters_disabled(self.owner) or active != self.merged_adapters:
             state = "adapters disabled" if compat.peft_adapters_disabled(self.owner) else f"active adapters {active}"
-            raise ValueError(f"hfaccel.accelerate(merge_lora=True) merged adapters {self.merged_adapters} into the "
-                             f"model's weights; the PeftModel now has {state}. Call hfaccel.restore(model) before "
-                             f"switching or disabling adapters (then accelerate again), or accelerate without "
-                             f"merge_lora to switch them freely")
+            raise ValueError(
+                f"hfaccel.accelerate(merge_lora=True) merged adapters {self.merged_adapters} into the "
+                f"model's weights; the PeftModel now has {state}. Call hfaccel.restore(model) before "
+                f"switching or disabling adapters (then accelerate again), or accelerate without "
+                f"merge_lora to switch them freely"
+            )
 
     # --------------------------------------------------------------------------------------------- merge
     def merge(self) -> None:
@@ -115,8 +119,10 @@ class LoraState:
 
     def __str__(self) -> str:
         if self.merged:
-            return (f"LoRA: {len(self.merged)} layers, {_adapter_names(self.merged_adapters)} merged into the "
-                    f"weights by hfaccel (restore() unmerges)")
+            return (
+                f"LoRA: {len(self.merged)} layers, {_adapter_names(self.merged_adapters)} merged into the "
+                f"weights by hfaccel (restore() unmerges)"
+            )
         layers = compat.lora_layers(self.model)
         states = [compat.adapter_layer_state(layer) for _, layer in layers]
         if not states:
@@ -135,8 +141,10 @@ def prepare_lora(model, target: nn.Module, *, merge_lora: bool, quantize: str | 
     layers = compat.lora_layers(target)
     if not layers:
         if merge_lora:
-            raise ValueError(f"merge_lora=True merges the LoRA adapters of a PEFT model (a peft PeftModel, e.g. from "
-                             f"PeftModel.from_pretrained); {type(model).__name__} has no LoRA layers")
+            raise ValueError(
+                f"merge_lora=True merges the LoRA adapters of a PEFT model (a peft PeftModel, e.g. from "
+                f"PeftModel.from_pretrained); {type(model).__name__} has no LoRA layers"
+            )
         return None
     for _, layer in layers:
         for adapter in compat.adapter_layer_state(layer).active:
@@ -145,8 +153,10 @@ def prepare_lora(model, target: nn.Module, *, merge_lora: bool, quantize: str | 
     if merge_lora:
         check_mergeable(layers)
     elif quantize is not None and quantize != "rtn":
-        raise ValueError(f"quantize={quantize!r} calibrates the base layers for their inputs, which unmerged LoRA "
-                         f"adapters change; with unmerged LoRA layers use quantize='rtn', or merge_lora=True")
+        raise ValueError(
+            f"quantize={quantize!r} calibrates the base layers for their inputs, which unmerged LoRA "
+            f"adapters change; with unmerged LoRA layers use quantize='rtn', or merge_lora=True"
+        )
     if quantize is not None and compat.tp_size(target) > 1:
         raise ValueError("quantize under tensor parallelism is not supported for a model with LoRA layers")
     return LoraState(target, owner=model if model is not target else None)
@@ -160,15 +170,20 @@ def check_mergeable(layers: list[tuple[str, nn.Module]]) -> None:
         if state.disabled:
             raise ValueError(f"merge_lora=True merges the active adapters; the adapters of {name!r} are disabled")
         if state.merged:
-            raise ValueError(f"merge_lora=True: {name!r} already has adapters {state.merged} merged by PEFT "
-                             f"(merge_adapter()); unmerge_adapter() first, or accelerate without merge_lora")
+            raise ValueError(
+                f"merge_lora=True: {name!r} already has adapters {state.merged} merged by PEFT "
+                f"(merge_adapter()); unmerge_adapter() first, or accelerate without merge_lora"
+            )
         if state.active != active:
-            raise ValueError(f"merge_lora=True merges one set of active adapters; {name!r} has {state.active}, "
-                             f"other layers {active}")
+            raise ValueError(
+                f"merge_lora=True merges one set of active adapters; {name!r} has {state.active}, other layers {active}"
+            )
         parts = compat.lora_linear_parts(layer)
         if isinstance(parts, str):
-            raise ValueError(f"merge_lora=True cannot merge {name!r}: {parts}; accelerate without merge_lora "
-                             f"(the LoRA layers then run unmerged)")
+            raise ValueError(
+                f"merge_lora=True cannot merge {name!r}: {parts}; accelerate without merge_lora "
+                f"(the LoRA layers then run unmerged)"
+            )
 
 
 def merged_linear(layer: nn.Module) -> nn.Linear:
@@ -192,9 +207,11 @@ def _check_plain(layer: nn.Module, adapter: str, model: nn.Module) -> None:
     variant = compat.lora_variant(layer, adapter)
     if variant is not None:
         name = next((name for name, module in model.named_modules() if module is layer), "?")
-        raise ValueError(f"hfaccel serves plain LoRA adapters; adapter {adapter!r} on {name!r} is {variant}. Merge it "
-                         f"into the base model with PEFT first (model = peft_model.merge_and_unload()) and accelerate "
-                         f"that")
+        raise ValueError(
+            f"hfaccel serves plain LoRA adapters; adapter {adapter!r} on {name!r} is {variant}. Merge it "
+            f"into the base model with PEFT first (model = peft_model.merge_and_unload()) and accelerate "
+            f"that"
+        )
 
 
 def _active_adapters(layers: list[tuple[str, nn.Module]]) -> tuple[str, ...]:
@@ -203,4 +220,3 @@ def _active_adapters(layers: list[tuple[str, nn.Module]]) -> tuple[str, ...]:
 
 def _adapter_names(names: tuple[str, ...]) -> str:
     return ("adapter " if len(names) == 1 else "adapters ") + ", ".join(repr(n) for n in names)
-

@@ -62,8 +62,15 @@ class DecodeSession:
     ``compile``: ``"auto"`` (on CUDA), True or False; ``kv_cache_dtype``, ``kv_scales``: how its pools (the decode
     loop's, speculative decoding's, a fallback's ``PagedCache``) store K/V (``hfaccel.kv.fp8``)."""
 
-    def __init__(self, model, *, compile: bool | str, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None,
-                 kv_scales: KVScales = None):
+    def __init__(
+        self,
+        model,
+        *,
+        compile: bool | str,
+        block_size: int = 16,
+        kv_cache_dtype: torch.dtype | None = None,
+        kv_scales: KVScales = None,
+    ):
         self.model = model
         self.compile = compile
         self.block_size = block_size
@@ -92,9 +99,12 @@ class DecodeSession:
         self.info = DecodeInfo("transformers", reason)
         if reason not in self._logged:
             self._logged.add(reason)
-            _log.warning("hfaccel: generate() on %s runs transformers' decoding loop, not hfaccel's, because of %s "
-                         "(logged once per model and reason; model.hfaccel.decode says which loop served each call)",
-                         type(self.model).__name__, reason)
+            _log.warning(
+                "hfaccel: generate() on %s runs transformers' decoding loop, not hfaccel's, because of %s "
+                "(logged once per model and reason; model.hfaccel.decode says which loop served each call)",
+                type(self.model).__name__,
+                reason,
+            )
 
     def served_by_transformers_by_choice(self, reason: str) -> None:
         """Record that transformers' loop serves the current call because it is the faster path here (not a
@@ -102,8 +112,9 @@ class DecodeSession:
         self.info = DecodeInfo("transformers", reason)
         if reason not in self._logged:
             self._logged.add(reason)
-            _log.info("hfaccel: generate() on %s runs transformers' decoding loop: %s", type(self.model).__name__,
-                      reason)
+            _log.info(
+                "hfaccel: generate() on %s runs transformers' decoding loop: %s", type(self.model).__name__, reason
+            )
 
     def steps(self) -> str:
         """How the decode steps run (compiled, captured sizes, fallback reasons), or "not built yet"."""
@@ -137,8 +148,9 @@ class DecodeSession:
         size = self.block_size
         needed = sum(-(-c // size) for c in capacities)
         runner = self.runner
-        if runner is not None and (runner.pool.dtype != self.model.dtype
-                                   or runner.pool.device != model_device(self.model)):
+        if runner is not None and (
+            runner.pool.dtype != self.model.dtype or runner.pool.device != model_device(self.model)
+        ):
             runner.release()  # the model moved or changed dtype: everything is rebuilt for it
             self.runner = runner = None
         if runner is None:
@@ -154,13 +166,22 @@ class DecodeSession:
         context = max(capacities)
         if graphs is None or graphs.max_batch < rows or graphs.max_model_len < context:
             compile = compiles(self.compile, runner.device)
-            max_batch = max(rows, min(DEFAULT_LADDER[-1], runner.max_tokens or DEFAULT_LADDER[-1]),
-                            graphs.max_batch if graphs else 0)
-            max_len = max(context_bucket(context, whole=compile or runner.device.type == "cuda", model=self.model),
-                          graphs.max_model_len if graphs else 0)
+            max_batch = max(
+                rows,
+                min(DEFAULT_LADDER[-1], runner.max_tokens or DEFAULT_LADDER[-1]),
+                graphs.max_batch if graphs else 0,
+            )
+            max_len = max(
+                context_bucket(context, whole=compile or runner.device.type == "cuda", model=self.model),
+                graphs.max_model_len if graphs else 0,
+            )
             if compile:
-                _log.warning("hfaccel: generate() compiles its decode step on the first call (once per model: every "
-                             "batch size up to %d and context up to %d tokens; this takes a while)", max_batch, max_len)
+                _log.warning(
+                    "hfaccel: generate() compiles its decode step on the first call (once per model: every "
+                    "batch size up to %d and context up to %d tokens; this takes a while)",
+                    max_batch,
+                    max_len,
+                )
             runner.enable_decode_graphs(max_batch, max_len, compile=compile)
         return runner
 
@@ -185,16 +206,25 @@ class DecodeSession:
         recurrent state (the ladder size that holds them: a few sizes are ever made)."""
         blocks = -(-blocks // POOL_GRANULE) * POOL_GRANULE
         seqs = next((size for size in DEFAULT_LADDER if size >= rows), rows)
-        return KVPool.for_model(self.model, num_blocks=blocks, block_size=self.block_size, max_num_seqs=seqs,
-                                **self.pool_options())
+        return KVPool.for_model(
+            self.model, num_blocks=blocks, block_size=self.block_size, max_num_seqs=seqs, **self.pool_options()
+        )
 
     def pool_options(self) -> dict:
         """How this session's pools store K/V: ``KVPool``'s ``kv_cache_dtype`` and ``kv_scales``."""
         return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": self.kv_scales}
 
 
-def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                   synced_gpus: bool = False, streamer=None, **model_kwargs):
+def hfaccel_sample(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs,
+):
     """``generate``'s decoding method for an accelerated model (module docstring): the ids ``[B, L + new]``."""
     session: DecodeSession = model.hfaccel.session
     if streamer is not None:
@@ -211,22 +241,39 @@ def hfaccel_sample(model, input_ids: torch.LongTensor, logits_processor, stoppin
         if pads is None:
             reason = "an attention mask that is not left padding"
     if reason is None:
-        reason = _beyond_limit(model, [input_ids.shape[1] - pad for pad in pads],
-                               int(generation_config.max_length) - input_ids.shape[1])
+        reason = _beyond_limit(
+            model, [input_ids.shape[1] - pad for pad in pads], int(generation_config.max_length) - input_ids.shape[1]
+        )
     if reason is None and not session.lock.acquire(blocking=False):
         reason = "another generate() call on this model is running hfaccel's decode loop"
     if reason is not None:
         session.served_by_transformers(reason)
-        return compat.transformers_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                          synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        return compat.transformers_sample(
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus=synced_gpus,
+            streamer=streamer,
+            **model_kwargs,
+        )
     try:
         session.info = DecodeInfo("hfaccel")
         lengths = [input_ids.shape[1] - pad for pad in pads]
         packed = input_ids[mask.bool()] if mask is not None else input_ids.reshape(-1)  # [T]: real tokens only
         loop = _Loop(session, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
         if images:
-            return loop.run(lengths, functools.partial(prefill_batch, model, input_ids=input_ids,
-                                                       generation_config=generation_config, model_kwargs=model_kwargs))
+            return loop.run(
+                lengths,
+                functools.partial(
+                    prefill_batch,
+                    model,
+                    input_ids=input_ids,
+                    generation_config=generation_config,
+                    model_kwargs=model_kwargs,
+                ),
+            )
         return loop.run(lengths, packed)
     finally:
         session.lock.release()
@@ -241,16 +288,20 @@ def left_padding(mask: torch.Tensor) -> list[int] | None:
     return (~host).sum(1).tolist()
 
 
-def _unsupported(input_ids: torch.Tensor, config, synced_gpus: bool, model_kwargs: dict,
-                 images: list[str]) -> str | None:
+def _unsupported(
+    input_ids: torch.Tensor, config, synced_gpus: bool, model_kwargs: dict, images: list[str]
+) -> str | None:
     """Why this call needs transformers' loop (before looking at the mask's values), or None. ``images``: the
     multimodal inputs the loop's multimodal prefill takes."""
     if synced_gpus:
         return "synced_gpus"
     if config.return_dict_in_generate:
         return "return_dict_in_generate"
-    extra = sorted(k for k, v in model_kwargs.items()
-                   if k not in multimodal.TEXT_INPUTS and k not in images and multimodal.given(v))
+    extra = sorted(
+        k
+        for k, v in model_kwargs.items()
+        if k not in multimodal.TEXT_INPUTS and k not in images and multimodal.given(v)
+    )
     if extra:
         return f"model inputs {extra}"
     if model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states"):
@@ -267,9 +318,11 @@ def _beyond_limit(model, lengths: list[int], new_tokens: int) -> str | None:
     limit = packed_token_limit(model.config)
     if limit is None or (sum(lengths) <= limit and max(lengths) + new_tokens <= limit):
         return None
-    return (f"prompts of {sum(lengths)} tokens growing to {max(lengths) + new_tokens}: past the {limit} tokens per "
-            "sequence and per forward hfaccel's packed forward is exact for on this model (its attention temperature "
-            "reads one position per forward)")
+    return (
+        f"prompts of {sum(lengths)} tokens growing to {max(lengths) + new_tokens}: past the {limit} tokens per "
+        "sequence and per forward hfaccel's packed forward is exact for on this model (its attention temperature "
+        "reads one position per forward)"
+    )
 
 
 class _Loop:
@@ -284,7 +337,7 @@ class _Loop:
         batch, self.prompt_len = input_ids.shape
         self.max_length = int(config.max_length)
         self.ids = input_ids.new_empty(batch, self.max_length)  # [B, max_length]
-        self.ids[:, :self.prompt_len] = input_ids
+        self.ids[:, : self.prompt_len] = input_ids
         self.unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
         self.deferred = defers_stop_checks(input_ids.device)
 

@@ -25,7 +25,8 @@ from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
 from hfaccel.kv.fp8 import model_kv_scales
 from hfaccel.kv.layout import model_layout, own_cache_class
-from hfaccel.runner.graphs import context_bucket, failure_reason
+from hfaccel.runner.graphs import context_bucket
+from hfaccel.runner.step_function import failure_reason
 from hfaccel.sampling import token_ids
 
 _log = logging.getLogger("hfaccel")
@@ -33,13 +34,33 @@ MIN_STATIC_CACHE_LEN = 256  # a compiled static-cache forward specializes on its
 
 # token-changing generate() options hfaccel's decode loop leaves to transformers (it serves every other one, with
 # transformers' own processors and criteria)
-_LOOP_LEAVES = frozenset({"num_beams", "num_beam_groups", "diversity_penalty", "constraints", "force_words_ids",
-                          "penalty_alpha", "dola_layers", "guidance_scale", "cache_implementation",
-                          "prompt_lookup_num_tokens", "return_dict_in_generate", "output_scores", "output_logits",
-                          "output_attentions", "output_hidden_states"})
+_LOOP_LEAVES = frozenset(
+    {
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "constraints",
+        "force_words_ids",
+        "penalty_alpha",
+        "dola_layers",
+        "guidance_scale",
+        "cache_implementation",
+        "prompt_lookup_num_tokens",
+        "return_dict_in_generate",
+        "output_scores",
+        "output_logits",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
 # generate() arguments that change how it runs and that the loop leaves to transformers
-_LOOP_LEAVES_ARGS = ("custom_generate", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask",
-                     "inputs_embeds")
+_LOOP_LEAVES_ARGS = (
+    "custom_generate",
+    "synced_gpus",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "inputs_embeds",
+)
 
 
 def install_generate(model) -> None:
@@ -86,13 +107,22 @@ def generate_accelerated(model, generate: Callable, args: tuple, kwargs: dict):
             _tell_padding(cache, kwargs.get("attention_mask"), shape[0])
             cache.check_request(*shape)  # before any forward pass; the cache stays usable
         return generate(*args, **kwargs)
-    if (cache is not None or shape is None or _cache_implementation(model, kwargs) is not None
-            or not _paged_cache_holds(model)):
+    if (
+        cache is not None
+        or shape is None
+        or _cache_implementation(model, kwargs) is not None
+        or not _paged_cache_holds(model)
+    ):
         return generate(*args, **kwargs)
     rows, total_len = shape
     kwargs[compat.generate_cache_argument()] = PagedCache(
-        model.config, max_batch_size=rows, max_cache_len=total_len, num_kv_heads=local_kv_heads(model),
-        left_padding=_left_padding(kwargs.get("attention_mask"), rows), **_fp8_storage(model, session))
+        model.config,
+        max_batch_size=rows,
+        max_cache_len=total_len,
+        num_kv_heads=local_kv_heads(model),
+        left_padding=_left_padding(kwargs.get("attention_mask"), rows),
+        **_fp8_storage(model, session),
+    )
     return generate(*args, **kwargs)
 
 
@@ -111,8 +141,12 @@ def _paged_cache_holds(model) -> bool:
     Gemma 4's per-layer heads and shared layers, hybrid models, MiniMax)."""
     layout = model_layout(model)
     shapes = {(kv.kv_heads, kv.key_dim, kv.value_dim) for kv in layout.attention.values()}
-    return (not layout.states and len(layout.attention) == layout.num_layers and len(shapes) == 1
-            and own_cache_class(model) is None)
+    return (
+        not layout.states
+        and len(layout.attention) == layout.num_layers
+        and len(shapes) == 1
+        and own_cache_class(model) is None
+    )
 
 
 def _read_adapters(model, session) -> str | None:
@@ -156,8 +190,11 @@ def _generate_where_transformers_is_faster(model, generate: Callable, args: tupl
             return generate(*args, **compiled)
         except compat.compile_errors() as error:
             session.static_compile_failure = failure_reason(error)
-            _log.warning("hfaccel: torch.compile could not compile %s's forward (%s); generate() runs it uncompiled",
-                         type(model).__name__, session.static_compile_failure)
+            _log.warning(
+                "hfaccel: torch.compile could not compile %s's forward (%s); generate() runs it uncompiled",
+                type(model).__name__,
+                session.static_compile_failure,
+            )
     if session.static_compile_failure:
         reason += f"; compile=True could not compile ({session.static_compile_failure})"
     session.served_by_transformers_by_choice(reason)
@@ -174,11 +211,19 @@ def _compiled_static_cache(model, args: tuple, kwargs: dict) -> dict | None:
     (SmolLM2-135M fp32): 1.04-1.12x eager transformers at batch 1 to 4, the same text, after a first call that
     compiles (~40 s; docs/benchmarks.md); a new batch size or a request past the cache compiles again."""
     config = kwargs.get("generation_config") or model.generation_config
-    chosen = (compat.given_cache(kwargs), _cache_implementation(model, kwargs), kwargs.get("streamer"),
-              kwargs.get("compile_config", getattr(config, "compile_config", None)))
+    chosen = (
+        compat.given_cache(kwargs),
+        _cache_implementation(model, kwargs),
+        kwargs.get("streamer"),
+        kwargs.get("compile_config", getattr(config, "compile_config", None)),
+    )
     disabled = kwargs.get("disable_compile", getattr(config, "disable_compile", None))
-    if model.hfaccel.compile is not True or model.hfaccel.session.static_compile_failure or disabled \
-            or any(choice is not None for choice in chosen):
+    if (
+        model.hfaccel.compile is not True
+        or model.hfaccel.session.static_compile_failure
+        or disabled
+        or any(choice is not None for choice in chosen)
+    ):
         return None
     compiled = {**kwargs, "cache_implementation": "static", "compile_config": compat.compile_config_on_every_device()}
     shape = request_shape(model, args, kwargs)
@@ -228,8 +273,11 @@ def _assisted_generate(model, generate: Callable, args: tuple, kwargs: dict):
 
     arguments = generate_arguments(model, args, kwargs)
     if isinstance(arguments, str):
-        warnings.warn(f"hfaccel: assisted generation runs on transformers' implementation (batch size 1 only) "
-                      f"because of {arguments}", stacklevel=3)
+        warnings.warn(
+            f"hfaccel: assisted generation runs on transformers' implementation (batch size 1 only) "
+            f"because of {arguments}",
+            stacklevel=3,
+        )
         return generate(*args, **kwargs)
     session = model.hfaccel.session
     runners = None
@@ -261,10 +309,29 @@ def _cache_implementation(model, kwargs: dict) -> str | None:
 
 
 # generate() arguments the speculative route reads (the token-changing options are compat.generation_options())
-_SPECULATIVE_ARGS = {"input_ids", "inputs", "attention_mask", "generation_config", "assistant_model",
-                     "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", "max_new_tokens",
-                     "max_length", "do_sample", "temperature", "top_p", "top_k", "eos_token_id", "pad_token_id",
-                     "stop_strings", "tokenizer", "assistant_tokenizer", "use_cache", "seed"}
+_SPECULATIVE_ARGS = {
+    "input_ids",
+    "inputs",
+    "attention_mask",
+    "generation_config",
+    "assistant_model",
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    "num_assistant_tokens",
+    "max_new_tokens",
+    "max_length",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "eos_token_id",
+    "pad_token_id",
+    "stop_strings",
+    "tokenizer",
+    "assistant_tokenizer",
+    "use_cache",
+    "seed",
+}
 _SPECULATIVE_IMPLEMENTS = frozenset({"stop_strings", "prompt_lookup_num_tokens"})
 
 
@@ -297,13 +364,21 @@ def generate_arguments(model, args: tuple, kwargs: dict) -> dict | str:
     steps = value("prompt_lookup_num_tokens") if ngram else value("num_assistant_tokens")
     max_new = value("max_new_tokens")
     return {
-        "draft_model": assistant, "draft": "ngram" if ngram else "model", "input_ids": input_ids,
+        "draft_model": assistant,
+        "draft": "ngram" if ngram else "model",
+        "input_ids": input_ids,
         "attention_mask": _generate_attention_mask(input_ids, kwargs.get("attention_mask"), config),
-        "num_draft_tokens": int(steps) if steps else 4, "ngram_size": int(value("max_matching_ngram_size") or 2),
+        "num_draft_tokens": int(steps) if steps else 4,
+        "ngram_size": int(value("max_matching_ngram_size") or 2),
         "max_new_tokens": int(max_new) if max_new is not None else int(value("max_length")) - input_ids.shape[1],
-        "do_sample": bool(value("do_sample")), "temperature": float(value("temperature") or 1.0),
-        "top_p": float(value("top_p") or 1.0), "top_k": value("top_k"), "eos_token_id": value("eos_token_id"),
-        "pad_token_id": value("pad_token_id"), "stop_strings": value("stop_strings"), "tokenizer": tokenizer,
+        "do_sample": bool(value("do_sample")),
+        "temperature": float(value("temperature") or 1.0),
+        "top_p": float(value("top_p") or 1.0),
+        "top_k": value("top_k"),
+        "eos_token_id": value("eos_token_id"),
+        "pad_token_id": value("pad_token_id"),
+        "stop_strings": value("stop_strings"),
+        "tokenizer": tokenizer,
         "seed": kwargs.get("seed"),
     }
 

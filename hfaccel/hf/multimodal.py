@@ -11,8 +11,19 @@ from hfaccel.runner.multimodal import PIXEL_INPUTS
 # what a vision encoder reads, or (generate() encodes the pixels before its prefill) has made of it
 ENCODER_INPUTS = PIXEL_INPUTS | {"mm_encoder_outputs"}
 # generate() model inputs of a text prompt (everything else a multimodal model is given is its images' inputs)
-TEXT_INPUTS = frozenset({"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position",
-                         "output_attentions", "output_hidden_states", "return_dict", *compat.CACHE_ARGUMENTS})
+TEXT_INPUTS = frozenset(
+    {
+        "attention_mask",
+        "position_ids",
+        "use_cache",
+        "logits_to_keep",
+        "cache_position",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        *compat.CACHE_ARGUMENTS,
+    }
+)
 
 
 def multimodal_inputs(model, model_kwargs: dict) -> list[str]:
@@ -38,6 +49,8 @@ def carries_images(names: list[str]) -> bool:
 def unsupported_reason(model) -> str | None:
     """Why a multimodal prompt of this model cannot be prefilled into hfaccel's pool, or None."""
     if model.hfaccel.layout is not None and model.hfaccel.layout.hybrid:
-        return "images on a model whose layers keep recurrent state (its prefill through transformers' forward " \
-               "writes K/V only)"
+        return (
+            "images on a model whose layers keep recurrent state (its prefill through transformers' forward "
+            "writes K/V only)"
+        )
     return None

@@ -46,8 +46,10 @@ class EngineTextGenerationPipeline(TextGenerationPipeline):
         config, max_new_tokens = plan
         model_inputs = [self.preprocess(item, **preprocess_params) for item in items]
         prompts = [inputs["input_ids"][0].tolist() for inputs in model_inputs]
-        params = [_sampling_params(config, max_new_tokens or config.max_length - len(p), self.engine.vocab_size)
-                  for p in prompts]
+        params = [
+            _sampling_params(config, max_new_tokens or config.max_length - len(p), self.engine.vocab_size)
+            for p in prompts
+        ]
         outputs = self.engine.generate(prompts, params)
         results = []
         for inputs, prompt, output in zip(model_inputs, prompts, outputs):
@@ -56,8 +58,11 @@ class EngineTextGenerationPipeline(TextGenerationPipeline):
             pad = _pad_id(config)
             longest = max(len(o.token_ids) for o in output.outputs)
             rows = [prompt + o.token_ids + [pad] * (longest - len(o.token_ids)) for o in output.outputs]
-            model_outputs = {"generated_sequence": torch.tensor([rows]), "input_ids": inputs["input_ids"],
-                             "prompt_text": inputs["prompt_text"]}
+            model_outputs = {
+                "generated_sequence": torch.tensor([rows]),
+                "input_ids": inputs["input_ids"],
+                "prompt_text": inputs["prompt_text"],
+            }
             results.append(self.postprocess(model_outputs, **postprocess_params))
         return results[0] if _is_single(text_inputs) else results
 
@@ -81,11 +86,17 @@ def _sampling_params(config, max_new_tokens: int, vocab_size: int) -> SamplingPa
     sampling = bool(config.do_sample)
     top_k = min(config.top_k, vocab_size) if sampling and config.top_k else None  # transformers' top-k clamps too
     return SamplingParams(
-        max_tokens=max(1, int(max_new_tokens)), temperature=float(config.temperature or 1.0) if sampling else 0.0,
-        top_p=float(config.top_p or 1.0) if sampling else 1.0, top_k=top_k,
+        max_tokens=max(1, int(max_new_tokens)),
+        temperature=float(config.temperature or 1.0) if sampling else 0.0,
+        top_p=float(config.top_p or 1.0) if sampling else 1.0,
+        top_k=top_k,
         min_p=float(config.min_p or 0.0) if sampling else 0.0,
-        repetition_penalty=float(config.repetition_penalty or 1.0), n=int(config.num_return_sequences or 1),
-        ignore_eos=True, stop_token_ids=eos, skip_special_tokens=False)
+        repetition_penalty=float(config.repetition_penalty or 1.0),
+        n=int(config.num_return_sequences or 1),
+        ignore_eos=True,
+        stop_token_ids=eos,
+        skip_special_tokens=False,
+    )
 
 
 def _pad_id(config) -> int:
@@ -117,9 +128,16 @@ def _prompt_items(text_inputs):
     return None
 
 
-def pipeline(task: str = "text-generation", model=None, tokenizer=None, *, engine_kwargs: dict | None = None,
-             device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-             **accelerate_kwargs) -> EngineTextGenerationPipeline:
+def pipeline(
+    task: str = "text-generation",
+    model=None,
+    tokenizer=None,
+    *,
+    engine_kwargs: dict | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    **accelerate_kwargs,
+) -> EngineTextGenerationPipeline:
     """A transformers text-generation ``Pipeline`` over ``hfaccel.accelerate(model, **accelerate_kwargs)``.
 
     ``model`` is a loaded causal LM or a model folder / hub id (loaded with ``dtype`` onto ``device``);
@@ -136,7 +154,8 @@ def pipeline(task: str = "text-generation", model=None, tokenizer=None, *, engin
         if device is not None:
             model = model.to(device)
     accelerate(model, **accelerate_kwargs)
-    pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer,
-                                 pipeline_class=EngineTextGenerationPipeline)
+    pipe = transformers.pipeline(
+        "text-generation", model=model, tokenizer=tokenizer, pipeline_class=EngineTextGenerationPipeline
+    )
     pipe.engine_kwargs = dict(engine_kwargs or {})
     return pipe

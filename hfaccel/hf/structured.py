@@ -39,7 +39,6 @@ class StructuredLogitsProcessor(LogitsProcessor):
         masks = [None if row.finished else row for row in self._rows]
         return apply_masks(scores, masks).to(scores.dtype)
 
-
     def _continues(self, input_ids: torch.Tensor) -> bool:
         """Whether ``input_ids`` are the last call's plus one token per row (the same ``generate``'s next step);
         anything else starts a new call. Assisted generation, which scores several tokens at once and rolls back,
@@ -51,9 +50,15 @@ class StructuredLogitsProcessor(LogitsProcessor):
         return torch.equal(seen, input_ids[:, :-1])
 
 
-def structured_logits_processor(tokenizer, *, json: dict | str | None = None, regex: str | None = None,
-                                choice: Sequence[str] | None = None, grammar: str | None = None,
-                                json_object: bool = False) -> StructuredLogitsProcessor:
+def structured_logits_processor(
+    tokenizer,
+    *,
+    json: dict | str | None = None,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    json_object: bool = False,
+) -> StructuredLogitsProcessor:
     """A transformers ``LogitsProcessor`` that constrains ``generate``'s output to exactly one of: a JSON schema
     (``json``), a regex, a ``choice`` of strings, an EBNF ``grammar``, or any JSON object (``json_object=True``):
 
@@ -71,6 +76,8 @@ def refuse_assisted(kwargs: dict) -> None:
     speculative generation (drafts would be scored past the grammar and rolled back under it)."""
     processors = kwargs.get("logits_processor") or ()
     if any(isinstance(processor, StructuredLogitsProcessor) for processor in processors):
-        raise ValueError("hfaccel.structured_logits_processor follows generate()'s tokens one at a time: it cannot "
-                         "be combined with assisted generation (assistant_model=, prompt_lookup_num_tokens=); "
-                         "generate without the assistant, or use the Engine's structured_outputs")
+        raise ValueError(
+            "hfaccel.structured_logits_processor follows generate()'s tokens one at a time: it cannot "
+            "be combined with assisted generation (assistant_model=, prompt_lookup_num_tokens=); "
+            "generate without the assistant, or use the Engine's structured_outputs"
+        )

@@ -81,8 +81,19 @@ def key_floor(pos, window, chunk, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.conste
 
 
 @triton.jit
-def visible_keys(k_pos, q_pos, key_ok, row_ok, n_ok, window, chunk,
-             IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_KEY_MASK: tl.constexpr):
+def visible_keys(
+    k_pos,
+    q_pos,
+    key_ok,
+    row_ok,
+    n_ok,
+    window,
+    chunk,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+):
     """Bool ``[M, N]``: which keys of a block each row may attend (bounds, causal, window, chunk, key mask)."""
     visible = n_ok[None, :] & row_ok[:, None]
     if IS_CAUSAL:
@@ -95,8 +106,9 @@ def visible_keys(k_pos, q_pos, key_ok, row_ok, n_ok, window, chunk,
 
 
 @triton.jit
-def whole_blocks(lo, hi, seen_below, seen_from, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                  HAS_FLOOR: tl.constexpr):
+def whole_blocks(
+    lo, hi, seen_below, seen_from, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_FLOOR: tl.constexpr
+):
     """Split a tile's key range ``[lo, hi)`` (``lo`` a multiple of ``BLOCK_N``) at ``b <= c``: ``[b, c)`` are whole
     ``BLOCK_N`` blocks that every row of the tile sees (key indices below ``seen_below`` under causality, from
     ``seen_from`` on under a window or chunk), so only ``[lo, b)`` and ``[c, hi)`` need masks. Divisions see only
@@ -138,11 +150,33 @@ def load_rows(base, rows, offs_d, stride_d, rows_ok, head_dim, MASK_ROWS: tl.con
 
 
 @triton.jit
-def attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, key_mask_row, stride_ms, window,
-                  chunk, score_scale, softcap_log2,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr,
-                  IEEE_FP32: tl.constexpr):
+def attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    offs_n,
+    k_pos,
+    q_pos,
+    row_ok,
+    n_ok,
+    key_mask_row,
+    stride_ms,
+    window,
+    chunk,
+    score_scale,
+    softcap_log2,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
     """One key block ``k, v [BLOCK_N, BLOCK_D]`` folded into the tile's softmax state. ``MASKED``: the whole
     visibility rule applies; otherwise every row sees every key of the block and only the key mask can hide."""
     if UPCAST:
@@ -153,8 +187,13 @@ def attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, key
     if HAS_KEY_MASK:
         key_ok = tl.load(key_mask_row + offs_n * stride_ms, mask=n_ok, other=0) != 0
     if MASKED:
-        s = tl.where(visible_keys(k_pos, q_pos, key_ok, row_ok, n_ok, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK,
-                              HAS_KEY_MASK), s, float("-inf"))
+        s = tl.where(
+            visible_keys(
+                k_pos, q_pos, key_ok, row_ok, n_ok, window, chunk, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_KEY_MASK
+            ),
+            s,
+            float("-inf"),
+        )
     elif HAS_KEY_MASK:
         s = tl.where(key_ok[None, :], s, float("-inf"))
     m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, MASKED or HAS_KEY_MASK, IEEE_FP32)
@@ -164,8 +203,10 @@ def attend_block(acc, m_i, l_i, q, k, v, offs_n, k_pos, q_pos, row_ok, n_ok, key
 def check_sinks(sinks: torch.Tensor | None, heads_q: int, device: torch.device) -> None:
     """``sinks`` must be one logit per query head on the queries' device (or None)."""
     if sinks is not None and (sinks.shape != (heads_q,) or sinks.device != device or not sinks.is_floating_point()):
-        raise ValueError(f"sinks must be a float tensor of shape ({heads_q},) (one logit per query head) on {device}; "
-                         f"got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+        raise ValueError(
+            f"sinks must be a float tensor of shape ({heads_q},) (one logit per query head) on {device}; "
+            f"got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
 
 
 def sink_logits(sinks: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,15 @@ import triton.language as tl
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.attention_tiles import (
-    attend_block, check_sinks, check_window, fold_sink, key_floor, load_rows, phase_bounds, score_scales, sink_logits,
+    attend_block,
+    check_sinks,
+    check_window,
+    fold_sink,
+    key_floor,
+    load_rows,
+    phase_bounds,
+    score_scales,
+    sink_logits,
     whole_blocks,
 )
 from hfaccel.kernels.runtime import interpreting, resolve_backend, tma_descriptor, tma_supported
@@ -37,12 +45,45 @@ MAX_HEAD_DIM = 512  # Gemma 4's global layers
 
 @triton.jit
 def _flash_range(
-    acc, m_i, l_i, q, q_pos, row_ok, K, V, key_mask_row, batch, kv_head, k_base, v_base,
-    stride_ks, stride_kd, stride_vs, stride_vd, stride_ms,
-    seq_kv, head_dim, kv_offset, window, chunk, start, stop, score_scale, softcap_log2,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    row_ok,
+    K,
+    V,
+    key_mask_row,
+    batch,
+    kv_head,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_kd,
+    stride_vs,
+    stride_vd,
+    stride_ms,
+    seq_kv,
+    head_dim,
+    kv_offset,
+    window,
+    chunk,
+    start,
+    stop,
+    score_scale,
+    softcap_log2,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    TMA: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
 ):
     """Attend the tile's rows to the dense keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``), read
     through TMA descriptors (zeros past the ends) or pointers."""
@@ -57,27 +98,86 @@ def _flash_range(
         else:
             k = load_rows(k_base, offs_n * stride_ks, offs_d, stride_kd, n_ok, head_dim, MASKED, EVEN_D)
             v = load_rows(v_base, offs_n * stride_vs, offs_d, stride_vd, n_ok, head_dim, MASKED, EVEN_D)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, offs_n, kv_offset + offs_n, q_pos, row_ok, n_ok,
-                                      key_mask_row, stride_ms, window, chunk, score_scale, softcap_log2, MASKED,
-                                      IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+        acc, m_i, l_i = attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_n,
+            kv_offset + offs_n,
+            q_pos,
+            row_ok,
+            n_ok,
+            key_mask_row,
+            stride_ms,
+            window,
+            chunk,
+            score_scale,
+            softcap_log2,
+            MASKED,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_SOFTCAP,
+            HAS_KEY_MASK,
+            UPCAST,
+            IEEE_FP32,
+        )
     return acc, m_i, l_i
 
 
 @triton.jit
 def _flash_attention_kernel(
-    Q, K, V, O, KEY_MASK, SINKS,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_mb, stride_ms,
-    num_kv_heads, seq_q, seq_kv, head_dim,
-    q_offset, kv_offset, window, chunk,
-    score_scale, softcap_log2,
+    Q,
+    K,
+    V,
+    O,
+    KEY_MASK,
+    SINKS,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_mb,
+    stride_ms,
+    num_kv_heads,
+    seq_q,
+    seq_kv,
+    head_dim,
+    q_offset,
+    kv_offset,
+    window,
+    chunk,
+    score_scale,
+    softcap_log2,
     GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    TMA: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
 ):
     # One program: BLOCK_M rows of the flattened (query, head-in-group) axis of one (batch, KV head).
     # Row r is query r // GROUP of query head kv_head * GROUP + r % GROUP, so the GROUP query heads
@@ -97,8 +197,13 @@ def _flash_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
 
-    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + head[:, None] * stride_qh + q_idx[:, None] * stride_qs
-              + offs_d[None, :] * stride_qd)
+    q_ptrs = (
+        Q
+        + batch.to(tl.int64) * stride_qb
+        + head[:, None] * stride_qh
+        + q_idx[:, None] * stride_qs
+        + offs_d[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -130,18 +235,58 @@ def _flash_attention_kernel(
     for phase in tl.static_range(3):
         start, stop = phase_bounds(phase, lo, b, c, hi)
         acc, m_i, l_i = _flash_range(
-            acc, m_i, l_i, q, q_pos, row_ok, K, V, key_mask_row, batch, kv_head, k_base, v_base,
-            stride_ks, stride_kd, stride_vs, stride_vd, stride_ms, seq_kv, head_dim, kv_offset, window, chunk,
-            start, stop, score_scale, softcap_log2,
-            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, TMA, IS_CAUSAL, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK,
-            UPCAST, IEEE_FP32)
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            row_ok,
+            K,
+            V,
+            key_mask_row,
+            batch,
+            kv_head,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_kd,
+            stride_vs,
+            stride_vd,
+            stride_ms,
+            seq_kv,
+            head_dim,
+            kv_offset,
+            window,
+            chunk,
+            start,
+            stop,
+            score_scale,
+            softcap_log2,
+            phase != 1,
+            BLOCK_N,
+            BLOCK_D,
+            EVEN_D,
+            TMA,
+            IS_CAUSAL,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_SOFTCAP,
+            HAS_KEY_MASK,
+            UPCAST,
+            IEEE_FP32,
+        )
 
     if HAS_SINKS:
         acc, l_i = fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    o_ptrs = (O + batch.to(tl.int64) * stride_ob + q_idx[:, None] * stride_os + head[:, None] * stride_oh
-              + offs_d[None, :] * stride_od)
+    o_ptrs = (
+        O
+        + batch.to(tl.int64) * stride_ob
+        + q_idx[:, None] * stride_os
+        + head[:, None] * stride_oh
+        + offs_d[None, :] * stride_od
+    )
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -218,23 +363,30 @@ def table_key(head_dim: int, group: int, seq: int, dtype: torch.dtype) -> str:
     return tuning.bucket_key(**bucket_fields(head_dim, group, seq, dtype))
 
 
-def tuned_entry(head_dim: int, group: int, seq: int, dtype: torch.dtype,
-                device: torch.device | str | None) -> dict | None:
+def tuned_entry(
+    head_dim: int, group: int, seq: int, dtype: torch.dtype, device: torch.device | str | None
+) -> dict | None:
     """The GPU's tuned entry for a call: its bucket's, else the measured query length nearest it (same head dim,
     group and dtype); None without one."""
     return tuning.lookup_nearest(OP, device, ("s",), **bucket_fields(head_dim, group, seq, dtype))
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, seq_q: int, group: int,
-                device: torch.device | str | None = None) -> FlashConfig:
+def pick_config(
+    head_dim: int, dtype: torch.dtype, seq_q: int, group: int, device: torch.device | str | None = None
+) -> FlashConfig:
     """The configuration of a call: the GPU's tuned table for long 16-bit calls (:func:`tuned_entry`), else
     :func:`default_config`."""
     rows = seq_q * group
     if rows >= MIN_TUNED_ROWS and dtype != torch.float32:
         entry = tuned_entry(head_dim, group, seq_q, dtype, device)
         if entry is not None:
-            return FlashConfig(entry["block_m"], entry["block_n"], entry["num_warps"], entry["num_stages"],
-                               bool(entry.get("tma", False)))
+            return FlashConfig(
+                entry["block_m"],
+                entry["block_n"],
+                entry["num_warps"],
+                entry["num_stages"],
+                bool(entry.get("tma", False)),
+            )
     return default_config(head_dim, dtype, rows)
 
 
@@ -249,9 +401,17 @@ def sdpa_preferred(head_dim: int, group: int, seq: int, dtype: torch.dtype, devi
     return entry["sdpa_us"] <= entry["us"]
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, causal: bool,
-                  sliding_window: int | None, chunk_size: int | None, softcap: float | None,
-                  sinks: torch.Tensor | None) -> None:
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    sliding_window: int | None,
+    chunk_size: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape {tuple(t.shape)}")
@@ -265,16 +425,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, heads_q, _, head_dim = q.shape
     if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(
-            f"k/v must be [batch={batch}, kv_heads, seq_kv, head_dim={head_dim}]; got {tuple(k.shape)}")
+        raise ValueError(f"k/v must be [batch={batch}, kv_heads, seq_kv, head_dim={head_dim}]; got {tuple(k.shape)}")
     if heads_q % k.shape[1] != 0:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of KV heads ({k.shape[1]})")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}; got {head_dim}")
     if key_mask is not None:
         if key_mask.shape != (batch, k.shape[2]) or key_mask.dtype != torch.bool:
-            raise ValueError(f"key_mask must be a bool tensor of shape {(batch, k.shape[2])}; "
-                             f"got {key_mask.dtype} {tuple(key_mask.shape)}")
+            raise ValueError(
+                f"key_mask must be a bool tensor of shape {(batch, k.shape[2])}; "
+                f"got {key_mask.dtype} {tuple(key_mask.shape)}"
+            )
         if key_mask.device != q.device:
             raise ValueError(f"key_mask must be on {q.device}; got {key_mask.device}")
     check_window(sliding_window, chunk_size, causal)
@@ -309,15 +470,40 @@ def flash_attention(
     _check_inputs(q, k, v, key_mask, causal, sliding_window, chunk_size, softcap, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
-        return flash_attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset,
-                                         kv_offset=kv_offset, key_mask=key_mask, sliding_window=sliding_window,
-                                         chunk_size=chunk_size, softcap=softcap, sinks=sinks)
-    return _launch(q, k, v, scale, causal, int(q_offset), int(kv_offset), key_mask, sliding_window, chunk_size,
-                   softcap, sinks, config)
+        return flash_attention_reference(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            key_mask=key_mask,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
+            softcap=softcap,
+            sinks=sinks,
+        )
+    return _launch(
+        q,
+        k,
+        v,
+        scale,
+        causal,
+        int(q_offset),
+        int(kv_offset),
+        key_mask,
+        sliding_window,
+        chunk_size,
+        softcap,
+        sinks,
+        config,
+    )
 
 
-def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, chunk_size, softcap, sinks,
-            config) -> torch.Tensor:
+def _launch(
+    q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_window, chunk_size, softcap, sinks, config
+) -> torch.Tensor:
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -331,18 +517,42 @@ def _launch(q, k, v, scale, causal, q_offset, kv_offset, key_mask, sliding_windo
     mask_strides = key_mask.stride() if key_mask is not None else (0, 0)
     grid = (triton.cdiv(seq_q * group, cfg.block_m), batch * heads_kv)
     _flash_attention_kernel[grid](
-        q, k_arg, v_arg, out, mask, sink_logits(sinks) if sinks is not None else q,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides,
-        heads_kv, seq_q, seq_kv, head_dim,
-        q_offset, kv_offset, sliding_window or 0, chunk_size or 1,
+        q,
+        k_arg,
+        v_arg,
+        out,
+        mask,
+        sink_logits(sinks) if sinks is not None else q,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *mask_strides,
+        heads_kv,
+        seq_q,
+        seq_kv,
+        head_dim,
+        q_offset,
+        kv_offset,
+        sliding_window or 0,
+        chunk_size or 1,
         *score_scales(scale, softcap),
-        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        TMA=k_arg is not k, IS_CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        TMA=k_arg is not k,
+        IS_CAUSAL=causal,
+        HAS_WINDOW=sliding_window is not None,
         HAS_CHUNK=chunk_size is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_KEY_MASK=key_mask is not None,
+        HAS_SINKS=sinks is not None,
         UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
         IEEE_FP32=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -359,8 +569,17 @@ def _kv_arguments(k: torch.Tensor, v: torch.Tensor, cfg: FlashConfig, block_d: i
 
 
 def visibility_mask(
-    batch: int, seq_q: int, seq_kv: int, *, causal: bool, q_offset: int, kv_offset: int,
-    key_mask: torch.Tensor | None, sliding_window: int | None, device: torch.device, chunk_size: int | None = None,
+    batch: int,
+    seq_q: int,
+    seq_kv: int,
+    *,
+    causal: bool,
+    q_offset: int,
+    kv_offset: int,
+    key_mask: torch.Tensor | None,
+    sliding_window: int | None,
+    device: torch.device,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Bool ``[B, 1, Sq, Skv]``: True where query i may attend key j (the rule the kernel applies)."""
     q_pos = torch.arange(seq_q, device=device)[:, None] + q_offset
@@ -397,7 +616,7 @@ def flash_attention_reference(
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
     if seq_kv == 0:  # no key at all: every query sees nothing and returns zeros
         return q.new_zeros(batch, seq_q, heads_q, head_dim)
     sink = None if sinks is None else sinks.float().view(1, heads_kv, group, 1, 1)
@@ -405,9 +624,18 @@ def flash_attention_reference(
     scores = torch.einsum("bhgqd,bhkd->bhgqk", qf, k.float()) * scale  # [B, Hkv, G, Sq, Skv]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    visible = visibility_mask(batch, seq_q, seq_kv, causal=causal, q_offset=int(q_offset),
-                              kv_offset=int(kv_offset), key_mask=key_mask,
-                              sliding_window=sliding_window, chunk_size=chunk_size, device=q.device)
+    visible = visibility_mask(
+        batch,
+        seq_q,
+        seq_kv,
+        causal=causal,
+        q_offset=int(q_offset),
+        kv_offset=int(kv_offset),
+        key_mask=key_mask,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        device=q.device,
+    )
     scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
     row_max = scores.amax(-1, keepdim=True) if sink is None else torch.maximum(scores.amax(-1, keepdim=True), sink)
     row_max = torch.where(row_max.isinf(), 0.0, row_max)
@@ -426,6 +654,17 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: i
     return flops
 
 
-__all__ = ["FlashConfig", "attention_flops", "candidate_configs", "check_sinks", "check_window", "default_config",
-           "flash_attention", "flash_attention_reference", "pick_config", "sdpa_preferred", "sink_logits",
-           "visibility_mask"]
+__all__ = [
+    "FlashConfig",
+    "attention_flops",
+    "candidate_configs",
+    "check_sinks",
+    "check_window",
+    "default_config",
+    "flash_attention",
+    "flash_attention_reference",
+    "pick_config",
+    "sdpa_preferred",
+    "sink_logits",
+    "visibility_mask",
+]

@@ -40,10 +40,20 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _gemv_kernel(
-    X, W, S, OUT,
-    N, K, group_k, group_n,
-    stride_xm, stride_wk, stride_sk, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X,
+    W,
+    S,
+    OUT,
+    N,
+    K,
+    group_k,
+    group_n,
+    stride_xm,
+    stride_wk,
+    stride_sk,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program: row pid_m of x times BLOCK_N columns; each K tile lies in one K group (BLOCK_K divides group_k, or
     # there is one group), its partial sum scaled by that group's row of scales.
@@ -56,8 +66,9 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + offs_k < K
         x = tl.load(X + pid_m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-        w = tl.load(W + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        w = tl.load(
+            W + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_K, BLOCK_N]
         scale = tl.load(S + (k0 // group_k) * stride_sk + offs_n // group_n, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += tl.sum(x[:, None] * w, 0) * scale
     tl.store(OUT + pid_m * stride_om + offs_n, acc.to(OUT.dtype.element_ty), mask=n_ok)
@@ -65,10 +76,25 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    X, XS, W, S, OUT,
-    M, N, K, group_k, group_n,
-    stride_xm, stride_xsm, stride_wk, stride_sk, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    X,
+    XS,
+    W,
+    S,
+    OUT,
+    M,
+    N,
+    K,
+    group_k,
+    group_n,
+    stride_xm,
+    stride_xsm,
+    stride_wk,
+    stride_sk,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
     W8A8: tl.constexpr,
 ):
     # Program: a [BLOCK_M, BLOCK_N] output tile; each K tile lies in one K group, its product scaled by that group's
@@ -84,10 +110,12 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + offs_k < K
-        x = tl.load(X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(W + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)  # [BLOCK_K, BLOCK_N] fp8
+        x = tl.load(
+            X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            W + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_N] fp8
         group = k0 // group_k
         if W8A8:
             x_scale = tl.load(XS + offs_m * stride_xsm + group, mask=m_ok, other=0.0)  # [BLOCK_M]
@@ -98,8 +126,11 @@ def _gemm_kernel(
             part = tl.dot(x, w.to(x.dtype))
         scale = tl.load(S + group * stride_sk + offs_n // group_n, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += part * scale[None, :]
-    tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        OUT + offs_m[:, None] * stride_om + offs_n[None, :],
+        acc.to(OUT.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,26 +145,29 @@ def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, t
     return quantized, scales
 
 
-def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int,
-                   group_n: int) -> torch.Tensor:
+def w8a8_reference(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int
+) -> torch.Tensor:
     """The ``w8a8`` path in torch: ``x`` quantized by :func:`quantize_activations`, both operands dequantized to
     fp32, the product cast back to ``x``'s dtype."""
     quantized, x_scales = quantize_activations(x, group_k)
     group = min(group_k, x.shape[1])
-    x_dequantized = quantized.float() * x_scales.repeat_interleave(group, 1)[:, :x.shape[1]]
+    x_dequantized = quantized.float() * x_scales.repeat_interleave(group, 1)[:, : x.shape[1]]
     return (x_dequantized @ dequantize(weight, scales, group_k, group_n)).to(x.dtype)
 
 
-def dequantize(weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The weight ``[K, N]`` in ``dtype``: each fp8 value times its group's scale (computed in fp32)."""
     k, n = weight.shape
     expanded = scales.repeat_interleave(group_k, 0)[:k].repeat_interleave(group_n, 1)[:, :n]  # [K, N]
     return (weight.to(torch.float32) * expanded).to(dtype)
 
 
-def fp8_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int,
-                  group_n: int) -> torch.Tensor:
+def fp8_reference(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int
+) -> torch.Tensor:
     """``x [M, K] @ dequant(weight) -> [M, N]`` in torch: the dequantized weight in fp32, the product cast back."""
     return (x.to(torch.float32) @ dequantize(weight, scales, group_k, group_n)).to(x.dtype)
 
@@ -147,8 +181,17 @@ def fp8_kernels_run(device: torch.device | str) -> bool:
     return triton_can_run(device)
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int, *,
-               backend: str = "auto", path: str | None = None, config: Fp8Config | None = None) -> torch.Tensor:
+def fp8_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    group_k: int,
+    group_n: int,
+    *,
+    backend: str = "auto",
+    path: str | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
     """``x: [M, K]`` times the fp8 weight ``[K, N]`` (layout in the module docstring); returns ``[M, N]`` in
     ``x``'s dtype. ``config`` (``hfaccel tune``) or ``path`` (one of :data:`PATHS` with default tiles: tests,
     benchmarks) forces a path; by default ``pick_fp8_config`` decides."""
@@ -157,8 +200,11 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
         return fp8_reference(x, weight, scales, group_k, group_n)
     m, k = x.shape
     n = weight.shape[1]
-    config = config or (_default_config(path, m, k, group_k) if path is not None
-                        else pick_fp8_config(m, n, k, x.dtype, group_k, group_n, x.device))
+    config = config or (
+        _default_config(path, m, k, group_k)
+        if path is not None
+        else pick_fp8_config(m, n, k, x.dtype, group_k, group_n, x.device)
+    )
     if config.path == "w8a8" and x.dtype not in W8A8_DTYPES:
         raise ValueError(f"the w8a8 path takes {W8A8_DTYPES} activations; got {x.dtype}")
     if m == 0:
@@ -167,21 +213,52 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
     if config.path == "dequant":
         return x @ dequantize(weight, scales, group_k, group_n, x.dtype)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    tiles = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
+    tiles = dict(
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages
+    )
     grid_n = triton.cdiv(n, config.block_n)
     if config.path == "gemv":
-        _gemv_kernel[(m, grid_n)](x, weight, scales, out, n, k, group_k, group_n, x.stride(0), weight.stride(0),
-                                  scales.stride(0), out.stride(0), **tiles)
+        _gemv_kernel[(m, grid_n)](
+            x,
+            weight,
+            scales,
+            out,
+            n,
+            k,
+            group_k,
+            group_n,
+            x.stride(0),
+            weight.stride(0),
+            scales.stride(0),
+            out.stride(0),
+            **tiles,
+        )
     else:
         x_scales = scales  # a placeholder pointer: read only by w8a8
         if config.path == "w8a8":
             x, x_scales = quantize_activations(x, group_k)
         f32_dot = out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and interpreting() and not x.is_cuda)
         _gemm_kernel[(triton.cdiv(m, config.block_m), grid_n)](
-            x, x_scales, weight, scales, out, m, n, k, group_k, group_n, x.stride(0), x_scales.stride(0),
-            weight.stride(0), scales.stride(0), out.stride(0), BLOCK_M=config.block_m, F32_DOT=f32_dot,
-            W8A8=config.path == "w8a8", **tiles)
+            x,
+            x_scales,
+            weight,
+            scales,
+            out,
+            m,
+            n,
+            k,
+            group_k,
+            group_n,
+            x.stride(0),
+            x_scales.stride(0),
+            weight.stride(0),
+            scales.stride(0),
+            out.stride(0),
+            BLOCK_M=config.block_m,
+            F32_DOT=f32_dot,
+            W8A8=config.path == "w8a8",
+            **tiles,
+        )
     return out
 
 
@@ -195,8 +272,7 @@ def _default_config(path: str, m: int, k: int, group_k: int) -> Fp8Config:
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[0]:
-        raise ValueError(f"fp8_matmul takes x [M, K] and weight [K, N]; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"fp8_matmul takes x [M, K] and weight [K, N]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"the fp8 weight must be {FP8_DTYPE}; got {weight.dtype}")
     if x.dtype not in ACTIVATION_DTYPES:
@@ -204,5 +280,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k:
     k, n = weight.shape
     groups = (-(-k // group_k), -(-n // group_n))
     if group_k < 1 or group_n < 1 or tuple(scales.shape) != groups or scales.dtype != torch.float32:
-        raise ValueError(f"scales must be fp32 [ceil(K / group_k), ceil(N / group_n)] = {list(groups)} for groups "
-                         f"of {group_k} x {group_n}; got {scales.dtype} {list(scales.shape)}")
+        raise ValueError(
+            f"scales must be fp32 [ceil(K / group_k), ceil(N / group_n)] = {list(groups)} for groups "
+            f"of {group_k} x {group_n}; got {scales.dtype} {list(scales.shape)}"
+        )

@@ -23,7 +23,7 @@ from hfaccel.kernels import tuning
 
 OP = "fp8"
 PATHS = ("gemv", "gemm", "w8a8", "dequant")
-M_BUCKETS = tuple(2 ** i for i in range(13))  # 1 .. 4096
+M_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096
 GEMV_MAX_M = 8  # heuristic: rows of x served by the GEMV (decode and small batches)
 W8A8_MIN_M = 128  # heuristic: from this M on a GPU, fp8 tensor cores (the activations quantized per token)
 DEQUANT_MIN_M = 1024  # heuristic: from this M (off the w8a8 path) the dense matmul of the dequantized weight
@@ -45,8 +45,10 @@ class Fp8Config(tuning.TableConfig):
     def __post_init__(self):
         self.check_tiles(("block_m", "block_n", "block_k", "num_warps"))
         if self.path in ("gemm", "w8a8") and (self.block_m < 16 or self.block_k < min_block_k(self.path)):
-            raise ValueError(f"a {self.path} tile needs block_m >= 16 and block_k >= {min_block_k(self.path)} (the "
-                             f"smallest tensor-core tile); got {self}")
+            raise ValueError(
+                f"a {self.path} tile needs block_m >= 16 and block_k >= {min_block_k(self.path)} (the "
+                f"smallest tensor-core tile); got {self}"
+            )
 
     @property
     def label(self) -> str:
@@ -95,20 +97,27 @@ def fit_config(config: Fp8Config, k: int, group_k: int) -> Fp8Config:
     """``config`` with its K tile inside one group; a ValueError when the path cannot keep a tile that small."""
     block_k = group_block_k(k, group_k, config.block_k)
     if block_k < min_block_k(config.path):
-        raise ValueError(f"fp8 K groups of {group_k} are not a multiple of {min_block_k(config.path)} (the smallest "
-                         f"K tile of the {config.path} path)")
+        raise ValueError(
+            f"fp8 K groups of {group_k} are not a multiple of {min_block_k(config.path)} (the smallest "
+            f"K tile of the {config.path} path)"
+        )
     return replace(config, block_k=block_k)
 
 
 def w8a8_runs(dtype: torch.dtype, device: torch.device | str | None) -> bool:
     """Whether the heuristics may route to ``w8a8``: 16-bit activations on a CUDA GPU with fp8 tensor cores."""
     device = torch.device(device if device is not None else "cpu")
-    return (dtype in W8A8_DTYPES and device.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return (
+        dtype in W8A8_DTYPES
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
 
 
-def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, group_k: int, group_n: int,
-                    device: torch.device | str | None = None) -> Fp8Config:
+def pick_fp8_config(
+    m: int, n: int, k: int, dtype: torch.dtype, group_k: int, group_n: int, device: torch.device | str | None = None
+) -> Fp8Config:
     """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU (or the nearest
     measured M's), else the heuristics (an entry that is malformed or cannot serve the shape warns and is not
     used)."""
@@ -132,8 +141,11 @@ def _tuned_config(entry: tuple, k: int, group_k: int) -> Fp8Config:
 
 @functools.cache
 def _warn_bad_entry(key: str, error: str) -> None:
-    warnings.warn(f"hfaccel: the tuned fp8 entry {key} is unusable ({error}); using the heuristics. "
-                  f"`hfaccel tune --op fp8` rewrites it.", stacklevel=3)
+    warnings.warn(
+        f"hfaccel: the tuned fp8 entry {key} is unusable ({error}); using the heuristics. "
+        f"`hfaccel tune --op fp8` rewrites it.",
+        stacklevel=3,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -154,10 +166,23 @@ def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[
     """The configurations ``hfaccel tune`` measures for a bucket (fitted to the shape, those that fit, no repeats)."""
     found = []
     if m <= 2 * GEMV_MAX_M:
-        found += [Fp8Config("gemv", block_n=n, block_k=bk, num_warps=w, num_stages=1)
-                  for n in (64, 128, 256) for bk in (64, 128) for w in (2, 4)]
-    tiles = [(16, 64, 64), (16, 128, 128), (32, 64, 128), (64, 64, 64), (64, 128, 64), (64, 128, 128),
-             (128, 128, 64), (128, 128, 128), (128, 256, 64)]
+        found += [
+            Fp8Config("gemv", block_n=n, block_k=bk, num_warps=w, num_stages=1)
+            for n in (64, 128, 256)
+            for bk in (64, 128)
+            for w in (2, 4)
+        ]
+    tiles = [
+        (16, 64, 64),
+        (16, 128, 128),
+        (32, 64, 128),
+        (64, 64, 64),
+        (64, 128, 64),
+        (64, 128, 128),
+        (128, 128, 64),
+        (128, 128, 128),
+        (128, 256, 64),
+    ]
     for bm, bn, bk in tiles:
         if bm > 2 * m and bm > 16:
             continue  # a tile mostly padding

@@ -23,7 +23,7 @@ from hfaccel.kernels.runtime import num_sms, resolve_backend
 
 M32 = 0xFFFFFFFF
 START = 0x9E3779B9  # the hash's starting state: with 0, the key of all zeros would hash to 0 (u = 2**-33)
-BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
+BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 BLOCK_V = 1024
 
 
@@ -37,8 +37,14 @@ def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
     return x ^ (x >> 15)
 
 
-def seeded_uniforms(seeds: torch.Tensor | int, counters: torch.Tensor | int, tokens: torch.Tensor | int = 0, *,
-                    streams: torch.Tensor | int = 0, purpose: torch.Tensor | int = 0) -> torch.Tensor:
+def seeded_uniforms(
+    seeds: torch.Tensor | int,
+    counters: torch.Tensor | int,
+    tokens: torch.Tensor | int = 0,
+    *,
+    streams: torch.Tensor | int = 0,
+    purpose: torch.Tensor | int = 0,
+) -> torch.Tensor:
     """U(0, 1) float32 numbers, one per key (seed, stream, purpose, counter, token): int64 tensors or ints that
     broadcast together (at least one a tensor), seeds any int64, the others in [0, 2**32). A counter-based
     generator: the same key gives the same number on any device, in any batch, with no state.
@@ -52,23 +58,30 @@ def seeded_uniforms(seeds: torch.Tensor | int, counters: torch.Tensor | int, tok
     x = _mix32(x ^ purpose)
     x = _mix32(x ^ counters)
     x = _mix32(_mix32(x ^ tokens) ^ x)
-    return ((x.to(torch.float32) + 0.5) * 2.0 ** -32).clamp_max(BELOW_ONE)  # in (0, 1): log1p(-u) finite
+    return ((x.to(torch.float32) + 0.5) * 2.0**-32).clamp_max(BELOW_ONE)  # in (0, 1): log1p(-u) finite
 
 
-def keyed_noise(seeds: torch.Tensor | int, streams: torch.Tensor | int, counters: torch.Tensor, vocab: int,
-                purpose: torch.Tensor | int = 0) -> torch.Tensor:
+def keyed_noise(
+    seeds: torch.Tensor | int,
+    streams: torch.Tensor | int,
+    counters: torch.Tensor,
+    vocab: int,
+    purpose: torch.Tensor | int = 0,
+) -> torch.Tensor:
     """Exp(1) race noise ``[S, vocab]`` (float32, > 0) of ``S`` keyed rows: ``counters [S]`` (int64, on the
     device the noise is made on) and ``seeds``, ``streams``, ``purpose`` (``[S]`` or one int for every row); entry
     ``(s, i)`` is keyed by (seed, stream, purpose, counter, token ``i``) — :func:`seeded_uniforms`."""
     column = lambda key: key[:, None] if isinstance(key, torch.Tensor) else key  # noqa: E731  [S] -> [S, 1]
     tokens = torch.arange(vocab, device=counters.device)  # [V]
-    uniforms = seeded_uniforms(column(seeds), column(counters), tokens, streams=column(streams),
-                               purpose=column(purpose))  # [S, V]
+    uniforms = seeded_uniforms(
+        column(seeds), column(counters), tokens, streams=column(streams), purpose=column(purpose)
+    )  # [S, V]
     return -torch.log1p(-uniforms)  # small numbers, the race's winners, from the finely spaced uniforms near 0
 
 
-def keyed_race_reference(weights: torch.Tensor, seeds: torch.Tensor, streams: torch.Tensor, counters: torch.Tensor,
-                         purpose: torch.Tensor) -> torch.Tensor:
+def keyed_race_reference(
+    weights: torch.Tensor, seeds: torch.Tensor, streams: torch.Tensor, counters: torch.Tensor, purpose: torch.Tensor
+) -> torch.Tensor:
     """``weights [S, V]`` (>= 0, float32) raced against the keyed Exp(1) noise of each row's key (``[S]`` int64
     each) -> the winning token of each row ``[S]`` int64: ``argmax(weights / keyed_noise)``."""
     return (weights / keyed_noise(seeds, streams, counters, weights.shape[-1], purpose)).argmax(-1)
@@ -85,8 +98,20 @@ def _mix32_tl(x):
 
 
 @triton.jit
-def _keyed_race_kernel(weights_ptr, seeds_ptr, streams_ptr, counters_ptr, purpose_ptr, score_ptr, index_ptr, vocab,
-                       stride_row, blocks_per_chunk, START: tl.constexpr, BLOCK: tl.constexpr):
+def _keyed_race_kernel(
+    weights_ptr,
+    seeds_ptr,
+    streams_ptr,
+    counters_ptr,
+    purpose_ptr,
+    score_ptr,
+    index_ptr,
+    vocab,
+    stride_row,
+    blocks_per_chunk,
+    START: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program (row, chunk): the race over the chunk's ``blocks_per_chunk`` blocks of the row's tokens -> its best
     score and the first token with it, at ``[row, chunk]`` of the partials (score -1 where the chunk has no token)."""
     row = tl.program_id(0)
@@ -126,9 +151,16 @@ def race_chunks(rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(max(vocab, 1), BLOCK_V), triton.cdiv(2 * num_sms(device), max(rows, 1))))
 
 
-def keyed_race(weights: torch.Tensor, seeds: torch.Tensor | int, streams: torch.Tensor | int,
-               counters: torch.Tensor, purpose: torch.Tensor | int = 0, *, backend: str = "auto",
-               chunks: int | None = None) -> torch.Tensor:
+def keyed_race(
+    weights: torch.Tensor,
+    seeds: torch.Tensor | int,
+    streams: torch.Tensor | int,
+    counters: torch.Tensor,
+    purpose: torch.Tensor | int = 0,
+    *,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
     """Per row of ``weights [S, V]`` (>= 0, any total, at least one > 0), the token that wins the race against
     Exp(1) noise keyed by (``seeds``, ``streams``, ``purpose``, ``counters``: ``[S]`` int64 tensors or one int for
     every row) -> ``[S]`` int64. Token ``i`` wins with probability ``weights[i] / sum(weights)``; the same key and
@@ -136,9 +168,12 @@ def keyed_race(weights: torch.Tensor, seeds: torch.Tensor | int, streams: torch.
     ``chunks``: the kernel's programs per row (default :func:`race_chunks`); the winner is the same for any."""
     rows, vocab = weights.shape
     # an int key is filled on the device (as_tensor would copy it from the host: a sync, and an error in a capture)
-    keys = [key.to(torch.int64).expand(rows) if isinstance(key, torch.Tensor)
-            else torch.full((rows,), key, dtype=torch.int64, device=weights.device)
-            for key in (seeds, streams, counters, purpose)]  # [S] each
+    keys = [
+        key.to(torch.int64).expand(rows)
+        if isinstance(key, torch.Tensor)
+        else torch.full((rows,), key, dtype=torch.int64, device=weights.device)
+        for key in (seeds, streams, counters, purpose)
+    ]  # [S] each
     weights = weights.float()
     choice = resolve_backend(backend, weights.device) if backend != "auto" or weights.is_cuda else "torch"
     if choice == "torch" or rows == 0:
@@ -149,8 +184,17 @@ def keyed_race(weights: torch.Tensor, seeds: torch.Tensor | int, streams: torch.
     chunks = triton.cdiv(blocks, blocks_per_chunk)  # none empty
     scores = torch.empty(rows, chunks, dtype=torch.float32, device=weights.device)  # [S, C]: each chunk's best
     index = torch.empty(rows, chunks, dtype=torch.int64, device=weights.device)  # [S, C]: its first token
-    _keyed_race_kernel[(rows, chunks)](weights, *(key.contiguous() for key in keys), scores, index, vocab,
-                                       weights.stride(0), blocks_per_chunk, START=START, BLOCK=BLOCK_V)
+    _keyed_race_kernel[(rows, chunks)](
+        weights,
+        *(key.contiguous() for key in keys),
+        scores,
+        index,
+        vocab,
+        weights.stride(0),
+        blocks_per_chunk,
+        START=START,
+        BLOCK=BLOCK_V,
+    )
     if chunks == 1:
         return index[:, 0]
     top = scores.amax(-1, keepdim=True)  # [S, 1]

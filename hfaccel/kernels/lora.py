@@ -60,8 +60,9 @@ def _slots(pool_size: int, slots: Sequence[int] | None) -> list[int]:
     return sorted({int(s) for s in slots if 0 <= int(s) < pool_size})
 
 
-def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor,
-                          slots: Sequence[int] | None = None) -> torch.Tensor:
+def lora_shrink_reference(
+    x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, slots: Sequence[int] | None = None
+) -> torch.Tensor:
     """``x [T, K]``, ``a [S, R, K]``, ``index [T]`` -> ``v [T, R]`` float32, ``v[t] = x[t] @ a[index[t]].T`` (0 where
     ``index[t]`` is not a slot — or, given ``slots``, not one of them). One fp32 matmul per slot, kept per row by a
     mask: no host sync, memory O(T*R)."""
@@ -75,8 +76,9 @@ def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor,
     return v
 
 
-def lora_expand_reference(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
-                          slots: Sequence[int] | None = None) -> torch.Tensor:
+def lora_expand_reference(
+    y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.Tensor, slots: Sequence[int] | None = None
+) -> torch.Tensor:
     """``y [T, N]``, ``v [T, R]``, ``b [S, N, R]``, ``index [T]`` -> a new ``[T, N]`` in ``y``'s dtype:
     ``y[t] + v[t] @ b[index[t]].T`` computed in fp32 and rounded once; rows whose ``index`` is not a slot (given
     ``slots``, not one of them) are ``y``'s rows, bit for bit. No host sync, memory O(T*N)."""
@@ -148,10 +150,23 @@ def _row_slots(INDEX, offs_t, T, S):
 
 @triton.jit
 def _shrink_kernel(
-    X, A, INDEX, V,
-    T, K, R, S, k_per_split,
-    stride_xt, stride_as, stride_ar, stride_vs, stride_vt,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    X,
+    A,
+    INDEX,
+    V,
+    T,
+    K,
+    R,
+    S,
+    k_per_split,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_vs,
+    stride_vt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program: rows [BLOCK_T] x ranks [BLOCK_R] of v over one K-slice (unit strides along K); each row gathers the
     # A rows of its own slot. Rows without a slot load nothing and store 0.
@@ -181,10 +196,22 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    Y, VV, B, INDEX, OUT,
-    T, N, S,
-    stride_yt, stride_vt, stride_bs, stride_ot,
-    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    Y,
+    VV,
+    B,
+    INDEX,
+    OUT,
+    T,
+    N,
+    S,
+    stride_yt,
+    stride_vt,
+    stride_bs,
+    stride_ot,
+    R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # Program: rows [BLOCK_T] x columns [BLOCK_N] of out (unit strides along N for y and out, along R for v and b);
     # each row gathers the B rows of its own slot. Rows without a slot copy y's values unchanged. The pool's rank R
@@ -206,8 +233,9 @@ def _expand_kernel(
             r_ok = tl.full([BLOCK_R], 1, tl.int1)
         else:
             r_ok = rr < R
-        v = tl.load(VV + offs_t[:, None] * stride_vt + rr[None, :], mask=use[:, None] & r_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_R]
+        v = tl.load(VV + offs_t[:, None] * stride_vt + rr[None, :], mask=use[:, None] & r_ok[None, :], other=0.0).to(
+            tl.float32
+        )  # [BLOCK_T, BLOCK_R]
         b = tl.load(b_rows + rr[None, None, :], mask=b_ok & r_ok[None, None, :], other=0.0).to(tl.float32)
         acc += tl.sum(v[:, None, :] * b, axis=2)  # [BLOCK_T, BLOCK_N]
     tile_ok = (offs_t < T)[:, None] & n_ok[None, :]
@@ -218,10 +246,26 @@ def _expand_kernel(
 
 @triton.jit
 def _fused_kernel(
-    X, A, B, Y, INDEX, OUT,
-    K, N, S, n_per_program,
-    stride_xt, stride_as, stride_ar, stride_bs, stride_yt, stride_ot,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    A,
+    B,
+    Y,
+    INDEX,
+    OUT,
+    K,
+    N,
+    S,
+    n_per_program,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_bs,
+    stride_yt,
+    stride_ot,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Program: one row, columns [pid_n * n_per_program, +n_per_program) of out. v = x @ A[slot].T over the whole of K
     # (fp32 products accumulated elementwise, one reduction at the end: every program of the row gets the same v),
@@ -251,8 +295,9 @@ def _fused_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         nn = n0 + offs_n
         n_ok = nn < n_end
-        b = tl.load(B + slot * stride_bs + nn[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        b = tl.load(
+            B + slot * stride_bs + nn[:, None] * R + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_R]
         delta = tl.sum(b * v[None, :], axis=1)  # [BLOCK_N]
         y = tl.load(Y + row * stride_yt + nn, mask=n_ok, other=0.0)
         out = tl.where(nn < tl.where(use, N, 0), (y.to(tl.float32) + delta).to(y.dtype), y)
@@ -337,8 +382,9 @@ def fused_blocks(rows: int, n: int, rank: int, k: int, device: torch.device | st
     return FusedBlocks(block_k, block_n, programs)
 
 
-def _fused_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
-                  cfg: FusedBlocks) -> torch.Tensor:
+def _fused_triton(
+    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, cfg: FusedBlocks
+) -> torch.Tensor:
     """The fused kernel's launch: a new ``[T, N]`` in ``y``'s dtype."""
     (rows, k), n = x.shape, y.shape[1]
     pool, rank = a.shape[0], a.shape[1]
@@ -346,10 +392,29 @@ def _fused_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
     out = torch.empty_like(y)
     n_per_program = triton.cdiv(triton.cdiv(n, cfg.programs_per_row), cfg.block_n) * cfg.block_n
     grid = (rows, triton.cdiv(n, n_per_program))
-    _fused_kernel[grid](x, a, b, y, index, out, k, n, pool, n_per_program,
-                        x.stride(0), a.stride(0), a.stride(1), b.stride(0), y.stride(0), out.stride(0),
-                        R=rank, BLOCK_R=_pow2(rank), BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n,
-                        num_warps=cfg.num_warps)
+    _fused_kernel[grid](
+        x,
+        a,
+        b,
+        y,
+        index,
+        out,
+        k,
+        n,
+        pool,
+        n_per_program,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        y.stride(0),
+        out.stride(0),
+        R=rank,
+        BLOCK_R=_pow2(rank),
+        BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
     return out
 
 
@@ -362,23 +427,57 @@ def _shrink_triton(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, cfg: L
     split = triton.cdiv(k, k_per_split)
     v = torch.empty(split, rows, rank, dtype=torch.float32, device=x.device)  # [split, T, R]
     grid = (triton.cdiv(rows, cfg.block_t), triton.cdiv(rank, cfg.block_out), split)
-    _shrink_kernel[grid](x, a, index, v, rows, k, rank, pool, k_per_split,
-                         x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-                         BLOCK_T=cfg.block_t, BLOCK_R=cfg.block_out, BLOCK_K=cfg.block_red, num_warps=cfg.num_warps)
+    _shrink_kernel[grid](
+        x,
+        a,
+        index,
+        v,
+        rows,
+        k,
+        rank,
+        pool,
+        k_per_split,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        v.stride(0),
+        v.stride(1),
+        BLOCK_T=cfg.block_t,
+        BLOCK_R=cfg.block_out,
+        BLOCK_K=cfg.block_red,
+        num_warps=cfg.num_warps,
+    )
     return v[0] if split == 1 else v.sum(0)
 
 
-def _expand_triton(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
-                   cfg: LoraBlocks) -> torch.Tensor:
+def _expand_triton(
+    y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.Tensor, cfg: LoraBlocks
+) -> torch.Tensor:
     """The expand kernel's launch: a new ``[T, N]`` in ``y``'s dtype."""
     rows, n = y.shape
     pool, rank = b.shape[0], b.shape[2]
     y, v, b, index = y.contiguous(), v.contiguous(), b.contiguous(), index.contiguous()
     out = torch.empty_like(y)
     grid = (triton.cdiv(rows, cfg.block_t), triton.cdiv(n, cfg.block_out))
-    _expand_kernel[grid](y, v, b, index, out, rows, n, pool, y.stride(0), v.stride(0), b.stride(0), out.stride(0),
-                         R=rank, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_out, BLOCK_R=cfg.block_red,
-                         num_warps=cfg.num_warps)
+    _expand_kernel[grid](
+        y,
+        v,
+        b,
+        index,
+        out,
+        rows,
+        n,
+        pool,
+        y.stride(0),
+        v.stride(0),
+        b.stride(0),
+        out.stride(0),
+        R=rank,
+        BLOCK_T=cfg.block_t,
+        BLOCK_N=cfg.block_out,
+        BLOCK_R=cfg.block_red,
+        num_warps=cfg.num_warps,
+    )
     return out
 
 
@@ -390,8 +489,15 @@ def _choose(backend: str, device: torch.device) -> str:
 # ------------------------------------------------------------------------------------------------- public API
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, *, slots: Sequence[int] | None = None,
-                backend: str = "auto", config: LoraBlocks | None = None) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    slots: Sequence[int] | None = None,
+    backend: str = "auto",
+    config: LoraBlocks | None = None,
+) -> torch.Tensor:
     """``x [T, K]`` (fp32/fp16/bf16) through each row's adapter A, ``a [S, R, K]``, by ``index [T]`` (int32/int64
     on x's device; -1 = no adapter) -> ``v [T, R]`` float32: ``x[t] @ a[index[t]].T``, 0 for rows with no adapter;
     fp32 accumulation. ``slots``: the slots that may appear (a host hint the reference loops over; the kernel
@@ -407,9 +513,16 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, *, slots:
     return _shrink_triton(x, a, index, config or shrink_blocks(rows, rank, k, x.device))
 
 
-def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.Tensor, *,
-                slots: Sequence[int] | None = None, backend: str = "auto",
-                config: LoraBlocks | None = None) -> torch.Tensor:
+def lora_expand(
+    y: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    slots: Sequence[int] | None = None,
+    backend: str = "auto",
+    config: LoraBlocks | None = None,
+) -> torch.Tensor:
     """The base output ``y [T, N]`` plus each row's adapter B, ``b [S, N, R]`` (scaling folded in), applied to
     ``v [T, R]`` (float32, :func:`lora_shrink`'s output) by ``index [T]`` -> a new ``[T, N]`` in ``y``'s dtype:
     ``y[t] + v[t] @ b[index[t]].T`` in fp32, rounded once; rows with index -1 are ``y``'s, bit for bit.
@@ -424,9 +537,17 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, index: torch.
     return _expand_triton(y, v, b, index, config or expand_blocks(rows, n, rank, y.device))
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor, *,
-               slots: Sequence[int] | None = None, backend: str = "auto",
-               config: FusedBlocks | None = None) -> torch.Tensor:
+def lora_apply(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    slots: Sequence[int] | None = None,
+    backend: str = "auto",
+    config: FusedBlocks | None = None,
+) -> torch.Tensor:
     """A LoRA layer's whole adapter term: the base output ``y [T, N]`` plus, per row, ``x [T, K]`` through its
     adapter's A (``a [S, R, K]``) and B (``b [S, N, R]``, scaling folded in), by ``index [T]`` (-1: none) -> a new
     ``[T, N]`` in ``y``'s dtype, v in fp32 and the output rounded once; rows with no adapter are ``y``'s, bit for

@@ -27,15 +27,38 @@ from hfaccel.kernels.write_kv import write_kv
 
 
 @torch.library.custom_op("hfaccel::flash_attention", mutates_args=())
-def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                       scale: float, causal: bool, q_offset: int, kv_offset: int, sliding_window: int | None,
-                       chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                       backend: str) -> torch.Tensor:
+def flash_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    q_offset: int,
+    kv_offset: int,
+    sliding_window: int | None,
+    chunk_size: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
     """``q [B, Hq, Sq, D]`` over ``k, v [B, Hkv, Skv, D]`` -> ``[B, Sq, Hq, D]``
     (``hfaccel.kernels.flash_attention``)."""
-    return flash_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset,
-                           key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap,
-                           sinks=sinks, backend=backend).contiguous()
+    return flash_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        key_mask=key_mask,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        softcap=softcap,
+        sinks=sinks,
+        backend=backend,
+    ).contiguous()
 
 
 @flash_attention_op.register_fake
@@ -45,11 +68,24 @@ def _(q, k, v, key_mask, scale, causal, q_offset, kv_offset, sliding_window, chu
 
 
 @torch.library.custom_op("hfaccel::paged_attention", mutates_args=())
-def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
-                       max_seqlen_k: int, scale: float, key_mask: torch.Tensor | None, sliding_window: int | None,
-                       chunk_size: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                       backend: str, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    key_mask: torch.Tensor | None,
+    sliding_window: int | None,
+    chunk_size: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    backend: str,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]`` (an fp8
     pool with its per-head scales ``kv_scales [L, 2, Hkv]``; ``hfaccel.kernels.paged_attention``):
     ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with ``cu_seqlens_q`` (``B`` = 1: the one row holds
@@ -57,29 +93,66 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     graph: inductor's lowering of that select guards on T > 1 for some query layouts (a query straight from its
     projection, no RoPE), giving batch 1 a graph of its own."""
     packed = cu_seqlens_q is not None
-    out = paged_attention(q[0].transpose(0, 1) if packed else q, kv_cache[layer, 0], kv_cache[layer, 1],
-                          block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                          max_seqlen_k=max_seqlen_k, scale=scale, key_mask=key_mask, sliding_window=sliding_window,
-                          chunk_size=chunk_size, softcap=softcap, sinks=sinks, backend=backend,
-                          **_layer_scales(kv_scales, layer))
+    out = paged_attention(
+        q[0].transpose(0, 1) if packed else q,
+        kv_cache[layer, 0],
+        kv_cache[layer, 1],
+        block_tables,
+        seq_lens,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        scale=scale,
+        key_mask=key_mask,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        softcap=softcap,
+        sinks=sinks,
+        backend=backend,
+        **_layer_scales(kv_scales, layer),
+    )
     return (out[None] if packed else out).contiguous()
 
 
 @paged_attention_op.register_fake
-def _(q, kv_cache, layer, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-      sliding_window, chunk_size, softcap, sinks, backend, kv_scales=None):
+def _(
+    q,
+    kv_cache,
+    layer,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    key_mask,
+    sliding_window,
+    chunk_size,
+    softcap,
+    sinks,
+    backend,
+    kv_scales=None,
+):
     batch, heads, seq, head_dim = q.shape
     return q.new_empty(batch, seq, heads, head_dim)
 
 
 @torch.library.custom_op("hfaccel::write_kv", mutates_args=("kv_cache",))
-def write_kv_op(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-                backend: str, kv_scales: torch.Tensor | None = None) -> None:
+def write_kv_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    backend: str,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
     """Store ``k, v [B, S, Hkv, D]`` into layer ``layer`` of the pool ``kv_cache [L, 2, num_blocks, block_size,
     Hkv, D]`` at ``slot_mapping [B, S]`` (an fp8 pool quantized by its per-head scales ``kv_scales [L, 2, Hkv]``;
     ``hfaccel.kernels.write_kv``)."""
-    write_kv(k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, backend=backend,
-             **_layer_scales(kv_scales, layer))
+    write_kv(
+        k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, backend=backend, **_layer_scales(kv_scales, layer)
+    )
 
 
 @write_kv_op.register_fake
@@ -93,8 +166,9 @@ def _layer_scales(kv_scales: torch.Tensor | None, layer: int) -> dict[str, torch
 
 
 @torch.library.custom_op("hfaccel::w4a16_matmul", mutates_args=())
-def w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int, backend: str) -> torch.Tensor:
+def w4a16_matmul_op(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, backend: str
+) -> torch.Tensor:
     """``x [M, K]`` times the int4 weight ``[K, N]`` -> ``[M, N]`` (``hfaccel.kernels.w4a16``)."""
     return w4a16_matmul(x, qweight, scales, zeros, group_size, backend=backend).contiguous()
 
@@ -105,8 +179,9 @@ def _(x, qweight, scales, zeros, group_size, backend):
 
 
 @torch.library.custom_op("hfaccel::fp8_matmul", mutates_args=())
-def fp8_matmul_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int,
-                  backend: str) -> torch.Tensor:
+def fp8_matmul_op(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int, group_n: int, backend: str
+) -> torch.Tensor:
     """``x [M, K]`` times the fp8 weight ``[K, N]`` -> ``[M, N]`` (``hfaccel.kernels.fp8``)."""
     return fp8_matmul(x, weight, scales, group_k, group_n, backend=backend).contiguous()
 
@@ -117,8 +192,15 @@ def _(x, weight, scales, group_k, group_n, backend):
 
 
 @torch.library.custom_op("hfaccel::lora", mutates_args=())
-def lora_op(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
-            slots: list[int] | None, backend: str) -> torch.Tensor:
+def lora_op(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    index: torch.Tensor,
+    slots: list[int] | None,
+    backend: str,
+) -> torch.Tensor:
     """The base output ``y [T, N]`` plus ``x [T, K]`` through each row's adapter, A ``a [S, R, K]`` then B
     ``b [S, N, R]``, by ``index [T]`` (-1: none) -> a new ``[T, N]`` in y's dtype (``hfaccel.kernels.lora.lora_apply``;
     ``slots``: the host hint of the slots that may appear, or None)."""
@@ -131,8 +213,14 @@ def _(x, y, a, b, index, slots, backend):
 
 
 @torch.library.custom_op("hfaccel::keyed_race", mutates_args=())
-def keyed_race_op(weights: torch.Tensor, seeds: torch.Tensor, streams: torch.Tensor, counters: torch.Tensor,
-                  purpose: int, backend: str) -> torch.Tensor:
+def keyed_race_op(
+    weights: torch.Tensor,
+    seeds: torch.Tensor,
+    streams: torch.Tensor,
+    counters: torch.Tensor,
+    purpose: int,
+    backend: str,
+) -> torch.Tensor:
     """Per row of ``weights [S, V]``, the token winning the race against Exp(1) noise keyed by (``seeds``,
     ``streams``, ``purpose``, ``counters``: ``[S]`` int64) -> ``[S]`` int64 (``hfaccel.kernels.keyed_race``)."""
     return keyed_race(weights, seeds, streams, counters, purpose, backend=backend)

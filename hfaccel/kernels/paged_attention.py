@@ -30,8 +30,17 @@ import triton.language as tl
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.attention_tiles import (
-    BATCH_LADDER, attend_block, check_sinks, check_window, fold_sink, key_floor, load_rows, phase_bounds,
-    score_scales, sink_logits, whole_blocks,
+    BATCH_LADDER,
+    attend_block,
+    check_sinks,
+    check_window,
+    fold_sink,
+    key_floor,
+    load_rows,
+    phase_bounds,
+    score_scales,
+    sink_logits,
+    whole_blocks,
 )
 from hfaccel.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, flash_attention_reference
 from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
@@ -61,12 +70,47 @@ def _query_span(CU_SEQLENS_Q, seq_id, uniform_q_len, VARLEN: tl.constexpr):
 
 @triton.jit
 def _paged_range(
-    acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
-    stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_mask_col, head_dim, block_size, window, chunk, key_end, start, stop, score_scale, softcap_log2,
-    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, FP8_KV: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    row_ok,
+    K_POOL,
+    V_POOL,
+    table,
+    key_mask_row,
+    kv_head,
+    stride_bt_col,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_mask_col,
+    head_dim,
+    block_size,
+    window,
+    chunk,
+    key_end,
+    start,
+    stop,
+    score_scale,
+    softcap_log2,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """Attend the tile's rows to the sequence's keys ``[start, stop)`` (``start`` a multiple of ``BLOCK_N``; none at
     or past ``key_end``), gathered from the pool through the block table."""
@@ -81,34 +125,120 @@ def _paged_range(
             block = tl.load(table + (offs_n // block_size) * stride_bt_col)
         block = block.to(tl.int64)
         in_block = offs_n % block_size
-        k = load_rows(K_POOL + kv_head * stride_kh, block * stride_kb + in_block * stride_ks, offs_d, stride_kd,
-                       n_ok, head_dim, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
-        v = load_rows(V_POOL + kv_head * stride_vh, block * stride_vb + in_block * stride_vs, offs_d, stride_vd,
-                       n_ok, head_dim, MASKED, EVEN_D)
+        k = load_rows(
+            K_POOL + kv_head * stride_kh,
+            block * stride_kb + in_block * stride_ks,
+            offs_d,
+            stride_kd,
+            n_ok,
+            head_dim,
+            MASKED,
+            EVEN_D,
+        )  # [BLOCK_N, BLOCK_D]
+        v = load_rows(
+            V_POOL + kv_head * stride_vh,
+            block * stride_vb + in_block * stride_vs,
+            offs_d,
+            stride_vd,
+            n_ok,
+            head_dim,
+            MASKED,
+            EVEN_D,
+        )
         if FP8_KV:  # stored over the head's scales: k's folds into the score scale, v's into the output
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, offs_n, offs_n, q_pos, row_ok, n_ok, key_mask_row,
-                                      stride_mask_col, window, chunk, score_scale, softcap_log2, MASKED, True,
-                                      HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32)
+        acc, m_i, l_i = attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_n,
+            offs_n,
+            q_pos,
+            row_ok,
+            n_ok,
+            key_mask_row,
+            stride_mask_col,
+            window,
+            chunk,
+            score_scale,
+            softcap_log2,
+            MASKED,
+            True,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_SOFTCAP,
+            HAS_KEY_MASK,
+            UPCAST,
+            IEEE_FP32,
+        )
     return acc, m_i, l_i
 
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K_POOL, V_POOL, O, BLOCK_TABLES, SEQ_LENS, CU_SEQLENS_Q, KEY_MASK, SINKS, PART_O, PART_LSE, K_SCALE, V_SCALE,
-    stride_q_seq, stride_qt, stride_qh, stride_qd,
-    stride_o_seq, stride_ot, stride_oh, stride_od,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_bt, stride_bt_col, stride_mask, stride_mask_col,
-    stride_ps, stride_pseq, stride_pt, stride_ph,
-    num_kv_heads, head_dim, block_size, uniform_q_len, window, chunk,
-    score_scale, softcap_log2,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    Q,
+    K_POOL,
+    V_POOL,
+    O,
+    BLOCK_TABLES,
+    SEQ_LENS,
+    CU_SEQLENS_Q,
+    KEY_MASK,
+    SINKS,
+    PART_O,
+    PART_LSE,
+    K_SCALE,
+    V_SCALE,
+    stride_q_seq,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_o_seq,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_bt_col,
+    stride_mask,
+    stride_mask_col,
+    stride_ps,
+    stride_pseq,
+    stride_pt,
+    stride_ph,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    uniform_q_len,
+    window,
+    chunk,
+    score_scale,
+    softcap_log2,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,
 ):
     # Program: BLOCK_M rows of (query, head-in-group) of one (sequence, KV head), one key split.
@@ -130,8 +260,9 @@ def _paged_attention_kernel(
     d_ok = offs_d < head_dim
     q_base = Q + seq_id.to(tl.int64) * stride_q_seq
     q_rows = q_base + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = seq_len - q_len + q_idx
@@ -163,11 +294,48 @@ def _paged_attention_kernel(
     for phase in tl.static_range(3):
         start, stop = phase_bounds(phase, lo, b, c, hi)
         acc, m_i, l_i = _paged_range(
-            acc, m_i, l_i, q, q_pos, row_ok, K_POOL, V_POOL, table, key_mask_row, kv_head,
-            stride_bt_col, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_mask_col, head_dim, block_size, window, chunk, hi, start, stop, score_scale, softcap_log2,
-            phase != 1, BLOCK_N, BLOCK_D, EVEN_D, HAS_WINDOW, HAS_CHUNK, HAS_SOFTCAP, HAS_KEY_MASK, UPCAST, IEEE_FP32,
-            FP8_KV)
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            row_ok,
+            K_POOL,
+            V_POOL,
+            table,
+            key_mask_row,
+            kv_head,
+            stride_bt_col,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            stride_mask_col,
+            head_dim,
+            block_size,
+            window,
+            chunk,
+            hi,
+            start,
+            stop,
+            score_scale,
+            softcap_log2,
+            phase != 1,
+            BLOCK_N,
+            BLOCK_D,
+            EVEN_D,
+            HAS_WINDOW,
+            HAS_CHUNK,
+            HAS_SOFTCAP,
+            HAS_KEY_MASK,
+            UPCAST,
+            IEEE_FP32,
+            FP8_KV,
+        )
 
     if HAS_SINKS and not SPLIT:  # split launches count the sinks where they combine the splits
         acc, l_i = fold_sink(acc, m_i, l_i, SINKS, head, row_ok)
@@ -185,17 +353,32 @@ def _paged_attention_kernel(
     else:
         o_base = O + seq_id.to(tl.int64) * stride_o_seq
         o_rows = o_base + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(o_rows + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(o_rows + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _combine_splits_kernel(
-    O, PART_O, PART_LSE, CU_SEQLENS_Q, SINKS,
-    stride_o_seq, stride_ot, stride_oh, stride_od,
-    stride_ps, stride_pseq, stride_pt, stride_ph,
-    max_q_len, uniform_q_len, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    O,
+    PART_O,
+    PART_LSE,
+    CU_SEQLENS_Q,
+    SINKS,
+    stride_o_seq,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_ps,
+    stride_pseq,
+    stride_pt,
+    stride_ph,
+    max_q_len,
+    uniform_q_len,
+    head_dim,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Program: one (sequence, query) row, one query head; merges every split at once by their log-sum-exps
     # ([BLOCK_S] weights, a [BLOCK_S, BLOCK_D] tile of partials: one pass, a fixed reduction order).
@@ -299,8 +482,9 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int:
 def bucket_fields(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: torch.dtype) -> dict:
     """The tuned table's bucket of a decode launch: head dim, query heads per KV head, batch and context buckets,
     dtype (in key order)."""
-    return dict(d=head_dim, g=group, b=_bucket(batch, BATCH_BUCKETS), ctx=_bucket(max_seqlen_k, CONTEXT_BUCKETS),
-                dtype=dtype)
+    return dict(
+        d=head_dim, g=group, b=_bucket(batch, BATCH_BUCKETS), ctx=_bucket(max_seqlen_k, CONTEXT_BUCKETS), dtype=dtype
+    )
 
 
 def table_key(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: torch.dtype) -> str:
@@ -308,8 +492,17 @@ def table_key(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: t
     return tuning.bucket_key(**bucket_fields(head_dim, group, batch, max_seqlen_k, dtype))
 
 
-def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device | str, config: PagedConfig | None = None) -> PagedConfig:
+def plan_launch(
+    num_seqs: int,
+    heads_kv: int,
+    group: int,
+    max_q: int,
+    max_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    config: PagedConfig | None = None,
+) -> PagedConfig:
     """The configuration a launch runs with, its split count resolved: ``config`` (whose ``num_splits`` 0 means
     chosen), else the GPU's tuned table for 16-bit decode (one query per sequence; the measured bucket nearest
     the launch's, e.g. the longest context measured for a captured step sized for ``max_model_len``), else the
@@ -321,46 +514,74 @@ def plan_launch(num_seqs: int, heads_kv: int, group: int, max_q: int, max_k: int
         if max_q == 1 and dtype != torch.float32:
             entry = tuning.lookup_nearest(OP, device, NEAREST, **bucket_fields(head_dim, group, num_seqs, max_k, dtype))
         if entry is not None:
-            config = PagedConfig(config.block_m, entry["block_n"], entry["num_warps"], entry["num_stages"],
-                                 entry["num_splits"])
+            config = PagedConfig(
+                config.block_m, entry["block_n"], entry["num_warps"], entry["num_stages"], entry["num_splits"]
+            )
     if config.num_splits:
         return config
     programs = num_seqs * heads_kv * triton.cdiv(rows, config.block_m)
     return replace(config, num_splits=choose_num_splits(programs, max_k, config.block_n, num_sms(device)))
 
 
-def _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, chunk_size, softcap,
-           sinks, k_scale, v_scale):
+def _check(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    key_mask,
+    sliding_window,
+    chunk_size,
+    softcap,
+    sinks,
+    k_scale,
+    v_scale,
+):
     packed = cu_seqlens_q is not None
     if q.dim() != (3 if packed else 4):
-        raise ValueError("q must be [batch, heads, seq, head_dim] (dense) or [tokens, heads, head_dim] with "
-                         f"cu_seqlens_q (packed); got shape {tuple(q.shape)} "
-                         f"{'with' if packed else 'without'} cu_seqlens_q")
+        raise ValueError(
+            "q must be [batch, heads, seq, head_dim] (dense) or [tokens, heads, head_dim] with "
+            f"cu_seqlens_q (packed); got shape {tuple(q.shape)} "
+            f"{'with' if packed else 'without'} cu_seqlens_q"
+        )
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool and v_pool must both be [num_blocks, block_size, kv_heads, head_dim]; got "
-                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+        raise ValueError(
+            f"k_pool and v_pool must both be [num_blocks, block_size, kv_heads, head_dim]; got "
+            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
     heads_q, head_dim = (q.shape[1], q.shape[-1])
     if k_pool.shape[3] != head_dim or heads_q % k_pool.shape[2] != 0:
-        raise ValueError(f"q has {heads_q} heads of dim {head_dim}; the pool has {k_pool.shape[2]} KV heads of dim "
-                         f"{k_pool.shape[3]} (query heads must be a multiple of KV heads, dims equal)")
+        raise ValueError(
+            f"q has {heads_q} heads of dim {head_dim}; the pool has {k_pool.shape[2]} KV heads of dim "
+            f"{k_pool.shape[3]} (query heads must be a multiple of KV heads, dims equal)"
+        )
     quantized = k_pool.dtype in KV_QUANT_DTYPES
-    if (head_dim > MAX_HEAD_DIM or q.dtype not in SUPPORTED_DTYPES or k_pool.dtype != v_pool.dtype
-            or not (quantized or q.dtype == k_pool.dtype)):
-        raise ValueError(f"q and the pools must share one of {SUPPORTED_DTYPES} (or the pools be one of "
-                         f"{KV_QUANT_DTYPES}, with scales) with head_dim <= {MAX_HEAD_DIM}; got "
-                         f"{q.dtype}/{k_pool.dtype}/{v_pool.dtype}, head_dim {head_dim}")
+    if (
+        head_dim > MAX_HEAD_DIM
+        or q.dtype not in SUPPORTED_DTYPES
+        or k_pool.dtype != v_pool.dtype
+        or not (quantized or q.dtype == k_pool.dtype)
+    ):
+        raise ValueError(
+            f"q and the pools must share one of {SUPPORTED_DTYPES} (or the pools be one of "
+            f"{KV_QUANT_DTYPES}, with scales) with head_dim <= {MAX_HEAD_DIM}; got "
+            f"{q.dtype}/{k_pool.dtype}/{v_pool.dtype}, head_dim {head_dim}"
+        )
     check_kv_scales(k_pool, k_scale, v_scale, q.dtype)
     num_seqs = len(cu_seqlens_q) - 1 if packed else q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_blocks]; got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be int32 [{num_seqs}, max_blocks]; got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [{num_seqs}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if packed and cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"cu_seqlens_q must be int32; got {cu_seqlens_q.dtype}")
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.dim() != 2 or key_mask.shape[0] != num_seqs):
-        raise ValueError(f"key_mask must be bool [{num_seqs}, max_seq_len]; got {key_mask.dtype} "
-                         f"{tuple(key_mask.shape)}")
+        raise ValueError(
+            f"key_mask must be bool [{num_seqs}, max_seq_len]; got {key_mask.dtype} {tuple(key_mask.shape)}"
+        )
     check_window(sliding_window, chunk_size)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive float or None; got {softcap}")
@@ -400,20 +621,83 @@ def paged_attention(
     ``k_scale, v_scale [Hkv]`` (``hfaccel.kernels.write_kv``): the kernel reads it as stored. Where Triton cannot
     run (the CPU), the ``torch`` backend serves the whole batch in a few tensor ops (:func:`paged_attention_torch`).
     """
-    _check(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, key_mask, sliding_window, chunk_size, softcap,
-           sinks, k_scale, v_scale)
+    _check(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        key_mask,
+        sliding_window,
+        chunk_size,
+        softcap,
+        sinks,
+        k_scale,
+        v_scale,
+    )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if resolve_backend(backend, q.device) == "torch":
-        return paged_attention_torch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q=cu_seqlens_q,
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-                                     key_mask=key_mask, sliding_window=sliding_window, chunk_size=chunk_size,
-                                     softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    return _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-                   key_mask, sliding_window, chunk_size, softcap, sinks, num_splits, config, k_scale, v_scale)
+        return paged_attention_torch(
+            q,
+            k_pool,
+            v_pool,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            scale=scale,
+            key_mask=key_mask,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
+            softcap=softcap,
+            sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+    return _launch(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        key_mask,
+        sliding_window,
+        chunk_size,
+        softcap,
+        sinks,
+        num_splits,
+        config,
+        k_scale,
+        v_scale,
+    )
 
 
-def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, key_mask,
-            sliding_window, chunk_size, softcap, sinks, num_splits, config, k_scale, v_scale):
+def _launch(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    key_mask,
+    sliding_window,
+    chunk_size,
+    softcap,
+    sinks,
+    num_splits,
+    config,
+    k_scale,
+    v_scale,
+):
     packed = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[1], q.shape[-1]
     heads_kv = k_pool.shape[2]
@@ -448,27 +732,72 @@ def _launch(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, max_seqlen_
     sink_arg = sink_logits(sinks) if sinks is not None else seq_lens  # a placeholder pointer when there are none
     block_d = max(16, triton.next_power_of_2(head_dim))
     score_scale, softcap_log2 = score_scales(scale, softcap)
-    flags = dict(VARLEN=packed, HAS_WINDOW=sliding_window is not None, HAS_CHUNK=chunk_size is not None,
-                 HAS_SOFTCAP=softcap is not None,
-                 HAS_KEY_MASK=key_mask is not None, HAS_SINKS=sinks is not None, SPLIT=split,
-                 UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
-                 IEEE_FP32=q.dtype == torch.float32, FP8_KV=k_scale is not None)
+    flags = dict(
+        VARLEN=packed,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_CHUNK=chunk_size is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_KEY_MASK=key_mask is not None,
+        HAS_SINKS=sinks is not None,
+        SPLIT=split,
+        UPCAST=q.dtype == torch.bfloat16 and interpreting() and not q.is_cuda,
+        IEEE_FP32=q.dtype == torch.float32,
+        FP8_KV=k_scale is not None,
+    )
     grid = (triton.cdiv(max_q * group, cfg.block_m), num_seqs * heads_kv, num_splits)
     _paged_attention_kernel[grid](
-        q, k_pool, v_pool, out, block_tables, seq_lens, cu_seqlens_q if packed else seq_lens, mask, sink_arg,
-        part_o, part_lse, *((k_scale, v_scale) if k_scale is not None else (seq_lens, seq_lens)),
-        *q_strides, *o_strides, *k_pool.stride(), *v_pool.stride(), *block_tables.stride(),
-        *(mask.stride() if key_mask is not None else (0, 0)), *part_strides,
-        heads_kv, head_dim, k_pool.shape[1], max_q, sliding_window or 0, chunk_size or 1,
-        score_scale, softcap_log2,
-        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        q,
+        k_pool,
+        v_pool,
+        out,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q if packed else seq_lens,
+        mask,
+        sink_arg,
+        part_o,
+        part_lse,
+        *((k_scale, v_scale) if k_scale is not None else (seq_lens, seq_lens)),
+        *q_strides,
+        *o_strides,
+        *k_pool.stride(),
+        *v_pool.stride(),
+        *block_tables.stride(),
+        *(mask.stride() if key_mask is not None else (0, 0)),
+        *part_strides,
+        heads_kv,
+        head_dim,
+        k_pool.shape[1],
+        max_q,
+        sliding_window or 0,
+        chunk_size or 1,
+        score_scale,
+        softcap_log2,
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **flags,
     )
     if split:
         _combine_splits_kernel[(num_seqs * max_q, heads_q)](
-            out, part_o, part_lse, cu_seqlens_q if packed else seq_lens, sink_arg, *o_strides, *part_strides,
-            max_q, max_q, head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim), VARLEN=packed,
+            out,
+            part_o,
+            part_lse,
+            cu_seqlens_q if packed else seq_lens,
+            sink_arg,
+            *o_strides,
+            *part_strides,
+            max_q,
+            max_q,
+            head_dim,
+            num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            VARLEN=packed,
             HAS_SINKS=sinks is not None,
             num_warps=combine_warps(num_splits, head_dim),
         )
@@ -504,8 +833,21 @@ def paged_attention_torch(
     no layout at all. An fp8 pool's gathered keys and values are dequantized by ``k_scale, v_scale``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (k_pool, v_pool, block_tables, seq_lens, max_seqlen_k, scale, key_mask, sliding_window, chunk_size, softcap,
-            sinks, k_scale, v_scale)
+    args = (
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        max_seqlen_k,
+        scale,
+        key_mask,
+        sliding_window,
+        chunk_size,
+        softcap,
+        sinks,
+        k_scale,
+        v_scale,
+    )
     if cu_seqlens_q is None:
         return _dense_torch(q, None, *args)
     num_seqs = len(cu_seqlens_q) - 1
@@ -520,11 +862,23 @@ def paged_attention_torch(
     return _dense_torch(padded.transpose(1, 2), q_lens, *args)[owner, row]  # [S, Q, Hq, D] -> [T, Hq, D]
 
 
-def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int | None, scale: float,
-                 key_mask: torch.Tensor | None, sliding_window: int | None, chunk_size: int | None,
-                 softcap: float | None, sinks: torch.Tensor | None, k_scale: torch.Tensor | None,
-                 v_scale: torch.Tensor | None) -> torch.Tensor:
+def _dense_torch(
+    q: torch.Tensor,
+    q_lens: torch.Tensor | None,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_k: int | None,
+    scale: float,
+    key_mask: torch.Tensor | None,
+    sliding_window: int | None,
+    chunk_size: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
     """Queries ``q [S, Hq, Q, D]`` (sequence ``s``'s first ``q_lens[s]`` rows real, all ``Q`` if None) over the
     pool -> ``[S, Q, Hq, D]``."""
     num_seqs, heads_q, num_q, head_dim = q.shape
@@ -539,16 +893,18 @@ def _dense_torch(q: torch.Tensor, q_lens: torch.Tensor | None, k_pool: torch.Ten
     keys, values = (_gather_blocks(pool, blocks) for pool in (k_pool, v_pool))  # [S, Hkv, L, D]
     out_dtype = q.dtype
     if k_scale is not None:  # an fp8 pool: [S, Hkv, L, D] dequantized, the math in fp32 as the kernel does it
-        keys, values = (dequantize_kv(t.transpose(1, 2), s, torch.float32).transpose(1, 2)
-                        for t, s in ((keys, k_scale), (values, v_scale)))
+        keys, values = (
+            dequantize_kv(t.transpose(1, 2), s, torch.float32).transpose(1, 2)
+            for t, s in ((keys, k_scale), (values, v_scale))
+        )
         q = q.float()
-    visible = _visibility(seq_lens, num_q if q_lens is None else q_lens, num_q, keys.shape[2], key_mask,
-                          sliding_window, chunk_size)  # [S, Q, L]
+    visible = _visibility(
+        seq_lens, num_q if q_lens is None else q_lens, num_q, keys.shape[2], key_mask, sliding_window, chunk_size
+    )  # [S, Q, L]
     rows = q.reshape(num_seqs, heads_kv, group * num_q, head_dim)  # [S, Hkv, G * Q, D]: a KV head's query rows
     row_visible = visible[:, None, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # [S, 1, G * Q, L]
     if softcap is None and sinks is None:
-        out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=row_visible,
-                                                               scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=row_visible, scale=scale)
         # a row that sees no key is zeros, as the kernel gives (CUDA's memory-efficient SDPA averages the values)
         out = torch.where(row_visible.any(-1, keepdim=True), out, 0.0)
     else:
@@ -566,8 +922,15 @@ def _gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return gathered.view(num_seqs, width * block_size, heads_kv, head_dim).transpose(1, 2)
 
 
-def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, num_keys: int,
-                key_mask: torch.Tensor | None, sliding_window: int | None, chunk_size: int | None) -> torch.Tensor:
+def _visibility(
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor | int,
+    num_q: int,
+    num_keys: int,
+    key_mask: torch.Tensor | None,
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> torch.Tensor:
     """Bool ``[S, Q, L]``: query row ``i`` of sequence ``s`` (at position ``seq_lens[s] - q_lens[s] + i``) sees
     key ``j``: causal, within the window and the chunk, not hidden by ``key_mask``. Keys past a sequence's length sit
     after its last query, so the causal rule hides them; rows past ``q_lens[s]`` are padding, discarded by the
@@ -587,8 +950,15 @@ def _visibility(seq_lens: torch.Tensor, q_lens: torch.Tensor | int, num_q: int, 
     return visible
 
 
-def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-                        softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def _explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """Attention with ``softcap * tanh(scores / softcap)`` logits or sink logits (which SDPA cannot apply), in fp32:
     ``q [S, H, R, D]`` over ``k, v [S, H, L, D]`` with ``visible [S, 1, R, L]`` and ``sinks [1, H, R]`` ->
     ``[S, H, R, D]`` (zeros where a row sees no key)."""
@@ -599,7 +969,7 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visib
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:  # one more logit per row, attached to no value
         scores = torch.cat([scores, sinks[..., None].expand(*scores.shape[:-1], 1)], -1)
-    probs = scores.softmax(-1)[..., :visible.shape[-1]].masked_fill(hidden, 0.0)  # no NaN rows
+    probs = scores.softmax(-1)[..., : visible.shape[-1]].masked_fill(hidden, 0.0)  # no NaN rows
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
@@ -635,18 +1005,29 @@ def paged_attention_reference(
         k_pool, v_pool = dequantize_kv(k_pool, k_scale, q.dtype), dequantize_kv(v_pool, v_scale, q.dtype)
     lens = seq_lens.tolist()
     if cu_seqlens_q is None:
-        queries = [q[s:s + 1] for s in range(q.shape[0])]  # [1, Hq, Sq, D] each
+        queries = [q[s : s + 1] for s in range(q.shape[0])]  # [1, Hq, Sq, D] each
     else:
         bounds = cu_seqlens_q.tolist()
         queries = [q[a:b].transpose(0, 1).unsqueeze(0) for a, b in zip(bounds, bounds[1:])]
     outs = []
     for s, query in enumerate(queries):
         k, v = gather_kv(k_pool, v_pool, block_tables[s], lens[s])
-        mask = None if key_mask is None else key_mask[s:s + 1, :lens[s]]
-        outs.append(flash_attention_reference(query, k[None], v[None], scale=scale, causal=True,
-                                              q_offset=lens[s] - query.shape[2], key_mask=mask,
-                                              sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap,
-                                              sinks=sinks))
+        mask = None if key_mask is None else key_mask[s : s + 1, : lens[s]]
+        outs.append(
+            flash_attention_reference(
+                query,
+                k[None],
+                v[None],
+                scale=scale,
+                causal=True,
+                q_offset=lens[s] - query.shape[2],
+                key_mask=mask,
+                sliding_window=sliding_window,
+                chunk_size=chunk_size,
+                softcap=softcap,
+                sinks=sinks,
+            )
+        )
     if cu_seqlens_q is None:
         return torch.cat(outs) if outs else q.new_empty(0, q.shape[2], q.shape[1], q.shape[3])
     return torch.cat([o[0] for o in outs]) if outs else q.new_empty(0, q.shape[1], q.shape[2])

@@ -62,8 +62,7 @@ def tma_descriptor(t: torch.Tensor, block_shape: list[int]):
     tensor's ends return zeros — or None where TMA cannot read ``t``: its last dim not contiguous, its base or a
     stride not 16-byte aligned, or an empty dim."""
     size = t.element_size()
-    if (t.stride(-1) != 1 or t.data_ptr() % 16 or 0 in t.shape
-            or any(stride * size % 16 for stride in t.stride()[:-1])):
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or 0 in t.shape or any(stride * size % 16 for stride in t.stride()[:-1]):
         return None
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))
 

@@ -107,11 +107,17 @@ def load_table(gpu: str) -> dict[str, OpEntries]:
             raise ValueError(f"the entries of op(s) {bad} must be an object of bucket -> config")
         return {op: OpEntries(entries) for op, entries in ops.items()}
     except FileNotFoundError:
-        warnings.warn(f"hfaccel: no tuned kernel table for {gpu} ({path.name}); kernels use their heuristics. "
-                      f"`hfaccel tune` measures this GPU and writes one.", stacklevel=2)
+        warnings.warn(
+            f"hfaccel: no tuned kernel table for {gpu} ({path.name}); kernels use their heuristics. "
+            f"`hfaccel tune` measures this GPU and writes one.",
+            stacklevel=2,
+        )
     except (OSError, ValueError, KeyError, TypeError) as error:  # json.JSONDecodeError is a ValueError
-        warnings.warn(f"hfaccel: the tuned kernel table {path} is unreadable ({error!r}); kernels use their "
-                      f"heuristics. `hfaccel tune` rewrites it.", stacklevel=2)
+        warnings.warn(
+            f"hfaccel: the tuned kernel table {path} is unreadable ({error!r}); kernels use their "
+            f"heuristics. `hfaccel tune` rewrites it.",
+            stacklevel=2,
+        )
     return {}
 
 
@@ -174,7 +180,7 @@ def _parse_key(key: str, names: list[str]) -> dict[str, str] | None:
     parts = key.split("_")
     if len(parts) != len(names) or not all(part.startswith(name) for part, name in zip(parts, names)):
         return None
-    return {name: part[len(name):] for part, name in zip(parts, names)}
+    return {name: part[len(name) :] for part, name in zip(parts, names)}
 
 
 def _positive_int(text: str) -> int | None:

@@ -80,10 +80,24 @@ def _load_group_row(PTR, group, stride_g, offs_n, n_ok):
 
 @triton.jit
 def _gemv_kernel(
-    X, QW, SCALES, ZEROS, OUT,
-    N, K, group_size, k_per_split,
-    stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    X,
+    QW,
+    SCALES,
+    ZEROS,
+    OUT,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_os,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     # Program: row pid_m of x times BLOCK_N columns over one K-slice (unit strides along K for x, along N for
     # the rest). Each thread owns whole K-tiles of its columns: products are summed in its registers.
@@ -102,8 +116,9 @@ def _gemv_kernel(
     x_row = X + pid_m * stride_xm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        words = tl.load(QW + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :],
-                        mask=n_ok[None, :], other=0)  # [ROWS, BLOCK_N]: rows k0 + 8r .. k0 + 8r + 7
+        words = tl.load(
+            QW + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :], mask=n_ok[None, :], other=0
+        )  # [ROWS, BLOCK_N]: rows k0 + 8r .. k0 + 8r + 7
         group = k0 // group_size  # the whole tile: BLOCK_K divides group_size
         zeros = _load_group_row(ZEROS, group, stride_zg, offs_4, n_ok)
         tile = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
@@ -130,11 +145,28 @@ def _dot(x, w, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(
-    X, QW, SCALES, ZEROS, OUT,
-    M, N, K, group_size, k_per_split,
-    stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    SCALE_AFTER: tl.constexpr, F32_DOT: tl.constexpr,
+    X,
+    QW,
+    SCALES,
+    ZEROS,
+    OUT,
+    M,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_os,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
     # Program: a [BLOCK_M, BLOCK_N] output tile over one K-slice (unit strides along K for x, along N for
     # the rest); programs that share weight tiles (same pid_n) are adjacent in launch order.
@@ -153,13 +185,15 @@ def _gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = tl.load(X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
-        words = tl.load(QW + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :],
-                        mask=n_ok[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+        words = tl.load(
+            QW + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :], mask=n_ok[None, :], other=0
+        )  # [BLOCK_K / 8, BLOCK_N]
         group = k0 // group_size  # the whole tile: BLOCK_K divides group_size
         zeros = _load_group_row(ZEROS, group, stride_zg, offs_n, n_ok)
         scales = _load_group_row(SCALES, group, stride_sg, offs_n, n_ok)
-        q = tl.reshape(_q_minus_z(words[:, None, :], nibble, zeros[None, None, :]),
-                       (BLOCK_K, BLOCK_N))  # [BLOCK_K, BLOCK_N]: row 8r + j from nibble j of word row r, exact
+        q = tl.reshape(
+            _q_minus_z(words[:, None, :], nibble, zeros[None, None, :]), (BLOCK_K, BLOCK_N)
+        )  # [BLOCK_K, BLOCK_N]: row 8r + j from nibble j of word row r, exact
         if SCALE_AFTER:
             acc += _dot(x, q, F32_DOT) * scales[None, :]
         else:
@@ -186,10 +220,18 @@ def _sum_splits_kernel(PARTIAL, OUT, numel, splits, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dequantize_kernel(
-    QW, SCALES, ZEROS, W,
-    N, group_size,
-    stride_qk, stride_sg, stride_zg, stride_wk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QW,
+    SCALES,
+    ZEROS,
+    W,
+    N,
+    group_size,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_wk,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Program: rows [k0, k0 + BLOCK_K) x BLOCK_N columns of W = (q - z) * s, in W's dtype.
     k0 = tl.program_id(0) * BLOCK_K
@@ -202,8 +244,11 @@ def _dequantize_kernel(
     scales = _load_group_row(SCALES, group, stride_sg, offs_n, n_ok)
     for j in tl.static_range(8):
         w = _q_minus_z(words, j, zeros[None, :]) * scales[None, :]
-        tl.store(W + (k0 + offs_r * 8 + j)[:, None] * stride_wk + offs_n[None, :], w.to(W.dtype.element_ty),
-                 mask=n_ok[None, :])
+        tl.store(
+            W + (k0 + offs_r * 8 + j)[:, None] * stride_wk + offs_n[None, :],
+            w.to(W.dtype.element_ty),
+            mask=n_ok[None, :],
+        )
 
 
 def _check(x, qweight, scales, zeros, group_size):
@@ -213,8 +258,9 @@ def _check(x, qweight, scales, zeros, group_size):
         raise ValueError(f"x must be 2-D [M, K]; got shape {tuple(x.shape)}")
     k = x.shape[1]
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or qweight.shape[0] * 8 != k:
-        raise ValueError(f"qweight must be int32 [K/8={k // 8}, N] for K={k}; got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}")
+        raise ValueError(
+            f"qweight must be int32 [K/8={k // 8}, N] for K={k}; got {qweight.dtype} {tuple(qweight.shape)}"
+        )
     if group_size < 8 or group_size % 8 or k % group_size:
         raise ValueError(f"group_size must be a multiple of 8 that divides K={k}; got {group_size}")
     expected = (k // group_size, qweight.shape[1])
@@ -225,8 +271,16 @@ def _check(x, qweight, scales, zeros, group_size):
         raise ValueError("x, qweight, scales and zeros must be on one device")
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, *, backend: str = "auto", config: W4A16Config | None = None) -> torch.Tensor:
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    *,
+    backend: str = "auto",
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
     """``x: [M, K]`` times the int4 weight ``[K, N]`` (layout in the module docstring); returns ``[M, N]``.
 
     ``config`` forces a path and its tiles (``hfaccel tune``, benchmarks, tests; fitted to the shape); by default
@@ -239,16 +293,20 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     n = qweight.shape[1]
     if m == 0:
         return x.new_empty(0, n)
-    cfg = (fit_config(config, m, n, k, group_size) if config is not None
-           else pick_w4a16_config(m, n, k, x.dtype, group_size, x.device))
+    cfg = (
+        fit_config(config, m, n, k, group_size)
+        if config is not None
+        else pick_w4a16_config(m, n, k, x.dtype, group_size, x.device)
+    )
     x, qweight, scales, zeros = (t.contiguous() for t in (x, qweight, scales, zeros))
     if cfg.path == "dequant":
         return x @ dequantize_weight(qweight, scales, zeros, group_size, x.dtype, cfg)
     return _tiled(x, qweight, scales, zeros, group_size, cfg)
 
 
-def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-           cfg: W4A16Config) -> torch.Tensor:
+def _tiled(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, cfg: W4A16Config
+) -> torch.Tensor:
     """The gemv or gemm path; with ``split_k > 1`` their fp32 partials, then their ordered sum."""
     m, k = x.shape
     n = qweight.shape[1]
@@ -259,14 +317,36 @@ def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0), out.stride(1))
     if cfg.path == "gemv":
         _gemv_kernel[(m, triton.cdiv(n, cfg.block_n), split)](
-            *args, n, k, group_size, k_per_split, *strides, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            *args,
+            n,
+            k,
+            group_size,
+            k_per_split,
+            *strides,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SPLIT=split > 1,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     else:
         _gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)](
-            *args, m, n, k, group_size, k_per_split, *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, SPLIT=split > 1, SCALE_AFTER=cfg.block_m < cfg.block_k,
+            *args,
+            m,
+            n,
+            k,
+            group_size,
+            k_per_split,
+            *strides,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SPLIT=split > 1,
+            SCALE_AFTER=cfg.block_m < cfg.block_k,
             F32_DOT=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting() and not x.is_cuda),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return out[0] if split == 1 else _sum_splits(out, x.dtype)
 
 
@@ -278,16 +358,34 @@ def _sum_splits(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                      dtype: torch.dtype, config: W4A16Config | None = None) -> torch.Tensor:
+def dequantize_weight(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
     """The ``[K, N]`` weight in ``dtype`` (each element ``(q - z) * s`` rounded once), by the Triton kernel of the
     ``dequant`` path (tiles from ``config``, default 64 x 128)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     cfg = fit_config(config or W4A16Config("dequant", block_n=128, block_k=64), 1, n, k, group_size)
     w = torch.empty(k, n, device=qweight.device, dtype=dtype)
     _dequantize_kernel[(k // cfg.block_k, triton.cdiv(n, cfg.block_n))](
-        qweight, scales, zeros, w, n, group_size, qweight.stride(0), scales.stride(0), zeros.stride(0), w.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        qweight,
+        scales,
+        zeros,
+        w,
+        n,
+        group_size,
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0),
+        w.stride(0),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
     return w
 
 
@@ -306,8 +404,9 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return (q - z) * s
 
 
-def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+def w4a16_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """Pure-torch definition of :func:`w4a16_matmul`: dequantize, then an fp32 matmul."""
     return (x.float() @ dequantize(qweight, scales, zeros, group_size)).to(x.dtype)
 
@@ -364,4 +463,4 @@ def int4pack_matmul(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:
     ``x``'s dtype; computed in bf16 (x rounded to bf16, fp32 accumulation inside the kernel)."""
     rows = x.to(INT4PACK_DTYPE).contiguous()  # [M, K]: the kernel takes contiguous rows only
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, pack.weight, pack.group_size, pack.scales_and_zeros)
-    return out[:, :pack.out_features].to(x.dtype)  # [M, N_pad] -> [M, N]
+    return out[:, : pack.out_features].to(x.dtype)  # [M, N_pad] -> [M, N]

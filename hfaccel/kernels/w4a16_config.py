@@ -27,7 +27,7 @@ from hfaccel.kernels import tuning
 
 OP = "w4a16"
 PATHS = ("gemv", "gemm", "dequant")
-M_BUCKETS = tuple(2 ** i for i in range(13))  # 1 .. 4096: M is rounded up to one of these (and capped)
+M_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096: M is rounded up to one of these (and capped)
 DEQUANT_MIN_M = 1024  # heuristic: from this M on, dequantize + cuBLAS beats the fused GEMM on an H100
 GEMV_THREADS_COLUMNS = 128  # a GEMV warp covers 128 columns: 32 threads x 4 words (one 128-bit load each)
 H100_SMS = 132
@@ -53,16 +53,19 @@ class W4A16Config(tuning.TableConfig):
         if not isinstance(self.split_k, int) or self.split_k < 1:
             raise ValueError(f"split_k must be an int >= 1; got {self.split_k!r}")
         if self.block_k < 8 or (self.path == "gemm" and (self.block_k < 16 or self.block_m < 16)):
-            raise ValueError(f"block_k must be >= 8 (>= 16 with block_m >= 16 for gemm, the smallest tensor-core "
-                             f"tile); got {self}")
+            raise ValueError(
+                f"block_k must be >= 8 (>= 16 with block_m >= 16 for gemm, the smallest tensor-core tile); got {self}"
+            )
 
     @property
     def label(self) -> str:
         """Short form for tables and logs: ``gemv 1x256x128 split 8, 2 warps, 1 stage``."""
         if self.path == "dequant":
             return "dequant + cuBLAS"
-        return (f"{self.path} {self.block_m if self.path == 'gemm' else 1}x{self.block_n}x{self.block_k} "
-                f"split {self.split_k}, {self.num_warps} warps, {self.num_stages} stages")
+        return (
+            f"{self.path} {self.block_m if self.path == 'gemm' else 1}x{self.block_n}x{self.block_k} "
+            f"split {self.split_k}, {self.num_warps} warps, {self.num_stages} stages"
+        )
 
 
 def bucket_m(m: int) -> int:
@@ -90,13 +93,15 @@ def fit_config(config: W4A16Config, m: int, n: int, k: int, group_size: int) -> 
     Raises ``ValueError`` when the path cannot serve the shape (a gemm needs K-tiles of >= 16 rows)."""
     block_k = min(config.block_k, group_block_k(group_size))
     if config.path == "gemm" and block_k < 16:
-        raise ValueError(f"a gemm needs K-tiles of >= 16 rows inside one group; group_size={group_size} allows "
-                         f"{block_k}")
+        raise ValueError(
+            f"a gemm needs K-tiles of >= 16 rows inside one group; group_size={group_size} allows {block_k}"
+        )
     return replace(config, block_k=max(block_k, 8), split_k=max(1, min(config.split_k, k // block_k)))
 
 
-def pick_w4a16_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int,
-                      device: torch.device | str | None = None) -> W4A16Config:
+def pick_w4a16_config(
+    m: int, n: int, k: int, dtype: torch.dtype, group_size: int, device: torch.device | str | None = None
+) -> W4A16Config:
     """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU, else for the
     measured M nearest it (same N, K, group size and dtype), else the heuristics (a table entry that is malformed
     or cannot serve the shape warns and is not used)."""
@@ -117,8 +122,11 @@ def _tuned_config(entry: tuple, m: int, n: int, k: int, group_size: int) -> W4A1
 
 @functools.cache
 def _warn_bad_entry(key: str, error: str) -> None:
-    warnings.warn(f"hfaccel: the tuned w4a16 entry {key} is unusable ({error}); using the heuristics. "
-                  f"`hfaccel tune --op w4a16` rewrites it.", stacklevel=3)
+    warnings.warn(
+        f"hfaccel: the tuned w4a16 entry {key} is unusable ({error}); using the heuristics. "
+        f"`hfaccel tune --op w4a16` rewrites it.",
+        stacklevel=3,
+    )
 
 
 def sm_count(device: torch.device | str | None) -> int:
@@ -135,8 +143,7 @@ def _cuda_sm_count(index: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def heuristic_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int,
-                     sms: int = H100_SMS) -> W4A16Config:
+def heuristic_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int, sms: int = H100_SMS) -> W4A16Config:
     """The configuration without a tuned entry, sized for an H100 (``sms`` streaming multiprocessors).
 
     - M = 1 (or groups too small for a tensor-core K-tile, up to M = 16): the GEMV, 256 columns per program
@@ -198,6 +205,9 @@ def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, group_size: in
                             found.append(W4A16Config("gemm", block_m, block_n, 64, split, warps, 3))
     if m >= 64 or tile_k < 16:
         found.append(W4A16Config("dequant", block_n=128, block_k=64))
-    fitted = [fit_config(cfg, m, n, k, group_size) for cfg in found
-              if not (cfg.path == "gemm" and min(cfg.block_k, tile_k) < 16)]
+    fitted = [
+        fit_config(cfg, m, n, k, group_size)
+        for cfg in found
+        if not (cfg.path == "gemm" and min(cfg.block_k, tile_k) < 16)
+    ]
     return list(dict.fromkeys(fitted))

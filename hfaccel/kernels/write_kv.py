@@ -22,14 +22,39 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: e4m3's largest finite val
 
 @triton.jit
 def _write_kv_kernel(
-    K, V, K_POOL, V_POOL, SLOTS, K_SCALE, V_SCALE,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_pkb, stride_pks, stride_pkh, stride_pkd,
-    stride_pvb, stride_pvs, stride_pvh, stride_pvd,
-    stride_sb, stride_ss,
-    seq, num_heads, head_dim, block_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZE: tl.constexpr, QMAX: tl.constexpr,
+    K,
+    V,
+    K_POOL,
+    V_POOL,
+    SLOTS,
+    K_SCALE,
+    V_SCALE,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_pkb,
+    stride_pks,
+    stride_pkh,
+    stride_pkd,
+    stride_pvb,
+    stride_pvs,
+    stride_pvh,
+    stride_pvd,
+    stride_sb,
+    stride_ss,
+    seq,
+    num_heads,
+    head_dim,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     # One program: one token, all its KV heads, K and V together ([BLOCK_H, BLOCK_D] tiles).
     token = tl.program_id(0)
@@ -55,40 +80,51 @@ def _write_kv_kernel(
 
 def _check(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale) -> None:
     if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [batch, seq, kv_heads, head_dim]; got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must both be [batch, seq, kv_heads, head_dim]; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool and v_pool must both be [num_blocks, block_size, kv_heads, head_dim]; got "
-                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+        raise ValueError(
+            f"k_pool and v_pool must both be [num_blocks, block_size, kv_heads, head_dim]; got "
+            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
     if k.shape[2:] != k_pool.shape[2:]:
-        raise ValueError(f"new keys have (kv_heads, head_dim) {tuple(k.shape[2:])} but the pool holds "
-                         f"{tuple(k_pool.shape[2:])}")
+        raise ValueError(
+            f"new keys have (kv_heads, head_dim) {tuple(k.shape[2:])} but the pool holds {tuple(k_pool.shape[2:])}"
+        )
     if slot_mapping.shape != k.shape[:2] or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be an int32/int64 tensor of shape {tuple(k.shape[:2])}; got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be an int32/int64 tensor of shape {tuple(k.shape[:2])}; got "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if k.dtype != v.dtype or k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"k and v, and the two pools, must share a dtype; got {k.dtype}, {v.dtype}, {k_pool.dtype}, "
-                         f"{v_pool.dtype}")
+        raise ValueError(
+            f"k and v, and the two pools, must share a dtype; got {k.dtype}, {v.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+        )
     check_kv_scales(k_pool, k_scale, v_scale, k.dtype)
     if len({k.device, v.device, k_pool.device, v_pool.device, slot_mapping.device}) != 1:
         raise ValueError("k, v, the pools and slot_mapping must be on one device")
 
 
-def check_kv_scales(pool: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                    dtype: torch.dtype) -> None:
+def check_kv_scales(
+    pool: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, dtype: torch.dtype
+) -> None:
     """A pool of one of :data:`KV_QUANT_DTYPES` takes fp32 ``k_scale, v_scale [Hkv]`` on its device and values of any
     16/32-bit float ``dtype``; any other pool takes no scales and values of its own dtype."""
     if pool.dtype not in KV_QUANT_DTYPES:
         if k_scale is not None or v_scale is not None or dtype != pool.dtype:
-            raise ValueError(f"a {pool.dtype} pool holds {pool.dtype} keys and values, without scales; got "
-                             f"{dtype}{' with scales' if k_scale is not None or v_scale is not None else ''}")
+            raise ValueError(
+                f"a {pool.dtype} pool holds {pool.dtype} keys and values, without scales; got "
+                f"{dtype}{' with scales' if k_scale is not None or v_scale is not None else ''}"
+            )
         return
     heads = pool.shape[2]
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None or scale.shape != (heads,) or scale.dtype != torch.float32 or scale.device != pool.device:
             got = "None" if scale is None else f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
-            raise ValueError(f"a {pool.dtype} pool needs {name}: fp32 [{heads}] (one per KV head) on {pool.device}; "
-                             f"got {got}")
+            raise ValueError(
+                f"a {pool.dtype} pool needs {name}: fp32 [{heads}] (one per KV head) on {pool.device}; got {got}"
+            )
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"keys and values for a {pool.dtype} pool are fp16, bf16 or fp32; got {dtype}")
 
@@ -103,9 +139,17 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (x.float() * scale[:, None]).to(dtype)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor, *, backend: str = "auto", k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """Store ``k, v: [B, S, Hkv, D]`` into ``k_pool, v_pool`` at ``slot_mapping: [B, S]`` (in place); an fp8 pool
     with its per-head ``k_scale, v_scale [Hkv]`` (module docstring)."""
     _check(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale)
@@ -120,11 +164,26 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
         return
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     _write_kv_kernel[(batch * seq,)](
-        k, v, k_pool, v_pool, slot_mapping,
+        k,
+        v,
+        k_pool,
+        v_pool,
+        slot_mapping,
         *((k_scale, v_scale) if quantize else (slot_mapping, slot_mapping)),  # placeholders when not quantizing
-        *k.stride(), *v.stride(), *k_pool.stride(), *v_pool.stride(), *slot_mapping.stride(),
-        seq, heads, head_dim, k_pool.shape[1],
-        BLOCK_H=block_h, BLOCK_D=block_d, QUANTIZE=quantize, QMAX=FP8_MAX, num_warps=write_kv_warps(block_h * block_d),
+        *k.stride(),
+        *v.stride(),
+        *k_pool.stride(),
+        *v_pool.stride(),
+        *slot_mapping.stride(),
+        seq,
+        heads,
+        head_dim,
+        k_pool.shape[1],
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        QUANTIZE=quantize,
+        QMAX=FP8_MAX,
+        num_warps=write_kv_warps(block_h * block_d),
     )
 
 
@@ -133,8 +192,9 @@ def write_kv_warps(tile: int) -> int:
     return max(1, min(8, tile // 256))
 
 
-def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+def write_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Pure-torch definition of :func:`write_kv`: rows with slot -1 are skipped. On the CPU the kept rows are
     selected by a mask (nothing waits for it, and it is the fewest ops); elsewhere :func:`write_kv_on_device`."""
     if slot_mapping.device.type != "cpu":
@@ -147,8 +207,9 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v
     v_pool.view(-1, heads, head_dim)[slots[keep]] = v.reshape(-1, heads, head_dim)[keep]
 
 
-def write_kv_on_device(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+def write_kv_on_device(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """:func:`write_kv_reference` with no host read, for a device the host would wait for (the ``torch`` backend's
     decode steps on a GPU, captured in CUDA graphs: a mask's selection waits for its count, and fails a capture).
     A row with slot -1 writes the same slot and value as the first kept row — a duplicate that changes nothing —

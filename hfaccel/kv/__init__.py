@@ -8,6 +8,23 @@ from hfaccel.kv.layout import ModelLayout, kv_dims, local_kv_heads, model_layout
 from hfaccel.kv.paged_cache import PagedCache
 from hfaccel.kv.pool import KVPool, PackedStep, token_metadata
 
-__all__ = ["BlockCopy", "BlockManager", "CacheFullError", "DeviceBlockTables", "KVPool", "ModelLayout", "PackedStep",
-           "PagedCache", "PagedKV", "PoolCache", "PromptCache", "SequenceKVCache", "kv_dims", "local_kv_heads",
-           "model_layout", "paged_reader_backend", "slot_mapping", "token_metadata"]
+__all__ = [
+    "BlockCopy",
+    "BlockManager",
+    "CacheFullError",
+    "DeviceBlockTables",
+    "KVPool",
+    "ModelLayout",
+    "PackedStep",
+    "PagedCache",
+    "PagedKV",
+    "PoolCache",
+    "PromptCache",
+    "SequenceKVCache",
+    "kv_dims",
+    "local_kv_heads",
+    "model_layout",
+    "paged_reader_backend",
+    "slot_mapping",
+    "token_metadata",
+]

@@ -37,8 +37,9 @@ from typing import Hashable, Sequence
 import torch
 
 
-def slot_mapping(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+def slot_mapping(
+    block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Pool slot (int64) of token ``positions`` of the sequences whose block tables are ``block_tables[rows]``.
 
     ``block_tables [S, W]``; ``rows`` and ``positions`` are index tensors of one (broadcastable) shape, e.g.
@@ -73,14 +74,15 @@ class BlockCopy:
 class BlockManager:
     """Allocates pool blocks to sequences: on demand, ref-counted, with fork, crop and prefix sharing."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 state_slots: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks} and {block_size}")
         if state_slots < 0 or state_slots and enable_prefix_caching:
-            raise ValueError(f"state_slots must be >= 0 and excludes prefix caching (a recurrent state cannot be "
-                             f"shared by prefix); got state_slots={state_slots}, "
-                             f"enable_prefix_caching={enable_prefix_caching}")
+            raise ValueError(
+                f"state_slots must be >= 0 and excludes prefix caching (a recurrent state cannot be "
+                f"shared by prefix); got state_slots={state_slots}, "
+                f"enable_prefix_caching={enable_prefix_caching}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -107,10 +109,21 @@ class BlockManager:
 
     def stats(self) -> dict[str, int | str]:
         """Blocks now (total, used, free), whether prefix caching is on, and state slots where the model keeps state."""
-        prefix = "on" if self.enable_prefix_caching else (
-            "off (the model's layers keep recurrent state, which is not kept per block)" if self.state_slots else "off")
-        stats = {"blocks_total": self.num_blocks, "blocks_used": self.num_used_blocks,
-                 "blocks_free": self.num_free_blocks, "prefix_caching": prefix}
+        prefix = (
+            "on"
+            if self.enable_prefix_caching
+            else (
+                "off (the model's layers keep recurrent state, which is not kept per block)"
+                if self.state_slots
+                else "off"
+            )
+        )
+        stats = {
+            "blocks_total": self.num_blocks,
+            "blocks_used": self.num_used_blocks,
+            "blocks_free": self.num_free_blocks,
+            "prefix_caching": prefix,
+        }
         if self.state_slots:  # a hybrid model: one slot of recurrent state per running sequence
             stats.update(state_slots=self.state_slots, state_slots_free=self.num_free_state_slots)
         return stats
@@ -176,9 +189,16 @@ class BlockManager:
         return total - sum(1 for block, count in holders.items() if count > 1 and self.ref_counts[block] == count)
 
     # ----------------------------------------------------------------------------------------- changes
-    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None, computed: bool = True, salt: Hashable = None,
-                     least_hit: int = 0) -> int:
+    def add_sequence(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        computed: bool = True,
+        salt: Hashable = None,
+        least_hit: int = 0,
+    ) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
         Give ``token_ids`` (enables prefix sharing) or just ``num_tokens``. Blocks for the whole prompt are
@@ -200,9 +220,11 @@ class BlockManager:
         needed = self.blocks_needed(length) - len(hits)
         reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         if needed > self.num_free_blocks - reusable_free:
-            raise CacheFullError(f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
-                                 f"slots; the pool has {self.num_free_blocks - reusable_free} "
-                                 f"(of {self.num_blocks})")
+            raise CacheFullError(
+                f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
+                f"slots; the pool has {self.num_free_blocks - reusable_free} "
+                f"(of {self.num_blocks})"
+            )
         self._check_state_slot()
         seq = _Sequence(tokens=[] if tokens is not None else None, epoch=next(self._epochs), salt=salt)
         for block in hits:
@@ -218,8 +240,9 @@ class BlockManager:
         self._take_state_slot(seq_id)
         return len(hits) * self.block_size
 
-    def append(self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None, *,
-               computed: bool = True) -> list[BlockCopy]:
+    def append(
+        self, seq_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None, *, computed: bool = True
+    ) -> list[BlockCopy]:
         """Grow a sequence by ``num_tokens`` slots; returns the block copies to perform first (copy-on-write).
 
         ``computed=False``: the new tokens' K/V are written later (``mark_computed``). Raises
@@ -232,8 +255,10 @@ class BlockManager:
             raise ValueError(f"got {len(token_ids)} token ids for {num_tokens} tokens")
         needed = self.blocks_to_append(seq, num_tokens)
         if needed > self.num_free_blocks:
-            raise CacheFullError(f"appending {num_tokens} tokens to a sequence of {seq.length} needs {needed} "
-                                 f"free blocks; the pool has {self.num_free_blocks} (of {self.num_blocks})")
+            raise CacheFullError(
+                f"appending {num_tokens} tokens to a sequence of {seq.length} needs {needed} "
+                f"free blocks; the pool has {self.num_free_blocks} (of {self.num_blocks})"
+            )
         copies = []
         if num_tokens and seq.length % self.block_size:  # the new tokens start inside the last block
             if self.ref_counts[seq.blocks[-1]] > 1:
@@ -261,9 +286,15 @@ class BlockManager:
         self._check_state_slot()
         for block in parent.blocks:
             self._ref(block)
-        self._seqs[child_id] = _Sequence(list(parent.blocks), parent.length,
-                                         None if parent.tokens is None else list(parent.tokens),
-                                         list(parent.hashes), parent.computed, next(self._epochs), parent.salt)
+        self._seqs[child_id] = _Sequence(
+            list(parent.blocks),
+            parent.length,
+            None if parent.tokens is None else list(parent.tokens),
+            list(parent.hashes),
+            parent.computed,
+            next(self._epochs),
+            parent.salt,
+        )
         if self._take_state_slot(child_id) is not None:
             self._state_copies.append(BlockCopy(self._state_of[parent_id], self._state_of[child_id]))
 
@@ -273,8 +304,10 @@ class BlockManager:
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot crop a sequence of {seq.length} tokens to {length}")
         if self.state_slots and length != seq.length:
-            raise ValueError(f"sequence {seq_id!r} keeps recurrent state, which cannot be rolled back: it cannot be "
-                             f"cropped from {seq.length} to {length} tokens")
+            raise ValueError(
+                f"sequence {seq_id!r} keeps recurrent state, which cannot be rolled back: it cannot be "
+                f"cropped from {seq.length} to {length} tokens"
+            )
         keep = self.blocks_needed(length)
         if keep < len(seq.blocks):
             seq.epoch = next(self._epochs)
@@ -283,7 +316,7 @@ class BlockManager:
         del seq.blocks[keep:]
         seq.length = length
         seq.computed = min(seq.computed, length)
-        del seq.hashes[length // self.block_size:]
+        del seq.hashes[length // self.block_size :]
         if seq.tokens is not None:
             del seq.tokens[length:]
 
@@ -294,8 +327,10 @@ class BlockManager:
         if seq.tokens is None:
             return
         if not seq.computed <= position < len(seq.tokens):
-            raise ValueError(f"token {position} of a sequence of {len(seq.tokens)} tokens, {seq.computed} of them "
-                             f"computed, cannot be set (only tokens not yet computed can)")
+            raise ValueError(
+                f"token {position} of a sequence of {len(seq.tokens)} tokens, {seq.computed} of them "
+                f"computed, cannot be set (only tokens not yet computed can)"
+            )
         seq.tokens[position] = token
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
@@ -382,7 +417,7 @@ class BlockManager:
         if tokens is None:
             return hits, hashes
         for start in range(0, len(tokens) - self.block_size, self.block_size):
-            key = (parent, tuple(tokens[start:start + self.block_size]))
+            key = (parent, tuple(tokens[start : start + self.block_size]))
             block = self._hash_to_block.get(hash(key))
             if block is None or self._block_key.get(block) != key:
                 break
@@ -395,7 +430,7 @@ class BlockManager:
         size = self.block_size
         while len(seq.hashes) < min(len(seq.tokens), seq.length, seq.computed) // size:
             index = len(seq.hashes)
-            key = (seq.hashes[-1] if seq.hashes else seq.salt, tuple(seq.tokens[index * size:(index + 1) * size]))
+            key = (seq.hashes[-1] if seq.hashes else seq.salt, tuple(seq.tokens[index * size : (index + 1) * size]))
             block, digest = seq.blocks[index], hash(key)
             if digest not in self._hash_to_block and block not in self._block_key:
                 self._hash_to_block[digest] = block

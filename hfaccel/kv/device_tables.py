@@ -28,8 +28,9 @@ class DeviceBlockTables:
         self._synced: dict[Hashable, tuple[int, int]] = {}  # sequence -> (table epoch, blocks on the device)
         self._free_rows = list(range(len(self.table) - 1, -1, -1))
 
-    def upload(self, seq_ids: Sequence[Hashable], ends: Sequence[int], columns: Sequence[Sequence[int]],
-               size: int) -> torch.Tensor:
+    def upload(
+        self, seq_ids: Sequence[Hashable], ends: Sequence[int], columns: Sequence[Sequence[int]], size: int
+    ) -> torch.Tensor:
         """The sequences' tables brought up to date on the device, and ``columns`` (host values, one per sequence:
         e.g. each sequence's start and token count) put there with them, in one non-blocking copy, for a step of
         ``size >= len(seq_ids)`` rows.
@@ -61,8 +62,10 @@ class DeviceBlockTables:
             raise ValueError(f"sequence {seq_id!r} holds {manager.seq_len(seq_id)} slots; a step needs {end}")
         blocks, epoch = manager.block_table(seq_id), manager.table_epoch(seq_id)
         if len(blocks) > self.width:
-            raise ValueError(f"a sequence of {len(blocks)} blocks exceeds the decode steps' tables of {self.width} "
-                             f"blocks (max_model_len)")
+            raise ValueError(
+                f"a sequence of {len(blocks)} blocks exceeds the decode steps' tables of {self.width} "
+                f"blocks (max_model_len)"
+            )
         row = self._row.get(seq_id)
         if row is None:
             row = self._row[seq_id] = self._take_row()
@@ -84,6 +87,6 @@ class DeviceBlockTables:
         if not self._free_rows:
             old = self.table
             self.table = torch.zeros(2 * len(old), self.width, dtype=old.dtype, device=self.device)
-            self.table[:len(old)] = old
+            self.table[: len(old)] = old
             self._free_rows = list(range(len(self.table) - 1, len(old) - 1, -1))
         return self._free_rows.pop()

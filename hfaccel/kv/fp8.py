@@ -35,11 +35,14 @@ def resolve_kv_cache_dtype(value: str | torch.dtype | None, device: torch.device
         return None
     dtype = KV_CACHE_DTYPES.get(value, value) if isinstance(value, str) else value
     if dtype not in (None, torch.float8_e4m3fn):
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)} or torch.float8_e4m3fn; got "
-                         f"{value!r}")
+        raise ValueError(
+            f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)} or torch.float8_e4m3fn; got {value!r}"
+        )
     if dtype is not None and device.type == "cuda" and not fp8_kernels_run(device):
-        raise ValueError(f"kv_cache_dtype={value!r}: this GPU ({torch.cuda.get_device_name(device)}) cannot convert "
-                         "fp8 (sm_89 or later: Ada, Hopper, Blackwell); use kv_cache_dtype='auto'")
+        raise ValueError(
+            f"kv_cache_dtype={value!r}: this GPU ({torch.cuda.get_device_name(device)}) cannot convert "
+            "fp8 (sm_89 or later: Ada, Hopper, Blackwell); use kv_cache_dtype='auto'"
+        )
     return dtype
 
 
@@ -49,11 +52,17 @@ def check_kv_scales(kv_scales: KVScales) -> KVScales:
         return kv_scales
     if isinstance(kv_scales, Mapping):
         return kv_scales
-    if isinstance(kv_scales, (int, float)) and not isinstance(kv_scales, bool) and math.isfinite(kv_scales) \
-            and kv_scales > 0:
+    if (
+        isinstance(kv_scales, (int, float))
+        and not isinstance(kv_scales, bool)
+        and math.isfinite(kv_scales)
+        and kv_scales > 0
+    ):
         return float(kv_scales)
-    raise ValueError(f"kv_scales must be None (the checkpoint's, else 1.0), a positive number, 'prefill' (from each "
-                     f"layer's first prefill) or {{layer: tensor [2, kv_heads]}}; got {kv_scales!r}")
+    raise ValueError(
+        f"kv_scales must be None (the checkpoint's, else 1.0), a positive number, 'prefill' (from each "
+        f"layer's first prefill) or {{layer: tensor [2, kv_heads]}}; got {kv_scales!r}"
+    )
 
 
 def model_kv_scales(model) -> dict[int, torch.Tensor]:
@@ -73,8 +82,10 @@ def fill_scales(scales: torch.Tensor, layer: int, given: torch.Tensor) -> None:
     heads = scales.shape[-1]
     given = torch.as_tensor(given, dtype=torch.float32).reshape(2, -1)
     if given.shape[1] not in (1, heads):
-        raise ValueError(f"layer {layer}'s KV scales have {given.shape[1]} per K/V; the pool holds {heads} KV heads "
-                         f"(expected 1 or {heads})")
+        raise ValueError(
+            f"layer {layer}'s KV scales have {given.shape[1]} per K/V; the pool holds {heads} KV heads "
+            f"(expected 1 or {heads})"
+        )
     if not bool((given > 0).all()) or not bool(given.isfinite().all()):
         raise ValueError(f"layer {layer}'s KV scales must be finite and > 0; got {given.tolist()}")
     scales[layer].copy_(given.to(scales.device).expand(2, heads))

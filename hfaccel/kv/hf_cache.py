@@ -161,14 +161,16 @@ class PoolCache(Cache):
         # key_states, value_states: [B, Hkv, S_new, D]
         paged, slots = self._begin_layer(key_states, value_states, layer_idx)
         backend = paged_reader_backend(self.config)
-        self.pool.write(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2), slots,
-                        backend=backend or "auto")
+        self.pool.write(
+            layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2), slots, backend=backend or "auto"
+        )
         if backend is not None:
             return paged, paged
         return paged.gather()
 
-    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+    def _begin_layer(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[PagedKV, torch.Tensor]:
         """The layer's view for this forward, and the slots ``[B, S_new]`` its new tokens go to."""
         raise NotImplementedError
 
@@ -187,8 +189,9 @@ class PromptCache(PoolCache):
         self.seq_len = 0  # cache positions filled (padding included); one forward fills them
         self._view: tuple[PagedKV, torch.Tensor] | None = None  # the forward's view and slots, shared by its layers
 
-    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+    def _begin_layer(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[PagedKV, torch.Tensor]:
         batch, _, width, _ = key_states.shape  # [B, Hkv, L, D]
         if self._view is None:
             self._view = self._prefill_view(batch, width, key_states.device)
@@ -197,21 +200,30 @@ class PromptCache(PoolCache):
 
     def _prefill_view(self, batch: int, width: int, device: torch.device) -> tuple[PagedKV, torch.Tensor]:
         if batch != len(self.seq_ids) or self.seq_len:
-            raise ValueError(f"PromptCache takes one prefill of its {len(self.seq_ids)} sequences; got a forward of "
-                             f"{batch} rows" + (" after its prefill" if self.seq_len else ""))
+            raise ValueError(
+                f"PromptCache takes one prefill of its {len(self.seq_ids)} sequences; got a forward of "
+                f"{batch} rows" + (" after its prefill" if self.seq_len else "")
+            )
         for seq_id, pad in zip(self.seq_ids, self.padding):
             if self.manager.seq_len(seq_id) < width - pad:
-                raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; its prompt has "
-                                 f"{width - pad} tokens")
+                raise ValueError(
+                    f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; its prompt has "
+                    f"{width - pad} tokens"
+                )
         tables = self.pool.block_tables(self.seq_ids).to(device)  # [B, W]
         pads = torch.tensor(self.padding, dtype=torch.int64).to(device)  # [B]
         held = torch.arange(width, device=device)[None] - pads[:, None]  # [B, L]: position in the sequence
         rows = torch.arange(batch, device=device)[:, None]
         slots = torch.where(held >= 0, slot_mapping(tables, rows, held.clamp(min=0), self.block_size), -1)
         self.seq_len = width
-        paged = PagedKV(**self.pool.layer_view(0), block_tables=tables, seq_lens=(width - pads).to(torch.int32),
-                        max_seq_len=width - min(self.padding), padding=pads if any(self.padding) else None,
-                        padded_len=width)
+        paged = PagedKV(
+            **self.pool.layer_view(0),
+            block_tables=tables,
+            seq_lens=(width - pads).to(torch.int32),
+            max_seq_len=width - min(self.padding),
+            padding=pads if any(self.padding) else None,
+            padded_len=width,
+        )
         return paged, slots
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -251,8 +263,9 @@ class SequenceKVCache(PoolCache):
         """This forward's state slots and groups (None without recurrent state, or outside a forward)."""
         return None if self.step is None else self.step.state
 
-    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+    def _begin_layer(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[PagedKV, torch.Tensor]:
         step = self.step
         if step is None:
             raise RuntimeError("SequenceKVCache.step must be set (by the runner) before the model's forward")
@@ -260,10 +273,17 @@ class SequenceKVCache(PoolCache):
         # the static lengths are compared first, so a compiled decode step never branches on its batch size
         fresh = step.max_seq_len == step.max_q_len and step.cu_seqlens_q.shape[0] == 2
         held = self.pool.layout.attention[layer_idx]
-        paged = PagedKV(**self.pool.layer_view(layer_idx), block_tables=step.block_tables, seq_lens=step.seq_lens,
-                        max_seq_len=step.max_seq_len, dense=(key_states, value_states) if fresh else None,
-                        cu_seqlens_q=step.cu_seqlens_q, max_seqlen_q=step.max_q_len, window=held.window,
-                        chunk=held.chunk)
+        paged = PagedKV(
+            **self.pool.layer_view(layer_idx),
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            max_seq_len=step.max_seq_len,
+            dense=(key_states, value_states) if fresh else None,
+            cu_seqlens_q=step.cu_seqlens_q,
+            max_seqlen_q=step.max_q_len,
+            window=held.window,
+            chunk=held.chunk,
+        )
         return paged, step.slot_mapping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

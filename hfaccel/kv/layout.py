@@ -24,8 +24,15 @@ from hfaccel.device import model_device, per_model
 
 # the Cache methods through which a mixer reaches its layer's recurrent state (transformers 5.17 and 5.24; MiniMax's
 # own cache: its linear attention's state)
-STATE_METHODS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state",
-                 "has_previous_state", "get_linear_cache", "set_linear_cache")
+STATE_METHODS = (
+    "get_conv_state",
+    "get_recurrent_state",
+    "update_conv_state",
+    "update_recurrent_state",
+    "has_previous_state",
+    "get_linear_cache",
+    "set_linear_cache",
+)
 
 
 @dataclass(frozen=True)
@@ -120,9 +127,11 @@ def local_kv_heads(model) -> int:
     if size == 1 or not compat.tp_splits_kv_heads(model):
         return heads
     if heads % size:
-        raise ValueError(f"hfaccel needs the tensor-parallel size to divide the model's KV heads, so that each rank "
-                         f"holds whole heads: num_key_value_heads={heads}, tp_size={size} (use a tp_size that "
-                         f"divides {heads})")
+        raise ValueError(
+            f"hfaccel needs the tensor-parallel size to divide the model's KV heads, so that each rank "
+            f"holds whole heads: num_key_value_heads={heads}, tp_size={size} (use a tp_size that "
+            f"divides {heads})"
+        )
     return heads // size
 
 
@@ -142,8 +151,15 @@ def own_cache_class(model) -> type[DynamicCache] | None:
     """The ``DynamicCache`` subclass that ``model``'s modeling module defines for itself and its forward insists on
     (MiniMax's ``MiniMaxCache``, which keeps its linear attention's state in ``linear_cache``), or None."""
     module = sys.modules.get(type(model).__module__)
-    own = [value for value in vars(module).values() if isinstance(value, type) and issubclass(value, DynamicCache)
-           and value.__module__ == module.__name__] if module is not None else []
+    own = (
+        [
+            value
+            for value in vars(module).values()
+            if isinstance(value, type) and issubclass(value, DynamicCache) and value.__module__ == module.__name__
+        ]
+        if module is not None
+        else []
+    )
     return own[0] if len(own) == 1 else None
 
 
@@ -174,8 +190,9 @@ def _record_mixers(model, cache: DynamicCache, mixers: dict[int, str], stack: Ex
     for name, module in model.named_modules():
         index = getattr(module, "layer_idx", None)
         if isinstance(index, int):
-            stack.enter_context(module.register_forward_pre_hook(
-                lambda _m, _a, entry=(index, name): running.append(entry)))
+            stack.enter_context(
+                module.register_forward_pre_hook(lambda _m, _a, entry=(index, name): running.append(entry))
+            )
             stack.enter_context(module.register_forward_hook(leave, always_call=True))
     for method in STATE_METHODS:
         if hasattr(cache, method):
@@ -208,15 +225,22 @@ def _read_layout(cache: DynamicCache, mixers: dict[int, str], layer_types: tuple
             known = True
         if isinstance(layer, CacheLayerMixin):
             if type(layer).__name__.endswith("IndexedLayer"):
-                raise LayoutError(f"layer {index} keeps indexer keys beside its K/V (sparse attention with a "
-                                  "lightning indexer), which hfaccel's pool does not hold")
+                raise LayoutError(
+                    f"layer {index} keeps indexer keys beside its K/V (sparse attention with a "
+                    "lightning indexer), which hfaccel's pool does not hold"
+                )
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             window = layer.sliding_window if getattr(layer, "is_sliding", False) else None
             # transformers' cache keeps a chunked layer as a sliding one of the chunk's size; only its mask differs
             chunked = index < len(layer_types) and layer_types[index] == "chunked_attention"
             if isinstance(keys, torch.Tensor) and keys.numel():
-                attention[index] = AttentionKV(keys.shape[1], keys.shape[-1], values.shape[-1],
-                                               None if chunked else window, window if chunked else None)
+                attention[index] = AttentionKV(
+                    keys.shape[1],
+                    keys.shape[-1],
+                    values.shape[-1],
+                    None if chunked else window,
+                    window if chunked else None,
+                )
             known = True
         if not known and type(layer).__name__ != "DummyLayer":
             raise LayoutError(f"cache layer {index} is a {type(layer).__name__}, which hfaccel's pool does not hold")
@@ -235,9 +259,11 @@ def _state(index: int, layer) -> RecurrentState:
         tensor = tensors.get(i)
         return StateShape(tuple(tensor.shape[1:]), tensor.dtype) if isinstance(tensor, torch.Tensor) else None
 
-    state = RecurrentState(tuple(shape(layer.conv_states, i) for i in range(count)),
-                           tuple(shape(layer.recurrent_states, i) for i in range(count)),
-                           tuple(layer.conv_kernel_size.get(i) for i in range(count)))
+    state = RecurrentState(
+        tuple(shape(layer.conv_states, i) for i in range(count)),
+        tuple(shape(layer.recurrent_states, i) for i in range(count)),
+        tuple(layer.conv_kernel_size.get(i) for i in range(count)),
+    )
     if layer.record_past:
         raise LayoutError(f"layer {index} records its past states (for rollback), which hfaccel's state slots do not")
     return state

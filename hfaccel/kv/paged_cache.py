@@ -39,10 +39,20 @@ class PagedCache(PoolCache):
             its share: ``hfaccel.kv.local_kv_heads(model)``).
     """
 
-    def __init__(self, config, *, max_batch_size: int, max_cache_len: int | None = None,
-                 num_blocks: int | None = None, block_size: int = 16, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, left_padding: Sequence[int] | None = None,
-                 num_kv_heads: int | None = None, kv_scales: KVScales = None):
+    def __init__(
+        self,
+        config,
+        *,
+        max_batch_size: int,
+        max_cache_len: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        left_padding: Sequence[int] | None = None,
+        num_kv_heads: int | None = None,
+        kv_scales: KVScales = None,
+    ):
         if max_cache_len is None and num_blocks is None:
             raise ValueError("PagedCache needs max_cache_len or num_blocks")
         if max_batch_size < 1 or block_size < 1:
@@ -51,9 +61,19 @@ class PagedCache(PoolCache):
         self._max_cache_len = max_cache_len if max_cache_len is not None else num_blocks * block_size
         num_blocks = num_blocks or max_batch_size * -(-self._max_cache_len // block_size)
         quantized = dtype in KV_QUANT_DTYPES  # the compute dtype then comes from the first keys written
-        super().__init__(config, KVPool(config, num_blocks=num_blocks, block_size=block_size, device=device,
-                                        dtype=None if quantized else dtype, num_kv_heads=num_kv_heads,
-                                        kv_cache_dtype=dtype if quantized else None, kv_scales=kv_scales))
+        super().__init__(
+            config,
+            KVPool(
+                config,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                device=device,
+                dtype=None if quantized else dtype,
+                num_kv_heads=num_kv_heads,
+                kv_cache_dtype=dtype if quantized else None,
+                kv_scales=kv_scales,
+            ),
+        )
         self._left_padding: list[int] | None = None
         self.rows: list[int] = []  # the block manager's sequence id of each batch row
         self.padding: list[int] = []  # each row's left padding that the pool does not hold
@@ -77,16 +97,22 @@ class PagedCache(PoolCache):
         self._left_padding = [int(p) for p in left_padding]
 
     # --------------------------------------------------------------------------------- transformers API
-    def _begin_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                     layer_idx: int) -> tuple[PagedKV, torch.Tensor]:
+    def _begin_layer(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[PagedKV, torch.Tensor]:
         if layer_idx <= self._last_layer or self._step is None:
             self._begin_forward(key_states.shape[0], key_states.shape[2], key_states)
         self._last_layer = layer_idx
         first_fill = key_states.shape[2] == self.seq_len
-        paged = PagedKV(**self.pool.layer_view(layer_idx), block_tables=self._step["block_tables"],
-                        seq_lens=self._step["seq_lens"], max_seq_len=self.seq_len - min(self.padding, default=0),
-                        dense=(key_states, value_states) if first_fill else None, padding=self._pads,
-                        padded_len=self.seq_len)
+        paged = PagedKV(
+            **self.pool.layer_view(layer_idx),
+            block_tables=self._step["block_tables"],
+            seq_lens=self._step["seq_lens"],
+            max_seq_len=self.seq_len - min(self.padding, default=0),
+            dense=(key_states, value_states) if first_fill else None,
+            padding=self._pads,
+            padded_len=self.seq_len,
+        )
         return paged, self._step["slot_mapping"]
 
     # transformers 5.17's Cache defines both as read-only (deprecated) properties; these take their place
@@ -177,18 +203,24 @@ class PagedCache(PoolCache):
     def check_request(self, batch_size: int, total_len: int) -> None:
         """Raise ValueError, before any forward pass, if ``batch_size`` rows of ``total_len`` tokens cannot fit."""
         if batch_size > self.max_batch_size:
-            raise ValueError(f"PagedCache holds at most max_batch_size={self.max_batch_size} rows; the request "
-                             f"needs {batch_size} (batch x beams x return sequences)")
+            raise ValueError(
+                f"PagedCache holds at most max_batch_size={self.max_batch_size} rows; the request "
+                f"needs {batch_size} (batch x beams x return sequences)"
+            )
         if total_len > self.max_cache_len:
-            raise ValueError(f"the request needs {total_len} tokens per row (prompt + max new tokens) but "
-                             f"PagedCache max_cache_len is {self.max_cache_len}")
+            raise ValueError(
+                f"the request needs {total_len} tokens per row (prompt + max new tokens) but "
+                f"PagedCache max_cache_len is {self.max_cache_len}"
+            )
         padding = self._left_padding if self._left_padding is not None and not self.rows else [0] * batch_size
         needed = sum(self.manager.blocks_needed(max(total_len - pad, 0)) for pad in padding)
         if self.rows:
             needed -= sum(len(self.manager.block_table(s)) for s in self.rows)
         if needed > self.manager.num_free_blocks:
-            raise ValueError(f"the request needs {needed} more blocks of {self.block_size} tokens; the pool has "
-                             f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}")
+            raise ValueError(
+                f"the request needs {needed} more blocks of {self.block_size} tokens; the pool has "
+                f"{self.manager.num_free_blocks} free of {self.manager.num_blocks}"
+            )
 
     # --------------------------------------------------------------------------------------- internals
     def _begin_forward(self, batch: int, new_tokens: int, like: torch.Tensor) -> None:
@@ -198,8 +230,9 @@ class PagedCache(PoolCache):
         if self.rows and batch != len(self.rows):
             raise ValueError(f"PagedCache holds {len(self.rows)} rows but got a batch of {batch}")
         if self.seq_len + new_tokens > self.max_cache_len:
-            raise CacheFullError(f"{self.seq_len + new_tokens} tokens per row exceed PagedCache max_cache_len="
-                                 f"{self.max_cache_len}")
+            raise CacheFullError(
+                f"{self.seq_len + new_tokens} tokens per row exceed PagedCache max_cache_len={self.max_cache_len}"
+            )
         if not self.rows:
             self.check_request(batch, new_tokens)
             self.padding = self._first_padding(batch)
@@ -226,8 +259,9 @@ class PagedCache(PoolCache):
         if self._left_padding is None or paged_reader_backend(self.config) is None:
             return [0] * batch
         if len(self._left_padding) != batch:
-            raise ValueError(f"PagedCache was given left_padding for {len(self._left_padding)} rows; the first "
-                             f"forward has {batch}")
+            raise ValueError(
+                f"PagedCache was given left_padding for {len(self._left_padding)} rows; the first forward has {batch}"
+            )
         return list(self._left_padding)
 
     def _block_tables(self) -> torch.Tensor:
@@ -246,8 +280,10 @@ class PagedCache(PoolCache):
     def _append_to_rows(self, new_tokens: int) -> None:
         needed = self.manager.blocks_to_append_many(self.rows, new_tokens)
         if needed > self.manager.num_free_blocks:
-            raise CacheFullError(f"{len(self.rows)} rows need {needed} more blocks for {new_tokens} tokens; the "
-                                 f"pool has {self.manager.num_free_blocks} free of {self.manager.num_blocks}")
+            raise CacheFullError(
+                f"{len(self.rows)} rows need {needed} more blocks for {new_tokens} tokens; the "
+                f"pool has {self.manager.num_free_blocks} free of {self.manager.num_blocks}"
+            )
         copies = [copy for seq_id in self.rows for copy in self.manager.append(seq_id, new_tokens)]
         if copies:
             self._tables_dirty = True

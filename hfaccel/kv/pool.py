@@ -51,8 +51,11 @@ class PackedStep:
 
     def to(self, device: torch.device) -> PackedStep:
         """The same metadata on ``device`` (non-blocking copies from pinned memory on CUDA)."""
-        moved = {f.name: to_device(getattr(self, f.name), getattr(self, f.name).dtype, device)
-                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {
+            f.name: to_device(getattr(self, f.name), getattr(self, f.name).dtype, device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         if self.state is not None:
             moved["state"] = self.state.to(device)
         return replace(self, **moved)
@@ -78,23 +81,36 @@ class KVPool:
             state slot each, ``hfaccel.kv.state``).
     """
 
-    def __init__(self, layout: ModelLayout | object, *, num_blocks: int, block_size: int = 16,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 enable_prefix_caching: bool = False, num_kv_heads: int | None = None, max_num_seqs: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None, kv_scales: KVScales = None):
+    def __init__(
+        self,
+        layout: ModelLayout | object,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        enable_prefix_caching: bool = False,
+        num_kv_heads: int | None = None,
+        max_num_seqs: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
+        kv_scales: KVScales = None,
+    ):
         if not isinstance(layout, ModelLayout):
             layers, heads, head_dim = kv_dims(layout)
             layout = uniform_layout(layers, num_kv_heads or heads, head_dim)
         self.layout = layout
         self.block_size = block_size
         if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or one of {KV_QUANT_DTYPES}; got "
-                             f"{kv_cache_dtype}")
+            raise ValueError(
+                f"kv_cache_dtype must be None (the model's dtype) or one of {KV_QUANT_DTYPES}; got {kv_cache_dtype}"
+            )
         self.kv_cache_dtype = kv_cache_dtype
         kv_scales = check_kv_scales(kv_scales)
         if kv_scales is not None and kv_cache_dtype is None:
-            raise ValueError(f"kv_scales apply to an fp8 pool (kv_cache_dtype=torch.float8_e4m3fn); this pool stores "
-                             f"K/V in the model's dtype; got kv_scales={kv_scales!r}")
+            raise ValueError(
+                f"kv_scales apply to an fp8 pool (kv_cache_dtype=torch.float8_e4m3fn); this pool stores "
+                f"K/V in the model's dtype; got kv_scales={kv_scales!r}"
+            )
         self.kv_scales = kv_scales
         self._calibrating: set[int] = set()  # layers whose first prefill sets their scales (kv_scales="prefill")
         # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them
@@ -107,26 +123,46 @@ class KVPool:
             self.place[layer] = (group, self.layers_per_group[group])
             self.layers_per_group[group] += 1
         self.states = StatePool(layout, max_num_seqs) if layout.states else None
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                    state_slots=max_num_seqs if layout.states else 0)
+        self.manager = BlockManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            state_slots=max_num_seqs if layout.states else 0,
+        )
         self.tensors: list[torch.Tensor] | None = None  # per group: [L_g, 2, num_blocks, block_size, Hkv_g, D_g]
         self.scales: list[torch.Tensor] | None = None  # per group of a quantized pool: [L_g, 2, Hkv_g] fp32
         if device is not None and dtype is not None:
             self.allocate(torch.device(device), dtype)
 
     @classmethod
-    def for_model(cls, model, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
-                  max_num_seqs: int = 0, kv_cache_dtype: torch.dtype | None = None,
-                  kv_scales: KVScales = None) -> KVPool:
+    def for_model(
+        cls,
+        model,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = False,
+        max_num_seqs: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
+        kv_scales: KVScales = None,
+    ) -> KVPool:
         """A pool on the model's device, in its dtype (K/V stored in ``kv_cache_dtype`` if given, over ``kv_scales``:
         ``hfaccel.kv.fp8``, by default the checkpoint's), laid out as the model's layers keep K/V and state (the KV
         heads this process holds of them); prefix caching only where no layer keeps recurrent state."""
         layout = model_layout(model)
         if kv_cache_dtype is not None and kv_scales is None:
             kv_scales = model_kv_scales(model) or None
-        return cls(layout, num_blocks=num_blocks, block_size=block_size, device=model_device(model),
-                   dtype=model.dtype, enable_prefix_caching=enable_prefix_caching and not layout.hybrid,
-                   max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+        return cls(
+            layout,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            device=model_device(model),
+            dtype=model.dtype,
+            enable_prefix_caching=enable_prefix_caching and not layout.hybrid,
+            max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=kv_scales,
+        )
 
     # ------------------------------------------------------------------------------------------ memory
     @property
@@ -162,8 +198,19 @@ class KVPool:
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         self._device, self._dtype = device, dtype
         shapes = list(zip(self.layers_per_group, self.group_shapes))
-        self.tensors = [torch.zeros(layers, 2, self.num_blocks, self.block_size, heads, width, device=device,
-                                    dtype=self.kv_cache_dtype or dtype) for layers, (heads, width) in shapes]
+        self.tensors = [
+            torch.zeros(
+                layers,
+                2,
+                self.num_blocks,
+                self.block_size,
+                heads,
+                width,
+                device=device,
+                dtype=self.kv_cache_dtype or dtype,
+            )
+            for layers, (heads, width) in shapes
+        ]
         if self.quantized:
             self.scales = [torch.ones(layers, 2, heads, device=device) for layers, (heads, _) in shapes]
             self._set_scales()
@@ -217,11 +264,14 @@ class KVPool:
         """Bytes of one block across all layers, K and V (stored in ``dtype``, default the pool's cache dtype, else
         2-byte)."""
         itemsize = (dtype or self.cache_dtype or torch.float16).itemsize
-        return sum(layers * 2 * self.block_size * heads * width * itemsize
-                   for layers, (heads, width) in zip(self.layers_per_group, self.group_shapes))
+        return sum(
+            layers * 2 * self.block_size * heads * width * itemsize
+            for layers, (heads, width) in zip(self.layers_per_group, self.group_shapes)
+        )
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-              backend: str = "auto") -> None:
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, backend: str = "auto"
+    ) -> None:
         """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer."""
         if not torch.compiler.is_compiling() and layer in self._calibrating:  # compiled steps: never (no guard on it)
             self._calibrate(layer, keys, values, slots)
@@ -253,19 +303,24 @@ class KVPool:
             self.states.copy(self.manager.take_state_copies())
 
     # --------------------------------------------------------------------------------------- sequences
-    def reserve(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
-                token_ids: Sequence[Sequence[int]] | None = None) -> None:
+    def reserve(
+        self, seq_ids: Sequence[Hashable], num_new: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None
+    ) -> None:
         """Grow sequence ``seq_ids[i]`` by ``num_new[i]`` slots (starting it if new), all or nothing.
 
         ``token_ids`` (the new tokens, per sequence) lets the block manager share prompt prefixes. Raises
         ``CacheFullError`` with nothing changed when the pool cannot hold them.
         """
         manager = self.manager
-        needed = sum(manager.blocks_to_append(s, n) if s in manager else manager.blocks_needed(n)
-                     for s, n in zip(seq_ids, num_new))
+        needed = sum(
+            manager.blocks_to_append(s, n) if s in manager else manager.blocks_needed(n)
+            for s, n in zip(seq_ids, num_new)
+        )
         if needed > manager.num_free_blocks:
-            raise CacheFullError(f"{len(seq_ids)} sequences need {needed} more blocks of {self.block_size} "
-                                 f"tokens; the pool has {manager.num_free_blocks} free of {manager.num_blocks}")
+            raise CacheFullError(
+                f"{len(seq_ids)} sequences need {needed} more blocks of {self.block_size} "
+                f"tokens; the pool has {manager.num_free_blocks} free of {manager.num_blocks}"
+            )
         copies: list[BlockCopy] = []
         for i, (seq_id, n) in enumerate(zip(seq_ids, num_new)):
             tokens = None if token_ids is None else token_ids[i]
@@ -275,18 +330,27 @@ class KVPool:
                 manager.add_sequence(seq_id, tokens, num_tokens=None if tokens is not None else n)
         self.copy_blocks(copies)
 
-    def block_tables(self, seq_ids: Sequence[Hashable], *, num_rows: int | None = None,
-                     width: int | None = None) -> torch.Tensor:
+    def block_tables(
+        self, seq_ids: Sequence[Hashable], *, num_rows: int | None = None, width: int | None = None
+    ) -> torch.Tensor:
         """Host block tables ``[num_rows, width]`` int32 of the sequences (zero-padded rows and columns)."""
         tables = [self.manager.block_table(s) for s in seq_ids]
         width = width or max((len(t) for t in tables), default=1) or 1
         rows = (num_rows or len(tables)) - len(tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * rows,
-                            dtype=torch.int32).view(-1, width)
+        return torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * rows, dtype=torch.int32
+        ).view(-1, width)
 
-    def packed_step(self, seq_ids: Sequence[Hashable], starts: Sequence[int], num_new: Sequence[int], *,
-                    num_rows: int | None = None, table_width: int | None = None,
-                    tokens_per_seq: int | None = None) -> PackedStep:
+    def packed_step(
+        self,
+        seq_ids: Sequence[Hashable],
+        starts: Sequence[int],
+        num_new: Sequence[int],
+        *,
+        num_rows: int | None = None,
+        table_width: int | None = None,
+        tokens_per_seq: int | None = None,
+    ) -> PackedStep:
         """Host metadata of a forward computing tokens ``[starts[i], starts[i] + num_new[i])`` of ``seq_ids[i]``,
         whose slots the sequences already hold. ``num_rows`` pads to that many sequences (writing nowhere, seeing
         nothing); ``table_width`` fixes the block tables' width; ``tokens_per_seq`` pads every sequence's tokens to
@@ -295,39 +359,57 @@ class KVPool:
         loop per token would cost ~1 ms per 4096-token prefill chunk)."""
         for seq_id, start, n in zip(seq_ids, starts, num_new):
             if start < 0 or start + n > self.manager.seq_len(seq_id):
-                raise ValueError(f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; cannot compute "
-                                 f"tokens {start}..{start + n}")
+                raise ValueError(
+                    f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; cannot compute "
+                    f"tokens {start}..{start + n}"
+                )
         if tokens_per_seq is not None and any(not 1 <= n <= tokens_per_seq for n in num_new):
-            raise ValueError(f"tokens_per_seq={tokens_per_seq} holds 1 to {tokens_per_seq} new tokens per sequence; "
-                             f"got {list(num_new)}")
+            raise ValueError(
+                f"tokens_per_seq={tokens_per_seq} holds 1 to {tokens_per_seq} new tokens per sequence; "
+                f"got {list(num_new)}"
+            )
         pad = (num_rows or len(seq_ids)) - len(seq_ids)
         table = self.block_tables(seq_ids, num_rows=len(seq_ids) + pad, width=table_width)  # [S, W]
         start = torch.tensor(list(starts) + [0] * pad, dtype=torch.int64)  # [S]
         real = torch.tensor(list(num_new) + [0] * pad, dtype=torch.int64)  # [S]: tokens that count
         width = torch.full_like(real, tokens_per_seq) if tokens_per_seq else real.clamp(min=1)  # [S]: in the row
         tokens = len(width) * tokens_per_seq if tokens_per_seq else int(width.sum())
-        positions, slots, lens, cu = token_metadata(table, torch.arange(len(width)), start, real, width, tokens,
-                                                    self.block_size)
-        return PackedStep(slot_mapping=slots[None], block_tables=table, seq_lens=lens.to(torch.int32),
-                          cu_seqlens_q=cu.to(torch.int32), positions=positions,
-                          max_seq_len=int(lens.max()) if len(lens) else 0,
-                          max_q_len=int(width.max()) if len(width) else 0,
-                          state=self._state_step(seq_ids, starts, num_new, pad, tokens_per_seq))
+        positions, slots, lens, cu = token_metadata(
+            table, torch.arange(len(width)), start, real, width, tokens, self.block_size
+        )
+        return PackedStep(
+            slot_mapping=slots[None],
+            block_tables=table,
+            seq_lens=lens.to(torch.int32),
+            cu_seqlens_q=cu.to(torch.int32),
+            positions=positions,
+            max_seq_len=int(lens.max()) if len(lens) else 0,
+            max_q_len=int(width.max()) if len(width) else 0,
+            state=self._state_step(seq_ids, starts, num_new, pad, tokens_per_seq),
+        )
 
     def _state_step(self, seq_ids, starts, num_new, pad: int, tokens_per_seq: int | None) -> StateStep | None:
         """The state slots and groups of an eager forward (None for a model without recurrent state)."""
         if self.states is None:
             return None
         if tokens_per_seq is not None:
-            raise ValueError("a model whose layers keep recurrent state computes each sequence's own tokens only "
-                             "(no padded multi-token steps: speculative decoding does not serve it)")
+            raise ValueError(
+                "a model whose layers keep recurrent state computes each sequence's own tokens only "
+                "(no padded multi-token steps: speculative decoding does not serve it)"
+            )
         slots = [self.manager.state_slot(s) for s in seq_ids] + [self.states.scratch] * pad
-        return StateStep(torch.tensor(slots), state_groups(slots, list(starts) + [1] * pad,
-                                                           list(num_new) + [1] * pad))
+        return StateStep(torch.tensor(slots), state_groups(slots, list(starts) + [1] * pad, list(num_new) + [1] * pad))
 
 
-def token_metadata(tables: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
-                   width: torch.Tensor, tokens: int, block_size: int) -> tuple[torch.Tensor, ...]:
+def token_metadata(
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    start: torch.Tensor,
+    real: torch.Tensor,
+    width: torch.Tensor,
+    tokens: int,
+    block_size: int,
+) -> tuple[torch.Tensor, ...]:
     """The per-token metadata of a packed forward, computed with tensor ops only (on the host for
     :meth:`KVPool.packed_step`, on the device for the decode steps'
     :class:`~hfaccel.kv.device_tables.DeviceBlockTables`).
@@ -342,8 +424,9 @@ def token_metadata(tables: torch.Tensor, rows: torch.Tensor, start: torch.Tensor
     """
     cu = torch.zeros(len(width) + 1, dtype=torch.int64, device=width.device)
     torch.cumsum(width, 0, out=cu[1:])  # [S + 1]
-    owner = torch.repeat_interleave(torch.arange(len(width), device=width.device), width,
-                                    output_size=tokens)  # [T]: sequence of each token
+    owner = torch.repeat_interleave(
+        torch.arange(len(width), device=width.device), width, output_size=tokens
+    )  # [T]: sequence of each token
     offset = torch.arange(tokens, device=width.device) - cu[owner]  # [T]: index among its sequence's tokens
     counts = offset < real[owner]  # [T]: a real token
     positions = start[owner] + torch.where(counts, offset, 0)  # [T]

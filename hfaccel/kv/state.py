@@ -53,8 +53,9 @@ class StateGroup:
     fresh: bool
 
     def to(self, device: torch.device) -> StateGroup:
-        return StateGroup(self.tokens.to(device, non_blocking=True), self.slots.to(device, non_blocking=True),
-                          self.length, self.fresh)
+        return StateGroup(
+            self.tokens.to(device, non_blocking=True), self.slots.to(device, non_blocking=True), self.length, self.fresh
+        )
 
 
 def state_groups(slots: Sequence[int], starts: Sequence[int], num_new: Sequence[int]) -> tuple[StateGroup, ...]:
@@ -66,9 +67,15 @@ def state_groups(slots: Sequence[int], starts: Sequence[int], num_new: Sequence[
     members: dict[tuple[int, bool], list[int]] = {}
     for i, (start, n) in enumerate(zip(starts, num_new)):
         members.setdefault((n, start == 0), []).append(i)
-    return tuple(StateGroup(torch.tensor([t for i in seqs for t in range(offsets[i], offsets[i + 1])]),
-                            torch.tensor([slots[i] for i in seqs]), length, fresh)
-                 for (length, fresh), seqs in members.items())
+    return tuple(
+        StateGroup(
+            torch.tensor([t for i in seqs for t in range(offsets[i], offsets[i + 1])]),
+            torch.tensor([slots[i] for i in seqs]),
+            length,
+            fresh,
+        )
+        for (length, fresh), seqs in members.items()
+    )
 
 
 class StatePool:
@@ -91,8 +98,11 @@ class StatePool:
 
     def allocate(self, device: torch.device) -> None:
         def zeros(shape):
-            return None if shape is None else torch.zeros(self.num_slots + 1, *shape.shape, dtype=shape.dtype,
-                                                          device=device)
+            return (
+                None
+                if shape is None
+                else torch.zeros(self.num_slots + 1, *shape.shape, dtype=shape.dtype, device=device)
+            )
 
         for layer, state in self.layout.states.items():
             self.conv[layer] = [zeros(shape) for shape in state.conv]
@@ -172,8 +182,11 @@ def install_mixers(model, layout: ModelLayout) -> None:
         if getattr(module.forward, MIXER_FORWARD, False):
             continue
         original = module.forward
-        names = [name for name, p in inspect.signature(original).parameters.items()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [
+            name
+            for name, p in inspect.signature(original).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
 
         def forward(*args, _layer=layer, _original=original, _names=names, **kwargs):
             return _mixer_forward(_layer, _original, {**dict(zip(_names, args)), **kwargs}, args, kwargs)
@@ -192,8 +205,14 @@ def remove_mixers(model) -> None:
 def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: dict):
     """One mixer call (``arguments``: the call's, by name): per state group under hfaccel's cache (module
     docstring), else transformers' as it is."""
-    cache_name = next((name for name in ("cache", "cache_params", "past_key_values")
-                       if getattr(arguments.get(name), "states_step", None) is not None), None)
+    cache_name = next(
+        (
+            name
+            for name in ("cache", "cache_params", "past_key_values")
+            if getattr(arguments.get(name), "states_step", None) is not None
+        ),
+        None,
+    )
     if cache_name is None:
         return original(*args, **kwargs)
     cache = arguments[cache_name]
@@ -231,8 +250,17 @@ def _as_returned(result, hidden: torch.Tensor):
     return (hidden, *[None] * (len(result) - 1)) if isinstance(result, tuple) else hidden
 
 
-def _run_group(original, arguments: dict, cache_name: str, view: StateView, pool: StatePool, layer: int,
-               hidden: torch.Tensor, slots: torch.Tensor, fresh: bool) -> torch.Tensor:
+def _run_group(
+    original,
+    arguments: dict,
+    cache_name: str,
+    view: StateView,
+    pool: StatePool,
+    layer: int,
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: bool,
+) -> torch.Tensor:
     """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots``; ``[G, L, H_out]``."""
     view.load(pool, layer, slots, fresh)
     result = original(hidden, **{**arguments, cache_name: view})

@@ -6,5 +6,13 @@ from hfaccel.lora.adapter import LoRAAdapter, load_adapter, read_peft_adapter
 from hfaccel.lora.layer import LoRAContext, LoRALinear
 from hfaccel.lora.manager import DEFAULT_TARGET_MODULES, LoRAManager, linear_layers
 
-__all__ = ["DEFAULT_TARGET_MODULES", "LoRAAdapter", "LoRAContext", "LoRALinear", "LoRAManager", "linear_layers",
-           "load_adapter", "read_peft_adapter"]
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "LoRAAdapter",
+    "LoRAContext",
+    "LoRALinear",
+    "LoRAManager",
+    "linear_layers",
+    "load_adapter",
+    "read_peft_adapter",
+]

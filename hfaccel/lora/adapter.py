@@ -70,8 +70,16 @@ class LoRAAdapter:
         return sorted(self.weights)
 
 
-def load_adapter(name: str, path: str | os.PathLike, layers: Mapping[str, tuple[int, int]], *, max_rank: int,
-                 dtype: torch.dtype, pin_memory: bool = False, describe_missing=None) -> LoRAAdapter:
+def load_adapter(
+    name: str,
+    path: str | os.PathLike,
+    layers: Mapping[str, tuple[int, int]],
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
+    pin_memory: bool = False,
+    describe_missing=None,
+) -> LoRAAdapter:
     """Read and check the PEFT LoRA adapter at ``path`` for layers ``layers[module] = (in_features, out_features)``.
 
     Returns host tensors in ``dtype`` (pinned with ``pin_memory``: copies to a GPU then need no sync).
@@ -134,13 +142,16 @@ def _check_config(config: dict, where: str) -> None:
     if peft_type != "LORA":
         raise ValueError(f"{where} is a {peft_type} adapter; only LoRA adapters (peft_type LORA) can be served")
     if config.get("bias", "none") != "none":
-        raise ValueError(f"{where} trains biases (bias={config['bias']!r}); only adapters with bias='none' can be "
-                         "served")
+        raise ValueError(
+            f"{where} trains biases (bias={config['bias']!r}); only adapters with bias='none' can be served"
+        )
     for option, what in UNSUPPORTED_OPTIONS.items():
         if config.get(option):
-            raise ValueError(f"{where} uses {option}={config[option]!r}: {what}, which hfaccel does not serve; "
-                             f"only plain LoRA on Linear layers is supported (merge the adapter into the model "
-                             f"instead: PeftModel.merge_and_unload())")
+            raise ValueError(
+                f"{where} uses {option}={config[option]!r}: {what}, which hfaccel does not serve; "
+                f"only plain LoRA on Linear layers is supported (merge the adapter into the model "
+                f"instead: PeftModel.merge_and_unload())"
+            )
     for key in ("r", "lora_alpha"):
         value = config.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -153,33 +164,44 @@ def _pairs(tensors: dict[str, torch.Tensor], where: str) -> dict[str, tuple[torc
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise ValueError(f"{where} holds {key!r}: only the lora_A / lora_B weights of Linear layers can be "
-                             f"served (no embeddings, biases, DoRA magnitudes or saved modules)")
+            raise ValueError(
+                f"{where} holds {key!r}: only the lora_A / lora_B weights of Linear layers can be "
+                f"served (no embeddings, biases, DoRA magnitudes or saved modules)"
+            )
         found.setdefault(match["module"], {})[match["which"]] = tensor
     if not found:
         raise ValueError(f"{where} holds no lora_A / lora_B weights")
     incomplete = sorted(module for module, ab in found.items() if set(ab) != {"A", "B"})
     if incomplete:
-        raise ValueError(f"{where}: {incomplete[0]!r} has {'lora_A' if 'A' in found[incomplete[0]] else 'lora_B'} "
-                         "but not both lora_A and lora_B")
+        raise ValueError(
+            f"{where}: {incomplete[0]!r} has {'lora_A' if 'A' in found[incomplete[0]] else 'lora_B'} "
+            "but not both lora_A and lora_B"
+        )
     return {module: (ab["A"], ab["B"]) for module, ab in found.items()}
 
 
-def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, layer: tuple[int, int], max_rank: int,
-                  where: str) -> int:
+def _check_shapes(
+    module: str, a: torch.Tensor, b: torch.Tensor, layer: tuple[int, int], max_rank: int, where: str
+) -> int:
     """The module's rank, after checking ``A [r, K]`` and ``B [N, r]`` against the layer ``(K, N)``."""
     k, n = layer
     if a.dim() != 2 or b.dim() != 2 or not a.is_floating_point() or not b.is_floating_point():
-        raise ValueError(f"{where}: {module!r} needs 2-D floating lora_A [r, {k}] and lora_B [{n}, r]; got "
-                         f"{a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+        raise ValueError(
+            f"{where}: {module!r} needs 2-D floating lora_A [r, {k}] and lora_B [{n}, r]; got "
+            f"{a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}"
+        )
     r = a.shape[0]
     if a.shape[1] != k or b.shape != (n, r):
-        raise ValueError(f"{where}: the shapes of {module!r} do not fit the base layer (in_features={k}, "
-                         f"out_features={n}): expected lora_A [r, {k}] and lora_B [{n}, r]; got lora_A "
-                         f"{list(a.shape)} and lora_B {list(b.shape)}")
+        raise ValueError(
+            f"{where}: the shapes of {module!r} do not fit the base layer (in_features={k}, "
+            f"out_features={n}): expected lora_A [r, {k}] and lora_B [{n}, r]; got lora_A "
+            f"{list(a.shape)} and lora_B {list(b.shape)}"
+        )
     if not 0 < r <= max_rank:
-        raise ValueError(f"{where}: {module!r} has rank {r}, above the engine's max_lora_rank={max_rank}; make the "
-                         f"engine with max_lora_rank >= {r}")
+        raise ValueError(
+            f"{where}: {module!r} has rank {r}, above the engine's max_lora_rank={max_rank}; make the "
+            f"engine with max_lora_rank >= {r}"
+        )
     return r
 
 
@@ -194,8 +216,9 @@ def _pattern_value(patterns: Mapping | None, module: str, default):
 def _check_rank_pattern(config: dict, module: str, r: int, where: str) -> None:
     declared = _pattern_value(config.get("rank_pattern"), module, config["r"])
     if declared != r:
-        raise ValueError(f"{where}: {CONFIG_FILE} gives {module!r} rank {declared} (r / rank_pattern) but its "
-                         f"lora_A has {r} rows")
+        raise ValueError(
+            f"{where}: {CONFIG_FILE} gives {module!r} rank {declared} (r / rank_pattern) but its lora_A has {r} rows"
+        )
 
 
 def _scaling(config: dict, module: str, r: int) -> float:

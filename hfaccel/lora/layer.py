@@ -51,10 +51,12 @@ class LoRALinear(nn.Module):
         self.context = context
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         dtype, device = layer_dtype(base_layer), layer_device(base_layer)
-        self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype,
-                                                   device=device), persistent=False)
+        self.register_buffer(
+            "lora_a", torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype, device=device), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]; the runner's packed row is [1, T, K], one index per token
@@ -64,12 +66,13 @@ class LoRALinear(nn.Module):
             return y
         flat = x.reshape(-1, self.in_features)  # [T, K]
         if flat.shape[0] != index.shape[0]:
-            raise RuntimeError(f"LoRALinear got {flat.shape[0]} rows for {index.shape[0]} token slots: a LoRA "
-                               "target must see every packed token once (not lm_head, not routed experts)")
+            raise RuntimeError(
+                f"LoRALinear got {flat.shape[0]} rows for {index.shape[0]} token slots: a LoRA "
+                "target must see every packed token once (not lm_head, not routed experts)"
+            )
         slots = self._slots()
         backend = self.context.backend
-        out = lora_op(flat, y.reshape(-1, self.out_features), self.lora_a, self.lora_b, index, slots,
-                      backend)  # [T, N]
+        out = lora_op(flat, y.reshape(-1, self.out_features), self.lora_a, self.lora_b, index, slots, backend)  # [T, N]
         return out.reshape(y.shape)
 
     def _slots(self) -> list[int] | None:

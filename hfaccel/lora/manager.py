@@ -42,9 +42,16 @@ class LoRAManager:
         backend: the LoRA kernels' backend (``auto``, ``triton``, ``torch``).
     """
 
-    def __init__(self, model: nn.Module, adapters: Mapping[str, str | os.PathLike] | None = None, *,
-                 max_loras: int = 8, max_rank: int = 64, target_modules: Sequence[str] | None = None,
-                 backend: str = "auto"):
+    def __init__(
+        self,
+        model: nn.Module,
+        adapters: Mapping[str, str | os.PathLike] | None = None,
+        *,
+        max_loras: int = 8,
+        max_rank: int = 64,
+        target_modules: Sequence[str] | None = None,
+        backend: str = "auto",
+    ):
         if not isinstance(max_loras, int) or isinstance(max_loras, bool) or max_loras < 1:
             raise ValueError(f"max_loras must be an int >= 1; got {max_loras!r}")
         if not isinstance(max_rank, int) or isinstance(max_rank, bool) or max_rank < 1:
@@ -57,19 +64,22 @@ class LoRAManager:
         self._pin = any(layer_device(layer).type == "cuda" for layer in candidates.values())
         loaded = [self._load(name, path, self._shapes) for name, path in (adapters or {}).items()]
         targets = set(target_modules if target_modules is not None else DEFAULT_TARGET_MODULES)
-        wrap = sorted({n for n in candidates if n.rsplit(".", 1)[-1] in targets} |
-                      {m for adapter in loaded for m in adapter.weights})
+        wrap = sorted(
+            {n for n in candidates if n.rsplit(".", 1)[-1] in targets}
+            | {m for adapter in loaded for m in adapter.weights}
+        )
         if not wrap:
-            raise ValueError(f"no Linear layer of {type(model).__name__} ends in any of lora_target_modules="
-                             f"{sorted(targets)}, and no adapter was given: nothing could take a LoRA adapter")
+            raise ValueError(
+                f"no Linear layer of {type(model).__name__} ends in any of lora_target_modules="
+                f"{sorted(targets)}, and no adapter was given: nothing could take a LoRA adapter"
+            )
         # layers another engine wrapped and did not give back (only now: nothing failed); back if this start fails
         self._taken = _take_over(model)
         self.context = LoRAContext(backend)
         self.layers: dict[str, LoRALinear] = {}
         try:
             for name in wrap:
-                self.layers[name] = LoRALinear(candidates[name], self.context, max_loras=max_loras,
-                                               max_rank=max_rank)
+                self.layers[name] = LoRALinear(candidates[name], self.context, max_loras=max_loras, max_rank=max_rank)
                 replace_module(model, name, self.layers[name])
         except BaseException:  # out of memory for a pool, say: the model as it was
             self.undo()
@@ -94,8 +104,10 @@ class LoRAManager:
 
     def _check_name_free(self, name: str) -> None:
         if name in self.adapters:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path}); "
-                             "remove it first or choose another name")
+            raise ValueError(
+                f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path}); "
+                "remove it first or choose another name"
+            )
 
     def add(self, name: str, path: str | os.PathLike) -> LoRAAdapter:
         """Read, check and register the adapter at ``path`` as ``name``."""
@@ -206,12 +218,21 @@ class LoRAManager:
         if self.closed:
             raise RuntimeError("this engine's LoRA adapters were closed (Engine.close())")
         if self.context.detached:
-            raise RuntimeError("another hfaccel Engine made on the same model took over its LoRA layers; this "
-                               "engine serves the base model only")
+            raise RuntimeError(
+                "another hfaccel Engine made on the same model took over its LoRA layers; this "
+                "engine serves the base model only"
+            )
 
     def _load(self, name: str, path, layers: Mapping[str, tuple[int, int]]) -> LoRAAdapter:
-        return load_adapter(name, path, layers, max_rank=self.max_rank, dtype=self._dtype, pin_memory=self._pin,
-                            describe_missing=lambda module: self._why_not(module))
+        return load_adapter(
+            name,
+            path,
+            layers,
+            max_rank=self.max_rank,
+            dtype=self._dtype,
+            pin_memory=self._pin,
+            describe_missing=lambda module: self._why_not(module),
+        )
 
     def _why_not(self, module: str) -> str:
         """Why ``module`` is not among the layers an adapter can target."""
@@ -220,8 +241,10 @@ class LoRAManager:
         except AttributeError:
             return f"the base model ({type(self.model).__name__}) has no module of that name"
         if module in self._shapes:  # a Linear layer of the base, not wrapped
-            return ("this engine did not wrap it for LoRA; make the engine with lora_target_modules including "
-                    f"{module.rsplit('.', 1)[-1]!r}")
+            return (
+                "this engine did not wrap it for LoRA; make the engine with lora_target_modules including "
+                f"{module.rsplit('.', 1)[-1]!r}"
+            )
         if module in _output_layers(self.model):
             return "it is the output embedding (lm_head), which LoRA adapters cannot target here"
         return f"it is a {type(found).__name__}, not a Linear layer"
@@ -254,8 +277,11 @@ def _take_over(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     left = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     if not left:
         return left
-    _log.warning("hfaccel: %d LoRA layers of another Engine on this model are given back to the model first (call "
-                 "engine.close() on an engine you are done with)", len(left))
+    _log.warning(
+        "hfaccel: %d LoRA layers of another Engine on this model are given back to the model first (call "
+        "engine.close() on an engine you are done with)",
+        len(left),
+    )
     for name, layer in left:
         layer.context.detached = True
         layer.context.index = None

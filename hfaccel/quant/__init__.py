@@ -15,12 +15,30 @@ from hfaccel.quant.rtn import quantize_rtn
 
 METHODS = ("rtn", "awq", "gptq", "fp8")
 
-__all__ = ["Fp8Linear", "Int4Linear", "Int4Weight", "METHODS", "load_quantized", "quantize", "quantize_rtn",
-           "replace_module", "rtn_targets", "save_quantized"]
+__all__ = [
+    "Fp8Linear",
+    "Int4Linear",
+    "Int4Weight",
+    "METHODS",
+    "load_quantized",
+    "quantize",
+    "quantize_rtn",
+    "replace_module",
+    "rtn_targets",
+    "save_quantized",
+]
 
 
-def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_size: int = 128,
-             act_order: bool = False, calib_device=None, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+def quantize(
+    model: nn.Module,
+    method: str = "rtn",
+    *,
+    calib_data=None,
+    group_size: int = 128,
+    act_order: bool = False,
+    calib_device=None,
+    skip: tuple[str, ...] = ("lm_head",),
+) -> nn.Module:
     """Replace the model's Linear layers (except ``skip``) by :class:`Int4Linear` — or, ``method="fp8"``, by
     :class:`Fp8Linear` — in place; returns the model.
 
@@ -36,8 +54,15 @@ def quantize(model: nn.Module, method: str = "rtn", *, calib_data=None, group_si
     if method == "fp8":
         return _quantize_fp8(model, skip)
     if method != "rtn":
-        return calibrate(model, method, _calibration_ids(calib_data, method), group_size, act_order=act_order,
-                         calib_device=calib_device, skip=skip)
+        return calibrate(
+            model,
+            method,
+            _calibration_ids(calib_data, method),
+            group_size,
+            act_order=act_order,
+            calib_device=calib_device,
+            skip=skip,
+        )
     targets = rtn_targets(model, group_size, skip)
     with Progress(transient=True) as progress:
         task = progress.add_task(f"int4 {method} quantization", total=len(targets))
@@ -54,14 +79,18 @@ def _quantize_fp8(model: nn.Module, skip: tuple[str, ...]) -> nn.Module:
     return model
 
 
-def rtn_targets(model: nn.Module, group_size: int,
-                skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear]]:
+def rtn_targets(model: nn.Module, group_size: int, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear]]:
     """(name, layer) of the Linear layers :func:`quantize` turns into :class:`Int4Linear`: all but ``skip`` whose
     shapes the int4 kernels take (in_features a multiple of ``group_size``, out_features of 8; the shapes
     ``in_features`` / ``out_features`` say, the whole layer's also when tensor parallelism shards it)."""
-    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear  # not bitsandbytes' subclasses
-            and not any(name == s or name.endswith("." + s) for s in skip)
-            and m.in_features % group_size == 0 and m.out_features % 8 == 0]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear  # not bitsandbytes' subclasses
+        and not any(name == s or name.endswith("." + s) for s in skip)
+        and m.in_features % group_size == 0
+        and m.out_features % 8 == 0
+    ]
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -81,6 +110,8 @@ def _calibration_ids(calib_data, method: str):
             raise ValueError(f"calib_data samples must have one length; got lengths {sorted(lengths)}")
         calib_data = torch.stack([torch.as_tensor(sample) for sample in calib_data])
     if not isinstance(calib_data, torch.Tensor) or calib_data.dim() != 2 or calib_data.is_floating_point():
-        raise ValueError("calib_data must be integer token ids of shape [num_samples, seq_len]; got "
-                         f"{type(calib_data).__name__} {getattr(calib_data, 'shape', '')}")
+        raise ValueError(
+            "calib_data must be integer token ids of shape [num_samples, seq_len]; got "
+            f"{type(calib_data).__name__} {getattr(calib_data, 'shape', '')}"
+        )
     return calib_data

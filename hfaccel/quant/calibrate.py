@@ -62,8 +62,17 @@ class _Recorder:
         return x
 
 
-def calibrate(model: nn.Module, method: str, calib_data: torch.Tensor, group_size: int, *, act_order: bool = False,
-              damp: float = 0.01, calib_device: torch.device | str | None = None, skip=("lm_head",)) -> nn.Module:
+def calibrate(
+    model: nn.Module,
+    method: str,
+    calib_data: torch.Tensor,
+    group_size: int,
+    *,
+    act_order: bool = False,
+    damp: float = 0.01,
+    calib_device: torch.device | str | None = None,
+    skip=("lm_head",),
+) -> nn.Module:
     """Quantize the decoder layers' Linears of ``model`` in place with ``method`` ("awq" or "gptq")."""
     layers = decoder_layers(model)
     hidden, kwargs = _first_layer_inputs(model, layers, calib_data)
@@ -75,14 +84,16 @@ def calibrate(model: nn.Module, method: str, calib_data: torch.Tensor, group_siz
             layer.to(device)
             hidden, kwargs = hidden.to(device), _move(kwargs, device)
             linears = _quantizable(layer, group_size, skip)
-            records = _record(layer, linears, hidden, kwargs, keep_samples=method == "awq",
-                              keep_hessian=method == "gptq")
+            records = _record(
+                layer, linears, hidden, kwargs, keep_samples=method == "awq", keep_hessian=method == "gptq"
+            )
             if method == "awq":
                 _apply_awq(layer, linears, records, group_size)
             else:
                 for name, linear in linears.items():
-                    weight = gptq_quantize(linear.weight, records[name].hessian, group_size, act_order=act_order,
-                                           damp=damp)
+                    weight = gptq_quantize(
+                        linear.weight, records[name].hessian, group_size, act_order=act_order, damp=damp
+                    )
                     _replace(layer, name, Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype))
             with torch.no_grad():
                 hidden = _output(layer(hidden, **kwargs))
@@ -129,8 +140,11 @@ def _quantizable(layer: nn.Module, group_size: int, skip) -> dict[str, nn.Linear
         if type(module) is not nn.Linear or any(name.endswith(s) for s in skip):  # not bitsandbytes' subclasses
             continue
         if module.in_features % group_size or module.out_features % 8:
-            warnings.warn(f"hfaccel: {name} ({module.in_features}->{module.out_features}) stays in full precision: "
-                          f"in_features must be a multiple of group_size={group_size}, out_features of 8", stacklevel=2)
+            warnings.warn(
+                f"hfaccel: {name} ({module.in_features}->{module.out_features}) stays in full precision: "
+                f"in_features must be a multiple of group_size={group_size}, out_features of 8",
+                stacklevel=2,
+            )
             continue
         found[name] = module
     return found
@@ -138,9 +152,12 @@ def _quantizable(layer: nn.Module, group_size: int, skip) -> dict[str, nn.Linear
 
 def _record(layer, linears, hidden, kwargs, *, keep_samples: bool, keep_hessian: bool) -> dict[str, _Recorder]:
     records = {name: _Recorder() for name in linears}
-    hooks = [linear.register_forward_hook(
-        lambda _m, args, _out, name=name: records[name].add(args[0], keep_samples, keep_hessian))
-        for name, linear in linears.items()]
+    hooks = [
+        linear.register_forward_hook(
+            lambda _m, args, _out, name=name: records[name].add(args[0], keep_samples, keep_hessian)
+        )
+        for name, linear in linears.items()
+    ]
     try:
         with torch.no_grad():
             layer(hidden, **kwargs)
@@ -172,6 +189,7 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 # ----------------------------------------------------------------------------------------------- AWQ
 def _awq_groups(layer: nn.Module, linears: dict[str, nn.Linear]) -> list[tuple[nn.Module, list[str]]]:
     """(module whose output feeds them, Linears sharing that input) for a Llama-style decoder layer."""
+
     def present(*names):
         return [n for n in names if n in linears]
 
@@ -230,8 +248,15 @@ def _search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int)
 
 
 # ---------------------------------------------------------------------------------------------- GPTQ
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, *, act_order: bool = False,
-                  damp: float = 0.01, block_size: int = 128) -> Int4Weight:
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    group_size: int,
+    *,
+    act_order: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+) -> Int4Weight:
     """GPTQ rounding of ``weight [N, K]`` given the Hessian ``[K, K]`` of its inputs."""
     w = weight.detach().float().clone()
     h = hessian.float().clone()
@@ -255,7 +280,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
             column = start + i
             if column % group_size == 0:
                 g = column // group_size
-                scales[g], zeros[g] = group_params(w_block[:, i:i + group_size].t())
+                scales[g], zeros[g] = group_params(w_block[:, i : i + group_size].t())
             g = column // group_size
             code = quantize_values(w_block[:, i], scales[g], zeros[g])
             q[:, column] = code

@@ -55,8 +55,7 @@ def save_quantized(model: nn.Module, path: str | Path, format: str = "awq", *, t
         tensors.update({f"{name}.{key}": value.contiguous().cpu() for key, value in packed.items()})
         if module.bias is not None:
             tensors[f"{name}.bias"] = module.bias.detach().contiguous().cpu()
-    return _write(model, path, tensors, _quantization_config(format, group_sizes.pop(), quantized.values()),
-                  tokenizer)
+    return _write(model, path, tensors, _quantization_config(format, group_sizes.pop(), quantized.values()), tokenizer)
 
 
 def _write(model: nn.Module, path: Path, tensors: dict, quantization_config: dict, tokenizer) -> Path:
@@ -74,11 +73,12 @@ def _write(model: nn.Module, path: Path, tensors: dict, quantization_config: dic
 def _save_fp8(model: nn.Module, path: Path, tokenizer) -> Path:
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
     if not quantized:
-        raise ValueError("the model has no Fp8Linear layers: quantize it first (hfaccel.quantize(model, \"fp8\"))")
+        raise ValueError('the model has no Fp8Linear layers: quantize it first (hfaccel.quantize(model, "fp8"))')
     strategies = {m.granularity for m in quantized.values()}
     if not strategies <= {"per channel", "per tensor"} or len(strategies) != 1:
-        raise ValueError(f"format='fp8' writes one per-channel or per-tensor scheme; the layers are "
-                         f"{sorted(strategies)}")
+        raise ValueError(
+            f"format='fp8' writes one per-channel or per-tensor scheme; the layers are {sorted(strategies)}"
+        )
     path.mkdir(parents=True, exist_ok=True)
     tensors = _plain_tensors(model, quantized)
     for name, module in quantized.items():
@@ -88,21 +88,37 @@ def _save_fp8(model: nn.Module, path: Path, tokenizer) -> Path:
             tensors[f"{name}.bias"] = module.bias.detach().contiguous().cpu()
     strategy = "channel" if strategies == {"per channel"} else "tensor"
     ignore = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear)
-    spec = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "ignore": ignore, "config_groups": {"group_0": {
+    spec = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ignore,
+        "config_groups": {
+            "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
-                            "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                                      "dynamic": True}}}}
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+    }
     return _write(model, path, tensors, spec, tokenizer)
+
 
 def _plain_tensors(model: nn.Module, quantized: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     skip = tuple(f"{name}." for name in quantized)
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
-        tied = {name for name, p in model.named_parameters(remove_duplicate=False)
-                if p is model.get_output_embeddings().weight and not name.startswith("model.")}
+        tied = {
+            name
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if p is model.get_output_embeddings().weight and not name.startswith("model.")
+        }
     state = model.state_dict()
     return {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith(skip) and k not in tied}
 
@@ -113,8 +129,15 @@ def _quantization_config(format: str, group_size: int, modules) -> dict:
     modules = list(modules)
     sym = all(bool((m.zeros == 8).all()) for m in modules)
     desc_act = any(m.perm is not None for m in modules)
-    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": "gptq", "true_sequential": True}
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": sym,
+        "checkpoint_format": "gptq",
+        "true_sequential": True,
+    }
 
 
 def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu"):
@@ -163,8 +186,10 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float16, devi
 def _check_int4(method: str | None, spec: dict) -> None:
     bits = spec.get("bits", 4)
     if method not in ("awq", "gptq") or bits != 4:
-        raise ValueError(f"hfaccel loads 4-bit awq or gptq checkpoints and fp8 ones ({', '.join(FP8_METHODS)}); "
-                         f"this one is {method!r}" + (f" with {bits} bits" if method in ("awq", "gptq") else ""))
+        raise ValueError(
+            f"hfaccel loads 4-bit awq or gptq checkpoints and fp8 ones ({', '.join(FP8_METHODS)}); "
+            f"this one is {method!r}" + (f" with {bits} bits" if method in ("awq", "gptq") else "")
+        )
     if method == "awq" and spec.get("version", "gemm").lower() != "gemm":
         raise ValueError(f"AWQ version {spec.get('version')!r} is not supported (only 'gemm')")
 
@@ -180,13 +205,14 @@ def _fp8_block(spec: dict) -> tuple[int, int] | None:
         return None
     schemes = [group.get("weights") or {} for group in (spec.get("config_groups") or {}).values()]
     if spec.get("format") not in ("float-quantized", "naive-quantized"):
-        raise ValueError(f"hfaccel reads compressed-tensors fp8 checkpoints (format float-quantized, 8-bit float "
-                         f"weights); this one is format {spec.get('format')!r} with weights {schemes}")
+        raise ValueError(
+            f"hfaccel reads compressed-tensors fp8 checkpoints (format float-quantized, 8-bit float "
+            f"weights); this one is format {spec.get('format')!r} with weights {schemes}"
+        )
     return compressed_tensors_block(schemes)
 
 
-def _read_fp8_layers(model: nn.Module, state: dict, block: tuple[int, int] | None, dtype: torch.dtype,
-                     device) -> None:
+def _read_fp8_layers(model: nn.Module, state: dict, block: tuple[int, int] | None, dtype: torch.dtype, device) -> None:
     """Replace each Linear layer whose checkpoint weight is fp8 by an :class:`Fp8Linear` of it (its tensors taken
     out of ``state``)."""
     names = sorted(k.rsplit(".", 1)[0] for k, v in state.items() if k.endswith(".weight") and v.dtype == FP8_DTYPE)
@@ -197,18 +223,20 @@ def _read_fp8_layers(model: nn.Module, state: dict, block: tuple[int, int] | Non
         for unused in ("input_scale", "input_scale_ub"):  # activation scales: activations stay 16-bit here
             state.pop(f"{name}.{unused}", None)
         bias = state.pop(f"{name}.bias", None)
-        _replace(model, name, Fp8Linear.from_checkpoint(weight.to(device), scale.to(device), block, bias,
-                                                        dtype=dtype))
+        _replace(model, name, Fp8Linear.from_checkpoint(weight.to(device), scale.to(device), block, bias, dtype=dtype))
 
 
 def _kv_scales(state: dict, scheme: dict | None) -> dict[str, torch.Tensor]:
     """A ``kv_cache_scheme``'s ``k_scale`` / ``v_scale`` tensors, taken out of ``state``; a ValueError for a scheme
     other than fp8 (8-bit float, symmetric)."""
     keys = [k for k in state if k.endswith((".k_scale", ".v_scale"))]
-    if keys and (not scheme or scheme.get("type") != "float" or scheme.get("num_bits") != 8
-                 or not scheme.get("symmetric", True)):
-        raise ValueError(f"hfaccel reads fp8 KV cache scales (kv_cache_scheme num_bits 8, type float, symmetric); "
-                         f"this checkpoint has {len(keys)} k_scale/v_scale tensors and kv_cache_scheme {scheme}")
+    if keys and (
+        not scheme or scheme.get("type") != "float" or scheme.get("num_bits") != 8 or not scheme.get("symmetric", True)
+    ):
+        raise ValueError(
+            f"hfaccel reads fp8 KV cache scales (kv_cache_scheme num_bits 8, type float, symmetric); "
+            f"this checkpoint has {len(keys)} k_scale/v_scale tensors and kv_cache_scheme {scheme}"
+        )
     return {key: state.pop(key) for key in keys}
 
 
@@ -221,8 +249,14 @@ def _read_weight(state: dict, name: str, method: str, group_size: int, v1: bool)
 
 def _to(weight: formats.Int4Weight, device) -> formats.Int4Weight:
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return formats.Int4Weight(move(weight.qweight), move(weight.scales), move(weight.zeros), weight.group_size,
-                              move(weight.perm), move(weight.g_idx))
+    return formats.Int4Weight(
+        move(weight.qweight),
+        move(weight.scales),
+        move(weight.zeros),
+        weight.group_size,
+        move(weight.perm),
+        move(weight.g_idx),
+    )
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -72,8 +72,14 @@ class Int4Weight:
     g_idx: torch.Tensor | None = None  # [K] int32 group of each original column (GPTQ act-order), for saving
 
     @classmethod
-    def from_values(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    g_idx: torch.Tensor | None = None) -> Int4Weight:
+    def from_values(
+        cls,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        g_idx: torch.Tensor | None = None,
+    ) -> Int4Weight:
         """From integer values ``q [K, N]`` (0..15) in original column order and per-group scales/zeros;
         a ``g_idx`` other than ``arange(K) // group_size`` (activation order) is made contiguous by a ``perm``."""
         k = q.shape[0]
@@ -82,8 +88,10 @@ class Int4Weight:
             return cls(pack_along_rows(q), scales, zeros, group_size)
         counts = torch.bincount(g_idx.long(), minlength=scales.shape[0])
         if not torch.all(counts == group_size):
-            raise ValueError(f"g_idx must put exactly group_size={group_size} columns in each group; "
-                             f"got group sizes {sorted(set(counts.tolist()))}")
+            raise ValueError(
+                f"g_idx must put exactly group_size={group_size} columns in each group; "
+                f"got group sizes {sorted(set(counts.tolist()))}"
+            )
         perm = torch.argsort(g_idx.long(), stable=True)
         return cls(pack_along_rows(q[perm]), scales, zeros, group_size, perm=perm, g_idx=g_idx.to(torch.int32))
 
@@ -116,24 +124,36 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
 def to_awq(weight: Int4Weight) -> dict[str, torch.Tensor]:
     if weight.perm is not None:
         raise ValueError("an activation-order (desc_act) weight has no AWQ representation; save as gptq")
-    return {"qweight": pack_along_cols(weight.values(), AWQ_ORDER),
-            "qzeros": pack_along_cols(weight.zeros.round().to(torch.int64), AWQ_ORDER),
-            "scales": weight.scales.to(torch.float16)}
+    return {
+        "qweight": pack_along_cols(weight.values(), AWQ_ORDER),
+        "qzeros": pack_along_cols(weight.zeros.round().to(torch.int64), AWQ_ORDER),
+        "scales": weight.scales.to(torch.float16),
+    }
 
 
-def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-              group_size: int, *, v1: bool) -> Int4Weight:
+def from_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    *,
+    v1: bool,
+) -> Int4Weight:
     """GPTQ tensors → hfaccel layout (exact); ``v1`` files store zero points minus one."""
     zeros = unpack_along_cols(qzeros)
     if v1:
         zeros = (zeros + 1) & 0xF
-    return Int4Weight.from_values(unpack_along_rows(qweight), scales.clone(), zeros.to(scales.dtype), group_size,
-                                  g_idx)
+    return Int4Weight.from_values(unpack_along_rows(qweight), scales.clone(), zeros.to(scales.dtype), group_size, g_idx)
 
 
 def to_gptq(weight: Int4Weight, *, v1: bool) -> dict[str, torch.Tensor]:
     zeros = weight.zeros.round().to(torch.int64)
     if v1:
         zeros = (zeros - 1) & 0xF
-    return {"qweight": pack_along_rows(weight.values()), "qzeros": pack_along_cols(zeros),
-            "scales": weight.scales.to(torch.float16), "g_idx": weight.groups().to(torch.int32)}
+    return {
+        "qweight": pack_along_rows(weight.values()),
+        "qzeros": pack_along_cols(zeros),
+        "scales": weight.scales.to(torch.float16),
+        "g_idx": weight.groups().to(torch.int32),
+    }

@@ -40,8 +40,17 @@ class Fp8Linear(nn.Module):
     docstring); ``bias [N]`` in the activation dtype.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, group_k: int | None = None, group_n: int = 1,
-                 bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group_k: int | None = None,
+        group_n: int = 1,
+        bias: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.group_k, self.group_n = group_k or in_features, group_n
@@ -59,14 +68,22 @@ class Fp8Linear(nn.Module):
         return cls.from_checkpoint(quantized, scale, None, linear.bias, dtype=linear.weight.dtype)
 
     @classmethod
-    def from_checkpoint(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                        bias: torch.Tensor | None = None, *, dtype: torch.dtype = torch.bfloat16) -> Fp8Linear:
+    def from_checkpoint(
+        cls,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int] | None,
+        bias: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> Fp8Linear:
         """A layer of a checkpoint's fp8 ``weight [N, K]`` and its scales as the formats store them: ``scale``
         ``[N, 1]`` or ``[N]`` per output channel, ``[1]`` / ``[]`` per tensor, or ``[ceil(N / bn), ceil(K / bk)]``
         per ``block = (bn, bk)`` (block FP8's ``weight_scale_inv``)."""
         if weight.dtype != FP8_DTYPE or weight.dim() != 2:
-            raise ValueError(f"an fp8 checkpoint weight is a 2-D {FP8_DTYPE} tensor; got {weight.dtype} "
-                             f"{list(weight.shape)}")
+            raise ValueError(
+                f"an fp8 checkpoint weight is a 2-D {FP8_DTYPE} tensor; got {weight.dtype} {list(weight.shape)}"
+            )
         n, k = weight.shape
         scale = scale.to(torch.float32)
         if block is not None:
@@ -77,12 +94,15 @@ class Fp8Linear(nn.Module):
         elif scale.numel() == n:
             group_n, group_k, layout = 1, k, scale.reshape(1, n)
         else:
-            raise ValueError(f"fp8 scales of shape {list(scale.shape)} fit neither per-channel ([{n}, 1]) nor "
-                             f"per-tensor scales of a [{n}, {k}] weight, and no weight_block_size was given")
+            raise ValueError(
+                f"fp8 scales of shape {list(scale.shape)} fit neither per-channel ([{n}, 1]) nor "
+                f"per-tensor scales of a [{n}, {k}] weight, and no weight_block_size was given"
+            )
         module = cls(k, n, group_k=group_k, group_n=group_n, bias=bias is not None, dtype=dtype, device=weight.device)
         if tuple(layout.shape) != tuple(module.weight_scale.shape):
-            raise ValueError(f"fp8 block scales {list(scale.shape)} do not fit a [{n}, {k}] weight in blocks of "
-                             f"{block}")
+            raise ValueError(
+                f"fp8 block scales {list(scale.shape)} do not fit a [{n}, {k}] weight in blocks of {block}"
+            )
         module.weight.copy_(weight.t())
         module.weight_scale.copy_(layout)
         if bias is not None:
@@ -121,8 +141,10 @@ class Fp8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.granularity}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.granularity}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 # transformers' own fp8 layers (on a GPU; on a CPU transformers dequantizes such checkpoints to 16-bit Linear layers)
@@ -145,8 +167,9 @@ def from_transformers_layer(module: nn.Module, dtype: torch.dtype) -> Fp8Linear 
         scale_name, block = "weight_scale", compressed_tensors_block([module.quantization_scheme.weights.model_dump()])
     else:
         return None
-    return Fp8Linear.from_checkpoint(weight.detach(), getattr(module, scale_name).detach(), block, module.bias,
-                                     dtype=dtype)
+    return Fp8Linear.from_checkpoint(
+        weight.detach(), getattr(module, scale_name).detach(), block, module.bias, dtype=dtype
+    )
 
 
 def compressed_tensors_block(weights: list[dict]) -> tuple[int, int] | None:
@@ -162,15 +185,20 @@ def compressed_tensors_block(weights: list[dict]) -> tuple[int, int] | None:
         blocks = {tuple(w.get("block_structure") or ()) for w in weights}
         if len(blocks) == 1 and len(next(iter(blocks))) == 2:
             return tuple(int(b) for b in blocks.pop())
-    raise ValueError(f"compressed-tensors fp8 weight strategies {sorted(strategies)}: hfaccel reads channel, tensor "
-                     "and block (one block structure)")
+    raise ValueError(
+        f"compressed-tensors fp8 weight strategies {sorted(strategies)}: hfaccel reads channel, tensor "
+        "and block (one block structure)"
+    )
 
 
 def fp8_targets(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear]]:
     """(name, layer) of the Linear layers ``quantize(method="fp8")`` turns into :class:`Fp8Linear`: all but
     ``skip``."""
-    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear
-            and not any(name == s or name.endswith("." + s) for s in skip)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and not any(name == s or name.endswith("." + s) for s in skip)
+    ]
 
 
 def adopt_fp8_layers(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, nn.Module]]:
@@ -213,12 +241,15 @@ def check_fp8_backend(model: nn.Module, backend: str, quantize: str | None) -> N
     """A ``ValueError`` when ``backend="triton"`` demands hfaccel's kernels for fp8 weights (the model's, or
     ``quantize="fp8"``'s) on a device where the fp8 kernels do not run."""
     device = model_device(model)
-    has_fp8 = quantize == "fp8" or any(isinstance(w := getattr(m, "weight", None), torch.Tensor)
-                                       and w.dtype == FP8_DTYPE for m in model.modules())
+    has_fp8 = quantize == "fp8" or any(
+        isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dtype == FP8_DTYPE for m in model.modules()
+    )
     if backend == "triton" and has_fp8 and not fp8_kernels_run(device):
-        raise ValueError(f"attention='triton' demands hfaccel's kernels, and its fp8 kernels need a GPU that converts "
-                         f"e4m3 (sm_89 or later); {device} has none. Use attention='auto' (the fp8 weights then run "
-                         "dequantized to 16-bit)")
+        raise ValueError(
+            f"attention='triton' demands hfaccel's kernels, and its fp8 kernels need a GPU that converts "
+            f"e4m3 (sm_89 or later); {device} has none. Use attention='auto' (the fp8 weights then run "
+            "dequantized to 16-bit)"
+        )
 
 
 def serves_dequantized(device: torch.device | str) -> bool:
@@ -235,6 +266,9 @@ def dense_where_no_fp8_kernels(model: nn.Module, dtype: torch.dtype) -> int:
     for layer in layers:
         layer.dequantize_once(dtype)
     if layers:
-        warnings.warn(f"hfaccel: {layers[0].weight.device} has no fp8 conversion (sm_89 or later needed): "
-                      f"{len(layers)} fp8 layers run dequantized to {dtype}", stacklevel=3)
+        warnings.warn(
+            f"hfaccel: {layers[0].weight.device} has no fp8 conversion (sm_89 or later needed): "
+            f"{len(layers)} fp8 layers run dequantized to {dtype}",
+            stacklevel=3,
+        )
     return len(layers)

@@ -22,32 +22,50 @@ class Int4Linear(nn.Module):
     ``desc_act``) checkpoints ``perm [K]`` (the input permutation that makes groups contiguous) and ``g_idx``.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, group_size: int = 128, bias: bool = False,
-                 act_order: bool = False, dtype: torch.dtype = torch.float16, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group_size: int = 128,
+        bias: bool = False,
+        act_order: bool = False,
+        dtype: torch.dtype = torch.float16,
+        device=None,
+    ):
         super().__init__()
         if in_features % group_size or group_size % 8 or out_features % 8:
-            raise ValueError(f"Int4Linear needs in_features ({in_features}) divisible by group_size "
-                             f"({group_size}), group_size by 8 and out_features ({out_features}) by 8")
+            raise ValueError(
+                f"Int4Linear needs in_features ({in_features}) divisible by group_size "
+                f"({group_size}), group_size by 8 and out_features ({out_features}) by 8"
+            )
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups = in_features // group_size
         self.register_buffer("qweight", torch.zeros(in_features // 8, out_features, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=dtype, device=device))
         self.register_buffer("zeros", torch.zeros(groups, out_features, dtype=dtype, device=device))
         self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
-        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32, device=device)
-                             if act_order else None)
+        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32, device=device) if act_order else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self._int4pack: Int4Pack | None = None
         self.cpu_path: str | None = None  # decided by the first CPU forward (or cpu_pack())
 
     @classmethod
-    def from_weight(cls, weight: Int4Weight, bias: torch.Tensor | None = None, *,
-                    dtype: torch.dtype | None = None) -> Int4Linear:
+    def from_weight(
+        cls, weight: Int4Weight, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None
+    ) -> Int4Linear:
         """Wrap an :class:`Int4Weight` (and an optional bias) as a module."""
         k, n = weight.qweight.shape[0] * 8, weight.qweight.shape[1]
         dtype = dtype or weight.scales.dtype
-        module = cls(k, n, group_size=weight.group_size, bias=bias is not None, act_order=weight.perm is not None,
-                     dtype=dtype, device=weight.qweight.device)
+        module = cls(
+            k,
+            n,
+            group_size=weight.group_size,
+            bias=bias is not None,
+            act_order=weight.perm is not None,
+            dtype=dtype,
+            device=weight.qweight.device,
+        )
         module.qweight.copy_(weight.qweight)
         module.scales.copy_(weight.scales.to(dtype))
         module.zeros.copy_(weight.zeros.to(dtype))
@@ -111,9 +129,11 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits=4, "
-                f"group_size={self.group_size}, act_order={self.perm is not None}, bias={self.bias is not None}"
-                + (f", cpu_path={self.cpu_path}" if self.cpu_path else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits=4, "
+            f"group_size={self.group_size}, act_order={self.perm is not None}, bias={self.bias is not None}"
+            + (f", cpu_path={self.cpu_path}" if self.cpu_path else "")
+        )
 
 
 def int4_layers(model: nn.Module) -> tuple[Int4Linear, ...]:

@@ -32,5 +32,9 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, *, dtype: torch.dt
     scales, zeros = scales.view(-1, out_features), zeros.view(-1, out_features)  # [G, N]
     q = quantize_values(w, scales[:, None], zeros[:, None])  # [G, g, N]
     dtype = dtype or weight.dtype
-    return Int4Weight(pack_along_rows(q.reshape(in_features, out_features).to(torch.int32)).to(weight.device),
-                      scales.to(dtype), zeros.to(dtype), group_size)
+    return Int4Weight(
+        pack_along_rows(q.reshape(in_features, out_features).to(torch.int32)).to(weight.device),
+        scales.to(dtype),
+        zeros.to(dtype),
+        group_size,
+    )

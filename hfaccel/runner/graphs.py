@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import types
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
@@ -22,8 +21,15 @@ import torch
 from hfaccel import compat
 from hfaccel.device import to_device
 from hfaccel.kernels.attention_tiles import BATCH_LADDER
-from hfaccel.kv import DeviceBlockTables, KVPool, PackedStep, slot_mapping, token_metadata
-from hfaccel.kv.state import StateStep
+from hfaccel.kv import DeviceBlockTables, PackedStep, token_metadata
+from hfaccel.runner.step_function import (
+    compiled_function,
+    failure_reason,
+    mark_draw_dynamic,
+    mark_step_dynamic,
+    release_generator_from_capture,
+    static_step,
+)
 from hfaccel.sampling.sampler import DRAW_COLUMNS, SampleRow, draw_columns, draw_step
 
 if TYPE_CHECKING:
@@ -31,7 +37,6 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("hfaccel")
 DEFAULT_LADDER = BATCH_LADDER  # the padded batch sizes of decode steps (hfaccel.kernels.attention_tiles)
-POOL_BLOCKS_DIM = 2  # the block dimension of a KV pool ``[L, 2, num_blocks, block_size, Hkv, D]``
 MIN_CONTEXT_BUCKET = 64  # uncompiled, uncaptured steps are built for contexts of powers of two from here
 
 
@@ -61,12 +66,24 @@ class DecodeGraphs:
     verification, the last token and the drafts) or of each sequence's last (``"last"``: a draft model catching up
     on the tokens the target accepted)."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
-                 logits_for: str = "all", capture: bool | None = None, compile: bool = False,
-                 ladder: Sequence[int] = DEFAULT_LADDER, draws: bool = False):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        max_model_len: int,
+        *,
+        tokens_per_seq: int = 1,
+        logits_for: str = "all",
+        capture: bool | None = None,
+        compile: bool = False,
+        ladder: Sequence[int] = DEFAULT_LADDER,
+        draws: bool = False,
+    ):
         if max_batch < 1 or max_model_len < 1 or tokens_per_seq < 1:
-            raise ValueError(f"max_batch, max_model_len and tokens_per_seq must be >= 1; got {max_batch}, "
-                             f"{max_model_len}, {tokens_per_seq}")
+            raise ValueError(
+                f"max_batch, max_model_len and tokens_per_seq must be >= 1; got {max_batch}, "
+                f"{max_model_len}, {tokens_per_seq}"
+            )
         if logits_for not in ("all", "last"):
             raise ValueError(f"logits_for must be 'all' or 'last'; got {logits_for!r}")
         if draws and tokens_per_seq != 1:
@@ -92,14 +109,17 @@ class DecodeGraphs:
         self.draws = draws  # whether run(draw=...) can draw the tokens inside the step
         self.draw_columns = torch.zeros(len(DRAW_COLUMNS), max_batch, dtype=torch.long, **on)  # [8, B]: draw_step's
         # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
-        self.keep = torch.arange(max_batch, dtype=torch.long, **on) * tokens_per_seq if self.last_only \
+        self.keep = (
+            torch.arange(max_batch, dtype=torch.long, **on) * tokens_per_seq
+            if self.last_only
             else torch.arange(tokens, dtype=torch.long, **on)
+        )
         self._tables = DeviceBlockTables(runner.pool.manager, width, self.device, rows=max_batch)
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
         # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
         # serves every batch size and pool size; each size is then captured as its own CUDA graph
-        self._step_fn = _compiled_function(static_step) if compile else static_step
-        self._draw_fn = _compiled_function(draw_step) if compile and draws else draw_step
+        self._step_fn = compiled_function(static_step) if compile else static_step
+        self._draw_fn = compiled_function(draw_step) if compile and draws else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
         self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
@@ -113,14 +133,19 @@ class DecodeGraphs:
 
     def status(self) -> str:
         """How the steps run, in one line: compiled or not, captured sizes, and the reasons of any fallback."""
-        parts = ["compiled" if self.compiled else ("uncompiled" if self.compile_failure is None
-                                                     else f"uncompiled ({self.compile_failure})")]
+        parts = [
+            "compiled"
+            if self.compiled
+            else ("uncompiled" if self.compile_failure is None else f"uncompiled ({self.compile_failure})")
+        ]
         if self.draw_compile_failure is not None:
             parts.append(f"draw uncompiled ({self.draw_compile_failure})")
         if self.capture:
             parts.append(f"CUDA graphs for sizes {sorted({size for size, *_ in self._graphs})}")
-        parts += [f"size {size}{' (LoRA)' if lora else ''}{' (drawing)' if draw else ''} uncaptured ({reason})"
-                  for (size, _, lora, draw), reason in sorted(self.capture_failures.items())]
+        parts += [
+            f"size {size}{' (LoRA)' if lora else ''}{' (drawing)' if draw else ''} uncaptured ({reason})"
+            for (size, _, lora, draw), reason in sorted(self.capture_failures.items())
+        ]
         return ", ".join(parts)
 
     def pool_changed(self) -> None:
@@ -128,8 +153,9 @@ class DecodeGraphs:
         dropped; the compiled step serves the new pool as it is (its block count is symbolic)."""
         self._graphs.clear()
         self._memory_pool = None
-        self._tables = DeviceBlockTables(self.runner.pool.manager, self._tables.width, self.device,
-                                         rows=len(self._tables.table))
+        self._tables = DeviceBlockTables(
+            self.runner.pool.manager, self._tables.width, self.device, rows=len(self._tables.table)
+        )
 
     @torch.inference_mode()  # as the runner's forwards run
     def warm_up(self, sizes: Sequence[int] | None = None, progress=None) -> None:
@@ -158,8 +184,9 @@ class DecodeGraphs:
         if not 0 < len(num_new) <= self.max_batch:
             return False
         if self.tokens_per_seq > 1:
-            return logits_for == ("last" if self.last_only else "all") \
-                and all(1 <= n <= self.tokens_per_seq for n in num_new)
+            return logits_for == ("last" if self.last_only else "all") and all(
+                1 <= n <= self.tokens_per_seq for n in num_new
+            )
         if any(n != 1 for n in num_new):
             return False
         return isinstance(logits_for, str) or list(logits_for) == list(range(len(num_new)))
@@ -171,9 +198,16 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     # ---------------------------------------------------------------------------------- host-fed steps
-    def run(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, starts: Sequence[int],
-            num_new: Sequence[int] | None = None, *, lora_slots: Sequence[int] | None = None,
-            draw: Sequence[SampleRow] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        seq_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        starts: Sequence[int],
+        num_new: Sequence[int] | None = None,
+        *,
+        lora_slots: Sequence[int] | None = None,
+        draw: Sequence[SampleRow] | None = None,
+    ) -> torch.Tensor:
         """Logits of the new tokens, packed as ``input_ids [T]`` is: ``num_new[i]`` tokens of sequence
         ``seq_ids[i]`` from position ``starts[i]`` (default one each: ``[B, V]``); ``lora_slots[i]``: the LoRA slot
         of sequence ``i`` (-1: none). With ``draw`` (``draws`` steps; one row per sequence, each of
@@ -183,8 +217,10 @@ class DecodeGraphs:
         size = self.size_for(batch)
         num_new = [1] * batch if num_new is None else list(num_new)
         if draw is not None and (not self.draws or len(draw) != batch):
-            raise ValueError(f"draw needs steps made with draws=True and one row per sequence; got {len(draw)} rows "
-                             f"for {batch} sequences" + ("" if self.draws else " and steps without draws"))
+            raise ValueError(
+                f"draw needs steps made with draws=True and one row per sequence; got {len(draw)} rows "
+                f"for {batch} sequences" + ("" if self.draws else " and steps without draws")
+            )
         start = time.perf_counter()
         self._fill(seq_ids, starts, size, num_new, draw_columns(draw) if draw is not None else [])
         lora = self._fill_lora(lora_slots, size)
@@ -196,7 +232,7 @@ class DecodeGraphs:
             return out.clone() if draw is not None else out  # tokens outlive the next replay (async scheduling)
         q = self.tokens_per_seq
         where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
-        self.input_ids[:size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
+        self.input_ids[: size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
         logits = self._replay(size, advance=False, lora=lora)  # [size, V] (last_only) or [size * q, V]
         return logits[:batch] if self.last_only else logits[where]
 
@@ -207,8 +243,10 @@ class DecodeGraphs:
         :meth:`run`; the block tables' columns past the given width are never read (the lengths stop before)."""
         batch, width = input_ids.shape[0], step.block_tables.shape[1]
         if self.tokens_per_seq != 1 or step.max_q_len != 1 or step.positions.shape[0] != batch:
-            raise ValueError(f"run_packed takes one token per sequence; got {step.positions.shape[0]} tokens for "
-                             f"{batch} sequences (max_q_len {step.max_q_len}) on steps of {self.tokens_per_seq}")
+            raise ValueError(
+                f"run_packed takes one token per sequence; got {step.positions.shape[0]} tokens for "
+                f"{batch} sequences (max_q_len {step.max_q_len}) on steps of {self.tokens_per_seq}"
+            )
         if width > self.block_tables.shape[1]:
             raise ValueError(f"block tables {width} blocks wide exceed the steps' {self.block_tables.shape[1]}")
         size = self.size_for(batch)
@@ -248,20 +286,25 @@ class DecodeGraphs:
         ends = [start + n for start, n in zip(starts, num_new)]
         states = [self._state_slots(seq_ids, size)] if self.runner.pool.states is not None else []
         offsets = [[self.runner.position_offsets.get(s, 0) for s in seq_ids]] if self.runner.offsets_positions else []
-        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw, *states, *offsets],
-                                    size)  # [3 + ..., size]
+        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw, *states, *offsets], size)  # [3 + ..., size]
         rows, start, real = moved[:3]
         if draw:
-            self.draw_columns[:, :size].copy_(moved[3:3 + len(draw)])
+            self.draw_columns[:, :size].copy_(moved[3 : 3 + len(draw)])
         if states:
             self.state_slots[:size].copy_(moved[3 + len(draw)])
         if offsets:
-            self.position_offsets[:size * self.tokens_per_seq].copy_(moved[-1].repeat_interleave(self.tokens_per_seq))
+            self.position_offsets[: size * self.tokens_per_seq].copy_(moved[-1].repeat_interleave(self.tokens_per_seq))
         torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
         tokens = size * self.tokens_per_seq
-        positions, slots, lens, cu = token_metadata(self._tables.table, rows, start, real,
-                                                    torch.full_like(real, self.tokens_per_seq), tokens,
-                                                    self.runner.pool.block_size)
+        positions, slots, lens, cu = token_metadata(
+            self._tables.table,
+            rows,
+            start,
+            real,
+            torch.full_like(real, self.tokens_per_seq),
+            tokens,
+            self.runner.pool.block_size,
+        )
         self.positions[:tokens].copy_(positions)
         self.seq_lens[:size].copy_(lens)
         self.slot_mapping[0, :tokens].copy_(slots)
@@ -285,7 +328,7 @@ class DecodeGraphs:
             return False
         q = self.tokens_per_seq
         per_token = [slot for slot in lora_slots for _ in range(q)] + [-1] * ((size - len(lora_slots)) * q)
-        self.lora_index[:size * q].copy_(to_device(per_token, torch.long, self.device))
+        self.lora_index[: size * q].copy_(to_device(per_token, torch.long, self.device))
         self.runner.lora.slots = present
         return True
 
@@ -293,18 +336,28 @@ class DecodeGraphs:
         """The static buffers' views for a step of ``size`` sequences (``size * tokens_per_seq`` tokens)."""
         if size not in self._views:
             tokens = size * self.tokens_per_seq
-            self._views[size] = (self.input_ids[:tokens], self.positions[:tokens], self.seq_lens[:size],
-                                 self.slot_mapping[:, :tokens], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
-                                 self.keep[:size if self.last_only else tokens], torch.arange(size, device=self.device),
-                                 self.lora_index[:tokens], self.state_slots[:size], self.position_offsets[:tokens])
+            self._views[size] = (
+                self.input_ids[:tokens],
+                self.positions[:tokens],
+                self.seq_lens[:size],
+                self.slot_mapping[:, :tokens],
+                self.block_tables[:size],
+                self.cu_seqlens_q[: size + 1],
+                self.keep[: size if self.last_only else tokens],
+                torch.arange(size, device=self.device),
+                self.lora_index[:tokens],
+                self.state_slots[:size],
+                self.position_offsets[:tokens],
+            )
         return self._views[size]
 
     def _step(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
         """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows; ``lora``: with
         the LoRA index buffer), then with ``draw`` the rows' tokens (:func:`draw_step` on the draw columns)."""
         rows = self._rows(size)
-        logits = self._compiled(self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq,
-                                lora)
+        logits = self._compiled(
+            self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
+        )
         return self._compiled(self._draw_fn, logits, self.draw_columns[:, :size]) if draw else logits
 
     def _compiled(self, function, *args) -> torch.Tensor:
@@ -323,8 +376,12 @@ class DecodeGraphs:
                 return function(*args)
         except compat.compile_errors() as error:
             reason = failure_reason(error)
-            _log.warning("hfaccel: torch.compile could not compile the decode step%s (%s); %s uncompiled",
-                         "" if is_step else "'s draw", reason, "decode steps run" if is_step else "it runs")
+            _log.warning(
+                "hfaccel: torch.compile could not compile the decode step%s (%s); %s uncompiled",
+                "" if is_step else "'s draw",
+                reason,
+                "decode steps run" if is_step else "it runs",
+            )
             if is_step:
                 self.compile_failure, self._step_fn, self.compiled = reason, static_step, False
                 return static_step(*args)
@@ -371,8 +428,11 @@ class DecodeGraphs:
             reason = "another tensor-parallel rank could not capture this size"  # none replays: collectives pair up
         if reason is not None:
             self.capture_failures[(size, advance, lora, draw)] = reason
-            _log.warning("hfaccel: CUDA graph capture of the decode step at batch %d failed (%s); that size runs "
-                         "uncaptured", size, reason)
+            _log.warning(
+                "hfaccel: CUDA graph capture of the decode step at batch %d failed (%s); that size runs uncaptured",
+                size,
+                reason,
+            )
             torch.cuda.synchronize(self.device)
             if advance:
                 self._restore(after)
@@ -388,92 +448,3 @@ class DecodeGraphs:
     def _restore(self, counters: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.positions.copy_(counters[0])
         self.seq_lens.copy_(counters[1])
-
-
-def static_step(runner: ModelRunner, rows: tuple[torch.Tensor, ...], advance: bool, max_model_len: int,
-                tokens_per_seq: int = 1, lora: bool = False) -> torch.Tensor:
-    """One static step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with ``advance``
-    (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
-    and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer. Returns the logits
-    of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each sequence's last)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets = rows
-    if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
-        slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
-    state = StateStep(state_slots) if runner.pool.states is not None else None
-    step = PackedStep(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens,
-                      positions=positions, max_seq_len=max_model_len, max_q_len=tokens_per_seq, state=state,
-                      offsets=offsets if runner.offsets_positions else None)
-    logits = runner.run_model(input_ids, step, keep, lora_index if lora else None)
-    if advance:
-        live = (seq_lens > 0).to(seq_lens.dtype)
-        positions.add_(live)
-        seq_lens.add_(live)
-    return logits
-
-
-def mark_step_dynamic(rows: tuple[torch.Tensor, ...], pool: KVPool) -> None:
-    """Mark the dimensions of a step's inputs that vary between calls as dynamic for torch.compile: the rows' batch
-    dimension (tokens or sequences), the pool's block count and its state slots. Everything else stays static
-    (``dynamic=None``)."""
-    input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets = rows
-    for tensor in (input_ids, positions, seq_lens, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets):
-        torch._dynamo.maybe_mark_dynamic(tensor, 0)
-    torch._dynamo.maybe_mark_dynamic(slots, 1)
-    for tensor in pool.tensors:
-        torch._dynamo.maybe_mark_dynamic(tensor, POOL_BLOCKS_DIM)
-    for tensor in pool.states.tensors() if pool.states is not None else ():
-        torch._dynamo.maybe_mark_dynamic(tensor, 0)
-
-
-def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
-    """Mark a draw's rows (``logits [R, V]``, ``columns [C, R]``) dynamic for torch.compile, the rest static."""
-    torch._dynamo.maybe_mark_dynamic(logits, 0)
-    torch._dynamo.maybe_mark_dynamic(columns, 1)
-
-
-def failure_reason(error: BaseException) -> str:
-    """A fallback's reason in one line: the error's type and the first line of its message (at most 300 chars).
-    Where ``error`` was raised while handling another (a failed capture's ``capture_end`` reports only "operation
-    failed due to a previous error during capture", hiding the error inside the captured step), the first error
-    of the chain leads — that is the cause — and ``error`` follows it."""
-    first = error
-    seen = {id(error)}
-    while (cause := first.__cause__ or first.__context__) is not None and id(cause) not in seen:
-        first = cause
-        seen.add(id(cause))
-    return _one_line(error) if first is error else f"{_one_line(first)}; then {_one_line(error)}"
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
-
-
-def release_generator_from_capture(device: torch.device) -> None:
-    """Take ``device``'s default CUDA generator out of capture mode after a capture that failed: ``torch.cuda.graph``
-    puts it back only when ``capture_end`` succeeds, and until then every random op on the device fails
-    (docs/benchmarks.md). A capture that succeeds puts it back: one of a single fill, on a side stream."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    try:
-        with torch.cuda.stream(stream):
-            scratch = torch.empty(1, device=device)
-            with torch.cuda.graph(graph, stream=stream):
-                scratch.fill_(0.0)
-        torch.cuda.current_stream(device).wait_stream(stream)
-    except Exception as error:  # the device is in no state to capture at all: say so, keep the first failure's reason
-        _log.warning("hfaccel: after a failed CUDA graph capture, the generator of %s could not be released (%s); "
-                     "random ops on it may fail", device, failure_reason(error))
-
-
-def _compiled_function(function):
-    """``function`` under ``torch.compile(fullgraph=True)`` (inductor, :func:`hfaccel.compat.inductor_backend`), from
-    a code object of its own; static except the dimensions marked dynamic before each call."""
-    return torch.compile(_own_code(function), fullgraph=True, dynamic=None, backend=compat.inductor_backend)
-
-
-def _own_code(function):
-    """A copy of ``function`` with a code object of its own. Dynamo keeps compiled variants per code object and
-    counts them against one recompile limit (8): each DecodeGraphs compiles its own copy, so the runners of a
-    process (several models, engines, a pool that grew) never share it."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)

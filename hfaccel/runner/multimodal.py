@@ -28,8 +28,16 @@ MROPE_WITH_TEXT_ROW = 4
 
 
 @torch.inference_mode()
-def prefill_batch(model, runner, seq_ids: Sequence[Hashable], lengths: Sequence[int], *, input_ids: torch.Tensor,
-                  generation_config, model_kwargs: dict) -> torch.Tensor:
+def prefill_batch(
+    model,
+    runner,
+    seq_ids: Sequence[Hashable],
+    lengths: Sequence[int],
+    *,
+    input_ids: torch.Tensor,
+    generation_config,
+    model_kwargs: dict,
+) -> torch.Tensor:
     """``generate``'s prefill of the rows of ``input_ids [B, L]`` (left-padded: row ``i`` holds ``lengths[i]`` real
     tokens) through transformers' own prefill, their K/V into the runner's sequences ``seq_ids`` (their slots
     reserved), each sequence's position offset set (``runner.position_offsets``). Returns the logits of each row's
@@ -52,8 +60,14 @@ def prefill_sequence(model, runner, seq_id: Hashable, input_ids: torch.Tensor, i
     length = input_ids.shape[0]
     cache = PromptCache(model.config, runner.pool, [seq_id], [0])
     with _positions_given(model) as seen:
-        out = model(input_ids=input_ids[None], attention_mask=torch.ones_like(input_ids)[None], use_cache=True,
-                    logits_to_keep=1, **{compat.cache_argument(model): cache}, **inputs)
+        out = model(
+            input_ids=input_ids[None],
+            attention_mask=torch.ones_like(input_ids)[None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{compat.cache_argument(model): cache},
+            **inputs,
+        )
     _set_offsets(runner, [seq_id], [length], _next_positions(seen, 1, length, [0]))
     return out.logits[:, -1]
 
@@ -149,8 +163,10 @@ class EncoderCache:
                 self.misses += 1
                 fresh[digest] = (inputs, ids)
         found.update(self._encode(model, fresh))
-        return [{**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": found[digest]}
-                for digest, inputs, _ in prompts]
+        return [
+            {**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": found[digest]}
+            for digest, inputs, _ in prompts
+        ]
 
     def _encode(self, model, fresh: dict[str, tuple[dict, Sequence[int]]]) -> dict[str, dict]:
         """The encoder's outputs of each prompt's images, kept. Prompts whose inputs stack (:func:`_stack_key`) are
@@ -163,8 +179,10 @@ class EncoderCache:
         for digests in groups.values():
             outputs = None
             if len(digests) > 1:
-                batch = {name: torch.cat([fresh[d][0][name] for d in digests]) for name in _encoder_inputs(
-                    fresh[digests[0]][0])}
+                batch = {
+                    name: torch.cat([fresh[d][0][name] for d in digests])
+                    for name in _encoder_inputs(fresh[digests[0]][0])
+                }
                 outputs = _split(model, compat.encode_media(model, batch), [fresh[d][1] for d in digests])
                 self.batches += outputs is not None
             if outputs is None:
@@ -177,8 +195,10 @@ class EncoderCache:
         return encoded
 
     def __str__(self) -> str:
-        return (f"{len(self._outputs)} of {self.size} held, {self.hits} hits, {self.misses} misses, "
-                f"{self.batches} batched encodes")
+        return (
+            f"{len(self._outputs)} of {self.size} held, {self.hits} hits, {self.misses} misses, "
+            f"{self.batches} batched encodes"
+        )
 
 
 def per_token(name: str) -> bool:

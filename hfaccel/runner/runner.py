@@ -50,8 +50,9 @@ def packed_token_limit(config) -> int | None:
     have no one length). That scale is 1, as at every true position, while ``p + 1 < floor_scale`` for both.
     """
     config = config.get_text_config(decoder=True)
-    if not getattr(config, "attn_temperature_tuning", False) or 0 not in (getattr(config, "no_rope_layers", None)
-                                                                          or ()):
+    if not getattr(config, "attn_temperature_tuning", False) or 0 not in (
+        getattr(config, "no_rope_layers", None) or ()
+    ):
         return None
     return int(config.floor_scale) - 1
 
@@ -82,54 +83,97 @@ class ModelRunner:
         if pool.states is not None:
             install_mixers(model, pool.layout)  # its recurrent layers run per sequence under this runner's cache
 
-    def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 1,
-                             capture: bool | None = None, compile: bool = False,
-                             ladder: Sequence[int] = DEFAULT_LADDER, draws: bool = False) -> DecodeGraphs:
+    def enable_decode_graphs(
+        self,
+        max_batch: int,
+        max_model_len: int,
+        *,
+        tokens_per_seq: int = 1,
+        capture: bool | None = None,
+        compile: bool = False,
+        ladder: Sequence[int] = DEFAULT_LADDER,
+        draws: bool = False,
+    ) -> DecodeGraphs:
         """Run forwards of one token per sequence — or, with ``tokens_per_seq > 1``, of up to that many per
         sequence with logits for all of them (speculative verification) — for up to ``max_batch`` sequences of
         up to ``max_model_len`` tokens as static-shape steps: compiled with ``torch.compile`` when ``compile``,
         captured as CUDA graphs per padded batch size when ``capture`` (default: on CUDA); otherwise the same
         static step runs eagerly. ``draws``: the steps can also draw the tokens (``forward(draw=...)``)."""
         self._check_static_size(max_batch * tokens_per_seq)
-        self.graphs = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq, capture=capture,
-                                   compile=compile, ladder=ladder, draws=draws)
+        self.graphs = DecodeGraphs(
+            self,
+            max_batch,
+            max_model_len,
+            tokens_per_seq=tokens_per_seq,
+            capture=capture,
+            compile=compile,
+            ladder=ladder,
+            draws=draws,
+        )
         return self.graphs
 
-    def enable_catch_up_graphs(self, max_batch: int, max_model_len: int, *, tokens_per_seq: int = 2,
-                               capture: bool | None = None, compile: bool = False,
-                               ladder: Sequence[int] = DEFAULT_LADDER) -> DecodeGraphs:
+    def enable_catch_up_graphs(
+        self,
+        max_batch: int,
+        max_model_len: int,
+        *,
+        tokens_per_seq: int = 2,
+        capture: bool | None = None,
+        compile: bool = False,
+        ladder: Sequence[int] = DEFAULT_LADDER,
+    ) -> DecodeGraphs:
         """Beside the decode steps, run forwards of up to ``tokens_per_seq`` tokens per sequence with the logits of
         each sequence's last token as static-shape steps too (compiled and captured as the decode steps are): a
         draft model catching up, each speculative step, on the one or two tokens the target accepted."""
         self._check_static_size(max_batch * tokens_per_seq)
-        self.catch_up = DecodeGraphs(self, max_batch, max_model_len, tokens_per_seq=tokens_per_seq,
-                                     logits_for="last", capture=capture, compile=compile, ladder=ladder)
+        self.catch_up = DecodeGraphs(
+            self,
+            max_batch,
+            max_model_len,
+            tokens_per_seq=tokens_per_seq,
+            logits_for="last",
+            capture=capture,
+            compile=compile,
+            ladder=ladder,
+        )
         return self.catch_up
 
     def _check_static_size(self, tokens: int) -> None:
         if self.max_tokens is not None and tokens > self.max_tokens:
-            raise ValueError(f"a static step of {tokens} tokens is more than this model's packed forward is exact "
-                             f"for ({self.max_tokens} tokens: hfaccel.runner.runner.packed_token_limit)")
+            raise ValueError(
+                f"a static step of {tokens} tokens is more than this model's packed forward is exact "
+                f"for ({self.max_tokens} tokens: hfaccel.runner.runner.packed_token_limit)"
+            )
 
     def check_lengths(self, num_new: Sequence[int], ends: Sequence[int]) -> None:
         """A ``ValueError`` unless a forward of ``num_new`` tokens per sequence, each sequence then ``ends`` tokens
         long, is within :attr:`max_tokens`."""
         limit = self.max_tokens
         if limit is not None and (sum(num_new) > limit or max(ends, default=0) > limit):
-            raise ValueError(f"this model's packed forward is exact for up to {limit} tokens per sequence and per "
-                             f"forward (hfaccel.runner.runner.packed_token_limit); got {sum(num_new)} tokens in the "
-                             f"forward and sequences of up to {max(ends, default=0)}")
+            raise ValueError(
+                f"this model's packed forward is exact for up to {limit} tokens per sequence and per "
+                f"forward (hfaccel.runner.runner.packed_token_limit); got {sum(num_new)} tokens in the "
+                f"forward and sequences of up to {max(ends, default=0)}"
+            )
 
     def static_steps(self) -> tuple[DecodeGraphs, ...]:
         """The static steps enabled (decode, then catch-up)."""
         return tuple(graphs for graphs in (self.graphs, self.catch_up) if graphs is not None)
 
     @torch.inference_mode()
-    def forward(self, seq_ids: Sequence[Hashable], input_ids: torch.Tensor, num_new: Sequence[int], *,
-                logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None,
-                token_ids: Sequence[Sequence[int]] | None = None,
-                lora_slots: Sequence[int] | None = None, draw: Sequence[SampleRow] | None = None,
-                prompt_rows: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        seq_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        num_new: Sequence[int],
+        *,
+        logits_for: str | Sequence[int] = "last",
+        starts: Sequence[int] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        lora_slots: Sequence[int] | None = None,
+        draw: Sequence[SampleRow] | None = None,
+        prompt_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """One packed forward; returns logits ``[S, V]`` (``logits_for="last"``: each sequence's last new
         token), ``[T, V]`` (``"all"``: every new token, in packed order) or ``[len(logits_for), V]`` (the last
         new token of the sequences at those indices of ``seq_ids``).
@@ -144,21 +188,29 @@ class ModelRunner:
         logprobs; ``logits_for`` then a list of sequence indices); such a forward runs eagerly.
         """
         if input_ids.dim() != 1 or input_ids.shape[0] != sum(num_new):
-            raise ValueError(f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [T] with T = sum(num_new) = {sum(num_new)}; got {tuple(input_ids.shape)}"
+            )
         if len(seq_ids) != len(num_new) or len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"one distinct sequence id per entry of num_new; got {list(seq_ids)}, {list(num_new)}")
         if any(n < 1 for n in num_new):
             raise ValueError(f"every sequence needs at least one new token; got {list(num_new)}")
         if lora_slots is not None and (self.lora is None or len(lora_slots) != len(num_new)):
-            raise ValueError(f"lora_slots needs the model's LoRA layers (runner.lora) and one slot per sequence; got "
-                             f"{len(lora_slots)} for {len(num_new)} sequences"
-                             + ("" if self.lora is not None else " and no LoRA layers"))
+            raise ValueError(
+                f"lora_slots needs the model's LoRA layers (runner.lora) and one slot per sequence; got "
+                f"{len(lora_slots)} for {len(num_new)} sequences"
+                + ("" if self.lora is not None else " and no LoRA layers")
+            )
         if draw is not None and not self.draws(num_new, logits_for, starts):
-            raise ValueError("draw needs a forward of one token per sequence, logits for each, served by decode steps "
-                             f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}"
-                             + ("" if starts is None or self._static_serves(starts) else
-                                ", and a sequence starting (its recurrent layers' first tokens run eagerly)"))
+            raise ValueError(
+                "draw needs a forward of one token per sequence, logits for each, served by decode steps "
+                f"made with draws=True; got num_new {list(num_new)}, logits_for {logits_for!r}"
+                + (
+                    ""
+                    if starts is None or self._static_serves(starts)
+                    else ", and a sequence starting (its recurrent layers' first tokens run eagerly)"
+                )
+            )
         if self.max_tokens is not None:
             held = starts or [self.pool.manager.seq_len(s) if s in self.pool.manager else 0 for s in seq_ids]
             self.check_lengths(num_new, [start + n for start, n in zip(held, num_new)])
@@ -169,8 +221,9 @@ class ModelRunner:
         self.pool.sync_states()
         for graphs in self.static_steps() if self._static_serves(starts) and not prompt_rows else ():
             if graphs.serves(num_new, logits_for):
-                extra = {name: value for name, value in (("lora_slots", lora_slots), ("draw", draw))
-                         if value is not None}
+                extra = {
+                    name: value for name, value in (("lora_slots", lora_slots), ("draw", draw)) if value is not None
+                }
                 return self._static_forward(graphs, seq_ids, input_ids, starts, num_new, extra)
         start = time.perf_counter()
         step = self._with_offsets(self.pool.packed_step(seq_ids, starts, num_new), seq_ids, num_new).to(self.device)
@@ -188,22 +241,35 @@ class ModelRunner:
             return step
         return replace(step, offsets=torch.tensor(offsets).repeat_interleave(torch.tensor(list(num_new))))
 
-    def _static_forward(self, graphs: DecodeGraphs, seq_ids: Sequence[Hashable], input_ids: torch.Tensor,
-                        starts: Sequence[int], num_new: Sequence[int], extra: dict) -> torch.Tensor:
+    def _static_forward(
+        self,
+        graphs: DecodeGraphs,
+        seq_ids: Sequence[Hashable],
+        input_ids: torch.Tensor,
+        starts: Sequence[int],
+        num_new: Sequence[int],
+        extra: dict,
+    ) -> torch.Tensor:
         """A forward the static steps ``graphs`` serve (what :meth:`forward` returns)."""
         return graphs.run(seq_ids, input_ids, starts, num_new, **extra)
 
-    def _eager_forward(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
-                       lora_index: torch.Tensor | None) -> torch.Tensor:
+    def _eager_forward(
+        self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int, lora_index: torch.Tensor | None
+    ) -> torch.Tensor:
         """A forward no static step serves, its metadata built (what :meth:`forward` returns)."""
         return self.run_model(input_ids, step, keep, lora_index)
 
-    def draws(self, num_new: Sequence[int], logits_for: str | Sequence[int] = "last",
-              starts: Sequence[int] | None = None) -> bool:
+    def draws(
+        self, num_new: Sequence[int], logits_for: str | Sequence[int] = "last", starts: Sequence[int] | None = None
+    ) -> bool:
         """Whether :meth:`forward` can draw the tokens of such a forward inside the decode step (``starts``: where
         each sequence's new tokens begin, when known)."""
-        return (self.graphs is not None and self.graphs.draws and self.graphs.serves(num_new, logits_for)
-                and (starts is None or self._static_serves(starts)))
+        return (
+            self.graphs is not None
+            and self.graphs.draws
+            and self.graphs.serves(num_new, logits_for)
+            and (starts is None or self._static_serves(starts))
+        )
 
     def _static_serves(self, starts: Sequence[int]) -> bool:
         """Whether a static step may serve sequences starting at ``starts``: always, unless the model keeps
@@ -211,21 +277,33 @@ class ModelRunner:
         transformers runs them)."""
         return self.pool.states is None or all(start > 0 for start in starts)
 
-    def run_model(self, input_ids: torch.Tensor, step: PackedStep, keep: torch.Tensor | int,
-                  lora_index: torch.Tensor | None = None) -> torch.Tensor:
+    def run_model(
+        self,
+        input_ids: torch.Tensor,
+        step: PackedStep,
+        keep: torch.Tensor | int,
+        lora_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The model's forward on packed ``input_ids [T]`` with the step's metadata; logits of the ``keep``
         positions (``0``: all). ``lora_index [T]``: each token's LoRA slot (None: no token takes an adapter)."""
         if paged_reader_backend(self.model.config) is None:
-            raise RuntimeError("ModelRunner needs the model's attention to be hfaccel's (got "
-                               f"{compat.attn_implementation(self.model.config)!r}): hfaccel.accelerate(model), "
-                               "or hfaccel.attention.hfaccel_attention(model) for the duration of a call")
+            raise RuntimeError(
+                "ModelRunner needs the model's attention to be hfaccel's (got "
+                f"{compat.attn_implementation(self.model.config)!r}): hfaccel.accelerate(model), "
+                "or hfaccel.attention.hfaccel_attention(model) for the duration of a call"
+            )
         self.cache.step = step
         if self.lora is not None:
             self.lora.index = lora_index
         try:
-            out = self.model(input_ids=input_ids[None], attention_mask=self._mask,
-                             position_ids=step.model_positions[None], use_cache=True, logits_to_keep=keep,
-                             **{self._cache_argument: self.cache})
+            out = self.model(
+                input_ids=input_ids[None],
+                attention_mask=self._mask,
+                position_ids=step.model_positions[None],
+                use_cache=True,
+                logits_to_keep=keep,
+                **{self._cache_argument: self.cache},
+            )
         finally:
             self.cache.step = None
             if self.lora is not None:
@@ -241,12 +319,15 @@ class ModelRunner:
         self.lora.slots = present
         return to_device([slot for slot, n in zip(lora_slots, num_new) for _ in range(n)], torch.long, self.device)
 
-    def _logits_index(self, step: PackedStep, num_new: Sequence[int], logits_for,
-                      prompt_rows: Sequence[int] | None = None) -> torch.Tensor | int:
+    def _logits_index(
+        self, step: PackedStep, num_new: Sequence[int], logits_for, prompt_rows: Sequence[int] | None = None
+    ) -> torch.Tensor | int:
         if isinstance(logits_for, str):
             if logits_for not in ("last", "all") or prompt_rows:
-                raise ValueError(f"logits_for must be 'last', 'all' or sequence indices (with prompt_rows: sequence "
-                                 f"indices); got {logits_for!r}")
+                raise ValueError(
+                    f"logits_for must be 'last', 'all' or sequence indices (with prompt_rows: sequence "
+                    f"indices); got {logits_for!r}"
+                )
             return step.cu_seqlens_q[1:].long() - 1 if logits_for == "last" else 0  # 0: every position
         ends = list(itertools.accumulate(num_new))
         return to_device([ends[i] - 1 for i in logits_for] + list(prompt_rows or ()), torch.long, self.device)

@@ -22,7 +22,7 @@ from hfaccel.device import model_device, per_model
 from hfaccel.kernels.flash_attention import MAX_HEAD_DIM
 from hfaccel.kv import KVPool
 from hfaccel.kv.layout import ModelLayout, model_layout
-from hfaccel.runner.graphs import failure_reason
+from hfaccel.runner.step_function import failure_reason
 from hfaccel.runner.runner import ModelRunner
 
 
@@ -73,8 +73,10 @@ def _forward_reason(model) -> str | None:
     """Why the model's forward cannot take hfaccel's packed sequences, or None."""
     parameters = inspect.signature(type(model).forward).parameters
     if "position_ids" not in parameters:
-        return ("its forward takes no position_ids (it derives positions from the cache length), which hfaccel's "
-                "packed sequences need")
+        return (
+            "its forward takes no position_ids (it derives positions from the cache length), which hfaccel's "
+            "packed sequences need"
+        )
     if "logits_to_keep" not in parameters:
         return "its forward takes no logits_to_keep (the logits of each sequence's last token)"
     return None
@@ -86,9 +88,11 @@ def _layout_reason(model, layout: ModelLayout) -> str | None:
         return "no layer keeps K/V (no attention for hfaccel's kernels to serve)"
     for layer, kv in sorted(layout.attention.items()):
         if kv.key_dim != kv.value_dim:
-            return (f"layer {layer} caches keys {kv.key_dim} wide and values {kv.value_dim} wide (multi-head latent "
-                    "attention caches its compressed latent and decompresses it after the cache), which hfaccel's "
-                    "kernels do not read")
+            return (
+                f"layer {layer} caches keys {kv.key_dim} wide and values {kv.value_dim} wide (multi-head latent "
+                "attention caches its compressed latent and decompresses it after the cache), which hfaccel's "
+                "kernels do not read"
+            )
         if kv.width > MAX_HEAD_DIM:
             return f"layer {layer} has head_dim {kv.width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
     if layout.hybrid and compat.tp_size(model) > 1:
@@ -109,8 +113,10 @@ def _trial_reason(model) -> str | None:
             prefill = runner.forward([0, 1], tokens, [3, 2])
             decode = runner.forward([0, 1], tokens[:2], [1, 1])
         if prefill.shape[0] != 2 or decode.shape[0] != 2:
-            return (f"its forward ignores logits_to_keep (logits of {prefill.shape[0]} tokens for the last tokens of "
-                    "2 sequences)")
+            return (
+                f"its forward ignores logits_to_keep (logits of {prefill.shape[0]} tokens for the last tokens of "
+                "2 sequences)"
+            )
     except Exception as error:
         return f"hfaccel's packed forward fails on it ({failure_reason(error)})"
     finally:

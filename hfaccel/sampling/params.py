@@ -92,8 +92,9 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         self.stop_token_ids = self.stop_token_ids or []
         _check(isinstance(self.stop, (list, tuple)), "stop", "a string or a list of strings", self.stop)
-        _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "a list of token ids",
-               self.stop_token_ids)
+        _check(
+            isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", "a list of token ids", self.stop_token_ids
+        )
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         self.validate()
 
@@ -109,41 +110,78 @@ class SamplingParams:
         """
         vocab = INT64_MAX if vocab_size is None else vocab_size
         ids = "int64 token ids >= 0" if vocab_size is None else f"token ids in [0, {vocab_size}) (the vocabulary)"
-        _check(_integer(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens", "an int64 >= 1",
-               self.max_tokens)
-        _check(_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a number in [0, 100]",
-               self.temperature)
+        _check(
+            _integer(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX,
+            "max_tokens",
+            "an int64 >= 1",
+            self.max_tokens,
+        )
+        _check(
+            _number(self.temperature) and 0 <= self.temperature <= 100,
+            "temperature",
+            "a number in [0, 100]",
+            self.temperature,
+        )
         _check(_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(self.top_k is None or (_integer(self.top_k) and -1 <= self.top_k <= vocab), "top_k",
-               "None, -1 or 0 (off), or " + ("an int64 >= 1" if vocab_size is None else
-                                             f"an int in [1, {vocab_size}] (the vocabulary size)"), self.top_k)
+        _check(
+            self.top_k is None or (_integer(self.top_k) and -1 <= self.top_k <= vocab),
+            "top_k",
+            "None, -1 or 0 (off), or "
+            + ("an int64 >= 1" if vocab_size is None else f"an int in [1, {vocab_size}] (the vocabulary size)"),
+            self.top_k,
+        )
         _check(_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]", self.min_p)
-        _check(_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100, "repetition_penalty",
-               "a number in (0, 100]", self.repetition_penalty)
+        _check(
+            _number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+            "repetition_penalty",
+            "a number in (0, 100]",
+            self.repetition_penalty,
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_number(value) and -2 <= value <= 2, name, "a number in [-2, 2]", value)
-        _check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop), "stop",
-               f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
-        _check(all(_integer(t) and 0 <= t < vocab for t in self.stop_token_ids), "stop_token_ids", ids,
-               self.stop_token_ids)
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            f"at most {MAX_STOP_STRINGS} non-empty strings",
+            self.stop,
+        )
+        _check(
+            all(_integer(t) and 0 <= t < vocab for t in self.stop_token_ids), "stop_token_ids", ids, self.stop_token_ids
+        )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        _check(_integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        _check(
+            _integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"an int in [0, max_tokens={self.max_tokens}]",
+            self.min_tokens,
+        )
         bias = self.logit_bias
-        _check(bias is None or isinstance(bias, dict) and all(
-            _integer(t) and 0 <= t < vocab and _number(v) and abs(v) <= MAX_LOGIT_BIAS for t, v in bias.items()),
-            "logit_bias", f"a dict of {ids} to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
+        _check(
+            bias is None
+            or isinstance(bias, dict)
+            and all(
+                _integer(t) and 0 <= t < vocab and _number(v) and abs(v) <= MAX_LOGIT_BIAS for t, v in bias.items()
+            ),
+            "logit_bias",
+            f"a dict of {ids} to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            bias,
+        )
         _check(self.seed is None or _integer(self.seed), "seed", "an int or None", self.seed)
         _check(_integer(self.n) and 1 <= self.n <= 128, "n", "an int in [1, 128]", self.n)
         most = min(MAX_LOGPROBS, vocab)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_integer(value) and 0 <= value <= most), name, f"None or an int in [0, {most}]",
-                   value)
+            _check(
+                value is None or (_integer(value) and 0 <= value <= most), name, f"None or an int in [0, {most}]", value
+            )
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "a bool", self.skip_special_tokens)
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
-               "structured_outputs", "None, a StructuredOutputs or a dict", self.structured_outputs)
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            "None, a StructuredOutputs or a dict",
+            self.structured_outputs,
+        )
 
     @property
     def uses_top_k(self) -> bool:

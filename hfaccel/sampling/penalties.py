@@ -29,8 +29,9 @@ class TokenCounts:
     def __len__(self) -> int:
         return len(self._row)
 
-    def rows(self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]],
-             outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    def rows(
+        self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         """The sequences' rows ``[P]`` (int64, on the device) after counting what is new: the prompt of a sequence
         seen for the first time, and the output tokens past those already counted. ``outputs[i]`` only grows while
         ``keys[i]`` lives (:meth:`release` it when it ends)."""
@@ -52,10 +53,12 @@ class TokenCounts:
         sizes = (len(rows), len(new_rows), len(prompt_rows))
         flat = to_device(rows + new_rows + new_tokens + prompt_rows + prompt_tokens, torch.long, self.device)
         rows_t, new_rows_t, new_tokens_t, prompt_rows_t, prompt_tokens_t = flat.split(
-            [sizes[0], sizes[1], sizes[1], sizes[2], sizes[2]])
+            [sizes[0], sizes[1], sizes[1], sizes[2], sizes[2]]
+        )
         if sizes[1]:
-            self.output.index_put_((new_rows_t, new_tokens_t), torch.ones_like(new_tokens_t, dtype=torch.float),
-                                   accumulate=True)
+            self.output.index_put_(
+                (new_rows_t, new_tokens_t), torch.ones_like(new_tokens_t, dtype=torch.float), accumulate=True
+            )
         if sizes[2]:
             self.prompt.index_put_((prompt_rows_t, prompt_tokens_t), torch.ones_like(prompt_tokens_t, dtype=torch.bool))
         return rows_t

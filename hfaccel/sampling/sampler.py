@@ -100,13 +100,18 @@ class SampledTokens:
         if self.logprob_rows:
             chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
             for j, (row, count) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
-                logprobs[row] = TokenLogprob(tokens[row], chosen[j], dict(zip(top_ids[j][:count],
-                                                                              top_values[j][:count])))
+                logprobs[row] = TokenLogprob(
+                    tokens[row], chosen[j], dict(zip(top_ids[j][:count], top_values[j][:count]))
+                )
         return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None = None,
-           counts: TokenCounts | None = None) -> SampledTokens:
+def sample(
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    pending: torch.Tensor | None = None,
+    counts: TokenCounts | None = None,
+) -> SampledTokens:
     """``logits [R, V]`` -> one token per row (and its logprobs where the row asked for them), on the device.
 
     ``pending [R]`` (int64, on the device): a token each row has generated that ``output_ids`` does not hold
@@ -125,8 +130,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tenso
     return _with_logprobs(SampledTokens(tokens), logits, rows)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None,
-                     counts: TokenCounts | None) -> torch.Tensor:
+def _apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SampleRow], pending: torch.Tensor | None, counts: TokenCounts | None
+) -> torch.Tensor:
     """Repetition (on every token of the prompt and output), frequency and presence (on output counts)."""
     penalized = [i for i, row in enumerate(rows) if row.params.penalized]
     if not penalized:
@@ -139,8 +145,12 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: t
     table = counts.rows(keys, [rows[i].prompt_ids for i in penalized], [rows[i].output_ids for i in penalized])
     output = counts.output[table]  # [P, V]: a copy, the pending tokens added to it alone
     params = [rows[i].params for i in penalized]
-    host = [penalized, [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-            [p.presence_penalty for p in params]]
+    host = [
+        penalized,
+        [p.repetition_penalty for p in params],
+        [p.frequency_penalty for p in params],
+        [p.presence_penalty for p in params],
+    ]
     index, repetition, frequency, presence = to_device(host, torch.float32, device)  # [4, P]: one copy
     index = index.long()  # row indices, exact in float32
     if pending is not None:
@@ -159,8 +169,9 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], pending: t
 def _apply_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Each row's ``logit_bias`` added to its logits, and the tokens it may not draw now (``banned``) masked out:
     one upload of (row, token, value) triples for the whole batch."""
-    cells = [(i, token, float(value)) for i, row in enumerate(rows)
-             for token, value in (row.params.logit_bias or {}).items()]
+    cells = [
+        (i, token, float(value)) for i, row in enumerate(rows) for token, value in (row.params.logit_bias or {}).items()
+    ]
     cells += [(i, token, float("-inf")) for i, row in enumerate(rows) for token in row.banned]
     if not cells:
         return logits
@@ -178,13 +189,16 @@ def _draw(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     seeded = [i for i, row in enumerate(rows) if row.seed is not None]
     if not seeded:
         return race(weights, global_noise(len(rows), vocab, device))
-    keys = to_device([[seed_key(rows[i].seed) for i in seeded], [rows[i].stream for i in seeded],
-                      [rows[i].counter for i in seeded]], torch.long, device)  # [3, S]: seeds, streams, counters
+    keys = to_device(
+        [[seed_key(rows[i].seed) for i in seeded], [rows[i].stream for i in seeded], [rows[i].counter for i in seeded]],
+        torch.long,
+        device,
+    )  # [3, S]: seeds, streams, counters
     if len(seeded) == len(rows):
         return keyed_race(weights, keys[0], keys[1], keys[2], DRAW)
     unseeded = [i for i, row in enumerate(rows) if row.seed is None]
     index = to_device(seeded + unseeded, torch.long, device)  # [R]: one upload
-    at_seeded, at_unseeded = index[:len(seeded)], index[len(seeded):]
+    at_seeded, at_unseeded = index[: len(seeded)], index[len(seeded) :]
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)  # [R]
     tokens.index_copy_(0, at_seeded, keyed_race(weights[at_seeded], keys[0], keys[1], keys[2], DRAW))
     drawn = race(weights[at_unseeded], global_noise(len(unseeded), vocab, device))
@@ -195,21 +209,34 @@ def draws_in_step(params: SamplingParams) -> bool:
     """Whether a row with ``params`` can draw inside a static step (:func:`draw_step`): it needs its token only —
     no penalties (token counts), logprobs, structured outputs (a mask from the host), logit bias or min_tokens (a
     bias and a ban from the host)."""
-    return (not params.penalized and params.logprobs is None and params.structured_outputs is None
-            and not params.logit_bias and not params.min_tokens)
+    return (
+        not params.penalized
+        and params.logprobs is None
+        and params.structured_outputs is None
+        and not params.logit_bias
+        and not params.min_tokens
+    )
 
 
 def draw_columns(rows: Sequence[SampleRow]) -> list[list[int]]:
     """The host values :func:`draw_step` reads for ``rows`` (:data:`DRAW_COLUMNS`, one list each, int64 values:
     the float parameters as their float32 bit patterns, so that they travel in one int64 upload)."""
     params = [row.params for row in rows]
-    kinds = [GREEDY_ROW if p.greedy else SEEDED_ROW if row.seed is not None else UNSEEDED_ROW
-             for p, row in zip(params, rows)]
-    floats = torch.tensor([[p.temperature or 1.0 for p in params], [p.top_p for p in params],
-                           [p.min_p for p in params]], dtype=torch.float32).view(torch.int32)  # [3, R]
-    return [kinds, [p.top_k if p.uses_top_k else 0 for p in params],
-            [seed_key(row.seed) if row.seed is not None else 0 for row in rows], [row.stream for row in rows],
-            [row.counter for row in rows], *floats.tolist()]
+    kinds = [
+        GREEDY_ROW if p.greedy else SEEDED_ROW if row.seed is not None else UNSEEDED_ROW for p, row in zip(params, rows)
+    ]
+    floats = torch.tensor(
+        [[p.temperature or 1.0 for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        dtype=torch.float32,
+    ).view(torch.int32)  # [3, R]
+    return [
+        kinds,
+        [p.top_k if p.uses_top_k else 0 for p in params],
+        [seed_key(row.seed) if row.seed is not None else 0 for row in rows],
+        [row.stream for row in rows],
+        [row.counter for row in rows],
+        *floats.tolist(),
+    ]
 
 
 def draw_step(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -221,8 +248,12 @@ def draw_step(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     kind, top_k, seeds, streams, counters = columns[:5]  # [R] each
     temperature, top_p, min_p = columns[5:].to(torch.int32).view(torch.float32)  # [R] each
     vocab = logits.shape[-1]
-    warping = Warping(temperature=torch.where(temperature > 0, temperature, 1.0),
-                      top_k=torch.where(top_k > 0, top_k.clamp_max(vocab), vocab), top_p=top_p, min_p=min_p)
+    warping = Warping(
+        temperature=torch.where(temperature > 0, temperature, 1.0),
+        top_k=torch.where(top_k > 0, top_k.clamp_max(vocab), vocab),
+        top_p=top_p,
+        min_p=min_p,
+    )
     weights = kept_probabilities(logits, warping)  # [R, V]
     seeded = keyed_race_op(weights, seeds, streams, counters, DRAW, "auto")
     unseeded = race(weights, global_noise(logits.shape[0], vocab, logits.device))
@@ -253,12 +284,12 @@ def _with_logprobs(result: SampledTokens, logits: torch.Tensor, rows: Sequence[S
     if not wanted:
         return result
     index = to_device(wanted, torch.long, logits.device)
-    return add_logprobs(result, logits[index], result.tokens[index], wanted,
-                        [rows[i].params.logprobs for i in wanted])
+    return add_logprobs(result, logits[index], result.tokens[index], wanted, [rows[i].params.logprobs for i in wanted])
 
 
-def add_logprobs(result: SampledTokens, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
-                 counts: list[int]) -> SampledTokens:
+def add_logprobs(
+    result: SampledTokens, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]
+) -> SampledTokens:
     """``result`` with the log-probability of ``tokens [W]`` under ``logits [W, V]`` and the top ``counts[j]``
     alternatives, for its rows ``rows`` (on the device until ``result`` is asked for)."""
     logprobs = torch.log_softmax(logits.float(), -1)  # [W, V]

@@ -34,18 +34,18 @@ class IncrementalDetokenizer:
         ``find_stops=False``: the text grows and no stop string is looked for (an output below its
         ``min_tokens``)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return self._append(full[len(prefix):], find_stops)
+            return self._append(full[len(prefix) :], find_stops)
         return None
 
     def flush(self) -> None:
         """At the end: add whatever the last tokens decode to, even an incomplete character."""
         if self.stopped_by is None and self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            self._append(self._decode(self.ids[self.prefix_offset :])[len(prefix) :])
             self.read_offset = len(self.ids)
 
     def stable_length(self, finished: bool) -> int:
@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
         return max(0, len(self.text) - self.hold)
 
     def stable_text(self, finished: bool) -> str:
-        return self.text[:self.stable_length(finished)]
+        return self.text[: self.stable_length(finished)]
 
     def _append(self, delta: str, find_stops: bool = True) -> str | None:
         search_from = max(0, len(self.text) - self.hold)
@@ -103,8 +103,13 @@ class StopChecker:
             stop token then: ``SampleRow.banned``).
     """
 
-    def __init__(self, stop_token_ids: Iterable[int], detokenizer: IncrementalDetokenizer | None = None,
-                 max_tokens: int | None = None, min_tokens: int = 0):
+    def __init__(
+        self,
+        stop_token_ids: Iterable[int],
+        detokenizer: IncrementalDetokenizer | None = None,
+        max_tokens: int | None = None,
+        min_tokens: int = 0,
+    ):
         self.stop_token_ids = frozenset(stop_token_ids)
         self.detokenizer = detokenizer
         self.max_tokens = max_tokens

@@ -57,11 +57,16 @@ class StructuredOutputs:
     def __post_init__(self):
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputs takes exactly one of {', '.join(KINDS)}; got "
-                             f"{', '.join(given) if given else 'none'}")
+            raise ValueError(
+                f"StructuredOutputs takes exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}"
+            )
         if self.choice is not None:
-            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c
-                                                                          for c in self.choice):
+            if (
+                isinstance(self.choice, str)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 raise ValueError(f"choice must be a non-empty list of non-empty strings; got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json is not None and not isinstance(self.json, (dict, str)):
@@ -90,12 +95,15 @@ class StructuredOutputs:
         """From the request field vLLM's clients send (``{"json": ...}``, ``{"regex": ...}``, ``{"choice": [...]}``,
         ``{"grammar": ...}``, ``{"json_object": true}``)."""
         if not isinstance(spec, dict):
-            raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}; got "
-                             f"{type(spec).__name__}")
+            raise ValueError(
+                f"structured_outputs must be an object with one of {', '.join(KINDS)}; got {type(spec).__name__}"
+            )
         unknown = sorted(set(spec) - set(KINDS) - {"reasoning", "reasoning_tags"})
         if unknown:
-            raise ValueError(f"structured_outputs: unknown fields {unknown}; expected one of {', '.join(KINDS)} (and "
-                             f"reasoning, reasoning_tags)")
+            raise ValueError(
+                f"structured_outputs: unknown fields {unknown}; expected one of {', '.join(KINDS)} (and "
+                f"reasoning, reasoning_tags)"
+            )
         if isinstance(spec.get("reasoning_tags"), list):
             spec = {**spec, "reasoning_tags": tuple(spec["reasoning_tags"])}
         return cls(**spec)
@@ -147,8 +155,9 @@ class Grammars:
         try:
             if kind in ("json", "json_object"):  # one line: free whitespace would let a model loop in it
                 schema = {"type": "object"} if kind == "json_object" else spec.json
-                return compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
-                                                    any_whitespace=False)
+                return compiler.compile_json_schema(
+                    schema if isinstance(schema, str) else json.dumps(schema), any_whitespace=False
+                )
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
@@ -166,8 +175,10 @@ def tag_ids(tokenizer, tags: Sequence[str], vocab_size: int) -> tuple[int, ...]:
     for tag in tags:
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1 or encoded[0] >= vocab_size:
-            raise ValueError(f"structured_outputs: the reasoning tag {tag!r} must be one token of the model's "
-                             f"vocabulary; the tokenizer makes it {encoded}")
+            raise ValueError(
+                f"structured_outputs: the reasoning tag {tag!r} must be one token of the model's "
+                f"vocabulary; the tokenizer makes it {encoded}"
+            )
         ids.append(encoded[0])
     return tuple(ids)
 
@@ -248,8 +259,9 @@ def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | AfterRe
     xgr = _xgrammar()
     device, vocab = logits.device, logits.shape[-1]
     pin = device.type == "cuda"
-    bitmask = torch.full(xgr.get_bitmask_shape(len(constraints), vocab), -1, dtype=torch.int32,
-                         pin_memory=pin)  # [R, W], host: all tokens allowed
+    bitmask = torch.full(
+        xgr.get_bitmask_shape(len(constraints), vocab), -1, dtype=torch.int32, pin_memory=pin
+    )  # [R, W], host: all tokens allowed
     for row in rows:
         constraints[row].fill(bitmask, row)
     masked = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [R, V]
@@ -257,8 +269,9 @@ def apply_masks(logits: torch.Tensor, constraints: Sequence[Constraint | AfterRe
         xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab, indices=rows, backend="cpu")
     elif device.type == "cuda":  # one copy; an all-ones row is read and left as it is (indices: a second copy)
         with torch.cuda.device(device):  # Triton launches on the current device
-            xgr.apply_token_bitmask_inplace(masked, bitmask.to(device, non_blocking=True), vocab_size=vocab,
-                                            backend="triton")
+            xgr.apply_token_bitmask_inplace(
+                masked, bitmask.to(device, non_blocking=True), vocab_size=vocab, backend="triton"
+            )
     else:
         xgr.apply_token_bitmask_inplace(masked, bitmask.to(device), vocab_size=vocab, backend="torch_native")
     return masked

@@ -75,4 +75,3 @@ def keep_mask(sorted_probs: torch.Tensor, warping: Warping) -> torch.Tensor:
     # the most likely token survives (an or with a column mask, not a write into the first column: in a compiled
     # step that write specialises the batch size on 1)
     return keep | (torch.arange(vocab, device=keep.device) == 0)
-

@@ -23,11 +23,19 @@ class Admission:
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if count > limit:
-            raise APIError(400, f"a request of {count} prompts can never be admitted: the server holds at most "
-                                f"{limit} in flight (--max-queue)", param="prompt")
+            raise APIError(
+                400,
+                f"a request of {count} prompts can never be admitted: the server holds at most "
+                f"{limit} in flight (--max-queue)",
+                param="prompt",
+            )
         if state.in_flight + count > limit:
-            raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight, limit "
-                                f"{limit}); retry later", code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"the server is at capacity ({state.in_flight} requests in flight, limit {limit}); retry later",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         self.state, self.count = state, count
         state.in_flight += count
 
@@ -44,8 +52,9 @@ def request_deadline(state: ServerState) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-async def wait_or_abort(state: ServerState, work: Awaitable, deadline: float | None,
-                        client_gone: Awaitable | None = None) -> APIError | None:
+async def wait_or_abort(
+    state: ServerState, work: Awaitable, deadline: float | None, client_gone: Awaitable | None = None
+) -> APIError | None:
     """Wait for ``work``; None once it is done. If first the deadline (``time.monotonic``) passes (408),
     shutdown's grace period ends (503) or ``client_gone`` returns (499), ``work`` is cancelled — its requests
     are aborted — and that error is returned. ``client_gone`` is cancelled anyway."""
@@ -64,12 +73,14 @@ async def wait_or_abort(state: ServerState, work: Awaitable, deadline: float | N
         return APIError(503, "the server is shutting down; the request was aborted", code="shutting_down")
     if done:  # 499, nginx's "client closed request": nobody reads it, but /metrics counts it
         return APIError(499, "the client closed the connection; the request was aborted", code="client_closed")
-    return APIError(408, f"the request took longer than the server's limit of {state.config.request_timeout} s "
-                         f"and was aborted", code="timeout")
+    return APIError(
+        408,
+        f"the request took longer than the server's limit of {state.config.request_timeout} s and was aborted",
+        code="timeout",
+    )
 
 
 async def client_disconnected(http_request: Request) -> None:
     """Returns when the client has closed the connection (call once the body is read)."""
     while (await http_request.receive())["type"] != "http.disconnect":
         pass
-

@@ -12,13 +12,28 @@ from hfaccel.serve.reasoning import ReasoningStream, reasoning_mode, split_reaso
 from hfaccel.serve.tools import Tool, ToolCall, ToolParser, ToolStream, constrained_calls
 
 # chat-template arguments the request sets through its own fields (or that would change what the server returns)
-RESERVED_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "tokenize", "return_dict",
-                               "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask")
+RESERVED_TEMPLATE_ARGUMENTS = (
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "tokenize",
+    "return_dict",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_assistant_tokens_mask",
+)
 
 
-def render_chat(engine, messages: list[dict], tools: list[Tool], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False,
-                template_arguments: dict | None = None) -> tuple[str, list[int], MediaInputs | None]:
+def render_chat(
+    engine,
+    messages: list[dict],
+    tools: list[Tool],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_arguments: dict | None = None,
+) -> tuple[str, list[int], MediaInputs | None]:
     """(prompt text, token ids, the images' inputs or None) of a conversation through the engine's chat template —
     its processor's for an image-text-to-text model, which also makes the inputs of the messages' images (their
     parts hold the encoded images) — or a ValueError saying why it cannot be rendered."""
@@ -31,8 +46,11 @@ def render_chat(engine, messages: list[dict], tools: list[Tool], *, add_generati
         raise ValueError(f"chat_template_kwargs may not set {reserved}: the request's own fields do")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message continues the last message: send add_generation_prompt=false with it")
-    arguments.update(tools=[tool.template_dict() for tool in tools] or None,
-                     add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    arguments.update(
+        tools=[tool.template_dict() for tool in tools] or None,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     if engine.processor is not None:
         text, ids, media = engine.process_prompt(messages, **arguments)
         check_text(text, "the chat's text")
@@ -58,10 +76,12 @@ class ChatShape:
     constrained: bool = False
 
     @classmethod
-    def of(cls, choice: str | Tool, parser: type[ToolParser] | None, reasoning: bool, prompt: str,
-           constrained: bool) -> ChatShape:
-        return cls(choice, parser if choice == "auto" else None, reasoning_mode(prompt) if reasoning else None,
-                   constrained)
+    def of(
+        cls, choice: str | Tool, parser: type[ToolParser] | None, reasoning: bool, prompt: str, constrained: bool
+    ) -> ChatShape:
+        return cls(
+            choice, parser if choice == "auto" else None, reasoning_mode(prompt) if reasoning else None, constrained
+        )
 
     def message(self, text: str) -> tuple[dict, bool]:
         """(the assistant message of a whole output, whether it calls tools)."""
@@ -134,7 +154,7 @@ class ChoiceStream:
                 deltas.append({"reasoning_content": text, "reasoning": text})
             elif self.shape.constrained:
                 deltas += self._constrained(text)
-            elif (content := self.tools.feed(text)):
+            elif content := self.tools.feed(text):
                 deltas.append({"content": content})
         return deltas
 

@@ -40,8 +40,10 @@ class ServerConfig:
     def __post_init__(self):
         for field_name, names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             if getattr(self, field_name) not in ("auto", "none", *names):
-                raise ValueError(f"{field_name} must be 'auto', 'none' or one of {', '.join(names)}; got "
-                                 f"{getattr(self, field_name)!r}")
+                raise ValueError(
+                    f"{field_name} must be 'auto', 'none' or one of {', '.join(names)}; got "
+                    f"{getattr(self, field_name)!r}"
+                )
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0; got {self.max_stored_responses}")
 
@@ -66,8 +68,15 @@ class ServerState:
     def serving(cls, engine: AsyncEngine, config: ServerConfig) -> ServerState:
         """The state of an app serving ``engine``: its chat features as configured or read off its template."""
         tool_parser, reasoning = _chat_features(config, engine.engine.processor or engine.engine.tokenizer)
-        return cls(engine, config, Metrics(engine), tool_parser, reasoning, _single_tokens(engine.engine, (START, END)),
-                   ResponseStore(config.max_stored_responses))
+        return cls(
+            engine,
+            config,
+            Metrics(engine),
+            tool_parser,
+            reasoning,
+            _single_tokens(engine.engine, (START, END)),
+            ResponseStore(config.max_stored_responses),
+        )
 
     def drain(self, grace_s: float) -> None:
         """Shutdown began (in the event loop): refuse new requests; ``grace_s`` seconds from now, end those in

@@ -13,10 +13,24 @@ from hfaccel.engine.inputs import check_text
 from hfaccel.serve.config import ServerState
 from hfaccel.serve.engine_calls import run_call
 from hfaccel.serve.errors import APIError, quoted
-from hfaccel.serve.prompts import (chat_tools_and_messages, fetch_images, plan_chat, prepare_prompt, prompt_list,
-                                   refuse_unsupported_fields, render_conversation, requested_adapter)
-from hfaccel.serve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, message_dicts)
+from hfaccel.serve.prompts import (
+    chat_tools_and_messages,
+    fetch_images,
+    plan_chat,
+    prepare_prompt,
+    prompt_list,
+    refuse_unsupported_fields,
+    render_conversation,
+    requested_adapter,
+)
+from hfaccel.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    message_dicts,
+)
 from hfaccel.serve.responses import ResponsesRequest, ResponsesShaper, input_messages
 from hfaccel.serve.shaping import CallShaper, finish_reason, usage_of
 from hfaccel.serve.tools import ToolError, parse_tool_choice, parse_tools
@@ -28,20 +42,36 @@ async def completions(state: ServerState, body: CompletionRequest, http_request:
     refuse_unsupported_fields(body)
     best_of = body.n if body.best_of is None else body.best_of
     if best_of < body.n or best_of != body.n and body.stream:
-        raise APIError(400, f"best_of must be at least n={body.n}, and equal to it when streaming; got {best_of}",
-                       param="best_of")
+        raise APIError(
+            400, f"best_of must be at least n={body.n}, and equal to it when streaming; got {best_of}", param="best_of"
+        )
     # the prompt's logprobs: echoed with the output's (OpenAI's echo), or vLLM's prompt_logprobs field
-    prompt_logprobs = max((n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None),
-                          default=None)
+    prompt_logprobs = max(
+        (n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None), default=None
+    )
     # best_of ranks its completions by their tokens' logprobs
     logprobs = body.logprobs if best_of == body.n else (body.logprobs or 0)
-    prompts = [await prepare_prompt(state, p, body.max_new_tokens,
-                                    lambda m: body.sampling_params(m, logprobs, n=best_of,
-                                                                   prompt_logprobs=prompt_logprobs),
-                                    structured_param=body.structured_field, lora=lora)
-               for p in prompt_list(body.prompt)]
-    shaper = CallShaper(state.engine.engine.tokenizer, "cmpl", "text_completion", body.n, chat=False,
-                        model=body.model, echo=body.echo, prompt_logprobs=body.prompt_logprobs is not None)
+    prompts = [
+        await prepare_prompt(
+            state,
+            p,
+            body.max_new_tokens,
+            lambda m: body.sampling_params(m, logprobs, n=best_of, prompt_logprobs=prompt_logprobs),
+            structured_param=body.structured_field,
+            lora=lora,
+        )
+        for p in prompt_list(body.prompt)
+    ]
+    shaper = CallShaper(
+        state.engine.engine.tokenizer,
+        "cmpl",
+        "text_completion",
+        body.n,
+        chat=False,
+        model=body.model,
+        echo=body.echo,
+        prompt_logprobs=body.prompt_logprobs is not None,
+    )
     outputs = await run_call(state, shaper, body, prompts, http_request)
     if isinstance(outputs, StreamingResponse):
         return outputs
@@ -63,24 +93,51 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, http
         choice = parse_tool_choice(body.tool_choice, tools)
     except ToolError as error:
         raise APIError(400, str(error), param=error.param) from None
-    plan = await plan_chat(state, body, messages, tools, choice, add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message)
+    plan = await plan_chat(
+        state,
+        body,
+        messages,
+        tools,
+        choice,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    prompts = [await prepare_prompt(state, plan.ids, body.max_new_tokens,
-                                    lambda m: body.sampling_params(m, logprobs, structured=plan.structured),
-                                    param="messages", structured_param=plan.structured_param, lora=lora,
-                                    media=plan.media)]
-    shaper = CallShaper(state.engine.engine.tokenizer, "chatcmpl", "chat.completion", body.n, chat=True,
-                        model=body.model, shape=plan.shape)
+    prompts = [
+        await prepare_prompt(
+            state,
+            plan.ids,
+            body.max_new_tokens,
+            lambda m: body.sampling_params(m, logprobs, structured=plan.structured),
+            param="messages",
+            structured_param=plan.structured_param,
+            lora=lora,
+            media=plan.media,
+        )
+    ]
+    shaper = CallShaper(
+        state.engine.engine.tokenizer,
+        "chatcmpl",
+        "chat.completion",
+        body.n,
+        chat=True,
+        model=body.model,
+        shape=plan.shape,
+    )
     outputs = await run_call(state, shaper, body, prompts, http_request)
     if isinstance(outputs, StreamingResponse):
         return outputs
     choices = []
     for completion in outputs[0].outputs:
         message, called = plan.shape.message(completion.text)
-        choices.append({"index": completion.index, "message": message,
-                        "logprobs": shaper.chat_logprobs(completion.logprobs),
-                        "finish_reason": finish_reason(completion.finish_reason, called)})
+        choices.append(
+            {
+                "index": completion.index,
+                "message": message,
+                "logprobs": shaper.chat_logprobs(completion.logprobs),
+                "finish_reason": finish_reason(completion.finish_reason, called),
+            }
+        )
     return shaper.answer(choices, usage_of(outputs))
 
 
@@ -99,15 +156,24 @@ async def responses(state: ServerState, body: ResponsesRequest, http_request: Re
     except ToolError as error:
         raise APIError(400, str(error), param=error.param) from None
     except (ValueError, ValidationError) as error:
-        raise APIError(400, f"input: {quoted(error.errors()) if isinstance(error, ValidationError) else error}",
-                       param="input") from None
+        raise APIError(
+            400, f"input: {quoted(error.errors()) if isinstance(error, ValidationError) else error}", param="input"
+        ) from None
     instructions = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     await fetch_images(state, new)
     plan = await plan_chat(state, body, instructions + history + new, tools, choice)
-    prompts = [await prepare_prompt(state, plan.ids, body.max_output_tokens,
-                                    lambda m: body.sampling_params(m, None, structured=plan.structured),
-                                    param="input", structured_param=plan.structured_param, lora=lora,
-                                    media=plan.media)]
+    prompts = [
+        await prepare_prompt(
+            state,
+            plan.ids,
+            body.max_output_tokens,
+            lambda m: body.sampling_params(m, None, structured=plan.structured),
+            param="input",
+            structured_param=plan.structured_param,
+            lora=lora,
+            media=plan.media,
+        )
+    ]
     shaper = ResponsesShaper(state.engine.engine.tokenizer, state.responses, body, plan.shape, history + new)
     outputs = await run_call(state, shaper, body, prompts, http_request)
     if isinstance(outputs, StreamingResponse):
@@ -133,9 +199,14 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         ids = list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
     else:
         tools, messages = await chat_tools_and_messages(state, body)
-        _, ids, _ = await render_conversation(state, messages, tools, add_generation_prompt=body.add_generation_prompt,
-                                              continue_final_message=body.continue_final_message,
-                                              template_arguments=body.chat_template_kwargs)
+        _, ids, _ = await render_conversation(
+            state,
+            messages,
+            tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_arguments=body.chat_template_kwargs,
+        )
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
 
@@ -148,8 +219,9 @@ def detokenize(state: ServerState, body: DetokenizeRequest) -> dict:
         raise APIError(400, "the served model has no tokenizer", param="tokens")
     bad = next((t for t in body.tokens if not 0 <= t < engine.vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"tokens: {bad} is not a token id of this model (0 to {engine.vocab_size - 1})",
-                       param="tokens")
+        raise APIError(
+            400, f"tokens: {bad} is not a token id of this model (0 to {engine.vocab_size - 1})", param="tokens"
+        )
     return {"prompt": engine.tokenizer.decode(body.tokens)}
 
 
@@ -161,10 +233,17 @@ def _continued_conversation(state: ServerState, previous_response_id: str | None
     stored = state.responses.get(previous_response_id)
     if stored is None:
         capacity = state.responses.capacity
-        reason = "this server keeps none (--max-stored-responses 0)" if capacity == 0 else \
-            f"it is not among the {capacity} this server keeps (or was made with store=false)"
-        raise APIError(400, f"previous_response_id {previous_response_id!r:.80}: no such stored response; "
-                            f"{reason}", param="previous_response_id", code="previous_response_not_found")
+        reason = (
+            "this server keeps none (--max-stored-responses 0)"
+            if capacity == 0
+            else f"it is not among the {capacity} this server keeps (or was made with store=false)"
+        )
+        raise APIError(
+            400,
+            f"previous_response_id {previous_response_id!r:.80}: no such stored response; {reason}",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return stored.messages
 
 

@@ -19,8 +19,9 @@ from hfaccel.serve.protocol import SamplingRequest
 from hfaccel.serve.shaping import CallShaper, usage
 
 
-async def run_call(state: ServerState, shaper: CallShaper, body: SamplingRequest, prompts: list[PreparedPrompt],
-                   http_request: Request) -> StreamingResponse | list[RequestOutput]:
+async def run_call(
+    state: ServerState, shaper: CallShaper, body: SamplingRequest, prompts: list[PreparedPrompt], http_request: Request
+) -> StreamingResponse | list[RequestOutput]:
     """Admit the call's prompts, then stream them (``body.stream``), or run them to completion and return their
     outputs."""
     admission = Admission(state, len(prompts))
@@ -38,8 +39,9 @@ class EventStreamResponse(StreamingResponse):
     is gone before the first event (the event generator then never starts, so its own ``finally`` never runs)."""
 
     def __init__(self, lines: AsyncIterator[str], admission: Admission):
-        super().__init__(lines, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.admission = admission
 
     async def __call__(self, scope, receive, send) -> None:
@@ -73,8 +75,9 @@ class _StreamedTokens:
     completion: int = 0
 
 
-async def _events(state: ServerState, shaper: CallShaper, prompts: list[PreparedPrompt], admission: Admission,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    state: ServerState, shaper: CallShaper, prompts: list[PreparedPrompt], admission: Admission, include_usage: bool
+) -> AsyncIterator[str]:
     """SSE lines: every prompt's deltas as they come (merged), then usage if asked, then [DONE] — also after
     an error event (a timeout, an engine failure, the end of shutdown's grace period)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -114,8 +117,9 @@ async def _events(state: ServerState, shaper: CallShaper, prompts: list[Prepared
         admission.release()
 
 
-async def _stream_prompt(state: ServerState, prompt_index: int, prompt: PreparedPrompt, queue: asyncio.Queue,
-                         tokens: _StreamedTokens) -> None:
+async def _stream_prompt(
+    state: ServerState, prompt_index: int, prompt: PreparedPrompt, queue: asyncio.Queue, tokens: _StreamedTokens
+) -> None:
     """One prompt's deltas onto ``queue`` as ``(prompt_index, delta)``, an engine failure as the error itself,
     and ``(prompt_index, None)`` last."""
     tokens.prompt += len(prompt.prompt_ids)

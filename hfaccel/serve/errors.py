@@ -18,8 +18,15 @@ _QUOTE.maxstring = _QUOTE.maxother = 200
 class APIError(Exception):
     """An error answered in OpenAI's format (type by status unless given)."""
 
-    def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type_ or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")

@@ -26,8 +26,9 @@ def image_bytes(url: str, allowed_domains: Sequence[str], what: str) -> bytes:
         raise ValueError(f"{what}: an image URL is a data: URL or an http(s) URL; got {url[:40]!r}")
     host = (parsed.hostname or "").lower()
     if allowed_domains and not any(host == d or host.endswith("." + d) for d in allowed_domains):
-        raise ValueError(f"{what}: {host!r} is not among the domains this server fetches images from "
-                         f"(--allowed-media-domains)")
+        raise ValueError(
+            f"{what}: {host!r} is not among the domains this server fetches images from (--allowed-media-domains)"
+        )
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response:
             data = response.read(MAX_IMAGE_BYTES + 1)

@@ -14,20 +14,29 @@ class Metrics:
 
     def __init__(self, engine: AsyncEngine):
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("hfaccel_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=registry)
+        self.requests = Counter(
+            "hfaccel_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=registry
+        )
         self.prompt_tokens = Counter("hfaccel_prompt_tokens", "prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("hfaccel_generation_tokens", "tokens generated", registry=registry)
-        self.ttft = Histogram("hfaccel_time_to_first_token_seconds", "time to first token",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("hfaccel_inter_token_latency_seconds", "time between tokens of a completion",
-                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.latency = Histogram("hfaccel_request_latency_seconds", "request arrival to finish",
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        gauges = {"hfaccel_queue_depth": ("requests waiting for a slot", lambda s: s["waiting"] + s["queued"]),
-                  "hfaccel_running_sequences": ("sequences being decoded", lambda s: s["running"]),
-                  "hfaccel_kv_blocks_used": ("KV cache blocks in use", lambda s: s["blocks_used"]),
-                  "hfaccel_kv_blocks_free": ("KV cache blocks free", lambda s: s["blocks_free"])}
+        self.ttft = Histogram(
+            "hfaccel_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.itl = Histogram(
+            "hfaccel_inter_token_latency_seconds",
+            "time between tokens of a completion",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "hfaccel_request_latency_seconds", "request arrival to finish", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        gauges = {
+            "hfaccel_queue_depth": ("requests waiting for a slot", lambda s: s["waiting"] + s["queued"]),
+            "hfaccel_running_sequences": ("sequences being decoded", lambda s: s["running"]),
+            "hfaccel_kv_blocks_used": ("KV cache blocks in use", lambda s: s["blocks_used"]),
+            "hfaccel_kv_blocks_free": ("KV cache blocks free", lambda s: s["blocks_free"]),
+        }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=registry).set_function(lambda read=read: read(engine.stats()))
 

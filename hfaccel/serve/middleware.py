@@ -28,8 +28,7 @@ class RequestIdMiddleware:
 
         async def tagged(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", request_id.encode())]}
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
             await send(message)
 
         await self.app(scope, receive, tagged)

@@ -16,8 +16,7 @@ from hfaccel.serve.chat import ChatShape, render_chat
 from hfaccel.serve.config import ServerState
 from hfaccel.serve.errors import APIError
 from hfaccel.serve.media import image_bytes
-from hfaccel.serve.protocol import (ChatCompletionRequest, SamplingRequest, TokenizeRequest, image_parts,
-                                    message_dicts)
+from hfaccel.serve.protocol import ChatCompletionRequest, SamplingRequest, TokenizeRequest, image_parts, message_dicts
 from hfaccel.serve.tools import Tool, ToolError, constrained_schema, parse_tools
 
 
@@ -29,8 +28,12 @@ def requested_adapter(state: ServerState, model: str) -> LoRAAdapter | None:
     adapter = None if engine.loras is None else engine.loras.adapters.get(model)
     if adapter is None:
         served = ", ".join(repr(n) for n in [state.config.model_name, *engine.list_loras()])
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
-                       code="model_not_found", param="model")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {served}",
+            code="model_not_found",
+            param="model",
+        )
     return adapter
 
 
@@ -38,8 +41,11 @@ def refuse_unsupported_fields(body: SamplingRequest, also: tuple[str, ...] = ())
     """A 400 naming the first OpenAI field of the request this server does not implement (``protocol.REFUSED``)."""
     name = body.refused_field(also)
     if name is not None:
-        raise APIError(400, f"{name} is not supported by this server (its value would change the output; send it "
-                            f"unset)", param=name)
+        raise APIError(
+            400,
+            f"{name} is not supported by this server (its value would change the output; send it unset)",
+            param=name,
+        )
 
 
 def prompt_list(prompt) -> list:
@@ -53,9 +59,16 @@ def prompt_list(prompt) -> list:
     return list(prompt)
 
 
-async def prepare_prompt(state: ServerState, prompt, max_tokens: int | None, params_for, param: str = "prompt",
-                         structured_param: str = "structured_outputs", lora: LoRAAdapter | None = None,
-                         media: MediaInputs | None = None) -> PreparedPrompt:
+async def prepare_prompt(
+    state: ServerState,
+    prompt,
+    max_tokens: int | None,
+    params_for,
+    param: str = "prompt",
+    structured_param: str = "structured_outputs",
+    lora: LoRAAdapter | None = None,
+    media: MediaInputs | None = None,
+) -> PreparedPrompt:
     """One prompt tokenized (in a worker thread: a long prompt never stalls the other streams) and checked once,
     by the engine's own rules, with its sampling parameters (``params_for(max_tokens)``; ``max_tokens`` None: the
     rest of the context), or a 400 saying what is wrong (``structured_param``: the field a structured-outputs spec
@@ -70,9 +83,13 @@ async def prepare_prompt(state: ServerState, prompt, max_tokens: int | None, par
     room = engine.max_model_len - len(ids)
     max_tokens = room if max_tokens is None else max_tokens
     if max_tokens > room:
-        raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
-                            f"context is {engine.max_model_len}", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and the "
+            f"context is {engine.max_model_len}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     try:
         params = params_for(max_tokens)
         engine.check_media(media, params, lora)
@@ -90,8 +107,9 @@ async def prepare_prompt(state: ServerState, prompt, max_tokens: int | None, par
     except ValueError as error:  # a structured-outputs spec that does not compile: the compiler's message
         raise APIError(400, str(error), param=structured_param) from None
     except ImportError as error:  # structured outputs without xgrammar installed
-        raise APIError(400, f"structured outputs are not available on this server: {error}",
-                       param=structured_param) from None
+        raise APIError(
+            400, f"structured outputs are not available on this server: {error}", param=structured_param
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -105,9 +123,16 @@ class ChatPlan:
     media: MediaInputs | None = None  # the prompt's images, as the model's processor made them
 
 
-async def plan_chat(state: ServerState, body: SamplingRequest, messages: list[dict], tools: list[Tool],
-                    choice: str | Tool, *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> ChatPlan:
+async def plan_chat(
+    state: ServerState,
+    body: SamplingRequest,
+    messages: list[dict],
+    tools: list[Tool],
+    choice: str | Tool,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> ChatPlan:
     """The prompt rendered by the model's chat template, and the answer's constraint: a ``required`` or named tool
     choice's calls, else the request's own structured outputs — after the output's reasoning where the model
     reasons (the reasoning tags are single tokens), else from its first token with no reasoning split out."""
@@ -117,11 +142,20 @@ async def plan_chat(state: ServerState, body: SamplingRequest, messages: list[di
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
     if schema is not None and own is not None:
-        raise APIError(400, f"tool_choice={_shown_choice(choice)} constrains the output to tool calls; it cannot also "
-                            f"follow {body.structured_field}", param="tool_choice")
-    prompt, ids, media = await render_conversation(state, messages, tools, add_generation_prompt=add_generation_prompt,
-                                                   continue_final_message=continue_final_message,
-                                                   template_arguments=body.chat_template_kwargs)
+        raise APIError(
+            400,
+            f"tool_choice={_shown_choice(choice)} constrains the output to tool calls; it cannot also "
+            f"follow {body.structured_field}",
+            param="tool_choice",
+        )
+    prompt, ids, media = await render_conversation(
+        state,
+        messages,
+        tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_arguments=body.chat_template_kwargs,
+    )
     shape = ChatShape.of(choice, state.tool_parser, state.reasoning, prompt, schema is not None)
     structured = {"json": schema} if schema is not None else own
     if structured is not None and shape.reasoning is not None and "reasoning" not in structured:
@@ -132,8 +166,9 @@ async def plan_chat(state: ServerState, body: SamplingRequest, messages: list[di
     return ChatPlan(ids, shape, structured, "tools" if schema is not None else body.structured_field, media)
 
 
-async def render_conversation(state: ServerState, messages: list[dict], tools: list[Tool],
-                              **template) -> tuple[str, list[int], MediaInputs | None]:
+async def render_conversation(
+    state: ServerState, messages: list[dict], tools: list[Tool], **template
+) -> tuple[str, list[int], MediaInputs | None]:
     """(prompt text, token ids, images' inputs) of a conversation through the chat template (in a worker thread),
     or a 400."""
     try:
@@ -142,8 +177,9 @@ async def render_conversation(state: ServerState, messages: list[dict], tools: l
         raise APIError(400, str(error), param="messages") from None
 
 
-async def chat_tools_and_messages(state: ServerState,
-                                  body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[Tool], list[dict]]:
+async def chat_tools_and_messages(
+    state: ServerState, body: ChatCompletionRequest | TokenizeRequest
+) -> tuple[list[Tool], list[dict]]:
     """A chat request's tools and messages as the chat template takes them, their images fetched; a 400 naming
     what is malformed."""
     try:
@@ -164,14 +200,18 @@ async def fetch_images(state: ServerState, messages: list[dict]) -> None:
     if not parts:
         return
     if state.engine.engine.processor is None:
-        raise APIError(400, f"{parts[0][0]}: the served model takes no images (an image-text-to-text model and its "
-                            "processor do)", param="messages")
+        raise APIError(
+            400,
+            f"{parts[0][0]}: the served model takes no images (an image-text-to-text model and its processor do)",
+            param="messages",
+        )
     if len(parts) > MAX_IMAGES:
         raise APIError(400, f"a request takes at most {MAX_IMAGES} images; got {len(parts)}", param="messages")
     domains = state.config.allowed_media_domains
     try:
-        loaded = await asyncio.gather(*(asyncio.to_thread(image_bytes, part["url"], domains, where)
-                                        for where, part in parts))
+        loaded = await asyncio.gather(
+            *(asyncio.to_thread(image_bytes, part["url"], domains, where) for where, part in parts)
+        )
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     for (_, part), data in zip(parts, loaded):

@@ -31,11 +31,23 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI fields this server does not implement, with the values that change nothing (a request sending another
 # value gets a 400 naming the field): what LangChain, the Agents SDK and instructor send by default passes.
 REFUSED: dict[str, tuple] = {
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "verbosity": (None,),
-    "store": (None, False), "service_tier": (None, "auto", "default"), "suffix": (None, ""),
-    "background": (None, False), "conversation": (None,), "prompt": (None,), "include": (None, []),
-    "truncation": (None, "disabled"), "max_tool_calls": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None,),
+    "function_call": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "suffix": (None, ""),
+    "background": (None, False),
+    "conversation": (None,),
+    "prompt": (None,),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "max_tool_calls": (None,),
 }
 
 
@@ -102,20 +114,40 @@ class SamplingRequest(BaseModel):
         dict; None: none."""
         return structured_spec(self.response_format, self.structured_outputs)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, *, n: int | None = None,
-                        structured: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        *,
+        n: int | None = None,
+        structured: dict | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """The engine's parameters (``SamplingParams`` checks every value; InvalidSamplingParams names it);
         ``structured``: a constraint of the server's own (tool calls) instead of the request's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         spec = structured if structured is not None else self.structured_request()
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, stop=stop, seed=self.seed,
-                              n=self.n if n is None else n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              logit_bias=self.token_bias(), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                              stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
-                              structured_outputs=spec)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop=stop,
+            seed=self.seed,
+            n=self.n if n is None else n,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=self.token_bias(),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=spec,
+        )
 
 
 class CompletionRequest(SamplingRequest):
@@ -230,9 +262,13 @@ def _content_parts(i: int, parts: list[dict]) -> str | list[dict]:
 
 def image_parts(messages: list[dict]) -> list[tuple[str, dict]]:
     """Each image part of :func:`message_dicts`' messages, with where it is (``messages[i].content[j]``)."""
-    return [(f"messages[{i}].content[{j}]", part) for i, message in enumerate(messages)
-            if isinstance(message["content"], list) for j, part in enumerate(message["content"])
-            if part["type"] == "image"]
+    return [
+        (f"messages[{i}].content[{j}]", part)
+        for i, message in enumerate(messages)
+        if isinstance(message["content"], list)
+        for j, part in enumerate(message["content"])
+        if part["type"] == "image"
+    ]
 
 
 def _history_call(i: int, j: int, call: dict) -> dict:
@@ -240,8 +276,10 @@ def _history_call(i: int, j: int, call: dict) -> dict:
     where = f"messages[{i}].tool_calls[{j}]"
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ValueError(f"{where}: a tool call is {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                         f"\"arguments\"}}}}; got {str(call)[:120]}")
+        raise ValueError(
+            f'{where}: a tool call is {{"id", "type": "function", "function": {{"name", '
+            f'"arguments"}}}}; got {str(call)[:120]}'
+        )
     arguments = function.get("arguments", "{}")
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
@@ -258,8 +296,11 @@ def structured_spec(response_format: dict | None, structured_outputs: dict | Non
     constraint. Both constraining at once: :class:`InvalidSamplingParams`."""
     from_format = response_format_spec(response_format)
     if from_format is not None and structured_outputs is not None:
-        raise InvalidSamplingParams("structured_outputs", f"response_format of type {response_format['type']!r} "
-                                    f"and structured_outputs both constrain the output; send one of them")
+        raise InvalidSamplingParams(
+            "structured_outputs",
+            f"response_format of type {response_format['type']!r} "
+            f"and structured_outputs both constrain the output; send one of them",
+        )
     return from_format if from_format is not None else structured_outputs
 
 

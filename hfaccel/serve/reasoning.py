@@ -61,7 +61,7 @@ class ReasoningStream:
                 if START.startswith(stripped):  # may still become <think>
                     return parts
                 if stripped.startswith(START):
-                    self.state, self.reasoned, self.held = "reasoning", True, stripped[len(START):]
+                    self.state, self.reasoned, self.held = "reasoning", True, stripped[len(START) :]
                     continue
                 self.state = "content"
             if self.state == "answer":  # the newlines after </think> are not the answer's, however the text is cut
@@ -76,11 +76,11 @@ class ReasoningStream:
             at = self.held.find(END)
             if at >= 0:
                 parts.append(("reasoning", self.held[:at]))
-                self.state, self.held = "answer", self.held[at + len(END):]
+                self.state, self.held = "answer", self.held[at + len(END) :]
                 continue
             keep = _partial_suffix(self.held, END)
-            parts.append(("reasoning", self.held[:len(self.held) - keep]))
-            self.held = self.held[len(self.held) - keep:]
+            parts.append(("reasoning", self.held[: len(self.held) - keep]))
+            self.held = self.held[len(self.held) - keep :]
             return [(kind, t) for kind, t in parts if t]
         return [(kind, t) for kind, t in parts if t]
 

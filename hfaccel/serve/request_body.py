@@ -62,11 +62,16 @@ async def _limited_body(http_request: Request, config: ServerConfig) -> bytes:
         except StopAsyncIteration:
             return b"".join(chunks)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {config.read_timeout} s ({size} bytes "
-                                f"came)", code="timeout", headers={"Connection": "close"}) from None
+            raise APIError(
+                408,
+                f"the request body did not arrive within {config.read_timeout} s ({size} bytes came)",
+                code="timeout",
+                headers={"Connection": "close"},
+            ) from None
         except ClientDisconnect:
-            raise APIError(499, "the client closed the connection while sending the request",
-                           code="client_closed") from None
+            raise APIError(
+                499, "the client closed the connection while sending the request", code="client_closed"
+            ) from None
         size += len(chunk)
         if size > limit:
             raise _too_large("over", limit)

@@ -47,8 +47,10 @@ class ResponsesRequest(SamplingRequest):
     def structured_request(self) -> dict | None:
         """``text.format`` (or vLLM's ``structured_outputs``) as a ``StructuredOutputs`` dict; None: none."""
         if self.response_format is not None:
-            raise InvalidSamplingParams("response_format", "the Responses API sets the output's format in "
-                                                           "text.format; response_format is chat completions'")
+            raise InvalidSamplingParams(
+                "response_format",
+                "the Responses API sets the output's format in text.format; response_format is chat completions'",
+            )
         return structured_spec(self._text_format(), self.structured_outputs)
 
     def _text_format(self) -> dict | None:
@@ -99,18 +101,22 @@ def input_messages(input: str | list[dict], param: str = "input") -> list[dict]:
 def _text(content, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
-    if not isinstance(content, list) or any(not isinstance(part, dict) or part.get("type") not in TEXT_PARTS
-                                            for part in content):
-        raise ValueError(f"{where}.content: only text and text parts ({', '.join(TEXT_PARTS)}) are supported "
-                         f"(no images, files or audio); got {str(content):.120}")
+    if not isinstance(content, list) or any(
+        not isinstance(part, dict) or part.get("type") not in TEXT_PARTS for part in content
+    ):
+        raise ValueError(
+            f"{where}.content: only text and text parts ({', '.join(TEXT_PARTS)}) are supported "
+            f"(no images, files or audio); got {str(content):.120}"
+        )
     return "".join(str(part.get("text", "")) for part in content)
 
 
 def _function_call(item: dict, where: str) -> dict:
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
     if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not isinstance(arguments, str):
-        raise ValueError(f"{where}: a function_call item has a call_id, a name and its arguments as JSON text; got "
-                         f"{str(item):.120}")
+        raise ValueError(
+            f"{where}: a function_call item has a call_id, a name and its arguments as JSON text; got {str(item):.120}"
+        )
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -149,37 +155,79 @@ class OutputItems:
         item, at = self._open, len(self.items) - 1
         if kind == "reasoning":
             item["content"][0]["text"] += text
-            return events + [{"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": at,
-                              "content_index": 0, "delta": text}]
+            return events + [
+                {
+                    "type": "response.reasoning_text.delta",
+                    "item_id": item["id"],
+                    "output_index": at,
+                    "content_index": 0,
+                    "delta": text,
+                }
+            ]
         item["content"][0]["text"] += text
-        return events + [{"type": "response.output_text.delta", "item_id": item["id"], "output_index": at,
-                          "content_index": 0, "delta": text, "logprobs": []}]
+        return events + [
+            {
+                "type": "response.output_text.delta",
+                "item_id": item["id"],
+                "output_index": at,
+                "content_index": 0,
+                "delta": text,
+                "logprobs": [],
+            }
+        ]
 
     def _call(self, call: dict) -> list[dict]:
         events = []
         if call.get("id"):  # a new call: its header
             events += self._close()
-            item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
-                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+            item = {
+                "type": "function_call",
+                "id": _id("fc"),
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
             events += self._add(item)
         item, at = self._open, len(self.items) - 1
         arguments = call["function"].get("arguments") or ""
         if arguments:
             item["arguments"] += arguments
-            events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                           "output_index": at, "delta": arguments})
+            events.append(
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item["id"],
+                    "output_index": at,
+                    "delta": arguments,
+                }
+            )
         return events
 
     def _start(self, kind: str) -> list[dict]:
         if kind == "reasoning":
-            return self._add({"type": "reasoning", "id": _id("rs"), "summary": [],
-                              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})
-        events = self._add({"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress",
-                            "content": []})
+            return self._add(
+                {
+                    "type": "reasoning",
+                    "id": _id("rs"),
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                    "status": "in_progress",
+                }
+            )
+        events = self._add(
+            {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress", "content": []}
+        )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._open["content"].append(part)
-        return events + [{"type": "response.content_part.added", "item_id": self._open["id"],
-                          "output_index": len(self.items) - 1, "content_index": 0, "part": {**part}}]
+        return events + [
+            {
+                "type": "response.content_part.added",
+                "item_id": self._open["id"],
+                "output_index": len(self.items) - 1,
+                "content_index": 0,
+                "part": {**part},
+            }
+        ]
 
     def _add(self, item: dict) -> list[dict]:
         self.items.append(item)
@@ -195,24 +243,49 @@ class OutputItems:
         item["status"] = "completed"
         where = {"item_id": item["id"], "output_index": at}
         if item["type"] == "function_call":
-            events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
-                       "arguments": item["arguments"]}]
+            events = [
+                {
+                    "type": "response.function_call_arguments.done",
+                    **where,
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                }
+            ]
         elif item["type"] == "reasoning":
-            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0,
-                       "text": item["content"][0]["text"]}]
+            events = [
+                {
+                    "type": "response.reasoning_text.done",
+                    **where,
+                    "content_index": 0,
+                    "text": item["content"][0]["text"],
+                }
+            ]
         else:
             part = item["content"][0]
-            events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
-                       "logprobs": []},
-                      {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+            events = [
+                {
+                    "type": "response.output_text.done",
+                    **where,
+                    "content_index": 0,
+                    "text": part["text"],
+                    "logprobs": [],
+                },
+                {"type": "response.content_part.done", **where, "content_index": 0, "part": part},
+            ]
         return events + [{"type": "response.output_item.done", "output_index": at, "item": item}]
 
     def message(self) -> dict:
         """The assistant's chat message of these items (what ``previous_response_id`` continues from)."""
         text = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "message")
-        calls = [{"id": item["call_id"], "type": "function",
-                  "function": {"name": item["name"], "arguments": item["arguments"]}}
-                 for item in self.items if item["type"] == "function_call"]
+        calls = [
+            {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            for item in self.items
+            if item["type"] == "function_call"
+        ]
         return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
@@ -244,8 +317,9 @@ class ResponsesShaper(CallShaper):
     """A ``/v1/responses`` call: its output as Responses items, whole or streamed as the Responses events (each
     with its ``sequence_number``), and the response stored for ``previous_response_id``."""
 
-    def __init__(self, tokenizer, store: ResponseStore, request: ResponsesRequest, shape: ChatShape,
-                 messages: list[dict]):
+    def __init__(
+        self, tokenizer, store: ResponseStore, request: ResponsesRequest, shape: ChatShape, messages: list[dict]
+    ):
         super().__init__(tokenizer, "resp", "response", 1, chat=True, model=request.model, shape=shape)
         self.store, self.request, self.messages = store, request, messages
         self.items, self.choice_stream = OutputItems(), shape.stream()
@@ -260,8 +334,9 @@ class ResponsesShaper(CallShaper):
 
     def opening(self) -> list[str]:
         response = self._response("in_progress")
-        return self._events([{"type": "response.created", "response": response},
-                             {"type": "response.in_progress", "response": response}])
+        return self._events(
+            [{"type": "response.created", "response": response}, {"type": "response.in_progress", "response": response}]
+        )
 
     def delta_events(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> list[str]:
         stream = self.choice_stream
@@ -272,24 +347,27 @@ class ResponsesShaper(CallShaper):
         return self._events(events)
 
     def error_event(self, error: APIError) -> str:
-        return self._events([{"type": "error", "code": error.code, "message": error.message,
-                              "param": error.param}])[0]
+        return self._events([{"type": "error", "code": error.code, "message": error.message, "param": error.param}])[0]
 
     def closing(self, finals: list[RequestOutput] | None, include_usage: bool, usage: dict) -> list[str]:
         if finals is None:
             return []
         last = finals[0]
-        response = self._finished(last, usage["completion_tokens"],
-                                  last.outputs[0].finish_reason if last.outputs else None)
+        response = self._finished(
+            last, usage["completion_tokens"], last.outputs[0].finish_reason if last.outputs else None
+        )
         return self._events([{"type": f"response.{response['status']}", "response": response}])
 
     def _finished(self, last: RequestOutput, output_tokens: int, finish_reason: str | None) -> dict:
         """The finished Response (``last``: the output, or a stream's last delta), stored if asked."""
         incomplete = "max_output_tokens" if finish_reason == "length" else None
         reasoning = "".join(item["content"][0]["text"] for item in self.items.items if item["type"] == "reasoning")
-        usage = _usage(len(last.prompt_token_ids), output_tokens,
-                       last.metrics.num_cached_tokens if last.metrics is not None else 0,
-                       len(self.tokenizer(reasoning, add_special_tokens=False).input_ids) if reasoning else 0)
+        usage = _usage(
+            len(last.prompt_token_ids),
+            output_tokens,
+            last.metrics.num_cached_tokens if last.metrics is not None else 0,
+            len(self.tokenizer(reasoning, add_special_tokens=False).input_ids) if reasoning else 0,
+        )
         response = self._response("incomplete" if incomplete else "completed", usage, incomplete)
         if self.request.store:
             reply = message_dicts([ChatMessage.model_validate(self.items.message())])  # as the template takes it
@@ -300,15 +378,29 @@ class ResponsesShaper(CallShaper):
         """The Response object, as it stands."""
         request = self.request
         tool_choice = request.tool_choice if request.tool_choice is not None else ("auto" if request.tools else "none")
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
-                "output": self.items.items, "error": None,
-                "incomplete_details": None if incomplete is None else {"reason": incomplete},
-                "instructions": request.instructions, "metadata": request.metadata or {}, "tools": request.tools or [],
-                "tool_choice": tool_choice, "parallel_tool_calls": request.parallel_tool_calls,
-                "temperature": request.temperature, "top_p": request.top_p,
-                "max_output_tokens": request.max_output_tokens, "previous_response_id": request.previous_response_id,
-                "store": request.store, "text": request.text or {"format": {"type": "text"}}, "truncation": "disabled",
-                "usage": usage}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": self.items.items,
+            "error": None,
+            "incomplete_details": None if incomplete is None else {"reason": incomplete},
+            "instructions": request.instructions,
+            "metadata": request.metadata or {},
+            "tools": request.tools or [],
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "max_output_tokens": request.max_output_tokens,
+            "previous_response_id": request.previous_response_id,
+            "store": request.store,
+            "text": request.text or {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "usage": usage,
+        }
 
     def _events(self, events: list[dict]) -> list[str]:
         lines = []
@@ -320,6 +412,10 @@ class ResponsesShaper(CallShaper):
 
 def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
     """The Responses API's ``usage`` object."""
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }

@@ -71,8 +71,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(AuthorizeAndCountMiddleware, state=state)
     app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:  # outermost: a browser's preflight is answered before the API key is asked for
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
     _answer_errors_in_openai_format(app)
     _add_service_routes(app, state)
     _add_api_routes(app, state)
@@ -112,8 +117,9 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            generate_latest(state.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/version")
     async def version():
@@ -130,20 +136,29 @@ def _add_api_routes(app: FastAPI, state: ServerState) -> None:
         loras = state.engine.engine.loras
         # one snapshot: the engine thread may remove an adapter meanwhile
         adapters = [] if loras is None else sorted(list(loras.adapters.values()), key=lambda adapter: adapter.name)
-        return {"object": "list", "data": [base] + [
-            {**base, "id": adapter.name, "root": adapter.path, "parent": config.model_name} for adapter in adapters]}
+        return {
+            "object": "list",
+            "data": [base]
+            + [{**base, "id": adapter.name, "root": adapter.path, "parent": config.model_name} for adapter in adapters],
+        }
 
-    for path, model, handler in (("/v1/completions", CompletionRequest, endpoints.completions),
-                                 ("/v1/chat/completions", ChatCompletionRequest, endpoints.chat_completions),
-                                 ("/v1/responses", ResponsesRequest, endpoints.responses)):
+    for path, model, handler in (
+        ("/v1/completions", CompletionRequest, endpoints.completions),
+        ("/v1/chat/completions", ChatCompletionRequest, endpoints.chat_completions),
+        ("/v1/responses", ResponsesRequest, endpoints.responses),
+    ):
         app.add_api_route(path, _generating(state, model, handler), methods=["POST"])
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str):
         record = state.responses.get(response_id)
         if record is None:
-            raise APIError(404, f"no stored response has the id {response_id!r:.80}", param="response_id",
-                           code="response_not_found")
+            raise APIError(
+                404,
+                f"no stored response has the id {response_id!r:.80}",
+                param="response_id",
+                code="response_not_found",
+            )
         return record.body
 
     @app.post("/tokenize")
@@ -164,8 +179,15 @@ def _generating(state: ServerState, model: type[BaseModel], handler):
     return endpoint
 
 
-def serve(engine: AsyncEngine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          graceful_shutdown_s: float = 30.0, log_level: str = "info") -> None:
+def serve(
+    engine: AsyncEngine,
+    config: ServerConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    graceful_shutdown_s: float = 30.0,
+    log_level: str = "info",
+) -> None:
     """Run the server until SIGINT / SIGTERM: new connections stop and new requests get 503, in-flight requests
     get ``graceful_shutdown_s`` to finish, the rest end cleanly (streams with an error event and ``[DONE]``,
     others with a JSON 503) and are aborted, then the engine stops."""
@@ -177,10 +199,16 @@ def serve(engine: AsyncEngine, config: ServerConfig, *, host: str = "127.0.0.1",
 
     app = create_app(engine, config)
     server = DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                       http=h11_with_header_deadline(config.read_timeout),
-                       timeout_graceful_shutdown=graceful_shutdown_s + FINAL_WRITE_S),
-        on_shutdown=lambda: app.state.hfaccel.drain(graceful_shutdown_s))
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            http=h11_with_header_deadline(config.read_timeout),
+            timeout_graceful_shutdown=graceful_shutdown_s + FINAL_WRITE_S,
+        ),
+        on_shutdown=lambda: app.state.hfaccel.drain(graceful_shutdown_s),
+    )
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the previous handler: make that
     # an exit with status 0, so process supervisors see a clean stop
     signal.signal(signal.SIGTERM, _exit_cleanly)

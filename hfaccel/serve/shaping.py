@@ -18,8 +18,18 @@ class CallShaper:
     """One API call: its id and object names, and how its outputs become OpenAI JSON. A stream is ``opening()``,
     ``delta_events`` of each delta, then ``closing`` (or ``error_event`` and ``closing``)."""
 
-    def __init__(self, tokenizer, prefix: str, obj: str, n: int, chat: bool, model: str,
-                 shape: ChatShape | None = None, echo: bool = False, prompt_logprobs: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prefix: str,
+        obj: str,
+        n: int,
+        chat: bool,
+        model: str,
+        shape: ChatShape | None = None,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
+    ):
         self.tokenizer, self.obj, self.n, self.chat = tokenizer, obj, n, chat
         self.model = model  # the name the request used: the served model's or a LoRA adapter's
         self.shape = shape or ChatShape()  # chat: how outputs become messages (reasoning, tool calls)
@@ -31,15 +41,34 @@ class CallShaper:
 
     def answer(self, choices: list[dict], usage: dict) -> dict:
         """The whole answer of a call that is not streamed."""
-        return {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}
+        return {
+            "id": self.id,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def opening(self) -> list[str]:
         """The events a stream starts with: a chat stream's assistant role."""
         if not self.chat:
             return []
-        return [sse_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None} for i in range(self.n)]))]
+        return [
+            sse_event(
+                self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(self.n)
+                    ]
+                )
+            )
+        ]
 
     def delta_events(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> list[str]:
         """The events of one completion's delta (``output``: the delta of the prompt it belongs to)."""
@@ -54,8 +83,9 @@ class CallShaper:
         usage_events = [sse_event(self._chunk([], usage=usage))] if include_usage and finals else []
         return usage_events + ["data: [DONE]\n\n"]
 
-    def completion_choice(self, index: int, output: RequestOutput, completion: CompletionOutput,
-                          logprobs: list | None) -> dict:
+    def completion_choice(
+        self, index: int, output: RequestOutput, completion: CompletionOutput, logprobs: list | None
+    ) -> dict:
         """One completions choice (a stream's delta too): with ``echo`` the prompt's text and logprobs lead the
         first one of each completion; with ``prompt_logprobs`` vLLM's per-token dicts beside it."""
         text, entries, prompt_ids = completion.text, logprobs, None
@@ -65,8 +95,12 @@ class CallShaper:
             text = (output.prompt if output.prompt is not None else self._decode(prompt_ids)) + text
             if entries is not None:
                 entries = (output.prompt_logprobs or [None] * len(prompt_ids)) + list(entries)
-        choice = {"index": index, "text": text, "finish_reason": finish_reason(completion.finish_reason),
-                  "logprobs": self._completion_logprobs(entries, prompt_ids)}
+        choice = {
+            "index": index,
+            "text": text,
+            "finish_reason": finish_reason(completion.finish_reason),
+            "logprobs": self._completion_logprobs(entries, prompt_ids),
+        }
         if self.prompt_logprobs and output.prompt_logprobs is not None:
             choice["prompt_logprobs"] = [self._vllm_logprobs(entry) for entry in output.prompt_logprobs]
         return choice
@@ -80,8 +114,12 @@ class CallShaper:
             text = self._token(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**item(e.token_id, e.logprob),
-                             "top_logprobs": [item(t, lp) for t, lp in e.top.items()]} for e in entries]}
+        return {
+            "content": [
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top.items()]}
+                for e in entries
+            ]
+        }
 
     def _delta_choices(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> list[dict]:
         """The chunk choices of one completion's delta: a completion's text, or a chat completion's message deltas
@@ -97,33 +135,42 @@ class CallShaper:
                 return []
             deltas = [{}]
         logprobs = self.chat_logprobs(completion.logprobs)
-        return [{"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
-                 "finish_reason": finish if i == len(deltas) - 1 else None} for i, delta in enumerate(deltas)]
+        return [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs if i == 0 else None,
+                "finish_reason": finish if i == len(deltas) - 1 else None,
+            }
+            for i, delta in enumerate(deltas)
+        ]
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return body
 
-    def _completion_logprobs(self, entries: list[TokenLogprob | None] | None,
-                             prompt_ids: Sequence[int] | None = None) -> dict | None:
+    def _completion_logprobs(
+        self, entries: list[TokenLogprob | None] | None, prompt_ids: Sequence[int] | None = None
+    ) -> dict | None:
         """OpenAI's legacy logprobs; an echoed prompt's entries first (``prompt_ids``; the first one's logprob is
         null, as OpenAI's)."""
         if entries is None:
             return None
-        ids = list(prompt_ids or []) + [e.token_id for e in entries[len(prompt_ids or []):]]
+        ids = list(prompt_ids or []) + [e.token_id for e in entries[len(prompt_ids or []) :]]
         tokens = [self._token(t) for t in ids]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": [None if e is None else {self._token(t): lp for t, lp in e.top.items()}
-                                 for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {self._token(t): lp for t, lp in e.top.items()} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _vllm_logprobs(self, entry: TokenLogprob | None) -> dict | None:
         """vLLM's ``prompt_logprobs`` entry: token id -> logprob and text, the prompt's token and the top ones."""
@@ -148,14 +195,18 @@ def finish_reason(reason: str | None, called: bool = False) -> str | None:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """OpenAI's ``usage`` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def usage_of(outputs: list[RequestOutput]) -> dict:
     """The ``usage`` of finished outputs: their prompts' tokens and every completion's."""
-    return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    return usage(
+        sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    )
 
 
 def sse_event(payload: dict) -> str:

@@ -70,15 +70,15 @@ def parse_tools(tools: list | None, param: str = "tools", flat: bool = False) ->
     for i, tool in enumerate(tools):
         where = f"{param}[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ToolError(where, f"{where} must be a function tool ({{\"type\": \"function\", ...}}); got "
-                                   f"{_shown(tool)}")
+            raise ToolError(where, f'{where} must be a function tool ({{"type": "function", ...}}); got {_shown(tool)}')
         body = tool if flat else tool.get("function")
         if not isinstance(body, dict):
             raise ToolError(where, f"{where}.function must be an object with a name; got {_shown(body)}")
         name, parameters = body.get("name"), body.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(name, str) or not NAME.match(name):
-            raise ToolError(where, f"{where} needs a name of 1 to 64 letters, digits, '_', '-' or '.'; got "
-                                   f"{_shown(name)}")
+            raise ToolError(
+                where, f"{where} needs a name of 1 to 64 letters, digits, '_', '-' or '.'; got {_shown(name)}"
+            )
         if not isinstance(parameters, dict):
             raise ToolError(where, f"{where}'s parameters must be a JSON schema (an object); got {_shown(parameters)}")
         description = body.get("description")
@@ -105,12 +105,16 @@ def parse_tool_choice(choice, tools: list[Tool], param: str = "tool_choice", fla
     name = body.get("name") if isinstance(body, dict) and choice.get("type") == "function" else None
     if not isinstance(name, str):
         form = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
-        raise ToolError(param, f"{param} must be 'none', 'auto', 'required' or a function ({form}); got "
-                               f"{_shown(choice)}")
+        raise ToolError(
+            param, f"{param} must be 'none', 'auto', 'required' or a function ({form}); got {_shown(choice)}"
+        )
     tool = next((tool for tool in tools if tool.name == name), None)
     if tool is None:
-        raise ToolError(param, f"{param} names the function {name!r}, which is not among the tools "
-                               f"({', '.join(t.name for t in tools) or 'none'})")
+        raise ToolError(
+            param,
+            f"{param} names the function {name!r}, which is not among the tools "
+            f"({', '.join(t.name for t in tools) or 'none'})",
+        )
     return tool
 
 
@@ -121,8 +125,15 @@ def constrained_schema(choice: str | Tool, tools: list[Tool], parallel: bool) ->
         return choice.parameters
     if choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
-              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
     schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     return schema if parallel else {**schema, "maxItems": 1}
 
@@ -137,8 +148,11 @@ def constrained_calls(choice: str | Tool, text: str) -> list[ToolCall]:
         value = json.loads(text)
     except ValueError:
         return []
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)).with_id()
-            for call in value if isinstance(call, dict) and isinstance(call.get("name"), str)]
+    return [
+        ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)).with_id()
+        for call in value
+        if isinstance(call, dict) and isinstance(call.get("name"), str)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ parsers
@@ -165,7 +179,7 @@ class HermesParser(ToolParser):
         calls = [_call(body) for body in self._block.findall(text)]
         if not calls or any(call is None for call in calls):
             return text, []
-        return text[:text.find(self.starts[0])].rstrip(), calls
+        return text[: text.find(self.starts[0])].rstrip(), calls
 
 
 class Llama3JsonParser(ToolParser):
@@ -232,7 +246,7 @@ class ToolStream:
             found = [at for at in (self.text.find(start, self.sent) for start in self.parser.starts) if at >= 0]
             if found:
                 self.holding = True
-                return self._send(len(self.text[:min(found)].rstrip()))
+                return self._send(len(self.text[: min(found)].rstrip()))
             end = len(self.text) - max(_partial(self.text, s) for s in self.parser.starts)
             return self._send(len(self.text[:end].rstrip()))
         head = self.text.lstrip()
@@ -251,10 +265,10 @@ class ToolStream:
         content, calls = self.parser.parse(self.text)
         if not calls:
             return self._send(len(self.text)), []
-        return content[self.sent:], calls  # the content is the text before the calls: what was sent begins it
+        return content[self.sent :], calls  # the content is the text before the calls: what was sent begins it
 
     def _send(self, end: int) -> str:
-        text, self.sent = self.text[self.sent:end], max(self.sent, end)
+        text, self.sent = self.text[self.sent : end], max(self.sent, end)
         return text
 
 

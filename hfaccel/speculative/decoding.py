@@ -63,10 +63,12 @@ class SpeculativeStats:
         return self.emitted / self.row_steps if self.row_steps else 0.0
 
     def __str__(self) -> str:
-        return (f"acceptance {self.acceptance_rate:.3f} ({self.accepted}/{self.proposed}), "
-                f"{self.tokens_per_target_forward:.2f} tokens per target forward over {self.target_forwards} "
-                f"forwards; time prefill {self.prefill_seconds:.3f}s, draft {self.draft_seconds:.3f}s, "
-                f"verify {self.verify_seconds:.3f}s")
+        return (
+            f"acceptance {self.acceptance_rate:.3f} ({self.accepted}/{self.proposed}), "
+            f"{self.tokens_per_target_forward:.2f} tokens per target forward over {self.target_forwards} "
+            f"forwards; time prefill {self.prefill_seconds:.3f}s, draft {self.draft_seconds:.3f}s, "
+            f"verify {self.verify_seconds:.3f}s"
+        )
 
 
 @dataclass
@@ -84,7 +86,7 @@ class Row:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def remaining(self) -> int:
@@ -164,8 +166,15 @@ def speculative_generate(
     kept, runners = runners is not None, runners or SpeculativeRunners()
     try:
         with hfaccel_attention(model):
-            target, draft_runner = runners.get(model, draft_model if draft == "model" else None, len(rows), capacity,
-                                               num_draft_tokens, block_size, compile)
+            target, draft_runner = runners.get(
+                model,
+                draft_model if draft == "model" else None,
+                len(rows),
+                capacity,
+                num_draft_tokens,
+                block_size,
+                compile,
+            )
             if draft == "ngram":
                 drafter = NgramDrafter(ngram_size, target.device)
                 clock = _Clock([target.device], exact=return_stats)
@@ -186,8 +195,15 @@ def speculative_generate(
     return (sequences, stats) if return_stats else sequences
 
 
-def _decode(rows: list[Row], target: ModelRunner, drafter: Drafter, sampler: SpeculativeSampler, k: int,
-            stats: SpeculativeStats, clock: _Clock) -> None:
+def _decode(
+    rows: list[Row],
+    target: ModelRunner,
+    drafter: Drafter,
+    sampler: SpeculativeSampler,
+    k: int,
+    stats: SpeculativeStats,
+    clock: _Clock,
+) -> None:
     start = clock.now()
     _prefill(rows, target)
     stats.prefill_seconds = clock.now() - start
@@ -195,8 +211,15 @@ def _decode(rows: list[Row], target: ModelRunner, drafter: Drafter, sampler: Spe
         _step(active, target, drafter, sampler, k, stats, clock)
 
 
-def _step(rows: list[Row], target: ModelRunner, drafter: Drafter, sampler: SpeculativeSampler, k: int,
-          stats: SpeculativeStats, clock: _Clock) -> None:
+def _step(
+    rows: list[Row],
+    target: ModelRunner,
+    drafter: Drafter,
+    sampler: SpeculativeSampler,
+    k: int,
+    stats: SpeculativeStats,
+    clock: _Clock,
+) -> None:
     """One verification step of the unfinished ``rows``: draft, verify, and only then read the outcome (the
     step's one host read) to emit each row's tokens and roll both caches back to them."""
     start = clock.now()
@@ -211,7 +234,7 @@ def _step(rows: list[Row], target: ModelRunner, drafter: Drafter, sampler: Specu
     accepted = [outcome[-1] for outcome in outcomes]
     for row, count, taken, outcome in zip(rows, drafts.counts, accepted, outcomes):
         before = len(row.tokens)
-        _emit(row, outcome[:taken + 1])
+        _emit(row, outcome[: taken + 1])
         row.proposed, row.accepted = row.proposed + count, row.accepted + taken
         target.crop(row.index, before + taken)  # the target saw every draft; the accepted ones stay
         drafter.accept(row, before + taken)
@@ -246,11 +269,14 @@ def _emit(row: Row, tokens: list[int]) -> None:
 
 def _rows(input_ids, attention_mask, max_new_tokens: int) -> list[Row]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
-        raise ValueError(f"input_ids must be a [batch, length] tensor of token ids; got "
-                         f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+        raise ValueError(
+            f"input_ids must be a [batch, length] tensor of token ids; got "
+            f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}"
+        )
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}; got "
-                         f"{tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}; got {tuple(attention_mask.shape)}"
+        )
     ids = input_ids.tolist()
     keep = attention_mask.bool().tolist() if attention_mask is not None else [[True] * len(r) for r in ids]
     rows = [Row(i, [t for t, k in zip(r, m) if k], 0, max_new_tokens) for i, (r, m) in enumerate(zip(ids, keep))]
@@ -274,8 +300,10 @@ def _check_arguments(model, draft_model, draft: str, k: int, rows: list[Row]) ->
             raise ValueError(f"speculative decoding cannot serve the {role} model: {reason}")
     vocab = vocab_size(model)
     if draft == "model" and vocab_size(draft_model) != vocab:
-        raise ValueError(f"the draft model's vocabulary ({vocab_size(draft_model)} tokens) differs from the "
-                         f"target's ({vocab}); speculative decoding needs the same tokenizer and vocabulary")
+        raise ValueError(
+            f"the draft model's vocabulary ({vocab_size(draft_model)} tokens) differs from the "
+            f"target's ({vocab}); speculative decoding needs the same tokenizer and vocabulary"
+        )
     top = max(max(row.tokens) for row in rows)
     if top >= vocab or min(min(row.tokens) for row in rows) < 0:
         raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values up to {top}")
@@ -284,8 +312,10 @@ def _check_arguments(model, draft_model, draft: str, k: int, rows: list[Row]) ->
 def rollback_refusal(model) -> str | None:
     """Why speculative decoding cannot run ``model`` (its rejected drafts are rolled back), or None."""
     if model_layout(model).hybrid:
-        return ("its layers keep recurrent state (a hybrid model), which cannot be rolled back to the accepted tokens "
-                "as K/V can")
+        return (
+            "its layers keep recurrent state (a hybrid model), which cannot be rolled back to the accepted tokens "
+            "as K/V can"
+        )
     return None
 
 

@@ -39,8 +39,7 @@ class ModelDrafter:
     def propose(self, rows: list[Row], counts: list[int], sampler: SpeculativeSampler) -> Drafts:
         """Draft ``counts[i]`` tokens for ``rows[i]``: first the tokens the draft has not seen, then one per step."""
         runner, device = self.runner, self.runner.device
-        pending = [row.tokens[runner.seq_len(row.index) if row.index in runner.pool.manager else 0:]
-                   for row in rows]
+        pending = [row.tokens[runner.seq_len(row.index) if row.index in runner.pool.manager else 0 :] for row in rows]
         width = max(counts)
         drafted = torch.zeros(len(rows), width, dtype=torch.long, device=device)  # [R, K]
         live = [i for i, c in enumerate(counts) if c > 0]
@@ -48,9 +47,11 @@ class ModelDrafter:
             return Drafts(drafted.to(self.target_device), counts, None)
         draft_probs = []
         keys = sampler.keys(rows, device)  # the rows' streams and output indices, or None
-        logits = runner.forward([rows[i].index for i in live],
-                                to_device([t for i in live for t in pending[i]], torch.long, device),
-                                [len(pending[i]) for i in live])
+        logits = runner.forward(
+            [rows[i].index for i in live],
+            to_device([t for i in live for t in pending[i]], torch.long, device),
+            [len(pending[i]) for i in live],
+        )
         for step in range(width):
             where = to_device(live, torch.long, device)  # [R']: the drafting rows
             step_keys = None if keys is None else (keys[0][where], keys[1][where] + step)  # [R'] each
@@ -62,8 +63,9 @@ class ModelDrafter:
             if not live_next:
                 break
             live = [live[j] for j in live_next]
-            logits = runner.forward([rows[i].index for i in live], tokens[to_device(live_next, torch.long, device)],
-                                    [1] * len(live))
+            logits = runner.forward(
+                [rows[i].index for i in live], tokens[to_device(live_next, torch.long, device)], [1] * len(live)
+            )
         probs = None
         if draft_probs:
             probs = torch.stack(draft_probs, 1).to(self.target_device)  # [R, K', V]
@@ -71,8 +73,9 @@ class ModelDrafter:
         return Drafts(drafted.to(self.target_device), counts, probs)
 
     @staticmethod
-    def _draw(logits: torch.Tensor, sampler: SpeculativeSampler,
-              keys: Keys | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draw(
+        logits: torch.Tensor, sampler: SpeculativeSampler, keys: Keys | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafted tokens ``[R']`` of ``logits [R', V]`` and their distribution (None: greedy)."""
         if not sampler.do_sample:
             return logits.argmax(-1), None
@@ -117,8 +120,8 @@ def lookup_continuation(tokens: Sequence[int], max_ngram: int, count: int) -> li
         return []
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = list(tokens[length - n:])
+        suffix = list(tokens[length - n :])
         for start in range(length - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == suffix:
-                return list(tokens[start + n:start + n + count])
+            if list(tokens[start : start + n]) == suffix:
+                return list(tokens[start + n : start + n + count])
     return []

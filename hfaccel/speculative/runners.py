@@ -29,19 +29,31 @@ class SpeculativeRunners:
         self.target: ModelRunner | None = None
         self.draft: ModelRunner | None = None
 
-    def get(self, model, draft_model, rows: int, capacity: list[int], k: int, block_size: int,
-            compile: bool | str) -> tuple[ModelRunner, ModelRunner | None]:
+    def get(
+        self, model, draft_model, rows: int, capacity: list[int], k: int, block_size: int, compile: bool | str
+    ) -> tuple[ModelRunner, ModelRunner | None]:
         """Empty runners for ``rows`` sequences of up to ``capacity[i]`` tokens, verifying ``k`` drafts a step."""
         length = max(capacity)
         blocks = sum(-(-c // block_size) for c in capacity) + 1
-        key = (id(model), model.dtype, model_device(model), k, block_size, compile, id(draft_model),
-               None if draft_model is None else (draft_model.dtype, model_device(draft_model)))
+        key = (
+            id(model),
+            model.dtype,
+            model_device(model),
+            k,
+            block_size,
+            compile,
+            id(draft_model),
+            None if draft_model is None else (draft_model.dtype, model_device(draft_model)),
+        )
         graphs = None if self.target is None else self.target.graphs
         if key != self._key or graphs.max_batch < rows or graphs.max_model_len < length:
             self.release()
             self.target = self._runner(model, blocks, block_size, rows, length, compile, tokens_per_seq=k + 1)
-            self.draft = None if draft_model is None else self._runner(draft_model, blocks, block_size, rows, length,
-                                                                       compile, catch_up=True)
+            self.draft = (
+                None
+                if draft_model is None
+                else self._runner(draft_model, blocks, block_size, rows, length, compile, catch_up=True)
+            )
             self._key = key
         for runner in (self.target, self.draft):
             if runner is None:
@@ -52,16 +64,26 @@ class SpeculativeRunners:
             runner.pool.manager.reset()  # a call that raised may have left sequences behind
         return self.target, self.draft
 
-    def _runner(self, model, blocks: int, block_size: int, rows: int, length: int, compile: bool | str,
-                tokens_per_seq: int = 1, catch_up: bool = False) -> ModelRunner:
+    def _runner(
+        self,
+        model,
+        blocks: int,
+        block_size: int,
+        rows: int,
+        length: int,
+        compile: bool | str,
+        tokens_per_seq: int = 1,
+        catch_up: bool = False,
+    ) -> ModelRunner:
         """A runner with static steps of ``tokens_per_seq`` tokens per sequence (the target's verification, the
         draft's drafting) and, for a draft (``catch_up``), of the one or two tokens it catches up on each step
         (the token the target chose, after the last draft when every draft was accepted)."""
         runner = ModelRunner(model, self._pool(model, blocks, block_size))
         compiled = compiles(compile, runner.device)
         max_batch = max(rows, DEFAULT_LADDER[-1])
-        max_len = context_bucket(length, whole=compiled or runner.device.type == "cuda", model=model,
-                                 floor=MIN_RUNNERS_CONTEXT)
+        max_len = context_bucket(
+            length, whole=compiled or runner.device.type == "cuda", model=model, floor=MIN_RUNNERS_CONTEXT
+        )
         runner.enable_decode_graphs(max_batch, max_len, tokens_per_seq=tokens_per_seq, compile=compiled)
         if catch_up:
             runner.enable_catch_up_graphs(max_batch, max_len, tokens_per_seq=2, compile=compiled)

@@ -26,7 +26,16 @@ import torch
 from hfaccel.device import to_device
 from hfaccel.runner import ModelRunner
 from hfaccel.sampling import (
-    ACCEPT, DRAW, RESIDUAL, SamplingParams, Warping, global_noise, keyed_race, probabilities, race, seed_key,
+    ACCEPT,
+    DRAW,
+    RESIDUAL,
+    SamplingParams,
+    Warping,
+    global_noise,
+    keyed_race,
+    probabilities,
+    race,
+    seed_key,
     seeded_uniforms,
 )
 
@@ -55,8 +64,11 @@ class SpeculativeSampler:
         if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
             raise ValueError(f"temperature must be a number > 0 when sampling; got {temperature!r}")
         self.do_sample = do_sample
-        self.params = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_k=top_k,
-                                     top_p=float(top_p)) if do_sample else None
+        self.params = (
+            SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_k=top_k, top_p=float(top_p))
+            if do_sample
+            else None
+        )
         self.seed = None if seed is None else seed_key(seed)
         self._warpings: dict[torch.device, Warping] = {}
 
@@ -72,8 +84,9 @@ class SpeculativeSampler:
         its next token, ``[R]`` each; None when unseeded or greedy (nothing to key)."""
         if self.seed is None or not self.do_sample:
             return None
-        streams, counters = to_device([[row.index for row in rows], [len(row.generated) for row in rows]],
-                                      torch.long, device)  # [2, R]
+        streams, counters = to_device(
+            [[row.index for row in rows], [len(row.generated) for row in rows]], torch.long, device
+        )  # [2, R]
         return streams, counters
 
     def draw(self, probs: torch.Tensor, keys: Keys | None, purpose: torch.Tensor | int = DRAW) -> torch.Tensor:
@@ -93,8 +106,9 @@ class SpeculativeSampler:
         return seeded_uniforms(self.seed, counters, streams=streams[:, None], purpose=ACCEPT)
 
 
-def target_distributions(target: ModelRunner, rows: list[Row], drafts: Drafts,
-                         sampler: SpeculativeSampler) -> torch.Tensor:
+def target_distributions(
+    target: ModelRunner, rows: list[Row], drafts: Drafts, sampler: SpeculativeSampler
+) -> torch.Tensor:
     """Feed each row's last token and its drafts to the target; its distributions ``[R, K + 1, V]``."""
     num_rows, width = drafts.tokens.shape
     device = drafts.tokens.device
@@ -102,8 +116,9 @@ def target_distributions(target: ModelRunner, rows: list[Row], drafts: Drafts,
     grid = torch.cat([last[:, None], drafts.tokens], 1).reshape(-1)  # [R * (K + 1)]
     take = [r * (width + 1) + j for r, c in enumerate(drafts.counts) for j in range(c + 1)]
     inputs = grid[to_device(take, torch.long, device)]  # [T] packed
-    logits = target.forward([row.index for row in rows], inputs, [c + 1 for c in drafts.counts],
-                            logits_for="all")  # [T, V]
+    logits = target.forward(
+        [row.index for row in rows], inputs, [c + 1 for c in drafts.counts], logits_for="all"
+    )  # [T, V]
     starts = [0]
     for c in drafts.counts:
         starts.append(starts[-1] + c + 1)
@@ -112,8 +127,9 @@ def target_distributions(target: ModelRunner, rows: list[Row], drafts: Drafts,
     return sampler.probs(logits) if sampler.do_sample else logits
 
 
-def verify(target_probs: torch.Tensor, drafts: Drafts, sampler: SpeculativeSampler,
-           keys: Keys | None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    target_probs: torch.Tensor, drafts: Drafts, sampler: SpeculativeSampler, keys: Keys | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept or reject each row's drafts against the target, on the device; returns (accepted count, next
     token) per row, ``[R]`` each.
 
@@ -130,8 +146,9 @@ def verify(target_probs: torch.Tensor, drafts: Drafts, sampler: SpeculativeSampl
         accepted = _leading_true((best[:, :width] == drafts.tokens) & valid)  # [R]
         return accepted, best.gather(1, accepted[:, None])[:, 0]
     p_draft = target_probs[:, :width].gather(2, drafts.tokens[..., None])[..., 0]  # [R, K]
-    q_draft = (torch.ones_like(p_draft) if drafts.probs is None
-               else drafts.probs.gather(2, drafts.tokens[..., None])[..., 0])
+    q_draft = (
+        torch.ones_like(p_draft) if drafts.probs is None else drafts.probs.gather(2, drafts.tokens[..., None])[..., 0]
+    )
     uniform = sampler.acceptance(keys, rows, width, device)  # [R, K]
     accepted = _leading_true((uniform * q_draft <= p_draft) & valid)  # accept with probability min(1, p/q)
     p_next = target_probs[torch.arange(rows, device=device), accepted]  # [R, V]
@@ -174,4 +191,3 @@ def _draft_probs_at(drafts: Drafts, position: torch.Tensor, vocab: int) -> torch
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     """Per row of ``mask [R, K]``, how many leading entries are True -> ``[R]`` int64."""
     return mask.long().cumprod(1).sum(1)
-

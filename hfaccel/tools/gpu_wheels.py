@@ -23,7 +23,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 # the GPU machines' image (KINDS.md in the device library, read 2026-11-17): never carried
-PRESENT = frozenset(canonicalize_name(name) for name in """
+PRESENT = frozenset(
+    canonicalize_name(name)
+    for name in """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
 cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
@@ -42,16 +44,34 @@ scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shelli
 statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
 tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
-""".split())
+""".split()
+)
 # too large to carry (the tree that travels is at most 64 MiB): the tests that need it skip
 LEFT_OUT = {"bitsandbytes": "its CUDA wheel is larger than what a device call carries; its tests skip"}
 # the GPU machines' interpreter and platform (Python 3.12, x86-64 Linux)
-TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-          "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-          "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
-PIP_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
-              *[arg for n in (17, 24, 27, 28, 31, 34, 35) for arg in ("--platform", f"manylinux_2_{n}_x86_64")],
-              "--platform", "manylinux2014_x86_64", "--platform", "any"]
+TARGET = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
+PIP_TARGET = [
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--only-binary=:all:",
+    *[arg for n in (17, 24, 27, 28, 31, 34, 35) for arg in ("--platform", f"manylinux_2_{n}_x86_64")],
+    "--platform",
+    "manylinux2014_x86_64",
+    "--platform",
+    "any",
+]
 
 
 def project_requirements(pyproject: Path, extras: Iterable[str] = ("dev", "serve")) -> list[Requirement]:
@@ -101,17 +121,22 @@ def resolve(roots: Iterable[Requirement], download: Callable[[Requirement], Path
 
 def pip_download(dest: Path) -> Callable[[Requirement], Path]:
     """A downloader: the newest wheel matching a requirement for the GPU machine, into ``dest``."""
+
     def download(req: Requirement) -> Path:
         spec = f"{req.name}{req.specifier}"
         before = set(dest.glob("*.whl"))
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), *PIP_TARGET, spec]
         subprocess.run(command, check=True)
         new = set(dest.glob("*.whl")) - before
-        matching = [w for w in new or dest.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) ==
-                    canonicalize_name(req.name)]
+        matching = [
+            w
+            for w in new or dest.glob("*.whl")
+            if canonicalize_name(w.name.split("-")[0]) == canonicalize_name(req.name)
+        ]
         if not matching:
             raise RuntimeError(f"pip downloaded no wheel for {spec} into {dest}")
         return matching[0]
+
     return download
 
 

@@ -19,13 +19,17 @@ def serve_command(args: argparse.Namespace) -> None:
     world = launched()
     size = args.tensor_parallel_size or world or 1
     if world is not None and world > 1 and size != world:
-        raise SystemExit(f"hfaccel serve: --tensor-parallel-size {size} under a launcher of {world} ranks (torchrun); "
-                         f"give {world}, or leave it out")
+        raise SystemExit(
+            f"hfaccel serve: --tensor-parallel-size {size} under a launcher of {world} ranks (torchrun); "
+            f"give {world}, or leave it out"
+        )
     if size < 1:
         raise SystemExit(f"hfaccel serve: --tensor-parallel-size must be at least 1; got {size}")
     if args.lora and size > 1:
-        raise SystemExit("hfaccel serve: --lora is not supported with tensor parallelism yet (serve the adapters on "
-                         "one GPU, or merge an adapter into the model)")
+        raise SystemExit(
+            "hfaccel serve: --lora is not supported with tensor parallelism yet (serve the adapters on "
+            "one GPU, or merge an adapter into the model)"
+        )
     lora_adapters(args)  # a malformed --lora stops here, before any model loads
     if size == 1:
         _serve_one(args)
@@ -47,8 +51,13 @@ def _serve_one(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     model, tokenizer = load_for_serving(args, device, pick_dtype(args.dtype, device))
     hfaccel.accelerate(model, attention=args.attention, paged=False)
-    serve(hfaccel.AsyncEngine(_engine(args, model, tokenizer)), _server_config(args), host=args.host,
-          port=args.port, graceful_shutdown_s=args.graceful_shutdown)
+    serve(
+        hfaccel.AsyncEngine(_engine(args, model, tokenizer)),
+        _server_config(args),
+        host=args.host,
+        port=args.port,
+        graceful_shutdown_s=args.graceful_shutdown,
+    )
 
 
 def _serve_rank(args: argparse.Namespace) -> None:
@@ -64,24 +73,34 @@ def _serve_rank(args: argparse.Namespace) -> None:
 
     device = pick_device(args.device)
     if device.type == "cpu" and torch.cuda.is_available():
-        raise SystemExit("hfaccel serve: tensor parallelism shards the model over transformers' accelerator (CUDA "
-                         "here), one GPU per rank; --device cpu is not supported with --tensor-parallel-size")
+        raise SystemExit(
+            "hfaccel serve: tensor parallelism shards the model over transformers' accelerator (CUDA "
+            "here), one GPU per rank; --device cpu is not supported with --tensor-parallel-size"
+        )
     _check_tp_quantization(args)
     init_ranks(backend_for(device))
-    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=DistributedConfig(tp_plan="auto"),
-                                                 dtype=pick_dtype(args.dtype, device), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model,
+        distributed_config=DistributedConfig(tp_plan="auto"),
+        dtype=pick_dtype(args.dtype, device),
+        attn_implementation="sdpa",
+    )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    hfaccel.accelerate(model, attention=args.attention, paged=False, quantize=args.quantize,
-                       group_size=args.group_size)
+    hfaccel.accelerate(model, attention=args.attention, paged=False, quantize=args.quantize, group_size=args.group_size)
     engine = _engine(args, model, tokenizer)
     if not engine.is_leader:
         engine.follow()
         return
     async_engine = hfaccel.AsyncEngine(engine)
     try:
-        serve(async_engine, _server_config(args), host=args.host, port=args.port,
-              graceful_shutdown_s=args.graceful_shutdown)
+        serve(
+            async_engine,
+            _server_config(args),
+            host=args.host,
+            port=args.port,
+            graceful_shutdown_s=args.graceful_shutdown,
+        )
     finally:  # also on SIGTERM's SystemExit: the engine thread stops first, then the followers
         async_engine.shutdown()
         engine.shutdown()
@@ -92,31 +111,47 @@ def _check_tp_quantization(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     config = Path(args.model) / "config.json"
-    method = json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if \
-        config.exists() else None
+    method = (
+        json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if config.exists() else None
+    )
     if method is not None:
-        raise SystemExit(f"hfaccel serve: a {method} checkpoint cannot be served with --tensor-parallel-size (int4 "
-                         "under tensor parallelism: serve the full-precision model with --quantize rtn)")
+        raise SystemExit(
+            f"hfaccel serve: a {method} checkpoint cannot be served with --tensor-parallel-size (int4 "
+            "under tensor parallelism: serve the full-precision model with --quantize rtn)"
+        )
     if args.quantize not in (None, "rtn"):
-        raise SystemExit(f"hfaccel serve: --quantize {args.quantize} calibrates on one process; with "
-                         "--tensor-parallel-size only --quantize rtn is supported")
+        raise SystemExit(
+            f"hfaccel serve: --quantize {args.quantize} calibrates on one process; with "
+            "--tensor-parallel-size only --quantize rtn is supported"
+        )
 
 
 def _engine(args: argparse.Namespace, model, tokenizer):
     import hfaccel
 
     loras = lora_adapters(args)
-    lora = {} if loras is None else {"lora_adapters": loras, "max_loras": args.max_loras,
-                                     "max_lora_rank": args.max_lora_rank}
+    lora = (
+        {}
+        if loras is None
+        else {"lora_adapters": loras, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+    )
     try:
-        return hfaccel.Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                              kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
-                              kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype,
-                              kv_scales=args.kv_scales,
-                              max_model_len=args.max_model_len, cuda_graphs=args.cuda_graphs,
-                              compile="auto" if args.compile is None else args.compile,
-                              async_scheduling=args.async_scheduling, **lora)
+        return hfaccel.Engine(
+            model,
+            tokenizer,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_blocks=args.num_blocks,
+            kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
+            kv_cache_fraction=args.kv_cache_fraction,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_scales=args.kv_scales,
+            max_model_len=args.max_model_len,
+            cuda_graphs=args.cuda_graphs,
+            compile="auto" if args.compile is None else args.compile,
+            async_scheduling=args.async_scheduling,
+            **lora,
+        )
     except ValueError as error:
         if loras is None:
             raise
@@ -134,11 +169,18 @@ def lora_adapters(args: argparse.Namespace) -> dict[str, str] | None:
         name, sep, path = option.partition("=")
         name, path = name.strip(), path.strip()
         if not sep or not name or not path:
-            raise SystemExit(f"hfaccel serve: --lora takes NAME=PATH (a name for the adapter, its PEFT folder); got "
-                             f"{option!r}")
+            raise SystemExit(
+                f"hfaccel serve: --lora takes NAME=PATH (a name for the adapter, its PEFT folder); got {option!r}"
+            )
         if name in adapters or name == served:
-            raise SystemExit(f"hfaccel serve: --lora name {name!r} is " + ("given twice" if name in adapters else
-                             "the served model's own name (--served-model-name): requests could not pick the base"))
+            raise SystemExit(
+                f"hfaccel serve: --lora name {name!r} is "
+                + (
+                    "given twice"
+                    if name in adapters
+                    else "the served model's own name (--served-model-name): requests could not pick the base"
+                )
+            )
         adapters[name] = path
     return adapters
 
@@ -146,11 +188,18 @@ def lora_adapters(args: argparse.Namespace) -> dict[str, str] | None:
 def _server_config(args: argparse.Namespace):
     from hfaccel.serve.server import ServerConfig
 
-    return ServerConfig(args.served_model_name or args.model, api_key=args.api_key, max_queue=args.max_queue,
-                        request_timeout=args.request_timeout or None, read_timeout=args.read_timeout,
-                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                        allowed_origins=tuple(args.allowed_origins), max_stored_responses=args.max_stored_responses,
-                        allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains))
+    return ServerConfig(
+        args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout or None,
+        read_timeout=args.read_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        allowed_origins=tuple(args.allowed_origins),
+        max_stored_responses=args.max_stored_responses,
+        allowed_media_domains=tuple(d.lower() for d in args.allowed_media_domains),
+    )
 
 
 def load_for_serving(args: argparse.Namespace, device, dtype):
@@ -203,6 +252,10 @@ def _load_image_text_to_text(path: str, dtype, tokenizer):
     try:
         return model, AutoProcessor.from_pretrained(path)
     except Exception as error:  # a processor that needs what is not installed (torchvision, ...)
-        logging.getLogger("hfaccel").warning("hfaccel serve: the processor of %s could not be loaded (%s: %s); "
-                                             "serving text prompts only", path, type(error).__name__, error)
+        logging.getLogger("hfaccel").warning(
+            "hfaccel serve: the processor of %s could not be loaded (%s: %s); serving text prompts only",
+            path,
+            type(error).__name__,
+            error,
+        )
         return model, tokenizer

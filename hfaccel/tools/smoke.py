@@ -40,13 +40,24 @@ def _generate_row(model, batch: int, vocab: int) -> list[str]:
     for new_tokens in (NEW_TOKENS, 1, NEW_TOKENS):
         sync(model.device)
         start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         sync(model.device)
         times.append(time.perf_counter() - start)
     step_ms = (times[2] - times[1]) / (NEW_TOKENS - 1) * 1e3
-    return [str(batch), f"{step_ms:.2f}", str(model.hfaccel.decode), str(_graphs_compiled()),
-            model.hfaccel.session.steps()]
+    return [
+        str(batch),
+        f"{step_ms:.2f}",
+        str(model.hfaccel.decode),
+        str(_graphs_compiled()),
+        model.hfaccel.session.steps(),
+    ]
 
 
 def _engine_rows(model, batches: list[int], vocab: int, console: Console) -> list[list[str]]:
@@ -54,8 +65,10 @@ def _engine_rows(model, batches: list[int], vocab: int, console: Console) -> lis
 
     start = time.perf_counter()
     engine = Engine(model, max_num_seqs=max(batches), max_model_len=PROMPT_LEN + NEW_TOKENS + 16)
-    console.print(f"Engine built in {time.perf_counter() - start:.1f} s (compiling and capturing its ladder): "
-                  f"{engine.stats()['decode_steps']}")
+    console.print(
+        f"Engine built in {time.perf_counter() - start:.1f} s (compiling and capturing its ladder): "
+        f"{engine.stats()['decode_steps']}"
+    )
     rows = []
     for batch in batches:
         prompts = [torch.randint(3, vocab, (PROMPT_LEN,)).tolist() for _ in range(batch)]
@@ -65,8 +78,15 @@ def _engine_rows(model, batches: list[int], vocab: int, console: Console) -> lis
         engine.generate(prompts, params)
         sync(model.device)
         ms = (time.perf_counter() - start) / NEW_TOKENS * 1e3
-        rows.append([f"engine {batch}", f"{ms:.2f} (incl. prefill)", "engine", str(_graphs_compiled()),
-                     engine.stats()["decode_steps"]])
+        rows.append(
+            [
+                f"engine {batch}",
+                f"{ms:.2f} (incl. prefill)",
+                "engine",
+                str(_graphs_compiled()),
+                engine.stats()["decode_steps"],
+            ]
+        )
     return rows
 
 

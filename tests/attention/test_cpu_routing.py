@@ -23,14 +23,18 @@ def no_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-@pytest.mark.parametrize("mask", [
-    KernelMask(None, 0, 0, True, None),  # aligned causal prefill: is_causal
-    KernelMask(None, 40, 0, True, None),  # a decode step that sees every key: no mask
-    KernelMask(torch.tensor([[True] * 41, [False] * 9 + [True] * 32]), 40, 0, True, None),  # padded decode
-    KernelMask(None, 40, 0, True, 16),  # a window that hides keys
-    KernelMask(None, 30, 0, True, None),  # a chunk after cached keys
-    KernelMask(None, 0, 0, False, None),  # bidirectional
-], ids=["causal", "decode", "padded", "window", "chunk", "bidirectional"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        KernelMask(None, 0, 0, True, None),  # aligned causal prefill: is_causal
+        KernelMask(None, 40, 0, True, None),  # a decode step that sees every key: no mask
+        KernelMask(torch.tensor([[True] * 41, [False] * 9 + [True] * 32]), 40, 0, True, None),  # padded decode
+        KernelMask(None, 40, 0, True, 16),  # a window that hides keys
+        KernelMask(None, 30, 0, True, None),  # a chunk after cached keys
+        KernelMask(None, 0, 0, False, None),  # bidirectional
+    ],
+    ids=["causal", "decode", "padded", "window", "chunk", "bidirectional"],
+)
 @pytest.mark.parametrize("softcap", [None, 20.0], ids=["", "softcap"])
 def test_the_sdpa_route_computes_the_kernels_rule(mask, softcap):
     gen = torch.Generator().manual_seed(0)
@@ -38,9 +42,18 @@ def test_the_sdpa_route_computes_the_kernels_rule(mask, softcap):
     q = torch.randn(2, 6, seq_q, 24, generator=gen)
     k, v = torch.randn(2, 2, 41, 24, generator=gen), torch.randn(2, 2, 41, 24, generator=gen)
     out = sdpa.sdpa_dense(q, k, v, mask, 0.2, softcap, None)  # [B, Sq, Hq, D]
-    expected = flash_attention_reference(q, k, v, scale=0.2, causal=mask.causal, q_offset=mask.q_offset,
-                                         kv_offset=mask.kv_offset, key_mask=mask.key_mask,
-                                         sliding_window=mask.sliding_window, softcap=softcap)
+    expected = flash_attention_reference(
+        q,
+        k,
+        v,
+        scale=0.2,
+        causal=mask.causal,
+        q_offset=mask.q_offset,
+        kv_offset=mask.kv_offset,
+        key_mask=mask.key_mask,
+        sliding_window=mask.sliding_window,
+        softcap=softcap,
+    )
     assert_close(out, expected)
 
 

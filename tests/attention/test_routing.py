@@ -25,17 +25,20 @@ def _qkv(batch=2, heads=6, kv_heads=2, seq=37, kv_seq=None, head_dim=64, dtype=t
     return q, k, v
 
 
-@pytest.mark.parametrize("mask, softcap, kv_seq, expected", [
-    (PLAIN, None, None, True),
-    (KernelMask(None, 5, 5, True, None), None, None, True),  # same offsets: still aligned
-    (KernelMask(None, 0, 0, True, 37), None, None, True),  # a window as long as the keys hides nothing
-    (KernelMask(None, 0, 0, True, 36), None, None, False),
-    (KernelMask(torch.ones(2, 37, dtype=torch.bool), 0, 0, True, None), None, None, False),  # padding
-    (KernelMask(None, 0, 0, False, None), None, None, False),
-    (PLAIN, 30.0, None, False),  # softcap
-    (KernelMask(None, 13, 0, True, None), None, 50, False),  # a chunk after cached keys (bottom-right causal)
-    (KernelMask(None, 3, 0, True, None), None, None, False),  # offset queries
-])
+@pytest.mark.parametrize(
+    "mask, softcap, kv_seq, expected",
+    [
+        (PLAIN, None, None, True),
+        (KernelMask(None, 5, 5, True, None), None, None, True),  # same offsets: still aligned
+        (KernelMask(None, 0, 0, True, 37), None, None, True),  # a window as long as the keys hides nothing
+        (KernelMask(None, 0, 0, True, 36), None, None, False),
+        (KernelMask(torch.ones(2, 37, dtype=torch.bool), 0, 0, True, None), None, None, False),  # padding
+        (KernelMask(None, 0, 0, False, None), None, None, False),
+        (PLAIN, 30.0, None, False),  # softcap
+        (KernelMask(None, 13, 0, True, None), None, 50, False),  # a chunk after cached keys (bottom-right causal)
+        (KernelMask(None, 3, 0, True, None), None, None, False),  # offset queries
+    ],
+)
 def test_sdpa_computes_only_aligned_causal_calls_without_masks(mask, softcap, kv_seq, expected):
     q, k, _ = _qkv(kv_seq=kv_seq)
     assert sdpa.sdpa_computes(q, k, mask, softcap) is expected
@@ -72,9 +75,13 @@ def test_routed_calls_run_sdpa_and_are_counted(monkeypatch):
     module = torch.nn.Module()
     paths = AttentionPaths()
     setattr(module, PATHS_ATTRIBUTE, paths)
-    monkeypatch.setattr(functions, "prefill_route",
-                        lambda backend, query, key, mask, softcap, sinks: SDPA if sdpa.sdpa_computes(
-                            query, key, mask, softcap, sinks) else FLASH)
+    monkeypatch.setattr(
+        functions,
+        "prefill_route",
+        lambda backend, query, key, mask, softcap, sinks: (
+            SDPA if sdpa.sdpa_computes(query, key, mask, softcap, sinks) else FLASH
+        ),
+    )
     q, k, v = _qkv()
     out, _ = functions.auto_attention(module, q, k, v, PLAIN, scaling=0.125)
     assert_close(out, flash_attention_reference(q, k, v, scale=0.125))

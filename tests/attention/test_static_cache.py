@@ -55,8 +55,11 @@ def _prefill_chunk_and_decode(model, batch: dict) -> tuple[list[torch.Tensor], l
     with torch.no_grad():
         for input_ids, attention_mask in steps:
             with HostReads() as waits:
-                logits.append(model(input_ids=input_ids, attention_mask=attention_mask, **model_cache(model, cache),
-                                    use_cache=True).logits)
+                logits.append(
+                    model(
+                        input_ids=input_ids, attention_mask=attention_mask, **model_cache(model, cache), use_cache=True
+                    ).logits
+                )
             paths.append((waits.reads, _last_path(model)))
     return logits, paths
 

@@ -43,17 +43,34 @@ def workload(model) -> list[SamplingParams]:
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[text[1][3:6]], logprobs=2),
         SamplingParams(max_tokens=1, temperature=0.8, seed=3),
         SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=20, seed=4, n=3, ignore_eos=True),
-        SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5,
-                       presence_penalty=0.4, ignore_eos=True),
-        SamplingParams(max_tokens=11, temperature=0.7, min_p=0.05, seed=5, repetition_penalty=1.2, n=2,
-                       logprobs=1, ignore_eos=True),
+        SamplingParams(
+            max_tokens=9,
+            temperature=0,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.4,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            max_tokens=11, temperature=0.7, min_p=0.05, seed=5, repetition_penalty=1.2, n=2, logprobs=1, ignore_eos=True
+        ),
     ]
 
 
 def summary(outputs):
-    return [[(o.token_ids, o.text, o.finish_reason, o.stop_reason,
-              None if o.logprobs is None else [(p.token_id, round(p.logprob, 5), sorted(p.top)) for p in o.logprobs])
-             for o in out.outputs] for out in outputs]
+    return [
+        [
+            (
+                o.token_ids,
+                o.text,
+                o.finish_reason,
+                o.stop_reason,
+                None if o.logprobs is None else [(p.token_id, round(p.logprob, 5), sorted(p.top)) for p in o.logprobs],
+            )
+            for o in out.outputs
+        ]
+        for out in outputs
+    ]
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -93,7 +110,7 @@ def test_a_stop_drops_the_token_in_flight(model):
     out = e.snapshot(e.requests[request_id]).outputs[0]
     seq = e.requests[request_id].seqs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == params.stop_token_ids[0]
-    assert seq.token_ids[len(seq.request.prompt_token_ids):] == out.token_ids  # nothing past the stop
+    assert seq.token_ids[len(seq.request.prompt_token_ids) :] == out.token_ids  # nothing past the stop
     assert seq.num_pending == 0 and e.stats()["blocks_used"] == 0 and not e.executor.in_flight
 
 
@@ -136,8 +153,9 @@ def test_steps_with_prefill_work_do_not_overlap(model):
     e = engine(model, True, cuda_graphs=False, max_num_batched_tokens=4)  # a 9-token prompt runs in 3 chunks
     forward, collect = e.runner.forward, e._collect_all_but
     e.runner.forward = lambda *args, **kwargs: events.append("launch") or forward(*args, **kwargs)
-    e._collect_all_but = lambda keep, touched: events.append(f"in flight {len(e.executor.in_flight)}, keep {keep}") \
-        or collect(keep, touched)
+    e._collect_all_but = lambda keep, touched: (
+        events.append(f"in flight {len(e.executor.in_flight)}, keep {keep}") or collect(keep, touched)
+    )
     e.add_request("123456789", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     for _ in range(3):
         e.step()
@@ -153,8 +171,11 @@ def test_generated_blocks_are_cached_for_a_follow_up(model):
         e = engine(model, async_scheduling, num_blocks=64, block_size=4)
         first = e.generate([5, 6, 7, 8, 9, 10], greedy)[0]
         follow_up = e.generate([5, 6, 7, 8, 9, 10] + first.outputs[0].token_ids, greedy)[0]
-        results[async_scheduling] = (first.outputs[0].token_ids, follow_up.outputs[0].token_ids,
-                                     follow_up.metrics.num_cached_tokens)
+        results[async_scheduling] = (
+            first.outputs[0].token_ids,
+            follow_up.outputs[0].token_ids,
+            follow_up.metrics.num_cached_tokens,
+        )
     assert results[True] == results[False]
     assert results[True][2] == 20  # the 23 computed tokens of the first request: 5 full blocks
 
@@ -165,8 +186,12 @@ def test_decode_steps_never_block_on_the_device(model):
     the device except waiting for the previous step's tokens (an event, which sync debug mode allows)."""
     e = engine(model, True)
     for prompt in PROMPTS[:4]:
-        e.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True,
-                                             repetition_penalty=1.1, logprobs=2))
+        e.add_request(
+            prompt,
+            SamplingParams(
+                max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True, repetition_penalty=1.1, logprobs=2
+            ),
+        )
     for _ in range(6):  # prompts in, a graph captured for batch 4
         e.step()
     torch.cuda.set_sync_debug_mode("error")

@@ -18,8 +18,7 @@ CONFIGS = {
     "default": {},
     "preemption": {"num_blocks": 16, "block_size": 4},  # 64 slots for 20 prompts: sequences get preempted
     "chunked-prefill": {"max_num_batched_tokens": 5},
-    "no-prefix-cache": {"enable_prefix_caching": False, "num_blocks": 16, "block_size": 4,
-                        "max_num_batched_tokens": 9},
+    "no-prefix-cache": {"enable_prefix_caching": False, "num_blocks": 16, "block_size": 4, "max_num_batched_tokens": 9},
 }
 
 
@@ -29,8 +28,12 @@ def test_exactness_under_each_scheduling_condition(config, async_scheduling):
     model = tiny_model("llama")
     prompts, budgets = mixed_prompts()
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, async_scheduling=async_scheduling,
-                    **CONFIGS[config])
+    engine = Engine(
+        hfaccel.accelerate(model, attention="torch"),
+        max_num_seqs=8,
+        async_scheduling=async_scheduling,
+        **CONFIGS[config],
+    )
     outputs = run(engine, prompts, budgets)
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.outputs[0].token_ids == want, f"prompt {i} ({len(prompts[i])} tokens) differs under {config}"
@@ -53,8 +56,14 @@ def test_exactness_across_architectures(arch, async_scheduling):
     model = tiny_model(arch)
     prompts, budgets = mixed_prompts(12, seed=1)
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=6, num_blocks=14, block_size=4,
-                    max_num_batched_tokens=11, async_scheduling=async_scheduling)
+    engine = Engine(
+        hfaccel.accelerate(model, attention="torch"),
+        max_num_seqs=6,
+        num_blocks=14,
+        block_size=4,
+        max_num_batched_tokens=11,
+        async_scheduling=async_scheduling,
+    )
     for i, (out, want) in enumerate(zip(run(engine, prompts, budgets), expected)):
         assert out.outputs[0].token_ids == want, f"{arch}: prompt {i} differs"
     assert engine.stats()["blocks_used"] == 0
@@ -65,8 +74,13 @@ def test_exactness_through_triton_kernels():
     prompts, budgets = mixed_prompts(6, seed=2)
     budgets = [min(b, 8) for b in budgets]
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="triton"), max_num_seqs=4, num_blocks=24, block_size=4,
-                    max_num_batched_tokens=16)
+    engine = Engine(
+        hfaccel.accelerate(model, attention="triton"),
+        max_num_seqs=4,
+        num_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
     for out, want in zip(run(engine, prompts, budgets), expected):
         assert out.outputs[0].token_ids == want
 
@@ -75,9 +89,17 @@ def test_exactness_through_triton_kernels():
 def test_repetition_penalty_matches_transformers(async_scheduling):
     model = tiny_model("mistral")
     prompts, _ = mixed_prompts(4, seed=3)
-    expected = [model.generate(torch.tensor([p], device=model.device), max_new_tokens=12, do_sample=False,
-                               repetition_penalty=1.5,
-                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    expected = [
+        model.generate(
+            torch.tensor([p], device=model.device),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.5,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, async_scheduling=async_scheduling)
     outputs = engine.generate(prompts, greedy(12, repetition_penalty=1.5))
     assert [out.outputs[0].token_ids for out in outputs] == expected
@@ -98,16 +120,16 @@ def test_stop_strings_spanning_tokens_are_cut_from_the_text(char_engine):
     out = char_engine.generate("the cat", greedy(30, stop=["zzzz", stop]))[0].outputs[0]
     assert out.text == free.text[:first]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
-    assert out.token_ids == free.token_ids[:first + len(stop)]  # through the token that completed the stop
+    assert out.token_ids == free.token_ids[: first + len(stop)]  # through the token that completed the stop
 
 
 def test_stop_token_and_eos(char_engine):
     free = char_engine.generate("hello", greedy(20))[0].outputs[0]
     stop_id = free.token_ids[5]
     out = char_engine.generate("hello", greedy(20, stop_token_ids=[stop_id]))[0].outputs[0]
-    assert out.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert out.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
-    assert out.text == free.text[:free.token_ids.index(stop_id)]  # the stop token's text is not output
+    assert out.text == free.text[: free.token_ids.index(stop_id)]  # the stop token's text is not output
 
 
 def test_max_tokens_1_and_text_equals_decode(char_engine):
@@ -139,8 +161,9 @@ def test_n_completions_share_the_prompt():
     model = tiny_model("qwen3")
     prompt = list(range(3, 30))
     expected = reference(model, [prompt], [10])[0]
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, num_blocks=32, block_size=4,
-                    cuda_graphs=False)  # every forward through runner.forward, to count its tokens
+    engine = Engine(
+        hfaccel.accelerate(model, attention="torch"), max_num_seqs=8, num_blocks=32, block_size=4, cuda_graphs=False
+    )  # every forward through runner.forward, to count its tokens
     computed, forward = [], engine.runner.forward
     engine.runner.forward = lambda ids, tokens, *a, **k: computed.append(len(tokens)) or forward(ids, tokens, *a, **k)
     out = engine.generate(prompt, greedy(10, n=3))[0]
@@ -171,7 +194,7 @@ def test_logprobs_are_the_models():
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=2)
     out = engine.generate(prompt, greedy(4, logprobs=3))[0].outputs[0]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids], device=model.device)).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + out.token_ids], device=model.device)).logits[0, len(prompt) - 1 : -1]
     expected = torch.log_softmax(logits.float(), -1).cpu()
     for step, entry in enumerate(out.logprobs):
         assert entry.token_id == out.token_ids[step]
@@ -197,8 +220,9 @@ def test_stream_deltas_add_up_and_closing_aborts(char_engine):
 
 
 def test_abort_frees_blocks_at_once():
-    engine = Engine(hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=4, num_blocks=32,
-                    block_size=4)
+    engine = Engine(
+        hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=4, num_blocks=32, block_size=4
+    )
     ids = [engine.add_request(list(range(3, 20)), greedy(30)) for _ in range(3)]
     engine.step()
     engine.step()
@@ -228,8 +252,14 @@ def test_static_shape_decode_steps_are_exact(attention):
     prompts, _ = mixed_prompts(9, seed=5)
     budgets = [3 + i for i in range(9)]  # sequences finish one by one: decode batches of every size
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention=attention), max_num_seqs=7, num_blocks=60, block_size=4,
-                    cuda_graphs=True, async_scheduling=attention == "torch")
+    engine = Engine(
+        hfaccel.accelerate(model, attention=attention),
+        max_num_seqs=7,
+        num_blocks=60,
+        block_size=4,
+        cuda_graphs=True,
+        async_scheduling=attention == "torch",
+    )
     assert engine.runner.graphs is not None and engine.runner.graphs.sizes == [1, 2, 4, 7]
     assert engine.runner.graphs.capture == (DEVICE.type == "cuda")  # captured and replayed on a GPU
     served, replay = [], engine.runner.graphs.run
@@ -245,16 +275,21 @@ def test_seeded_requests_keep_the_decode_graphs_and_draw_inside_them():
     included), the eager path's tokens; a step with a row that needs its logits (logprobs) samples them as before."""
     model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
     prompts, _ = mixed_prompts(7, seed=7)
-    params = [SamplingParams(max_tokens=6 + i, temperature=0.9, top_p=0.9, top_k=9 * i, seed=100 + i, ignore_eos=True)
-              for i in range(5)]
-    params += [SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
-               SamplingParams(max_tokens=5, temperature=1.2, seed=3, logprobs=2, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=6 + i, temperature=0.9, top_p=0.9, top_k=9 * i, seed=100 + i, ignore_eos=True)
+        for i in range(5)
+    ]
+    params += [
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1.2, seed=3, logprobs=2, ignore_eos=True),
+    ]
     settings = dict(max_num_seqs=8, num_blocks=60, block_size=4)
     eager = Engine(model, cuda_graphs=False, **settings).generate(prompts, params)
     engine = Engine(model, cuda_graphs=True, **settings)
     served, replay = [], engine.runner.graphs.run
-    engine.runner.graphs.run = lambda seq_ids, *args, **kwargs: \
+    engine.runner.graphs.run = lambda seq_ids, *args, **kwargs: (
         served.append((len(seq_ids), "draw" in kwargs)) or replay(seq_ids, *args, **kwargs)
+    )
     graphed = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert len(graphed[-1].outputs[0].logprobs) == 5
@@ -280,6 +315,7 @@ def test_a_draw_that_cannot_be_compiled_runs_uncompiled_and_keeps_the_compiled_s
 
         def compiled(*args):
             raise Unsupported("the draw cannot be traced")
+
         return compiled
 
     model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
@@ -333,15 +369,17 @@ def test_the_engine_compiles_its_decode_steps_when_it_is_built():
     assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
     seeded = [SamplingParams(max_tokens=5, temperature=1.3, top_p=0.9, seed=i, ignore_eos=True) for i in range(6)]
     uncompiled = Engine(model, max_num_seqs=6, num_blocks=60, block_size=4, cuda_graphs=True, compile=False)
-    assert [o.outputs[0].token_ids for o in engine.generate(prompts, seeded)] == \
-        [o.outputs[0].token_ids for o in uncompiled.generate(prompts, seeded)]  # the compiled draw's tokens
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, seeded)] == [
+        o.outputs[0].token_ids for o in uncompiled.generate(prompts, seeded)
+    ]  # the compiled draw's tokens
     assert counters["stats"]["unique_graphs"] == built
     assert engine.stats()["decode_steps"].startswith("compiled")
 
 
 def test_n_beyond_max_num_seqs_and_any_seed():
-    engine = Engine(hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=2, num_blocks=32,
-                    block_size=4)
+    engine = Engine(
+        hfaccel.accelerate(tiny_model("llama"), attention="torch"), max_num_seqs=2, num_blocks=32, block_size=4
+    )
     with pytest.raises(ValueError, match="n=3 completions cannot run at once"):
         engine.add_request([5, 6], SamplingParams(n=3))
     out = engine.generate([5, 6], SamplingParams(max_tokens=3, n=2, seed=2**64 - 1, ignore_eos=True))[0]
@@ -359,8 +397,13 @@ def test_a_failed_step_changes_nothing(monkeypatch, hybrid):
     model = family_model("qwen3_next") if hybrid else tiny_model("llama")
     prompts, budgets = mixed_prompts(3, seed=6)
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4, num_blocks=40, block_size=4,
-                    async_scheduling=False)
+    engine = Engine(
+        hfaccel.accelerate(model, attention="torch"),
+        max_num_seqs=4,
+        num_blocks=40,
+        block_size=4,
+        async_scheduling=False,
+    )
     ids = [engine.add_request(p, greedy(b)) for p, b in zip(prompts, budgets)]
     engine.step()
     engine.step()

@@ -29,20 +29,37 @@ def _model(hybrid: bool):
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(prefix_caching=st.booleans(), budget=st.sampled_from([3, 8, 64]), async_scheduling=st.booleans(),
-                hybrid=st.booleans())
+    @initialize(
+        prefix_caching=st.booleans(),
+        budget=st.sampled_from([3, 8, 64]),
+        async_scheduling=st.booleans(),
+        hybrid=st.booleans(),
+    )
     def setup(self, prefix_caching, budget, async_scheduling, hybrid):
-        self.engine = Engine(_model(hybrid), char_tokenizer(), max_num_seqs=4, max_num_batched_tokens=budget,
-                             num_blocks=14, block_size=4, enable_prefix_caching=prefix_caching,
-                             async_scheduling=async_scheduling)
+        self.engine = Engine(
+            _model(hybrid),
+            char_tokenizer(),
+            max_num_seqs=4,
+            max_num_batched_tokens=budget,
+            num_blocks=14,
+            block_size=4,
+            enable_prefix_caching=prefix_caching,
+            async_scheduling=async_scheduling,
+        )
         self.ids: list[str] = []
 
-    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(3, 95), max_size=10),
-          max_tokens=st.integers(1, 10), n=st.integers(1, 3), sample=st.booleans(),
-          stop=st.sampled_from([[], ["a"], ["e", "th"], ["xyz"]]))
+    @rule(
+        stem=st.sampled_from(STEMS),
+        tail=st.lists(st.integers(3, 95), max_size=10),
+        max_tokens=st.integers(1, 10),
+        n=st.integers(1, 3),
+        sample=st.booleans(),
+        stop=st.sampled_from([[], ["a"], ["e", "th"], ["xyz"]]),
+    )
     def add(self, stem, tail, max_tokens, n, sample, stop):
-        params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0 if sample else 0, seed=len(self.ids),
-                                stop=stop)
+        params = SamplingParams(
+            max_tokens=max_tokens, n=n, temperature=1.0 if sample else 0, seed=len(self.ids), stop=stop
+        )
         self.ids.append(self.engine.add_request(stem + tail, params))
 
     @precondition(lambda self: self.ids)
@@ -66,7 +83,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert set(manager.sequences()) == live, "only running sequences hold blocks"
         for request in engine.requests.values():
             for seq in request.seqs:
-                assert PENDING not in seq.token_ids[:seq.num_known_tokens], "pending tokens are the last ones"
+                assert PENDING not in seq.token_ids[: seq.num_known_tokens], "pending tokens are the last ones"
                 assert len(seq.output.token_ids) <= request.params.max_tokens
                 if seq.status is Status.FINISHED:
                     assert seq.output.finish_reason is not None and seq.num_pending == 0

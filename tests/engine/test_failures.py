@@ -19,8 +19,14 @@ def model():
 
 
 def make_engine(model, async_scheduling: bool = False, max_num_seqs: int = 8) -> Engine:
-    return Engine(model, char_tokenizer(), max_num_seqs=max_num_seqs, num_blocks=64, block_size=4,
-                  async_scheduling=async_scheduling)
+    return Engine(
+        model,
+        char_tokenizer(),
+        max_num_seqs=max_num_seqs,
+        num_blocks=64,
+        block_size=4,
+        async_scheduling=async_scheduling,
+    )
 
 
 def greedy(budget: int = 10, **kwargs) -> SamplingParams:
@@ -31,9 +37,11 @@ def tokens(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-BEYOND_THE_MODEL = [({"top_k": 97}, "top_k", "SamplingParams.top_k must be None, -1 or 0 (off), or an int in [1, 96]"),
-                    ({"stop_token_ids": [5, 96]}, "stop_token_ids", "token ids in [0, 96) (the vocabulary)"),
-                    ({"n": 9}, "n", "n=9 completions cannot run at once")]
+BEYOND_THE_MODEL = [
+    ({"top_k": 97}, "top_k", "SamplingParams.top_k must be None, -1 or 0 (off), or an int in [1, 96]"),
+    ({"stop_token_ids": [5, 96]}, "stop_token_ids", "token ids in [0, 96) (the vocabulary)"),
+    ({"n": 9}, "n", "n=9 completions cannot run at once"),
+]
 
 
 @pytest.mark.parametrize("bad, param, message", BEYOND_THE_MODEL, ids=[case[1] for case in BEYOND_THE_MODEL])
@@ -55,8 +63,9 @@ def test_parameters_beyond_the_model_fail_alone(model, bad, param, message):
 
 def test_text_that_is_not_unicode_is_a_clear_error(model):
     engine = make_engine(model)
-    with pytest.raises(ValueError, match="the prompt is not valid Unicode text: surrogates not allowed '\\\\ud800' "
-                                         "at character 1"):
+    with pytest.raises(
+        ValueError, match="the prompt is not valid Unicode text: surrogates not allowed '\\\\ud800' at character 1"
+    ):
         engine.add_request("a\ud800b", greedy())
     with pytest.raises(ValueError, match="message 0's 'content' is not valid Unicode"):
         engine.add_request([{"role": "user", "content": "a\udfffb"}], greedy())
@@ -145,8 +154,7 @@ def test_async_engine_fails_the_request_alone_and_streams_the_others(model, max_
         return ids
 
     async def main():
-        return await asyncio.gather(collect("poison", "poison"), *(collect(p) for p in PROMPTS),
-                                    return_exceptions=True)
+        return await asyncio.gather(collect("poison", "poison"), *(collect(p) for p in PROMPTS), return_exceptions=True)
 
     try:
         failed, *streams = asyncio.run(main())

@@ -15,8 +15,14 @@ def test_exactness_with_preemption_and_chunked_prefill(name, async_scheduling):
     model = family_model(name)
     prompts, budgets = mixed_prompts(12, seed=1)
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=6, num_blocks=14, block_size=4,
-                    max_num_batched_tokens=11, async_scheduling=async_scheduling)
+    engine = Engine(
+        hfaccel.accelerate(model, attention="torch"),
+        max_num_seqs=6,
+        num_blocks=14,
+        block_size=4,
+        max_num_batched_tokens=11,
+        async_scheduling=async_scheduling,
+    )
     outputs = run(engine, prompts, budgets)
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.outputs[0].token_ids == want, f"{name}: prompt {i} differs"
@@ -44,8 +50,9 @@ def test_n_completions_fork_the_state(name):
 
 
 def test_abort_frees_the_state_slot():
-    engine = Engine(hfaccel.accelerate(family_model("falcon_h1"), attention="torch"), max_num_seqs=3,
-                    num_blocks=32, block_size=4)
+    engine = Engine(
+        hfaccel.accelerate(family_model("falcon_h1"), attention="torch"), max_num_seqs=3, num_blocks=32, block_size=4
+    )
     ids = [engine.add_request(list(range(3, 20)), greedy(30)) for _ in range(3)]
     engine.step()
     assert engine.stats()["state_slots_free"] == 0

@@ -36,16 +36,22 @@ def test_fp8_pool_gives_the_tokens_of_the_models_own_dtype():
     assert stats["kv_cache_dtype"] == "torch.float8_e4m3fn" and stats["blocks_used"] == 0
     fp32_bytes = hfaccel.Engine(model, num_blocks=32, max_num_seqs=4).stats()["kv_cache_bytes"]
     assert stats["kv_cache_bytes"] * 4 == fp32_bytes
-    compiled = hfaccel.Engine(model, num_blocks=32, max_num_seqs=4, kv_cache_dtype=torch.float8_e4m3fn,
-                              cuda_graphs=True, compile=True)
+    compiled = hfaccel.Engine(
+        model, num_blocks=32, max_num_seqs=4, kv_cache_dtype=torch.float8_e4m3fn, cuda_graphs=True, compile=True
+    )
     assert _tokens(compiled) == expected
     assert compiled.stats()["decode_steps"].startswith("compiled")
     shared = [[7, 8, 9, 10] * 8 + [11 + i] for i in range(3)]  # a 32-token prefix: two full blocks, read back
     computed = _tokens(eager, shared[:1])
     hits = eager.generate(shared, GREEDY)
     assert [o.metrics.num_cached_tokens for o in hits] == [32, 32, 32]
-    assert [o.outputs[0].token_ids for o in hits] == [*computed, *_tokens(hfaccel.Engine(
-        model, num_blocks=32, max_num_seqs=4, kv_cache_dtype="fp8", enable_prefix_caching=False), shared[1:])]
+    assert [o.outputs[0].token_ids for o in hits] == [
+        *computed,
+        *_tokens(
+            hfaccel.Engine(model, num_blocks=32, max_num_seqs=4, kv_cache_dtype="fp8", enable_prefix_caching=False),
+            shared[1:],
+        ),
+    ]
 
 
 def test_fp8_pool_holds_twice_the_sequences_of_a_bf16_pool_in_the_same_memory(monkeypatch):
@@ -57,8 +63,9 @@ def test_fp8_pool_holds_twice_the_sequences_of_a_bf16_pool_in_the_same_memory(mo
     params = hfaccel.SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)
     memory = hfaccel.Engine(model, num_blocks=8, max_num_seqs=8).stats()["kv_cache_bytes"]
     bf16 = hfaccel.Engine(model, kv_cache_memory=memory, max_num_seqs=8, enable_prefix_caching=False)
-    fp8 = hfaccel.Engine(model, kv_cache_memory=memory, max_num_seqs=8, kv_cache_dtype="fp8",
-                         enable_prefix_caching=False)
+    fp8 = hfaccel.Engine(
+        model, kv_cache_memory=memory, max_num_seqs=8, kv_cache_dtype="fp8", enable_prefix_caching=False
+    )
     assert fp8.stats()["blocks_total"] == 2 * bf16.stats()["blocks_total"] == 16
     assert sum(o.metrics.num_preemptions for o in bf16.generate(prompts, params)) > 0
     outputs = fp8.generate(prompts, params)
@@ -121,8 +128,9 @@ def test_prefill_scales_come_from_each_layers_first_prefill(monkeypatch):
     kept = scales.clone()
     assert _tokens(engine) == _tokens(hfaccel.Engine(model, num_blocks=32, max_num_seqs=4))
     assert torch.equal(engine.runner.pool.scales[0], kept)  # the first prefill's, whatever came after
-    compiled = hfaccel.Engine(model, num_blocks=32, max_num_seqs=4, kv_cache_dtype="fp8", kv_scales="prefill",
-                              cuda_graphs=True, compile=True)
+    compiled = hfaccel.Engine(
+        model, num_blocks=32, max_num_seqs=4, kv_cache_dtype="fp8", kv_scales="prefill", cuda_graphs=True, compile=True
+    )
     assert _tokens(compiled, [prompt]) == expected
     assert compiled.stats()["decode_steps"].startswith("compiled")
     torch.testing.assert_close(compiled.runner.pool.scales[0], kept, rtol=1e-5, atol=0)
@@ -228,8 +236,9 @@ def test_paged_cache_with_prefill_scales(monkeypatch):
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), "attention_mask": torch.ones(1, 7, dtype=torch.long)}
     kwargs = dict(max_new_tokens=8, do_sample=False)
     expected = model.generate(**batch, **kwargs)
-    cache = hfaccel.PagedCache(model.config, max_batch_size=1, max_cache_len=16, dtype=torch.float8_e4m3fn,
-                               kv_scales="prefill")
+    cache = hfaccel.PagedCache(
+        model.config, max_batch_size=1, max_cache_len=16, dtype=torch.float8_e4m3fn, kv_scales="prefill"
+    )
     assert torch.equal(model.generate(**batch, **generate_cache(cache), **kwargs), expected)
     wanted = _prompt_kv_scales(model, batch["input_ids"][0].tolist())
     for layer, layer_scales in wanted.items():

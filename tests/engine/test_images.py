@@ -17,8 +17,12 @@ GREEDY = hfaccel.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def chat(text: str, *images) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": picture} for picture in images),
-                                         {"type": "text", "text": text}]}]
+    return [
+        {
+            "role": "user",
+            "content": [*({"type": "image", "image": picture} for picture in images), {"type": "text", "text": text}],
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +37,11 @@ def transformers_tokens(model, processor, prompt, max_new_tokens: int = 10) -> l
     elif isinstance(prompt, str):
         inputs = processor(text=[prompt], return_tensors="pt")
     else:
-        inputs = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                               return_tensors="pt")
+        inputs = processor.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def _prompts() -> list:
@@ -44,11 +49,13 @@ def _prompts() -> list:
     a chat with no image."""
     png = io.BytesIO()
     image(25, 35, 4).save(png, format="PNG")
-    return [chat("What is this?", image(40, 50)),
-            chat("Compare these", image(30, 30, 1), image(60, 20, 2)),
-            "user: hello there\nassistant:",
-            {"prompt": "user: <image> and <image>, again?\nassistant:", "images": [image(40, 50), png.getvalue()]},
-            chat("Only text in a chat")]
+    return [
+        chat("What is this?", image(40, 50)),
+        chat("Compare these", image(30, 30, 1), image(60, 20, 2)),
+        "user: hello there\nassistant:",
+        {"prompt": "user: <image> and <image>, again?\nassistant:", "images": [image(40, 50), png.getvalue()]},
+        chat("Only text in a chat"),
+    ]
 
 
 def test_mixed_batch_equals_each_request_alone(llava):
@@ -64,8 +71,12 @@ def test_mixed_batch_equals_each_request_alone(llava):
 def _decoded(prompt):
     """The prompt with its encoded images opened (what transformers' processor takes)."""
     if isinstance(prompt, dict):
-        return {**prompt, "images": [Image.open(io.BytesIO(p)).convert("RGB") if isinstance(p, bytes) else p
-                                     for p in prompt["images"]]}
+        return {
+            **prompt,
+            "images": [
+                Image.open(io.BytesIO(p)).convert("RGB") if isinstance(p, bytes) else p for p in prompt["images"]
+            ],
+        }
     return prompt
 
 
@@ -73,12 +84,22 @@ def test_preempted_image_requests_are_computed_again_with_their_images(llava):
     """A pool too small for every request at once: image requests are preempted and recomputed (their prompt and
     the tokens they had, through the multimodal prefill again) — the same tokens."""
     model, processor = llava
-    prompts = [chat("What is this?", image(40, 50)), chat("Compare", image(30, 30, 1)),
-               chat("Once more?", image(20, 30, 3))]
+    prompts = [
+        chat("What is this?", image(40, 50)),
+        chat("Compare", image(30, 30, 1)),
+        chat("Once more?", image(20, 30, 3)),
+    ]
     params = hfaccel.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = [transformers_tokens(model, processor, p, 24) for p in prompts]
-    engine = hfaccel.Engine(model, processor, max_num_seqs=3, max_num_batched_tokens=64, num_blocks=6, block_size=16,
-                            enable_prefix_caching=False)
+    engine = hfaccel.Engine(
+        model,
+        processor,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        num_blocks=6,
+        block_size=16,
+        enable_prefix_caching=False,
+    )
     outputs = engine.generate(prompts, params)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -88,9 +109,13 @@ def test_bad_images_fail_their_request_alone(llava):
     model, processor = llava
     engine = hfaccel.Engine(model, processor, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64)
     good = chat("What is this?", image(40, 50))
-    bad = [chat("Broken", b"not an image"), {"prompt": "user: <image>\nassistant:", "images": []},
-           {"prompt": "user: <image>\nassistant:", "images": [image(20, 20), image(20, 20)]},
-           chat("Too big", Image.new("1", (9000, 8000))), {"prompt": "x", "images": [image(10, 10)], "extra": 1}]
+    bad = [
+        chat("Broken", b"not an image"),
+        {"prompt": "user: <image>\nassistant:", "images": []},
+        {"prompt": "user: <image>\nassistant:", "images": [image(20, 20), image(20, 20)]},
+        chat("Too big", Image.new("1", (9000, 8000))),
+        {"prompt": "x", "images": [image(10, 10)], "extra": 1},
+    ]
     outputs = engine.generate([good, *bad], GREEDY)
     assert outputs[0].error is None
     assert outputs[0].outputs[0].token_ids == transformers_tokens(model, processor, good)
@@ -150,9 +175,13 @@ def test_processed_prompts_continue_their_mrope_positions(cuda_graphs):
     singles = [case.inputs([prompt]) for prompt in prompts]
     expected = [model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist() for inputs in singles]
     engine = hfaccel.Engine(model, max_num_seqs=4, num_blocks=32, cuda_graphs=cuda_graphs)
-    requests = [{"prompt_token_ids": inputs["input_ids"][0].tolist(),
-                 "multimodal_inputs": {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}}
-                for inputs in singles]
+    requests = [
+        {
+            "prompt_token_ids": inputs["input_ids"][0].tolist(),
+            "multimodal_inputs": {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
+        }
+        for inputs in singles
+    ]
     requests[1] = singles[1]["input_ids"][0].tolist()  # the text-only one as plain token ids
     outputs = engine.generate(requests, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -214,8 +243,12 @@ def test_one_steps_images_are_encoded_together(name):
     from tests.hf.vlm_models import CASES
 
     case = CASES[name]
-    prompts = [[9, image(40, 40, 1), 10, 11], [12, image(30, 50, 2), 13, image(60, 30, 3)], [14, image(40, 40, 1)],
-               [15, 16, image(32, 32, 4), 17]]
+    prompts = [
+        [9, image(40, 40, 1), 10, 11],
+        [12, image(30, 50, 2), 13, image(60, 30, 3)],
+        [14, image(40, 40, 1)],
+        [15, 16, image(32, 32, 4), 17],
+    ]
     requests, expected = zip(*(_processed(case, prompt) for prompt in prompts))
     engine = hfaccel.Engine(case_model(case), max_num_seqs=4, max_num_batched_tokens=512, num_blocks=64)
     outputs = engine.generate(list(requests), GREEDY)

@@ -39,11 +39,14 @@ def test_the_pool_holds_what_the_engine_serves_and_is_capped_on_the_cpu():
     assert _plan(model, kv_cache_memory=100 * budget.block_bytes + 1).num_blocks == 100
 
 
-@pytest.mark.parametrize("free, fraction, expected", [
-    (70 * GIB, 0.5, "fraction"),  # a first engine: half of the device at most
-    (30 * GIB, 0.5, "free"),  # a second one: what is free, less its activations
-    (80 * GIB, 1.0, "free"),
-])
+@pytest.mark.parametrize(
+    "free, fraction, expected",
+    [
+        (70 * GIB, 0.5, "fraction"),  # a first engine: half of the device at most
+        (30 * GIB, 0.5, "free"),  # a second one: what is free, less its activations
+        (80 * GIB, 1.0, "free"),
+    ],
+)
 def test_on_cuda_the_pool_is_capped_by_total_and_free_memory(monkeypatch, free, fraction, expected):
     model = tiny_model("llama")
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))

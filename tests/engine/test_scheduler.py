@@ -7,8 +7,7 @@ from hfaccel.engine.scheduler import Request, Scheduler, Sequence, Status
 
 
 def sequence(seq_id: int, tokens: list[int]) -> Sequence:
-    request = Request(str(seq_id), None, list(tokens), SamplingParams(max_tokens=100), RequestMetrics(0.0),
-                      forked=True)
+    request = Request(str(seq_id), None, list(tokens), SamplingParams(max_tokens=100), RequestMetrics(0.0), forked=True)
     seq = Sequence(seq_id, request, 0, list(tokens), CompletionOutput(0), None, None)
     request.seqs.append(seq)
     return seq

@@ -36,20 +36,29 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def _seeded(i: int) -> SamplingParams:
-    return SamplingParams(max_tokens=16, temperature=1.3 + 0.1 * (i % 5), seed=1000 + 37 * i, ignore_eos=True,
-                          n=2 if i == 5 else 1, **WARPERS[i % len(WARPERS)])
+    return SamplingParams(
+        max_tokens=16,
+        temperature=1.3 + 0.1 * (i % 5),
+        seed=1000 + 37 * i,
+        ignore_eos=True,
+        n=2 if i == 5 else 1,
+        **WARPERS[i % len(WARPERS)],
+    )
 
 
-NEIGHBOURS = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=16, temperature=1.5, top_p=0.8, ignore_eos=True)]
+NEIGHBOURS = [
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True),
+    SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=1.5, top_p=0.8, ignore_eos=True),
+]
 
 CONFIGS = {
     "batch": dict(max_num_seqs=17, num_blocks=200, block_size=4, enable_prefix_caching=False),
     "preemption": dict(max_num_seqs=17, num_blocks=40, block_size=4, enable_prefix_caching=False),
-    "prefix-reuse": dict(max_num_seqs=17, num_blocks=200, block_size=4, enable_prefix_caching=True,
-                         max_num_batched_tokens=40),
+    "prefix-reuse": dict(
+        max_num_seqs=17, num_blocks=200, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=40
+    ),
 }
 
 

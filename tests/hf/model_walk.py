@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hfaccel
-from hfaccel.runner.graphs import failure_reason
+from hfaccel.runner.step_function import failure_reason
 from tests.hf.tiny_configs import SPECIAL_BASE, tiny_config
 
 SERVED, DECLINED, NO_TINY_MODEL, BROKEN = "served", "declined", "transformers cannot run a tiny model", "broken"
@@ -99,28 +99,35 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(LENGTHS):
-        ids[row, width - n:] = torch.randint(3, SPECIAL_BASE, (n,), generator=generator)
-        mask[row, width - n:] = 1
+        ids[row, width - n :] = torch.randint(3, SPECIAL_BASE, (n,), generator=generator)
+        mask[row, width - n :] = 1
     return ids, mask
 
 
 def _generate(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                          pad_token_id=0)
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=0
+    )
 
 
 def models_page(outcomes: list[Outcome]) -> str:
     """docs/models.md: every type with its outcome, grouped."""
-    lines = ["# Models", "",
-             f"Every model type transformers {transformers.__version__} registers for causal LM "
-             f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), tried on a tiny random-weight model: `hfaccel.accelerate` "
-             "then greedy `generate` on a left-padded batch, against transformers' own `generate` "
-             "(`tests/hf/model_walk.py`; `python -m tests.hf.model_walk` writes this page, "
-             "`tests/hf/test_model_walk.py` checks it on both CI environments).", ""]
-    for status, title in ((SERVED, "Served by hfaccel (transformers' tokens)"),
-                          (DECLINED, "Left on transformers' path, with hfaccel's reason"),
-                          (NO_TINY_MODEL, "Transformers itself cannot run a tiny model of these"),
-                          (BROKEN, "Broken (must be empty)")):
+    lines = [
+        "# Models",
+        "",
+        f"Every model type transformers {transformers.__version__} registers for causal LM "
+        f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), tried on a tiny random-weight model: `hfaccel.accelerate` "
+        "then greedy `generate` on a left-padded batch, against transformers' own `generate` "
+        "(`tests/hf/model_walk.py`; `python -m tests.hf.model_walk` writes this page, "
+        "`tests/hf/test_model_walk.py` checks it on both CI environments).",
+        "",
+    ]
+    for status, title in (
+        (SERVED, "Served by hfaccel (transformers' tokens)"),
+        (DECLINED, "Left on transformers' path, with hfaccel's reason"),
+        (NO_TINY_MODEL, "Transformers itself cannot run a tiny model of these"),
+        (BROKEN, "Broken (must be empty)"),
+    ):
         chosen = [o for o in outcomes if o.status == status]
         lines += [f"## {title}: {len(chosen)}", "", "| model type | |", "| --- | --- |"]
         lines += [f"| `{o.model_type}` | {o.detail.replace('|', '/')} |" for o in chosen]
@@ -132,8 +139,9 @@ def main() -> None:
     outcomes = []
     for model_type in model_types():
         outcomes.append(walk_one(model_type))
-        print(f"{outcomes[-1].status:>10}  {model_type}: {outcomes[-1].detail} ({outcomes[-1].seconds:.1f} s)",
-              flush=True)
+        print(
+            f"{outcomes[-1].status:>10}  {model_type}: {outcomes[-1].detail} ({outcomes[-1].seconds:.1f} s)", flush=True
+        )
     Path(__file__).parents[2].joinpath("docs", "models.md").write_text(models_page(outcomes))
     counts = {s: sum(o.status == s for o in outcomes) for s in (SERVED, DECLINED, NO_TINY_MODEL, BROKEN)}
     print(counts)

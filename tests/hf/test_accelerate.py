@@ -102,9 +102,18 @@ def test_unsupported_architecture_falls_back_with_warning():
 def test_attention_sinks_are_served():
     """gpt-oss's sinks: one more logit per query head in hfaccel's kernels' softmax; its alternating sliding and
     full layers; its experts as transformers runs them."""
-    config = transformers.GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       num_local_experts=2, num_experts_per_tok=1, sliding_window=8)
+    config = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=8,
+    )
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(config).eval().to(DEVICE)
     with torch.no_grad():
@@ -126,8 +135,9 @@ def test_chunked_attention_mask_uses_dense_path():
 
     fn = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     got = kernel_mask(batch_size=2, q_length=5, kv_length=5, mask_function=fn, local_size=3)
-    expected = masking_utils.sdpa_mask(batch_size=2, q_length=5, kv_length=5, mask_function=fn,
-                                       allow_is_causal_skip=False)
+    expected = masking_utils.sdpa_mask(
+        batch_size=2, q_length=5, kv_length=5, mask_function=fn, allow_is_causal_skip=False
+    )
     assert isinstance(got, torch.Tensor) and torch.equal(got, expected)
 
 
@@ -147,8 +157,11 @@ def test_triton_on_a_device_that_cannot_run_it(monkeypatch):
 
 
 def test_non_causal_lm_is_rejected():
-    bert = transformers.BertModel(transformers.BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1,
-                                                          num_attention_heads=2, intermediate_size=32))
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    )
     with pytest.raises(ValueError, match="causal language model"):
         hfaccel.accelerate(bert)
     with pytest.raises(TypeError, match="PreTrainedModel"):
@@ -172,5 +185,6 @@ def test_kernel_layer_imports_only_torch_and_triton():
                 names = [node.module]
             for name in names:
                 assert not name.startswith("transformers"), f"{path.name} imports {name}"
-                assert not name.startswith("hfaccel") or name.startswith("hfaccel.kernels"), \
+                assert not name.startswith("hfaccel") or name.startswith("hfaccel.kernels"), (
                     f"{path.name} imports {name}"
+                )

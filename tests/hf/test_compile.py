@@ -27,8 +27,9 @@ def _fresh_dynamo():
 def _next_inputs(batch: dict, logits: torch.Tensor) -> dict:
     """One decode step's inputs after a left-padded prefill."""
     mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(len(logits), 1)], 1)
-    return dict(input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
-                position_ids=mask.cumsum(1)[:, -1:] - 1)
+    return dict(
+        input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask, position_ids=mask.cumsum(1)[:, -1:] - 1
+    )
 
 
 @pytest.mark.parametrize("cache_type", ["dynamic", "static"])
@@ -77,8 +78,14 @@ def test_static_cache_compiled_generate_equals_sdpa(arch):
     batch = padded_batch()
     config = CompileConfig(fullgraph=True)
     config._compile_all_devices = True  # transformers auto-compiles only on accelerators otherwise
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
-                  cache_implementation="static", compile_config=config)
+    kwargs = dict(
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        cache_implementation="static",
+        compile_config=config,
+    )
     expected = model.generate(**batch, **{**kwargs, "compile_config": None})
     hfaccel.accelerate(model, attention="torch")
     assert torch.equal(model.generate(**batch, **kwargs), expected)

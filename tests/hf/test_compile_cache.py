@@ -30,8 +30,9 @@ print(json.dumps({key: counters["inductor"][key] for key in ("fxgraph_cache_hit"
 def _run(cache_dir: Path, attention: str) -> dict[str, int]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TRITON_INTERPRET": "0"}
     script = f"ATTENTION = {attention!r}\n{SCRIPT}"
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

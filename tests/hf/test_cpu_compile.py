@@ -23,8 +23,9 @@ def no_triton(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_compile_on_a_cpu_serves_transformers_compiled_static_path_with_its_tokens(no_triton, recompile_limit_per_model,
-                                                                                     arch):
+def test_compile_on_a_cpu_serves_transformers_compiled_static_path_with_its_tokens(
+    no_triton, recompile_limit_per_model, arch
+):
     model = tiny_model(arch)
     batch = padded_batch()
     expected = model.generate(**batch, **GREEDY)
@@ -65,26 +66,31 @@ def test_compile_auto_on_a_cpu_keeps_eager_transformers(no_triton):
     assert model.hfaccel.decode.path == "transformers" and COMPILED not in model.hfaccel.decode.reason
 
 
-def test_a_compile_failure_runs_the_call_uncompiled_and_says_why(no_triton, recompile_limit_per_model, monkeypatch,
-                                                                  caplog):
+def test_a_compile_failure_runs_the_call_uncompiled_and_says_why(
+    no_triton, recompile_limit_per_model, monkeypatch, caplog
+):
     model = tiny_model("llama")
     batch = padded_batch()
     expected = model.generate(**batch, **GREEDY)
     hfaccel.accelerate(model, compile=True)
-    monkeypatch.setattr(compat, "compile_config_on_every_device",
-                        _failing_to_compile(compat.compile_config_on_every_device))
+    monkeypatch.setattr(
+        compat, "compile_config_on_every_device", _failing_to_compile(compat.compile_config_on_every_device)
+    )
     with caplog.at_level("WARNING", logger="hfaccel"):
         assert torch.equal(model.generate(**batch, **GREEDY), expected)
         assert torch.equal(model.generate(**batch, **GREEDY), expected)
     reason = model.hfaccel.decode.reason
     # the cause first, then the error torch.compile raised over it
-    assert "could not compile (RuntimeError: an inductor failure (made by the test); then BackendCompilerFailed" \
-        in reason and COMPILED not in reason
+    assert (
+        "could not compile (RuntimeError: an inductor failure (made by the test); then BackendCompilerFailed" in reason
+        and COMPILED not in reason
+    )
     assert sum("could not compile" in record.getMessage() for record in caplog.records) == 1
 
 
 def _failing_to_compile(compile_config):
     """``compile_config`` with a backend that fails as inductor does on code it cannot compile."""
+
     def backend(graph, example_inputs):
         raise RuntimeError("an inductor failure (made by the test)")
 

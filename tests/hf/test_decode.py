@@ -47,7 +47,7 @@ def test_rows_stopping_at_different_steps_give_transformers_tokens(monkeypatch, 
 def _token_every_row_makes_at_different_steps(model, batch: dict, steps: int) -> int:
     """A token each row's greedy continuation contains, first made at different steps (an EOS that ends the rows at
     different steps, all before the budget)."""
-    made = model.generate(**batch, max_new_tokens=steps, eos_token_id=None, **GREEDY)[:, batch["input_ids"].shape[1]:]
+    made = model.generate(**batch, max_new_tokens=steps, eos_token_id=None, **GREEDY)[:, batch["input_ids"].shape[1] :]
     for token in made[0].tolist():
         firsts = [row.tolist().index(token) for row in made if token in row.tolist()]
         if len(firsts) == len(made) and len(set(firsts)) > 1:
@@ -87,8 +87,17 @@ def test_processors_criteria_and_streamer_are_transformers_own():
         def end(self):
             self.parts.append("end")
 
-    kwargs = dict(max_new_tokens=9, min_new_tokens=4, repetition_penalty=1.3, bad_words_ids=[[5], [6, 7]],
-                  num_return_sequences=2, do_sample=True, top_k=8, pad_token_id=0, eos_token_id=3)
+    kwargs = dict(
+        max_new_tokens=9,
+        min_new_tokens=4,
+        repetition_penalty=1.3,
+        bad_words_ids=[[5], [6, 7]],
+        num_return_sequences=2,
+        do_sample=True,
+        top_k=8,
+        pad_token_id=0,
+        eos_token_id=3,
+    )
     torch.manual_seed(2)
     expected_stream = Collect()
     expected = model.generate(**batch, streamer=None, **kwargs)
@@ -148,8 +157,9 @@ def test_a_fallback_of_the_whole_loop_is_logged_once_per_model_and_reason(caplog
     assert len(logged) == 1 and "num_beams" in logged[0] and "LlamaForCausalLM" in logged[0], logged
 
 
-@pytest.mark.parametrize("name", compat.CACHE_ARGUMENTS if compat.generate_cache_argument() == "cache"
-                         else ("past_key_values",))
+@pytest.mark.parametrize(
+    "name", compat.CACHE_ARGUMENTS if compat.generate_cache_argument() == "cache" else ("past_key_values",)
+)
 def test_a_paged_cache_the_caller_passes_is_used_under_either_name(name):
     """``cache=`` (transformers >= 5.24) and ``past_key_values=`` (every version) both hand generate() the caller's
     PagedCache, which transformers' loop then fills."""
@@ -254,8 +264,13 @@ def test_an_eager_decode_step_runs_no_more_ops_than_sdpa(monkeypatch):
         logits = model(**batch, **model_cache(model, cache), use_cache=True).logits
         mask = torch.cat([batch["attention_mask"], batch["attention_mask"].new_ones(3, 1)], 1)
         with _Count() as sdpa:
-            model(input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
-                  position_ids=mask.cumsum(1)[:, -1:] - 1, **model_cache(model, cache), use_cache=True)
+            model(
+                input_ids=logits[:, -1].argmax(-1, keepdim=True),
+                attention_mask=mask,
+                position_ids=mask.cumsum(1)[:, -1:] - 1,
+                **model_cache(model, cache),
+                use_cache=True,
+            )
     hfaccel.accelerate(model, attention="torch")
     modes = _watch_steps(monkeypatch, _Count)
     model.generate(**batch, max_new_tokens=4, **GREEDY)
@@ -333,6 +348,7 @@ def test_a_step_that_cannot_be_compiled_runs_uncompiled(monkeypatch, caplog):
     def uncompilable(function, **kwargs):
         def compiled(*args):
             raise Unsupported("a graph break in the model")
+
         return compiled
 
     monkeypatch.setattr(graphs.torch, "compile", uncompilable)
@@ -354,11 +370,16 @@ def test_a_call_while_another_runs_the_loop_takes_transformers_loop():
     accelerate()
     with model.hfaccel.session.lock:  # as if another thread's call were running the loop
         assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
-    assert str(model.hfaccel.decode) == ("transformers (another generate() call on this model is running hfaccel's "
-                                         "decode loop)")
+    assert str(model.hfaccel.decode) == (
+        "transformers (another generate() call on this model is running hfaccel's decode loop)"
+    )
     results = []
-    threads = [threading.Thread(target=lambda: results.extend(
-        model.generate(**batch, max_new_tokens=6, **GREEDY) for _ in range(3))) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.extend(model.generate(**batch, max_new_tokens=6, **GREEDY) for _ in range(3))
+        )
+        for _ in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -14,8 +14,7 @@ NEW_TOKENS = 24
 
 
 def _generate(model, batch):
-    return model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                          eos_token_id=None)
+    return model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
 @pytest.mark.parametrize("attention", ["triton", "torch"])
@@ -61,8 +60,7 @@ def test_forward_logits_match_transformers(arch):
 def test_static_cache_generate_matches(arch):
     model = tiny_model(arch)
     batch = padded_batch()
-    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None,
-                  cache_implementation="static")
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
     expected = model.generate(**batch, **kwargs)
     hfaccel.accelerate(model, attention="triton")
     assert torch.equal(model.generate(**batch, **kwargs), expected)

@@ -29,15 +29,21 @@ def expected_served() -> set[str]:
 
 def test_every_causal_lm_type_is_served_exactly_or_declined():
     outcomes = [walk_one(model_type) for model_type in model_types()]
-    by_status = {status: [o for o in outcomes if o.status == status]
-                 for status in (SERVED, DECLINED, NO_TINY_MODEL, BROKEN)}
-    warnings.warn(WalkSummary(f"transformers {transformers.__version__}: {len(by_status[SERVED])} of {len(outcomes)} "
-                              f"causal-LM types served by hfaccel, {len(by_status[DECLINED])} declined with a reason, "
-                              f"{len(by_status[NO_TINY_MODEL])} not runnable by transformers as tiny models"))
+    by_status = {
+        status: [o for o in outcomes if o.status == status] for status in (SERVED, DECLINED, NO_TINY_MODEL, BROKEN)
+    }
+    warnings.warn(
+        WalkSummary(
+            f"transformers {transformers.__version__}: {len(by_status[SERVED])} of {len(outcomes)} "
+            f"causal-LM types served by hfaccel, {len(by_status[DECLINED])} declined with a reason, "
+            f"{len(by_status[NO_TINY_MODEL])} not runnable by transformers as tiny models"
+        )
+    )
     assert not by_status[BROKEN], "\n".join(f"{o.model_type}: {o.detail}" for o in by_status[BROKEN])
     served = {o.model_type for o in by_status[SERVED]}
     lost = sorted((expected_served() & set(model_types())) - served)
     assert not lost, "no longer served: " + "; ".join(
-        f"{o.model_type}: {o.status}, {o.detail}" for o in outcomes if o.model_type in lost)
+        f"{o.model_type}: {o.status}, {o.detail}" for o in outcomes if o.model_type in lost
+    )
     if f"transformers {transformers.__version__} " in MODELS_PAGE.read_text():  # the release the page was made on
         assert MODELS_PAGE.read_text() == models_page(outcomes), "docs/models.md: run python -m tests.hf.model_walk"

@@ -130,8 +130,12 @@ def test_image_text_to_text_pipeline_keeps_working():
 
     model, processor = llava_with_processor()
     pipe = transformers.pipeline("image-text-to-text", model=model, processor=processor)
-    messages = [{"role": "user", "content": [{"type": "image", "image": image(40, 50)},
-                                             {"type": "text", "text": "What is this?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image(40, 50)}, {"type": "text", "text": "What is this?"}],
+        }
+    ]
     expected = pipe(text=messages, max_new_tokens=8, do_sample=False)
     hfaccel.accelerate(model, attention="torch")
     assert pipe(text=messages, max_new_tokens=8, do_sample=False) == expected

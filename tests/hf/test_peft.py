@@ -23,8 +23,9 @@ GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=No
 
 
 def _lora(rank: int, **extra) -> "peft.LoraConfig":
-    return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False,
-                           task_type="CAUSAL_LM", **extra)
+    return peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False, task_type="CAUSAL_LM", **extra
+    )
 
 
 def _peft_model(arch: str = "llama", ranks: dict[str, int] | None = None, **extra):
@@ -153,8 +154,11 @@ def test_int4_base_with_16_bit_lora_adapters():
     hfaccel.accelerate(model, attention="torch", quantize="rtn", group_size=group_size)
     int4 = {name for name, module in model.named_modules() if isinstance(module, Int4Linear)}
     assert len(int4) == 14 and all(name.endswith(".base_layer") for name in int4)
-    kept = [module for name, module in model.named_modules() if ".lora_" in name or "modules_to_save" in name
-            or "original_module" in name or name.endswith("embed_tokens")]
+    kept = [
+        module
+        for name, module in model.named_modules()
+        if ".lora_" in name or "modules_to_save" in name or "original_module" in name or name.endswith("embed_tokens")
+    ]
     assert kept and not any(isinstance(module, Int4Linear) for module in kept)
     assert torch.equal(_generate(model, batch), expected) and _served_by_hfaccel(model)
 
@@ -162,20 +166,26 @@ def test_int4_base_with_16_bit_lora_adapters():
 def _unchanged(model) -> bool:
     """Nothing of accelerate stayed on a model after it raised."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    return base.config._attn_implementation == "sdpa" and "hfaccel" not in base.__dict__ \
+    return (
+        base.config._attn_implementation == "sdpa"
+        and "hfaccel" not in base.__dict__
         and "generate" not in base.__dict__
+    )
 
 
 def test_what_is_not_supported_says_so_and_changes_nothing():
     plain = tiny_model("llama")
-    with pytest.raises(ValueError, match="merge_lora=True merges the LoRA adapters of a PEFT model.*"
-                                         "LlamaForCausalLM has no LoRA layers"):
+    with pytest.raises(
+        ValueError,
+        match="merge_lora=True merges the LoRA adapters of a PEFT model.*LlamaForCausalLM has no LoRA layers",
+    ):
         hfaccel.accelerate(plain, merge_lora=True)
     assert _unchanged(plain)
 
     dora = _peft_model(use_dora=True)
-    with pytest.raises(ValueError, match="plain LoRA adapters; adapter 'default' on "
-                                         "'model.layers.0.self_attn.q_proj' is DoRA"):
+    with pytest.raises(
+        ValueError, match="plain LoRA adapters; adapter 'default' on 'model.layers.0.self_attn.q_proj' is DoRA"
+    ):
         hfaccel.accelerate(dora, attention="torch")
     assert _unchanged(dora)
     dora.add_adapter("plain", _lora(8))
@@ -186,15 +196,18 @@ def test_what_is_not_supported_says_so_and_changes_nothing():
         _generate(dora, padded_batch())
 
     torch.manual_seed(0)
-    prompt = peft.get_peft_model(tiny_model("llama"), peft.PromptTuningConfig(num_virtual_tokens=4,
-                                                                              task_type="CAUSAL_LM"))
+    prompt = peft.get_peft_model(
+        tiny_model("llama"), peft.PromptTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM")
+    )
     with pytest.raises(ValueError, match=r"LoRA adapters \(peft_type LORA\).*'default': 'PROMPT_TUNING'"):
         hfaccel.accelerate(prompt)
     assert _unchanged(prompt)
 
     torch.manual_seed(0)
-    embedding = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(
-        r=8, target_modules=[*TARGETS, "embed_tokens"], init_lora_weights=False, task_type="CAUSAL_LM"))
+    embedding = peft.get_peft_model(
+        tiny_model("llama"),
+        peft.LoraConfig(r=8, target_modules=[*TARGETS, "embed_tokens"], init_lora_weights=False, task_type="CAUSAL_LM"),
+    )
     modules = dict(embedding.named_modules())
     with pytest.raises(ValueError, match="cannot merge 'model.embed_tokens': its base layer is Embedding"):
         hfaccel.accelerate(embedding, attention="torch", merge_lora=True)

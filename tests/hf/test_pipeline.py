@@ -25,24 +25,34 @@ def tiny():
 def test_prompt_list_matches_transformers_pipeline(tiny):
     model, tokenizer = tiny
     expected = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(
-        PROMPTS, max_new_tokens=12, do_sample=False)
+        PROMPTS, max_new_tokens=12, do_sample=False
+    )
     expected_chat = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(
-        CHATS, max_new_tokens=12, do_sample=False)
-    pipe = hfaccel.pipeline("text-generation", model=model, tokenizer=tokenizer, attention="torch",
-                            engine_kwargs={"max_num_seqs": 4, "num_blocks": 64, "block_size": 4})
+        CHATS, max_new_tokens=12, do_sample=False
+    )
+    pipe = hfaccel.pipeline(
+        "text-generation",
+        model=model,
+        tokenizer=tokenizer,
+        attention="torch",
+        engine_kwargs={"max_num_seqs": 4, "num_blocks": 64, "block_size": 4},
+    )
     assert isinstance(pipe, transformers.TextGenerationPipeline) and model.hfaccel.active
     assert pipe(PROMPTS, max_new_tokens=12, do_sample=False) == expected
     assert pipe(CHATS, max_new_tokens=12, do_sample=False) == expected_chat
     assert pipe(PROMPTS[0], max_new_tokens=12, do_sample=False) == expected[0]
-    assert pipe(PROMPTS[:2], max_new_tokens=12, do_sample=False, return_full_text=False)[1][0][
-        "generated_text"] == expected[1][0]["generated_text"][len(PROMPTS[1]):]
+    assert (
+        pipe(PROMPTS[:2], max_new_tokens=12, do_sample=False, return_full_text=False)[1][0]["generated_text"]
+        == expected[1][0]["generated_text"][len(PROMPTS[1]) :]
+    )
     assert pipe.engine.stats()["blocks_used"] == 0
 
 
 def test_options_the_engine_lacks_use_generate(tiny, monkeypatch):
     model, tokenizer = tiny
     expected = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)(
-        PROMPTS[:2], max_new_tokens=6, num_beams=2, do_sample=False)
+        PROMPTS[:2], max_new_tokens=6, num_beams=2, do_sample=False
+    )
     pipe = hfaccel.pipeline(model=model, tokenizer=tokenizer, attention="torch")
     monkeypatch.setattr(EngineTextGenerationPipeline, "engine", property(lambda self: pytest.fail("engine used")))
     assert pipe(PROMPTS[:2], max_new_tokens=6, num_beams=2, do_sample=False) == expected
@@ -73,7 +83,11 @@ def test_smollm2_texts_equal_transformers_pipeline():
     reference = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
     expected = reference(prompts, max_new_tokens=24, do_sample=False)
     expected_chat = reference(chats, max_new_tokens=24, do_sample=False)
-    pipe = hfaccel.pipeline(model=model, tokenizer=tokenizer, attention="torch",  # the CUDA defaults' scheduling
-                            engine_kwargs={"max_num_seqs": 4, "num_blocks": 128, "async_scheduling": True})
+    pipe = hfaccel.pipeline(
+        model=model,
+        tokenizer=tokenizer,
+        attention="torch",  # the CUDA defaults' scheduling
+        engine_kwargs={"max_num_seqs": 4, "num_blocks": 128, "async_scheduling": True},
+    )
     assert pipe(prompts, max_new_tokens=24, do_sample=False) == expected
     assert pipe(chats, max_new_tokens=24, do_sample=False) == expected_chat

@@ -22,9 +22,16 @@ def tokenizer():
 
 def _model(tokenizer):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer) + 64, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer) + 64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -51,7 +58,7 @@ def test_choice_and_bad_specs(tokenizer):
     processor = hfaccel.structured_logits_processor(tokenizer, choice=["red", "green"])
     batch = tokenizer(["Pick:"], return_tensors="pt")
     out = model.generate(**batch, max_new_tokens=6, do_sample=False, logits_processor=[processor], pad_token_id=0)
-    assert tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True) in ("red", "green")
+    assert tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True) in ("red", "green")
     with pytest.raises(ValueError, match="the grammar does not compile"):
         hfaccel.structured_logits_processor(tokenizer, grammar="root ::= (")
     with pytest.raises(ValueError, match="exactly one of"):
@@ -63,5 +70,11 @@ def test_assisted_generation_is_refused_clearly(tokenizer):
     processor = hfaccel.structured_logits_processor(tokenizer, regex=r"[a-c]{3}-[0-9]{2}")
     batch = tokenizer(["Hello"], return_tensors="pt")
     with pytest.raises(ValueError, match="cannot be combined with assisted generation"):
-        model.generate(**batch, max_new_tokens=8, do_sample=False, logits_processor=[processor], pad_token_id=0,
-                       prompt_lookup_num_tokens=3)
+        model.generate(
+            **batch,
+            max_new_tokens=8,
+            do_sample=False,
+            logits_processor=[processor],
+            pad_token_id=0,
+            prompt_lookup_num_tokens=3,
+        )

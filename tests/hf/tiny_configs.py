@@ -33,29 +33,92 @@ WINDOW = 8  # sliding windows shorter than prompt + new tokens (<= 13), so the w
 # field name -> tiny value; applied wherever the field exists in the config (or a sub-config) and is not None
 GENERIC = {
     # widths
-    **dict.fromkeys(["hidden_size", "d_model", "n_embd", "n_embed", "dim", "emb_dim", "embedding_dim",
-                     "word_embed_proj_dim", "attention_hidden_size", "lru_width", "input_embedding_size",
-                     "output_embedding_size", "backbone_hidden_size", "router_hidden_size"], HIDDEN),
+    **dict.fromkeys(
+        [
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "n_embed",
+            "dim",
+            "emb_dim",
+            "embedding_dim",
+            "word_embed_proj_dim",
+            "attention_hidden_size",
+            "lru_width",
+            "input_embedding_size",
+            "output_embedding_size",
+            "backbone_hidden_size",
+            "router_hidden_size",
+        ],
+        HIDDEN,
+    ),
     "embedding_size": HIDDEN,
     # heads
-    **dict.fromkeys(["num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
-                     "decoder_attention_heads", "encoder_attention_heads", "num_encoder_attention_heads",
-                     "num_decoder_attention_heads", "swa_num_attention_heads"], HEADS),
-    **dict.fromkeys(["num_key_value_heads", "num_kv_heads", "multi_query_group_num", "swa_num_key_value_heads"],
-                    KV_HEADS),
-    **dict.fromkeys(["head_dim", "kv_channels", "attention_head_dim", "dim_head", "d_head", "attention_head_size",
-                     "swa_head_dim"], HEAD_DIM),
+    **dict.fromkeys(
+        [
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "attention_heads",
+            "decoder_attention_heads",
+            "encoder_attention_heads",
+            "num_encoder_attention_heads",
+            "num_decoder_attention_heads",
+            "swa_num_attention_heads",
+        ],
+        HEADS,
+    ),
+    **dict.fromkeys(
+        ["num_key_value_heads", "num_kv_heads", "multi_query_group_num", "swa_num_key_value_heads"], KV_HEADS
+    ),
+    **dict.fromkeys(
+        ["head_dim", "kv_channels", "attention_head_dim", "dim_head", "d_head", "attention_head_size", "swa_head_dim"],
+        HEAD_DIM,
+    ),
     # depth
-    **dict.fromkeys(["num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
-                     "num_encoder_layers", "num_decoder_layers", "num_blocks"], LAYERS),
+    **dict.fromkeys(
+        [
+            "num_hidden_layers",
+            "n_layer",
+            "n_layers",
+            "num_layers",
+            "decoder_layers",
+            "encoder_layers",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "num_blocks",
+        ],
+        LAYERS,
+    ),
     # MLP widths
-    **dict.fromkeys(["intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
-                     "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "dim_ff", "dff",
-                     "d_inner", "feed_forward_size", "intermediate_size_mlp", "expert_ffn_hidden_size",
-                     "dense_intermediate_size", "moe_shared_expert_intermediate_size",
-                     "shared_experts_intermediate_size", "prompt_mid_dim"], INTER),
+    **dict.fromkeys(
+        [
+            "intermediate_size",
+            "ffn_dim",
+            "n_inner",
+            "decoder_ffn_dim",
+            "encoder_ffn_dim",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "ffn_hidden_size",
+            "dim_ff",
+            "dff",
+            "d_inner",
+            "feed_forward_size",
+            "intermediate_size_mlp",
+            "expert_ffn_hidden_size",
+            "dense_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+            "shared_experts_intermediate_size",
+            "prompt_mid_dim",
+        ],
+        INTER,
+    ),
     # vocabulary / positions
-    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "decoder_vocab_size": VOCAB,
+    "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,
+    "decoder_vocab_size": VOCAB,
     **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_target_positions"], 512),
     # MoE
     **dict.fromkeys(["num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"], EXPERTS),
@@ -64,8 +127,15 @@ GENERIC = {
     **dict.fromkeys(["n_shared_experts", "num_shared_experts", "moe_num_shared_experts"], 1),
     "zero_expert_num": 2,
     # MLA / sparse indexers
-    "q_lora_rank": 32, "kv_lora_rank": 32, "o_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-    "qk_head_dim": 16, "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "o_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 16,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
     # state-space / linear attention
     **dict.fromkeys(["mamba_d_state", "state_size", "ssm_state_size"], 16),
     **dict.fromkeys(["mamba_n_heads", "mamba_num_heads", "n_mamba_heads"], 8),
@@ -74,60 +144,151 @@ GENERIC = {
     **dict.fromkeys(["mamba_chunk_size"], 16),
     **dict.fromkeys(["n_groups", "mamba_n_groups", "mamba_ngroups"], 1),
     "mamba_d_ssm": 128,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_head_dim": 16, "linear_num_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
     # windows
-    **dict.fromkeys(["sliding_window", "attention_window_size", "sliding_window_size", "attention_chunk_size",
-                     "window_size", "local_attention"], WINDOW),
+    **dict.fromkeys(
+        [
+            "sliding_window",
+            "attention_window_size",
+            "sliding_window_size",
+            "attention_chunk_size",
+            "window_size",
+            "local_attention",
+        ],
+        WINDOW,
+    ),
     # misc low-rank / aux widths
-    "laurel_rank": 8, "adapter_rank": 16, "gated_norm_rank": 8, "loop_gate_rank": 8, "hc_lowrank": 16,
-    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB, "ple_embed_dim": 32,
+    "laurel_rank": 8,
+    "adapter_rank": 16,
+    "gated_norm_rank": 8,
+    "loop_gate_rank": 8,
+    "hc_lowrank": 16,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": VOCAB,
+    "ple_embed_dim": 32,
 }
 
 # sub-configs whose fields are only shrunk for speed (a vision / audio tower): fewer, smaller layers
-TOWER = {"hidden_size": 32, "num_hidden_layers": 1, "depth": 1, "num_layers": 1, "intermediate_size": 64,
-         "num_attention_heads": 4, "num_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "out_hidden_size": 64,
-         "projection_dim": 32, "embed_dim": 32, "width": 32}
+TOWER = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "depth": 1,
+    "num_layers": 1,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "out_hidden_size": 64,
+    "projection_dim": 32,
+    "embed_dim": 32,
+    "width": 32,
+}
 TOWER_NAMES = ("vision", "audio", "vq", "patcher", "encoder")
 
 # lists with one entry per layer (cut with the layer selection)
-PER_LAYER = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types", "attention_layers",
-             "indexer_types", "no_rope_layers", "layer_rope_theta", "num_attention_heads_per_layer",
-             "activation_sparsity_pattern", "attn_layers", "layers_block_types", "sliding_window_layers",
-             "moe_layer_types", "attn_type_list", "hybrid_override_pattern")
+PER_LAYER = (
+    "layer_types",
+    "mlp_layer_types",
+    "layers_block_type",
+    "block_types",
+    "attention_layers",
+    "indexer_types",
+    "no_rope_layers",
+    "layer_rope_theta",
+    "num_attention_heads_per_layer",
+    "activation_sparsity_pattern",
+    "attn_layers",
+    "layers_block_types",
+    "sliding_window_layers",
+    "moe_layer_types",
+    "attn_type_list",
+    "hybrid_override_pattern",
+)
 # lists of layer indices (remapped to the kept layers)
-INDEX_LISTS = ("mlp_only_layers", "full_attn_idxs", "moe_layers", "hybrid_layer_ids", "ple_layer_ids",
-               "attn_layer_indices", "swa_layers", "dense_layers", "linear_attn_layers")
+INDEX_LISTS = (
+    "mlp_only_layers",
+    "full_attn_idxs",
+    "moe_layers",
+    "hybrid_layer_ids",
+    "ple_layer_ids",
+    "attn_layer_indices",
+    "swa_layers",
+    "dense_layers",
+    "linear_attn_layers",
+)
 DEPTH_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "num_blocks")
 
 # GENERIC keys whose None means "this feature is off": left None
-NONE_MEANS_OFF = {"sliding_window", "attention_window_size", "sliding_window_size", "attention_chunk_size",
-                  "window_size", "local_attention", "q_lora_rank", "o_lora_rank", "zero_expert_num",
-                  "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "n_group", "num_expert_group",
-                  "topk_group", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
-                  "shared_experts_intermediate_size", "index_head_dim", "index_n_heads", "kv_lora_rank",
-                  "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim"}
+NONE_MEANS_OFF = {
+    "sliding_window",
+    "attention_window_size",
+    "sliding_window_size",
+    "attention_chunk_size",
+    "window_size",
+    "local_attention",
+    "q_lora_rank",
+    "o_lora_rank",
+    "zero_expert_num",
+    "n_shared_experts",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "n_group",
+    "num_expert_group",
+    "topk_group",
+    "shared_expert_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "shared_experts_intermediate_size",
+    "index_head_dim",
+    "index_n_heads",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "qk_head_dim",
+}
 
 # per-type overrides (applied last, on the top-level config's keyword arguments; a dict value for a sub-config
 # name updates that sub-config's keyword arguments)
-_QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
-                  "indexer_compress_ratio": 2}
+_QWEN4_INDEXER = {
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 2,
+}
 OVERRIDES: dict[str, dict] = {
     # transformers' default config has no attention layer at all (all Mamba): give it one
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     # attention every attn_layer_period layers (default 8, offset 4): every 2nd, MoE every 2nd
-    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-              "expert_layer_offset": 1},
+    "jamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
     # block_types is a cycle of 3 (recurrent, recurrent, attention), not one entry per layer
     "recurrent_gemma": {"num_hidden_layers": 3},
     # Mamba2's heads: hidden_size * expand == num_heads * head_dim
     "mamba2": {"num_heads": 8},
     # the sliding layers' qk_nope_head_dim (192 of a 256 head_dim) must keep head_dim == nope + rope
-    "dots3_note_text": {"head_dim": 16,
-                        "per_layer_config": lambda plc: {k: {**v, "qk_nope_head_dim": 8} for k, v in plc.items()}},
-    "dots3_note": {"text_config": {
-        "head_dim": 16, "per_layer_config": lambda plc: {k: {**v, "qk_nope_head_dim": 8} for k, v in plc.items()}}},
+    "dots3_note_text": {
+        "head_dim": 16,
+        "per_layer_config": lambda plc: {k: {**v, "qk_nope_head_dim": 8} for k, v in plc.items()},
+    },
+    "dots3_note": {
+        "text_config": {
+            "head_dim": 16,
+            "per_layer_config": lambda plc: {k: {**v, "qk_nope_head_dim": 8} for k, v in plc.items()},
+        }
+    },
     # n_shared_experts defaults to None, which the modeling code multiplies
     "dots1": {"n_shared_experts": 1},
     # all layers reuse the target's KV: num_kv_shared_layers == num_hidden_layers
@@ -138,10 +299,18 @@ OVERRIDES: dict[str, dict] = {
     "zaya": {"num_experts_per_tok": 1},
     # the assistant validates hidden_size_per_layer_input == 0 (its default, 256, does not pass)
     # and more: its default config does not validate at all
-    "gemma4_assistant": {"__init__": {"text_config": {
-        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "enable_moe_block": False,
-        "use_double_wide_mlp": False, "num_kv_shared_layers": 30}},
-        "text_config": {"__layers__": 6, "num_kv_shared_layers": 6}},
+    "gemma4_assistant": {
+        "__init__": {
+            "text_config": {
+                "hidden_size_per_layer_input": 0,
+                "vocab_size_per_layer_input": 0,
+                "enable_moe_block": False,
+                "use_double_wide_mlp": False,
+                "num_kv_shared_layers": 30,
+            }
+        },
+        "text_config": {"__layers__": 6, "num_kv_shared_layers": 6},
+    },
     # input + recurrent + output layers == num_hidden_layers, all given in the serialized (attention, mlp) block
     # count that __post_init__ halves: 4 decoder layers (3 sliding, 1 full), 1 input + 2 recurrent (looped) + 1 output
     "dory": {"__layers__": 8, "n_input_layers": 2, "n_recurrent_layers": 4, "n_output_layers": 2},
@@ -150,20 +319,33 @@ OVERRIDES: dict[str, dict] = {
     # the default rope_parameters is empty: one entry per layer type is needed
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # layer_types defaults to None (the modeling code indexes it)
-    "lfm2_moe": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
-                 "num_dense_layers": 1},
+    "lfm2_moe": {
+        "num_hidden_layers": 4,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "num_dense_layers": 1,
+    },
     # the indexer's sizes default to None
     "qwen4_exp_text": dict(_QWEN4_INDEXER),
     "qwen4_exp": {"text_config": dict(_QWEN4_INDEXER)},
     # num_layers_per_stack is derived from num_hidden_layers (and rewrites it): let it be derived again
-    "hrm_text": {"num_layers_per_stack": None, "num_hidden_layers": 2, "H_cycles": 1, "L_cycles": 1,
-                 "L_bp_cycles": [1]},
+    "hrm_text": {
+        "num_layers_per_stack": None,
+        "num_hidden_layers": 2,
+        "H_cycles": 1,
+        "L_cycles": 1,
+        "L_bp_cycles": [1],
+    },
     # the shared transformer block is tied across its hybrid layers: keep two hybrid layers
     # the shared transformer reads [hidden, embeddings] concatenated: attention_hidden_size = 2 * hidden_size
     "zamba": {"__layers__": 8, "attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
-    "zamba2": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
-               "num_hidden_layers": 4, "hybrid_layer_ids": [1, 3], "num_key_value_heads": 4,
-               "attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS},
+    "zamba2": {
+        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
+        "num_hidden_layers": 4,
+        "hybrid_layer_ids": [1, 3],
+        "num_key_value_heads": 4,
+        "attention_hidden_size": 2 * HIDDEN,
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+    },
     # the recurrent step's state is made [.., head, head] (qk_dim_factor 0.5 gives a qk head half the v head)
     "xlstm": {"qk_dim_factor": 1.0},
 }
@@ -220,13 +402,23 @@ def _special_ids(d: dict, overrides: dict) -> None:
     for key, value in sorted(d.items()):
         if key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_eos_token_id"):
             continue
-        if (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_index") and "token" in key) \
-                and isinstance(value, int) and value >= SPECIAL_BASE:
+        if (
+            (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_index") and "token" in key)
+            and isinstance(value, int)
+            and value >= SPECIAL_BASE
+        ):
             overrides[key] = nxt
             nxt = min(nxt + 1, VOCAB - 1)
-    for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2),
-                       ("decoder_start_token_id", 1), ("forced_eos_token_id", 2), ("sep_token_id", 3),
-                       ("cls_token_id", 4), ("eod_token_id", 2)):
+    for key, value in (
+        ("pad_token_id", 0),
+        ("bos_token_id", 1),
+        ("eos_token_id", 2),
+        ("decoder_start_token_id", 1),
+        ("forced_eos_token_id", 2),
+        ("sep_token_id", 3),
+        ("cls_token_id", 4),
+        ("eod_token_id", 2),
+    ):
         if key in d and d[key] is not None:
             overrides[key] = value
 

@@ -18,9 +18,19 @@ from PIL import Image
 VOCAB = 320
 PAD, BOS, EOS = 0, 1, 2
 IMAGE, IMAGE_START, IMAGE_END, IMAGE_BREAK = 300, 301, 302, 303  # placeholder, begin / end of image, row break
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=PAD, bos_token_id=BOS,
-            eos_token_id=EOS)
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+)
 
 
 def image(height: int, width: int, seed: int = 0) -> Image.Image:
@@ -62,8 +72,10 @@ class VlmCase:
             rows.append(row)
         width = max(map(len, rows))
         ids = torch.tensor([[PAD] * (width - len(row)) + row for row in rows])
-        inputs = {"input_ids": ids,
-                  "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])}
+        inputs = {
+            "input_ids": ids,
+            "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
+        }
         if self.token_types is not None:
             inputs[self.token_types] = (ids == IMAGE).long()
         return {**inputs, **{name: value for name, value in pixels.items() if name != "tokens"}}
@@ -79,36 +91,71 @@ class VlmCase:
 
 def _qwen_tokens(merge: int) -> Callable[[dict, int], list[int]]:
     def tokens(pixels: dict, i: int) -> list[int]:
-        return [IMAGE_START] + [IMAGE] * (int(pixels["image_grid_thw"][i].prod()) // merge ** 2) + [IMAGE_END]
+        return [IMAGE_START] + [IMAGE] * (int(pixels["image_grid_thw"][i].prod()) // merge**2) + [IMAGE_END]
+
     return tokens
 
 
 def _qwen_processor(patch: int, merge: int):
-    processor = transformers.Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge,
-                                                      min_pixels=(patch * merge) ** 2 * 4,
-                                                      max_pixels=(patch * merge) ** 2 * 24)
+    processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=patch, merge_size=merge, min_pixels=(patch * merge) ** 2 * 4, max_pixels=(patch * merge) ** 2 * 24
+    )
     return lambda images: dict(processor(images=images, return_tensors="pt"))
 
 
 def _qwen2_5_vl() -> transformers.PreTrainedModel:
     text = {**TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 20.0}}
     config = transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                                             out_hidden_size=64, patch_size=14, spatial_merge_size=2,
-                                             temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
-        image_token_id=IMAGE, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, video_token_id=304)
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=IMAGE,
+        vision_start_token_id=IMAGE_START,
+        vision_end_token_id=IMAGE_END,
+        video_token_id=304,
+    )
     return transformers.Qwen2_5_VLForConditionalGeneration(config)
 
 
 def _qwen3_vl() -> transformers.PreTrainedModel:
-    text = {**TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                        "rope_theta": 20.0}}
+    text = {
+        **TEXT,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+            "rope_theta": 20.0,
+        },
+    }
     config = transformers.Qwen3VLConfig(
-        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                                             out_hidden_size=64, patch_size=16, spatial_merge_size=2,
-                                             temporal_patch_size=2, num_position_embeddings=64,
-                                             deepstack_visual_indexes=[0]),
-        image_token_id=IMAGE, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, video_token_id=304)
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=IMAGE,
+        vision_start_token_id=IMAGE_START,
+        vision_end_token_id=IMAGE_END,
+        video_token_id=304,
+    )
     return transformers.Qwen3VLForConditionalGeneration(config)
 
 
@@ -120,10 +167,23 @@ def _qwen3_5() -> transformers.PreTrainedModel:
     text = tiny_config("qwen3_5_text", vocab_size=VOCAB).to_dict()
     text["rope_parameters"] = {**text.get("rope_parameters", {}), "mrope_section": [2, 3, 3], "mrope_interleaved": True}
     config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                                             out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
-                                             temporal_patch_size=2, num_position_embeddings=64),
-        image_token_id=IMAGE, vision_start_token_id=IMAGE_START, vision_end_token_id=IMAGE_END, video_token_id=304)
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            out_hidden_size=text["hidden_size"],
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+        ),
+        image_token_id=IMAGE,
+        vision_start_token_id=IMAGE_START,
+        vision_end_token_id=IMAGE_END,
+        video_token_id=304,
+    )
     return transformers.Qwen3_5ForConditionalGeneration(config)
 
 
@@ -131,15 +191,28 @@ GEMMA3_IMAGE, GEMMA3_TOKENS = 28, 16  # SigLIP input side; tokens per image afte
 
 
 def _gemma3() -> transformers.PreTrainedModel:
-    text = {**TEXT, "num_hidden_layers": 3, "sliding_window": 8, "layer_types": ["sliding_attention",
-                                                                                  "sliding_attention",
-                                                                                  "full_attention"],
-            "query_pre_attn_scalar": 16}
+    text = {
+        **TEXT,
+        "num_hidden_layers": 3,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 16,
+    }
     config = transformers.Gemma3Config(
-        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                             num_attention_heads=2, image_size=GEMMA3_IMAGE, patch_size=7),
-        mm_tokens_per_image=GEMMA3_TOKENS, image_token_index=IMAGE, boi_token_index=IMAGE_START,
-        eoi_token_index=IMAGE_END)
+        text_config=text,
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=GEMMA3_IMAGE,
+            patch_size=7,
+        ),
+        mm_tokens_per_image=GEMMA3_TOKENS,
+        image_token_index=IMAGE,
+        boi_token_index=IMAGE_START,
+        eoi_token_index=IMAGE_END,
+    )
     return transformers.Gemma3ForConditionalGeneration(config)
 
 
@@ -155,10 +228,22 @@ def _gemma4() -> transformers.PreTrainedModel:
 
     config = transformers.Gemma4Config(
         text_config=gemma4_config(VOCAB).to_dict(),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
-                           position_embedding_size=64),
-        audio_config=None, image_token_id=IMAGE, boi_token_id=IMAGE_START, eoi_token_id=IMAGE_END)
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            patch_size=4,
+            pooling_kernel_size=2,
+            position_embedding_size=64,
+        ),
+        audio_config=None,
+        image_token_id=IMAGE,
+        boi_token_id=IMAGE_START,
+        eoi_token_id=IMAGE_END,
+    )
     return transformers.Gemma4ForConditionalGeneration(config)
 
 
@@ -167,8 +252,12 @@ def _gemma4_processor():
 
     def process(images: list[Image.Image]) -> dict:
         out = processor(images=images, return_tensors="pt")
-        return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
-                "tokens": out["num_soft_tokens_per_image"]}
+        return {
+            "pixel_values": out["pixel_values"],
+            "image_position_ids": out["image_position_ids"],
+            "tokens": out["num_soft_tokens_per_image"],
+        }
+
     return process
 
 
@@ -178,16 +267,26 @@ LLAVA_IMAGE, LLAVA_PATCH = 28, 7
 def _llava() -> transformers.PreTrainedModel:
     config = transformers.LlavaConfig(
         text_config=transformers.LlamaConfig(**TEXT),
-        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                                    num_attention_heads=2, image_size=LLAVA_IMAGE,
-                                                    patch_size=LLAVA_PATCH, projection_dim=32),
-        image_token_index=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="default")
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=LLAVA_IMAGE,
+            patch_size=LLAVA_PATCH,
+            projection_dim=32,
+        ),
+        image_token_index=IMAGE,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
     return transformers.LlavaForConditionalGeneration(config)
 
 
 def _llava_processor():
-    processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
-                                                   crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+    processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": LLAVA_IMAGE}, crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE}
+    )
     return lambda images: dict(processor(images=images, return_tensors="pt"))
 
 
@@ -197,16 +296,26 @@ MISTRAL3_PATCH, MISTRAL3_MERGE = 8, 2
 def _mistral3() -> transformers.PreTrainedModel:
     config = transformers.Mistral3Config(
         text_config=transformers.MistralConfig(**TEXT),
-        vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                                       num_attention_heads=2, head_dim=16, image_size=64,
-                                                       patch_size=MISTRAL3_PATCH),
-        image_token_index=IMAGE, spatial_merge_size=MISTRAL3_MERGE, vision_feature_layer=-1)
+        vision_config=transformers.PixtralVisionConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            head_dim=16,
+            image_size=64,
+            patch_size=MISTRAL3_PATCH,
+        ),
+        image_token_index=IMAGE,
+        spatial_merge_size=MISTRAL3_MERGE,
+        vision_feature_layer=-1,
+    )
     return transformers.Mistral3ForConditionalGeneration(config)
 
 
 def _mistral3_processor():
-    processor = transformers.PixtralImageProcessorPil(size={"longest_edge": 64},
-                                                      patch_size={"height": MISTRAL3_PATCH, "width": MISTRAL3_PATCH})
+    processor = transformers.PixtralImageProcessorPil(
+        size={"longest_edge": 64}, patch_size={"height": MISTRAL3_PATCH, "width": MISTRAL3_PATCH}
+    )
     return lambda images: dict(processor(images=images, return_tensors="pt"))
 
 
@@ -224,9 +333,17 @@ SMOLVLM_IMAGE, SMOLVLM_PATCH, SMOLVLM_SCALE = 32, 8, 2
 def _smolvlm() -> transformers.PreTrainedModel:
     config = transformers.SmolVLMConfig(
         text_config=transformers.LlamaConfig(**TEXT),
-        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=SMOLVLM_IMAGE, patch_size=SMOLVLM_PATCH),
-        image_token_id=IMAGE, scale_factor=SMOLVLM_SCALE)
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=SMOLVLM_IMAGE,
+            patch_size=SMOLVLM_PATCH,
+        ),
+        image_token_id=IMAGE,
+        scale_factor=SMOLVLM_SCALE,
+    )
     return transformers.SmolVLMForConditionalGeneration(config)
 
 
@@ -246,32 +363,45 @@ def _smolvlm_pixels(per_prompt: list[list[Image.Image]]) -> dict:
 
 
 def _smolvlm_tokens(pixels: dict, i: int) -> list[int]:
-    tokens = (SMOLVLM_IMAGE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE ** 2
+    tokens = (SMOLVLM_IMAGE // SMOLVLM_PATCH) ** 2 // SMOLVLM_SCALE**2
     return [IMAGE_START] + [IMAGE] * tokens + [IMAGE_END]
 
 
 CASES = {
-    "qwen2_5_vl": VlmCase("qwen2_5_vl", _qwen2_5_vl, _qwen_processor(14, 2), _qwen_tokens(2),
-                          token_types="mm_token_type_ids"),
-    "qwen3_vl": VlmCase("qwen3_vl", _qwen3_vl, _qwen_processor(16, 2), _qwen_tokens(2),
-                        token_types="mm_token_type_ids"),
+    "qwen2_5_vl": VlmCase(
+        "qwen2_5_vl", _qwen2_5_vl, _qwen_processor(14, 2), _qwen_tokens(2), token_types="mm_token_type_ids"
+    ),
+    "qwen3_vl": VlmCase(
+        "qwen3_vl", _qwen3_vl, _qwen_processor(16, 2), _qwen_tokens(2), token_types="mm_token_type_ids"
+    ),
     "qwen3_5": VlmCase("qwen3_5", _qwen3_5, _qwen_processor(16, 2), _qwen_tokens(2), token_types="mm_token_type_ids"),
-    "gemma3": VlmCase("gemma3", _gemma3, _gemma3_processor(),
-                      lambda pixels, i: [IMAGE_START] + [IMAGE] * GEMMA3_TOKENS + [IMAGE_END],
-                      token_types="token_type_ids"),
-    "gemma4": VlmCase("gemma4", _gemma4, _gemma4_processor(),
-                      lambda pixels, i: [IMAGE_START] + [IMAGE] * int(pixels["tokens"][i]) + [IMAGE_END]),
-    "llava": VlmCase("llava", _llava, _llava_processor(),
-                     lambda pixels, i: [IMAGE] * (LLAVA_IMAGE // LLAVA_PATCH) ** 2),
+    "gemma3": VlmCase(
+        "gemma3",
+        _gemma3,
+        _gemma3_processor(),
+        lambda pixels, i: [IMAGE_START] + [IMAGE] * GEMMA3_TOKENS + [IMAGE_END],
+        token_types="token_type_ids",
+    ),
+    "gemma4": VlmCase(
+        "gemma4",
+        _gemma4,
+        _gemma4_processor(),
+        lambda pixels, i: [IMAGE_START] + [IMAGE] * int(pixels["tokens"][i]) + [IMAGE_END],
+    ),
+    "llava": VlmCase(
+        "llava", _llava, _llava_processor(), lambda pixels, i: [IMAGE] * (LLAVA_IMAGE // LLAVA_PATCH) ** 2
+    ),
     "mistral3": VlmCase("mistral3", _mistral3, _mistral3_processor(), _mistral3_tokens),
     "smolvlm": VlmCase("smolvlm", _smolvlm, _smolvlm_pixels, _smolvlm_tokens, per_row=True),
 }
 
 
 # a LLaVA-style chat template: each image content part becomes the processor's <image> placeholder
-LLAVA_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
-                  "{% for c in m.content %}{% if c.type == 'image' %}<image>{% else %}{{ c.text }}{% endif %}"
-                  "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for c in m.content %}{% if c.type == 'image' %}<image>{% else %}{{ c.text }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def llava_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
@@ -281,19 +411,39 @@ def llava_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, t
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_or_skip())
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    images = transformers.CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
-                                                crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
-    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=LLAVA_PATCH,
-                                            vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                            chat_template=LLAVA_TEMPLATE)
-    text = transformers.LlamaConfig(**{**TEXT, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                                       "pad_token_id": tokenizer.pad_token_id or 0})
+    images = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": LLAVA_IMAGE}, crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE}
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_TEMPLATE,
+    )
+    text = transformers.LlamaConfig(
+        **{
+            **TEXT,
+            "vocab_size": len(tokenizer),
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id or 0,
+        }
+    )
     config = transformers.LlavaConfig(
         text_config=text,
-        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                                    num_attention_heads=2, image_size=LLAVA_IMAGE,
-                                                    patch_size=LLAVA_PATCH, projection_dim=32),
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
-        vision_feature_select_strategy="default")
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=LLAVA_IMAGE,
+            patch_size=LLAVA_PATCH,
+            projection_dim=32,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
     torch.manual_seed(seed)
     return transformers.LlavaForConditionalGeneration(config).eval(), processor

@@ -28,8 +28,16 @@ TOLERANCES = {
 # sums, the output rounded to bf16): bf16's tolerance of the output's scale, for every dtype.
 INT4PACK_TOLERANCE = TOLERANCES[torch.bfloat16][1]
 
-TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.bool: "i1",
-                torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
+TRITON_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.bool: "i1",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
@@ -43,7 +51,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         raise AssertionError(
             f"{int(bad.sum())} of {bad.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
             f"max abs diff {diff.max().item():.3g} at {worst}: actual {actual[worst].item():.6g}, "
-            f"expected {expected[worst].item():.6g}; first bad indices {torch.nonzero(bad)[:5].tolist()}")
+            f"expected {expected[worst].item():.6g}; first bad indices {torch.nonzero(bad)[:5].tolist()}"
+        )
 
 
 def compile_sm90(jobs: list[dict]) -> list[dict]:
@@ -59,8 +68,15 @@ def compile_sm90(jobs: list[dict]) -> list[dict]:
     process because the kernels of this (interpreted) process are not compilable.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], input=json.dumps(jobs),
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_compile"],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"sm_90 compile worker failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout)
@@ -70,6 +86,9 @@ def launch_like(kernel, signature: dict, constexprs: dict, unit: tuple[str, ...]
     """The fields of a compile job specialised as a typical launch is: the ``unit`` arguments (last-dim
     strides) become the constant 1, every pointer and every other ``stride_*`` argument is divisible by 16."""
     constexprs = {**constexprs, **{name: 1 for name in unit}}
-    divisible = [name for name in kernel.arg_names if name not in constexprs
-                 and (signature.get(name, "").startswith("*") or name.startswith("stride_"))]
+    divisible = [
+        name
+        for name in kernel.arg_names
+        if name not in constexprs and (signature.get(name, "").startswith("*") or name.startswith("stride_"))
+    ]
     return dict(signature=signature, constexprs=constexprs, divisible=divisible)

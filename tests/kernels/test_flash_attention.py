@@ -7,7 +7,12 @@ import torch
 
 from hfaccel.kernels import flash_attention, flash_attention_reference
 from hfaccel.kernels.flash_attention import (
-    FlashConfig, candidate_configs, default_config, pick_config, sdpa_preferred, visibility_mask,
+    FlashConfig,
+    candidate_configs,
+    default_config,
+    pick_config,
+    sdpa_preferred,
+    visibility_mask,
 )
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
@@ -108,8 +113,9 @@ def test_chunks_are_transformers_chunked_mask():
     chunked = masking_utils.chunked_causal_mask_function(5, torch.zeros(1, dtype=torch.long))
     t = torch.tensor
     want = torch.tensor([[bool(chunked(t(0), t(0), t(i), t(j))) for j in range(17)] for i in range(17)])
-    got = visibility_mask(1, 17, 17, causal=True, q_offset=0, kv_offset=0, key_mask=None, sliding_window=None,
-                          chunk_size=5, device="cpu")[0, 0]
+    got = visibility_mask(
+        1, 17, 17, causal=True, q_offset=0, kv_offset=0, key_mask=None, sliding_window=None, chunk_size=5, device="cpu"
+    )[0, 0]
     assert torch.equal(got, want)
     q, k, v = _inputs((1, 2, 1, 4, 4, 16, 0), torch.float32)
     with pytest.raises(ValueError, match="needs causal=True"):
@@ -151,9 +157,10 @@ def test_reference_sinks_match_transformers_eager_formula():
     sinks = _sinks(6, torch.float32)
     ref = flash_attention_reference(q, k, v, q_offset=7, sliding_window=6, sinks=sinks)
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    scores = (q @ kr.transpose(-1, -2)) * 32 ** -0.5
-    visible = visibility_mask(2, 5, 12, causal=True, q_offset=7, kv_offset=0, key_mask=None, sliding_window=6,
-                              device=q.device)
+    scores = (q @ kr.transpose(-1, -2)) * 32**-0.5
+    visible = visibility_mask(
+        2, 5, 12, causal=True, q_offset=7, kv_offset=0, key_mask=None, sliding_window=6, device=q.device
+    )
     scores = torch.cat([scores.masked_fill(~visible, float("-inf")), sinks.view(1, 6, 1, 1).expand(2, 6, 5, 1)], -1)
     expected = torch.softmax(scores, -1)[..., :-1] @ vr
     assert_close(ref, expected.transpose(1, 2))
@@ -165,9 +172,10 @@ def test_reference_matches_naive_softmax_attention():
     key_mask = _left_padding(2, 12, (4, 0))
     ref = flash_attention_reference(q, k, v, q_offset=7, key_mask=key_mask, sliding_window=6, softcap=3.0)
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    scores = 3.0 * torch.tanh((q @ kr.transpose(-1, -2)) * 32 ** -0.5 / 3.0)
-    visible = visibility_mask(2, 5, 12, causal=True, q_offset=7, kv_offset=0, key_mask=key_mask,
-                              sliding_window=6, device=q.device)
+    scores = 3.0 * torch.tanh((q @ kr.transpose(-1, -2)) * 32**-0.5 / 3.0)
+    visible = visibility_mask(
+        2, 5, 12, causal=True, q_offset=7, kv_offset=0, key_mask=key_mask, sliding_window=6, device=q.device
+    )
     expected = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ vr
     assert_close(ref, expected.transpose(1, 2))
 
@@ -264,8 +272,11 @@ def test_tma_falls_back_to_pointers_where_descriptors_cannot_read():
     _check(q, k, v, config=config)
 
 
-@pytest.mark.parametrize("config", [c for d in (64, 128, 256, 512) for c in candidate_configs(d, torch.float16)],
-                         ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}{'tma' if c.tma else ''}")
+@pytest.mark.parametrize(
+    "config",
+    [c for d in (64, 128, 256, 512) for c in candidate_configs(d, torch.float16)],
+    ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}{'tma' if c.tma else ''}",
+)
 def test_every_tunable_config_matches_reference(config):
     """Each configuration a tuned table may pick, at the largest head dim of its class (fp16, GQA, padding)."""
     head_dim = next(d for d in (64, 128, 256, 512) if config in candidate_configs(d, torch.float16))
@@ -275,8 +286,13 @@ def test_every_tunable_config_matches_reference(config):
 
 def test_tuned_table_picks_long_calls_configs(tuned_table):
     key = flash_module.table_key(128, 4, 2048, torch.float16)
-    tuned_table({"flash_attention": {key: dict(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True,
-                                               us=10.0, sdpa_us=12.0)}})
+    tuned_table(
+        {
+            "flash_attention": {
+                key: dict(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, us=10.0, sdpa_us=12.0)
+            }
+        }
+    )
     assert key == "d128_g4_s2048_dtypefloat16"
     assert pick_config(128, torch.float16, 2000, 4, "cuda") == FlashConfig(64, 128, 4, 3, tma=True)
     assert pick_config(128, torch.float16, 2000, 4, "cpu") == default_config(128, torch.float16, 8000)
@@ -289,8 +305,9 @@ def test_sdpa_preference_follows_the_tuned_measurements(tuned_table):
     fast = flash_module.table_key(64, 4, 4096, torch.bfloat16)
     slow = flash_module.table_key(64, 4, 1024, torch.bfloat16)
     entry = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    tuned_table({"flash_attention": {fast: dict(entry, us=80.0, sdpa_us=100.0),
-                                     slow: dict(entry, us=30.0, sdpa_us=20.0)}})
+    tuned_table(
+        {"flash_attention": {fast: dict(entry, us=80.0, sdpa_us=100.0), slow: dict(entry, us=30.0, sdpa_us=20.0)}}
+    )
     assert not sdpa_preferred(64, 4, 3000, torch.bfloat16, "cuda")  # hfaccel measured faster
     assert sdpa_preferred(64, 4, 1000, torch.bfloat16, "cuda")  # SDPA measured faster
     assert sdpa_preferred(64, 4, 3000, torch.float16, "cuda")  # not measured: SDPA
@@ -299,11 +316,18 @@ def test_sdpa_preference_follows_the_tuned_measurements(tuned_table):
 # Every configuration a call can launch with: what default_config gives each dtype and supported head dim at
 # every tile height (rows per (batch, KV head) of 1, 24, 48 and thousands select BLOCK_M 16, 32, 64 and the
 # maximum), and every candidate a tuned table can hold (per head-dim class, with and without TMA).
-SM90_CASES = [(dtype, head_dim, default_config(head_dim, dtype, rows), True) for dtype in DTYPES
-              for head_dim in (64, 80, 96, 128, 256, 320, 512) for rows in (1, 24, 48, 4096)]
+SM90_CASES = [
+    (dtype, head_dim, default_config(head_dim, dtype, rows), True)
+    for dtype in DTYPES
+    for head_dim in (64, 80, 96, 128, 256, 320, 512)
+    for rows in (1, 24, 48, 4096)
+]
 SM90_CASES += [(torch.float16, 128, default_config(128, torch.float16, 4096), False)]  # no optional features
-SM90_CASES += [(torch.float16, head_dim, cfg, True) for head_dim in (64, 128, 256, 512)
-               for cfg in candidate_configs(head_dim, torch.float16)]
+SM90_CASES += [
+    (torch.float16, head_dim, cfg, True)
+    for head_dim in (64, 128, 256, 512)
+    for cfg in candidate_configs(head_dim, torch.float16)
+]
 SM90_CASES += [(torch.bfloat16, 80, FlashConfig(128, 64, 8, 3, tma=True), True)]
 
 
@@ -311,23 +335,39 @@ def _sm90_job(dtype, head_dim, cfg, all_features):
     ptr = "*" + TRITON_TYPES[dtype]
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     kv = f"tensordesc<{TRITON_TYPES[dtype]}[1,1,{cfg.block_n},{block_d}]>" if cfg.tma else ptr
-    signature = {name: "i32" for name in ("num_kv_heads", "seq_q", "seq_kv", "head_dim", "q_offset",
-                                          "kv_offset", "window", "chunk")}
-    signature.update({name: "i32" for name in flash_module._flash_attention_kernel.arg_names
-                      if name.startswith("stride_")})
-    signature.update(Q=ptr, K=kv, V=kv, O=ptr, KEY_MASK="*i1", SINKS="*fp32", score_scale="fp32",
-                     softcap_log2="fp32")
-    constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                      EVEN_D=block_d == head_dim, TMA=cfg.tma, IS_CAUSAL=True,
-                      HAS_WINDOW=all_features, HAS_CHUNK=all_features, HAS_SOFTCAP=all_features,
-                      HAS_KEY_MASK=all_features,
-                      HAS_SINKS=all_features,
-                      UPCAST=False, IEEE_FP32=dtype == torch.float32)
+    signature = {
+        name: "i32"
+        for name in ("num_kv_heads", "seq_q", "seq_kv", "head_dim", "q_offset", "kv_offset", "window", "chunk")
+    }
+    signature.update(
+        {name: "i32" for name in flash_module._flash_attention_kernel.arg_names if name.startswith("stride_")}
+    )
+    signature.update(Q=ptr, K=kv, V=kv, O=ptr, KEY_MASK="*i1", SINKS="*fp32", score_scale="fp32", softcap_log2="fp32")
+    constexprs = dict(
+        GROUP=4,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        TMA=cfg.tma,
+        IS_CAUSAL=True,
+        HAS_WINDOW=all_features,
+        HAS_CHUNK=all_features,
+        HAS_SOFTCAP=all_features,
+        HAS_KEY_MASK=all_features,
+        HAS_SINKS=all_features,
+        UPCAST=False,
+        IEEE_FP32=dtype == torch.float32,
+    )
     kernel = flash_module._flash_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_ms")
-    return dict(module="hfaccel.kernels.flash_attention", kernel="_flash_attention_kernel",
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **launch_like(kernel, signature, constexprs, unit))
+    return dict(
+        module="hfaccel.kernels.flash_attention",
+        kernel="_flash_attention_kernel",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch_like(kernel, signature, constexprs, unit),
+    )
 
 
 @pytest.fixture(scope="module")

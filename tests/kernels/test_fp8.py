@@ -6,10 +6,19 @@ fullgraph trace; bad inputs; sm_90 compilation of the kernels."""
 import pytest
 import torch
 
-from hfaccel.kernels.fp8 import (FP8_DTYPE, dequantize, fp8_matmul, fp8_reference, quantize_activations,
-                                 w8a8_reference)
-from hfaccel.kernels.fp8_config import (DEQUANT_MIN_M, GEMV_MAX_M, OP, W8A8_MIN_M, Fp8Config, candidate_configs,
-                                        fit_config, heuristic_config, pick_fp8_config, table_key)
+from hfaccel.kernels.fp8 import FP8_DTYPE, dequantize, fp8_matmul, fp8_reference, quantize_activations, w8a8_reference
+from hfaccel.kernels.fp8_config import (
+    DEQUANT_MIN_M,
+    GEMV_MAX_M,
+    OP,
+    W8A8_MIN_M,
+    Fp8Config,
+    candidate_configs,
+    fit_config,
+    heuristic_config,
+    pick_fp8_config,
+    table_key,
+)
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, compile_sm90
 
@@ -64,7 +73,7 @@ def test_w8a8_matches_its_reference(m, layout, dtype):
     assert (out.float() - ref.float()).abs().max() / scale <= TOLERANCE[dtype]
     # each activation rounded to 3 mantissa bits (within 2^-4 of itself): the product within 2^-4 of |x| @ |W|
     weight_only = fp8_reference(x, weight, scales, group_k, group_n).float()
-    bound = 2 ** -4 * (x.float().abs() @ dequantize(weight, scales, group_k, group_n).abs()) + TOLERANCE[dtype] * scale
+    bound = 2**-4 * (x.float().abs() @ dequantize(weight, scales, group_k, group_n).abs()) + TOLERANCE[dtype] * scale
     assert ((ref.float() - weight_only).abs() <= bound).all()
 
 
@@ -75,7 +84,7 @@ def test_activations_quantize_per_token_and_group():
     torch.testing.assert_close(scales[:, 0], x[:, :32].abs().amax(dim=1) / 448)
     assert quantized.float().abs().amax(dim=1).eq(448).all()  # every row's largest value maps to e4m3's largest
     error = (quantized.float() * scales.repeat_interleave(32, 1)[:, :100] - x).abs()
-    assert (error <= x.abs() / 16 + scales.repeat_interleave(32, 1)[:, :100] * 2 ** -9).all()
+    assert (error <= x.abs() / 16 + scales.repeat_interleave(32, 1)[:, :100] * 2**-9).all()
     assert quantize_activations(x, 1000)[1].shape == (3, 1)  # one group: per token
 
 
@@ -113,9 +122,15 @@ def test_tuned_entries_are_read_nearest_m_first(tuned_table):
     n, k = 4096, 4096
     w8a8 = Fp8Config("w8a8", 64, 128, 128, 8, 4)
     gemv = Fp8Config("gemv", block_n=128, block_k=128, num_warps=2, num_stages=1)
-    tuned_table({OP: {table_key(256, n, k, torch.bfloat16, k, 1): {**w8a8.entry(), "us": 9.0},
-                      table_key(1, n, k, torch.bfloat16, k, 1): {**gemv.entry(), "us": 3.0},
-                      table_key(256, n, k, torch.float32, k, 1): {**w8a8.entry(), "us": 9.0}}})
+    tuned_table(
+        {
+            OP: {
+                table_key(256, n, k, torch.bfloat16, k, 1): {**w8a8.entry(), "us": 9.0},
+                table_key(1, n, k, torch.bfloat16, k, 1): {**gemv.entry(), "us": 3.0},
+                table_key(256, n, k, torch.float32, k, 1): {**w8a8.entry(), "us": 9.0},
+            }
+        }
+    )
     assert pick_fp8_config(256, n, k, torch.bfloat16, k, 1, "cuda") == w8a8
     assert pick_fp8_config(512, n, k, torch.bfloat16, k, 1, "cuda") == w8a8  # nearest measured M
     assert pick_fp8_config(1, n, k, torch.bfloat16, k, 1, "cuda") == gemv
@@ -139,10 +154,14 @@ def test_custom_op_traces_without_graph_breaks():
     weight, scales = (t.to(DEVICE) for t in _weights(192, 136, 64, 64))
     x = torch.randn(3, 192, device=DEVICE).half()
     # opcheck's schema test compares the inputs before and after with arithmetic torch has no fp8 CPU kernel for
-    torch.library.opcheck(fp8_matmul_op, (x, weight, scales, 64, 64, "auto"),
-                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-    fn = torch.compile(lambda x: fp8_matmul_op(x * 2, weight, scales, 64, 64, "auto") + 1, fullgraph=True,
-                       backend="aot_eager")
+    torch.library.opcheck(
+        fp8_matmul_op,
+        (x, weight, scales, 64, 64, "auto"),
+        test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )
+    fn = torch.compile(
+        lambda x: fp8_matmul_op(x * 2, weight, scales, 64, 64, "auto") + 1, fullgraph=True, backend="aot_eager"
+    )
     expected = fp8_reference(x * 2, weight, scales, 64, 64) + 1
     error = (fn(x).float() - expected.float()).abs().max() / expected.float().abs().max()
     assert error <= TOLERANCE[torch.float16]
@@ -173,17 +192,29 @@ def _job(dtype, kernel: str, block_m: int, block_k: int, block_n: int = 64, num_
     if kernel == "_gemm_kernel":
         signature.update(M="i32", XS="*fp32", stride_xsm="i32")
         constexprs.update(BLOCK_M=block_m, F32_DOT=dtype == torch.float32, W8A8=w8a8)
-    return dict(module="hfaccel.kernels.fp8", kernel=kernel, signature=signature, constexprs=constexprs,
-                divisible=["X", "W", "S", "OUT", "stride_xm", "stride_wk", "stride_om"], num_warps=num_warps,
-                num_stages=3)
+    return dict(
+        module="hfaccel.kernels.fp8",
+        kernel=kernel,
+        signature=signature,
+        constexprs=constexprs,
+        divisible=["X", "W", "S", "OUT", "stride_xm", "stride_wk", "stride_om"],
+        num_warps=num_warps,
+        num_stages=3,
+    )
 
 
-SM90_KERNELS = [(dtype, kernel, block_m, block_k) for dtype in DTYPES for block_k in (64, 32, 16)
-                for kernel, block_m in (("_gemv_kernel", 1), ("_gemm_kernel", 16), ("_gemm_kernel", 64))]
+SM90_KERNELS = [
+    (dtype, kernel, block_m, block_k)
+    for dtype in DTYPES
+    for block_k in (64, 32, 16)
+    for kernel, block_m in (("_gemv_kernel", 1), ("_gemm_kernel", 16), ("_gemm_kernel", 64))
+]
 # the fp8 tensor-core tiles: the heuristics' 128x128x128 (8 warps), and small-M and block-32 ones
-SM90_KERNELS += [(dtype, "_gemm_kernel", block_m, block_k, block_n, warps, True)
-                 for dtype in (torch.float16, torch.bfloat16)
-                 for block_m, block_k, block_n, warps in ((128, 128, 128, 8), (16, 64, 64, 4), (64, 32, 128, 4))]
+SM90_KERNELS += [
+    (dtype, "_gemm_kernel", block_m, block_k, block_n, warps, True)
+    for dtype in (torch.float16, torch.bfloat16)
+    for block_m, block_k, block_n, warps in ((128, 128, 128, 8), (16, 64, 64, 4), (64, 32, 128, 4))
+]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from tests.devices import on_device
 from tests.kernels.helpers import compile_sm90
 from tests.sampling.reference import chi_square_p_value
 
-SEEDS = [0, -1, 1, 2**63 - 1, -2**63, 12345, 2**32, -(2**40) + 7]
+SEEDS = [0, -1, 1, 2**63 - 1, -(2**63), 12345, 2**32, -(2**40) + 7]
 
 
 def test_the_custom_op_matches_the_launcher_and_traces_whole():
@@ -24,8 +24,9 @@ def test_the_custom_op_matches_the_launcher_and_traces_whole():
     expected = keyed_race(weights, seeds, streams, counters, 1)
     assert torch.equal(keyed_race_op(weights, seeds, streams, counters, 1, "auto"), expected)
     torch.library.opcheck(keyed_race_op, (weights, seeds, streams, counters, 1, "auto"))
-    compiled = torch.compile(lambda w, s, t, c: keyed_race_op(w * 2, s, t, c, 1, "auto"), fullgraph=True,
-                             backend="aot_eager")
+    compiled = torch.compile(
+        lambda w, s, t, c: keyed_race_op(w * 2, s, t, c, 1, "auto"), fullgraph=True, backend="aot_eager"
+    )
     assert torch.equal(compiled(weights, seeds, streams, counters), expected)
 
 
@@ -70,8 +71,10 @@ def test_int_keys_broadcast_and_a_batch_changes_no_row():
     weights = torch.rand(6, 301, generator=gen)
     counters = torch.arange(6) * 11
     together = on_device(keyed_race, weights, 42, 1, counters, 2, backend="triton")
-    alone = [on_device(keyed_race, weights[i:i + 1], 42, 1, counters[i:i + 1], 2, backend="triton").item()
-             for i in range(6)]
+    alone = [
+        on_device(keyed_race, weights[i : i + 1], 42, 1, counters[i : i + 1], 2, backend="triton").item()
+        for i in range(6)
+    ]
     assert together.tolist() == alone
     assert together.tolist() == keyed_race(weights, 42, 1, counters, 2, backend="torch").tolist()
 
@@ -91,12 +94,27 @@ def test_hash_of_the_all_zero_key_is_not_zero():
 
 
 def test_kernel_compiles_for_sm90():
-    signature = {"weights_ptr": "*fp32", "seeds_ptr": "*i64", "streams_ptr": "*i64", "counters_ptr": "*i64",
-                 "purpose_ptr": "*i64", "score_ptr": "*fp32", "index_ptr": "*i64", "vocab": "i32", "stride_row": "i32",
-                 "blocks_per_chunk": "i32"}
-    job = dict(module="hfaccel.kernels.keyed_race", kernel="_keyed_race_kernel", signature=signature,
-               constexprs={"START": START, "BLOCK": BLOCK_V}, num_warps=4, num_stages=1,
-               divisible=["weights_ptr", "stride_row"])
+    signature = {
+        "weights_ptr": "*fp32",
+        "seeds_ptr": "*i64",
+        "streams_ptr": "*i64",
+        "counters_ptr": "*i64",
+        "purpose_ptr": "*i64",
+        "score_ptr": "*fp32",
+        "index_ptr": "*i64",
+        "vocab": "i32",
+        "stride_row": "i32",
+        "blocks_per_chunk": "i32",
+    }
+    job = dict(
+        module="hfaccel.kernels.keyed_race",
+        kernel="_keyed_race_kernel",
+        signature=signature,
+        constexprs={"START": START, "BLOCK": BLOCK_V},
+        num_warps=4,
+        num_stages=1,
+        divisible=["weights_ptr", "stride_row"],
+    )
     (result,) = compile_sm90([job])
     assert result["ok"], result.get("error")
 
@@ -112,6 +130,7 @@ def test_int_keys_are_filled_on_the_device_without_an_upload():
     with HostReads() as waits:
         got = keyed_race(weights, 7, 1, counters, 2, backend="torch")
     assert waits.uploads == [] and waits.reads == []
-    expected = keyed_race(weights, torch.full((3,), 7), torch.ones(3, dtype=torch.long), counters,
-                          torch.full((3,), 2), backend="torch")
+    expected = keyed_race(
+        weights, torch.full((3,), 7), torch.ones(3, dtype=torch.long), counters, torch.full((3,), 2), backend="torch"
+    )
     assert torch.equal(got, expected)

@@ -9,8 +9,18 @@ import pytest
 import torch
 import triton
 
-from hfaccel.kernels.lora import (FusedBlocks, LoraBlocks, expand_blocks, fused_blocks, lora_apply, lora_expand,
-                                  lora_expand_reference, lora_shrink, lora_shrink_reference, shrink_blocks)
+from hfaccel.kernels.lora import (
+    FusedBlocks,
+    LoraBlocks,
+    expand_blocks,
+    fused_blocks,
+    lora_apply,
+    lora_expand,
+    lora_expand_reference,
+    lora_shrink,
+    lora_shrink_reference,
+    shrink_blocks,
+)
 from hfaccel.kernels.ops import lora_op
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import TRITON_TYPES, compile_sm90, launch_like
@@ -28,7 +38,7 @@ SHAPES = [(1, 19, 23, 16), (5, 64, 96, 16), (37, 130, 23, 16), (5, 130, 96, 8), 
 
 def _pool(k: int, n: int, rank: int, dtype: torch.dtype, gen: torch.Generator):
     """``a [3, R, K]``, ``b [3, N, R]``: slot ``s`` of real rank ``min(RANKS[s], R)``, the rest zeros."""
-    a = torch.randn(len(RANKS), rank, k, generator=gen) / k ** 0.5
+    a = torch.randn(len(RANKS), rank, k, generator=gen) / k**0.5
     b = torch.randn(len(RANKS), n, rank, generator=gen)
     for s, real in enumerate(RANKS):
         a[s, real:] = 0
@@ -54,15 +64,19 @@ def _case(rows: int, k: int, n: int, rank: int, dtype: torch.dtype):
 
 def _naive_shrink(x, a, index):
     """Row by row: ``x[t] @ a[index[t]].T`` in fp64 (0 for -1)."""
-    rows = [x[t].double() @ a[i].double().T if i >= 0 else torch.zeros(a.shape[1], dtype=torch.float64)
-            for t, i in enumerate(index.tolist())]
+    rows = [
+        x[t].double() @ a[i].double().T if i >= 0 else torch.zeros(a.shape[1], dtype=torch.float64)
+        for t, i in enumerate(index.tolist())
+    ]
     return torch.stack(rows).reshape(x.shape[0], a.shape[1])
 
 
 def _naive_expand(y, v, b, index):
     """Row by row: ``y[t] + v[t] @ b[index[t]].T`` in fp64 (``y[t]`` for -1)."""
-    rows = [y[t].double() + v[t].double() @ b[i].double().T if i >= 0 else y[t].double()
-            for t, i in enumerate(index.tolist())]
+    rows = [
+        y[t].double() + v[t].double() @ b[i].double().T if i >= 0 else y[t].double()
+        for t, i in enumerate(index.tolist())
+    ]
     return torch.stack(rows).reshape(y.shape)
 
 
@@ -166,8 +180,9 @@ def test_mixed_slots_in_one_tile(index_dtype):
     assert _relative_error(out, _naive_expand(y, v, b, index)) <= EXPAND_TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("config", [LoraBlocks(2, 4, 16, split_k=3), LoraBlocks(4, 8, 32, split_k=8),
-                                    LoraBlocks(1, 1, 16, num_warps=1)])
+@pytest.mark.parametrize(
+    "config", [LoraBlocks(2, 4, 16, split_k=3), LoraBlocks(4, 8, 32, split_k=8), LoraBlocks(1, 1, 16, num_warps=1)]
+)
 def test_shrink_split_k_and_small_tiles(config):
     """Split K (the last split short, and more splits asked than K-blocks) and tiles smaller than the batch."""
     gen = torch.Generator().manual_seed(4)
@@ -288,9 +303,11 @@ def _sm90_cases():
             cases.add(("fused", fused_blocks(rows, width, rank, width, "cuda"), rank))
     cases = sorted(cases, key=str)
     firsts = [next(case for case in cases if case[0] == kernel) for kernel in ("shrink", "expand", "fused")]
-    return ([(kernel, torch.float16, torch.int32, cfg, rank) for kernel, cfg, rank in cases]
-            + [(kernel, torch.float32, torch.int64, cfg, rank) for kernel, cfg, rank in firsts]
-            + [(kernel, torch.bfloat16, torch.int32, cfg, rank) for kernel, cfg, rank in firsts])
+    return (
+        [(kernel, torch.float16, torch.int32, cfg, rank) for kernel, cfg, rank in cases]
+        + [(kernel, torch.float32, torch.int64, cfg, rank) for kernel, cfg, rank in firsts]
+        + [(kernel, torch.bfloat16, torch.int32, cfg, rank) for kernel, cfg, rank in firsts]
+    )
 
 
 SM90_CASES = _sm90_cases()
@@ -300,26 +317,70 @@ def _sm90_job(kernel_name, dtype, index_dtype, cfg, rank):
     dt, it = TRITON_TYPES[dtype], TRITON_TYPES[index_dtype]
     if kernel_name == "shrink":
         kernel = lora_module._shrink_kernel
-        signature = {"X": f"*{dt}", "A": f"*{dt}", "INDEX": f"*{it}", "V": "*fp32", **dict.fromkeys(
-            ["T", "K", "R", "S", "k_per_split", "stride_xt", "stride_as", "stride_ar", "stride_vs", "stride_vt"],
-            "i32")}
+        signature = {
+            "X": f"*{dt}",
+            "A": f"*{dt}",
+            "INDEX": f"*{it}",
+            "V": "*fp32",
+            **dict.fromkeys(
+                ["T", "K", "R", "S", "k_per_split", "stride_xt", "stride_as", "stride_ar", "stride_vs", "stride_vt"],
+                "i32",
+            ),
+        }
         constexprs = {"BLOCK_T": cfg.block_t, "BLOCK_R": cfg.block_out, "BLOCK_K": cfg.block_red}
     elif kernel_name == "fused":
         kernel = lora_module._fused_kernel
-        signature = {"X": f"*{dt}", "A": f"*{dt}", "B": f"*{dt}", "Y": f"*{dt}", "INDEX": f"*{it}", "OUT": f"*{dt}",
-                     **dict.fromkeys(["K", "N", "S", "n_per_program", "stride_xt", "stride_as", "stride_ar",
-                                      "stride_bs", "stride_yt", "stride_ot"], "i32")}
-        constexprs = {"R": rank, "BLOCK_R": triton.next_power_of_2(rank), "BLOCK_K": cfg.block_k,
-                      "BLOCK_N": cfg.block_n}
+        signature = {
+            "X": f"*{dt}",
+            "A": f"*{dt}",
+            "B": f"*{dt}",
+            "Y": f"*{dt}",
+            "INDEX": f"*{it}",
+            "OUT": f"*{dt}",
+            **dict.fromkeys(
+                [
+                    "K",
+                    "N",
+                    "S",
+                    "n_per_program",
+                    "stride_xt",
+                    "stride_as",
+                    "stride_ar",
+                    "stride_bs",
+                    "stride_yt",
+                    "stride_ot",
+                ],
+                "i32",
+            ),
+        }
+        constexprs = {
+            "R": rank,
+            "BLOCK_R": triton.next_power_of_2(rank),
+            "BLOCK_K": cfg.block_k,
+            "BLOCK_N": cfg.block_n,
+        }
     else:
         kernel = lora_module._expand_kernel
-        signature = {"Y": f"*{dt}", "VV": "*fp32", "B": f"*{dt}", "INDEX": f"*{it}", "OUT": f"*{dt}",
-                     **dict.fromkeys(["T", "N", "S", "stride_yt", "stride_vt", "stride_bs", "stride_ot"], "i32")}
+        signature = {
+            "Y": f"*{dt}",
+            "VV": "*fp32",
+            "B": f"*{dt}",
+            "INDEX": f"*{it}",
+            "OUT": f"*{dt}",
+            **dict.fromkeys(["T", "N", "S", "stride_yt", "stride_vt", "stride_bs", "stride_ot"], "i32"),
+        }
         constexprs = {"R": rank, "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_out, "BLOCK_R": cfg.block_red}
-    job = dict(module="hfaccel.kernels.lora", kernel=kernel.__name__, num_warps=cfg.num_warps, num_stages=1,
-               ptx_patterns=["ld.global.v4", ".local"], **launch_like(kernel, signature, constexprs))
-    job["divisible"] += [name for name in ("K", "N", "k_per_split", "n_per_program")
-                         if name in signature]  # 4096 and such: 16 | it
+    job = dict(
+        module="hfaccel.kernels.lora",
+        kernel=kernel.__name__,
+        num_warps=cfg.num_warps,
+        num_stages=1,
+        ptx_patterns=["ld.global.v4", ".local"],
+        **launch_like(kernel, signature, constexprs),
+    )
+    job["divisible"] += [
+        name for name in ("K", "N", "k_per_split", "n_per_program") if name in signature
+    ]  # 4096 and such: 16 | it
     return job
 
 
@@ -335,8 +396,9 @@ def test_compiles_for_sm90(case, sm90_results):
     assert result["ok"], f"{SM90_CASES[case]}: {result.get('error')}"
     assert result["shared"] <= 227 * 1024
     counts = result["ptx_counts"]
-    assert counts["ld.global.v4"] > 0 and counts[".local"] == 0, \
+    assert counts["ld.global.v4"] > 0 and counts[".local"] == 0, (
         f"{SM90_CASES[case]}: the gathered rows must load 128 bits at a time, with no spills"
+    )
 
 
 def test_heuristics_split_k_for_decode_only():

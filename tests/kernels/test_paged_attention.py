@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from hfaccel.kernels.paged_attention import (
-    PagedConfig, candidate_paged_configs, choose_num_splits, combine_warps, default_paged_config, paged_attention,
+    PagedConfig,
+    candidate_paged_configs,
+    choose_num_splits,
+    combine_warps,
+    default_paged_config,
+    paged_attention,
     paged_attention_reference,
 )
 from hfaccel.kernels.write_kv import dequantize_kv, quantize_kv, write_kv, write_kv_reference
@@ -35,7 +40,7 @@ def _tables(lengths, num_blocks, seed=0):
     used = 0
     for row, n in enumerate(lengths):
         count = -(-n // BLOCK_SIZE)
-        tables[row, :count] = perm[used:used + count].to(torch.int32)
+        tables[row, :count] = perm[used : used + count].to(torch.int32)
         used += count
     return tables, torch.tensor(lengths, dtype=torch.int32)
 
@@ -44,8 +49,9 @@ LENGTHS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads, head_dim", [((4, 4), 64), ((8, 2), 80), ((6, 2), 128), ((8, 1), 256), ((4, 2), 512)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "heads, head_dim", [((4, 4), 64), ((8, 2), 80), ((6, 2), 128), ((8, 1), 256), ((4, 2), 512)], ids=lambda v: str(v)
+)
 def test_decode_matches_reference(heads, head_dim, dtype):
     k_pool, v_pool = _pool(64, heads[1], head_dim, dtype)
     tables, lens = _tables(LENGTHS, 64)
@@ -64,8 +70,18 @@ def test_mixed_decode_and_prefill_chunks(dtype):
     tables, lens = _tables(seq_lens, 64)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), 8, 64).to(dtype)
-    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                          backend="triton", num_splits=1)
+    out = on_device(
+        paged_attention,
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=cu,
+        max_seqlen_q=max(q_lens),
+        backend="triton",
+        num_splits=1,
+    )
     assert out.shape == q.shape
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu))
 
@@ -80,8 +96,19 @@ def test_padding_rows_of_a_static_decode_batch(splits):
     tables[2:] = 0
     q = torch.randn(4, 8, 64)
     cu = torch.arange(5, dtype=torch.int32)
-    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=1,
-                    max_seqlen_k=256, backend="triton", num_splits=splits)
+    out = on_device(
+        paged_attention,
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=cu,
+        max_seqlen_q=1,
+        max_seqlen_k=256,
+        backend="triton",
+        num_splits=splits,
+    )
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu))
 
@@ -109,8 +136,7 @@ def test_dense_prefill_with_padding_window_softcap_and_splits(dtype):
     kwargs = dict(key_mask=key_mask, sliding_window=50, softcap=20.0)
     expected = paged_attention_reference(q, k_pool, v_pool, tables, lens, **kwargs)
     for splits in (1, 3):
-        out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, backend="triton", num_splits=splits,
-                        **kwargs)
+        out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, backend="triton", num_splits=splits, **kwargs)
         assert torch.isfinite(out).all()
         assert_close(out, expected)
 
@@ -159,27 +185,63 @@ def test_whole_block_loop_with_small_tiles(dtype, splits):
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), 6, 64).to(dtype)
     for kwargs in (dict(sliding_window=37, softcap=15.0), dict(), dict(chunk_size=23)):
-        out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=30,
-                        max_seqlen_k=250, backend="triton", num_splits=splits, config=config, **kwargs)
+        out = on_device(
+            paged_attention,
+            q,
+            k_pool,
+            v_pool,
+            tables,
+            lens,
+            cu_seqlens_q=cu,
+            max_seqlen_q=30,
+            max_seqlen_k=250,
+            backend="triton",
+            num_splits=splits,
+            config=config,
+            **kwargs,
+        )
         assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, **kwargs))
     key_mask = torch.ones(4, 250, dtype=torch.bool)
     key_mask[0, :70] = False
     dense_q = torch.randn(4, 6, 1, 64).to(dtype)
-    out = on_device(paged_attention, dense_q, k_pool, v_pool, tables, lens, max_seqlen_k=250, backend="triton",
-                    num_splits=splits, config=config, key_mask=key_mask)
+    out = on_device(
+        paged_attention,
+        dense_q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        max_seqlen_k=250,
+        backend="triton",
+        num_splits=splits,
+        config=config,
+        key_mask=key_mask,
+    )
     assert_close(out, paged_attention_reference(dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask))
 
 
-@pytest.mark.parametrize("config", [c for d in (64, 128, 256, 512)
-                                    for c in candidate_paged_configs(d, torch.float16, 4)],
-                         ids=lambda c: f"n{c.block_n}w{c.num_warps}s{c.num_stages}")
+@pytest.mark.parametrize(
+    "config",
+    [c for d in (64, 128, 256, 512) for c in candidate_paged_configs(d, torch.float16, 4)],
+    ids=lambda c: f"n{c.block_n}w{c.num_warps}s{c.num_stages}",
+)
 def test_every_tunable_decode_config_matches_reference(config):
     head_dim = next(d for d in (128, 256, 512) if config in candidate_paged_configs(d, torch.float16, 4))
     k_pool, v_pool = _pool(48, 2, head_dim, torch.float16)
     tables, lens = _tables([300, 41], 48)
     q = torch.randn(2, 8, 1, head_dim).half()
-    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, max_seqlen_k=300, backend="triton",
-                    num_splits=2, config=config)
+    out = on_device(
+        paged_attention,
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        max_seqlen_k=300,
+        backend="triton",
+        num_splits=2,
+        config=config,
+    )
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens))
 
 
@@ -202,8 +264,16 @@ def _packed(q_lens, heads_q, head_dim, dtype, seed=0):
     return torch.randn(sum(q_lens), heads_q, head_dim, generator=gen).to(dtype), cu
 
 
-OPTIONS = [dict(), dict(sliding_window=37), dict(softcap=15.0), dict(sliding_window=5, softcap=2.0, scale=0.3),
-           dict(sinks=True), dict(sinks=True, sliding_window=5), dict(chunk_size=13), dict(chunk_size=6, softcap=2.0)]
+OPTIONS = [
+    dict(),
+    dict(sliding_window=37),
+    dict(softcap=15.0),
+    dict(sliding_window=5, softcap=2.0, scale=0.3),
+    dict(sinks=True),
+    dict(sinks=True, sliding_window=5),
+    dict(chunk_size=13),
+    dict(chunk_size=6, softcap=2.0),
+]
 
 
 def _sinks(heads: int, dtype: torch.dtype, seed: int = 5) -> torch.Tensor:
@@ -221,16 +291,29 @@ def test_sinks_match_reference(dtype, splits):
     tables, lens = _tables([1, 40, 300, 17, 0], 64)
     q, cu = _packed(q_lens, 8, 64, dtype)
     sinks = _sinks(8, dtype)
-    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17,
-                    max_seqlen_k=300, backend="triton", num_splits=splits, sinks=sinks)
+    out = on_device(
+        paged_attention,
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=cu,
+        max_seqlen_q=17,
+        max_seqlen_k=300,
+        backend="triton",
+        num_splits=splits,
+        sinks=sinks,
+    )
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # a padding row (length 0)
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, sinks=sinks))
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads, head_dim", [((4, 4), 64), ((6, 2), 24), ((8, 1), 80), ((3, 3), 256)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "heads, head_dim", [((4, 4), 64), ((6, 2), 24), ((8, 1), 80), ((3, 3), 256)], ids=lambda v: str(v)
+)
 def test_torch_backend_matches_reference(heads, head_dim, dtype, options):
     """The batched torch backend on odd sizes: dense queries longer than some sequences (their first rows see
     nothing), packed decode tokens beside prefill chunks, GQA, window, softcap."""
@@ -245,8 +328,9 @@ def test_torch_backend_matches_reference(heads, head_dim, dtype, options):
     q_lens = [1, 7, 1, 17, 1]
     q, cu = _packed(q_lens, heads[0], head_dim, dtype)
     tables, lens = _tables([1, 40, 300, 17, 33], 41)
-    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17,
-                    backend="torch", **options)
+    out = on_device(
+        paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17, backend="torch", **options
+    )
     assert out.shape == q.shape
     assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, **options))
 
@@ -262,15 +346,27 @@ def test_torch_backend_decode_batch_with_padding_rows(dtype):
     key_mask = torch.rand(6, 170, generator=torch.Generator().manual_seed(1)) > 0.3
     q, cu = _packed([1] * 6, 6, 48, dtype)
     expected = paged_attention_reference(q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu)
-    decode = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=1,
-                       max_seqlen_k=163, backend="torch")
+    decode = on_device(
+        paged_attention,
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=cu,
+        max_seqlen_q=1,
+        max_seqlen_k=163,
+        backend="torch",
+    )
     assert torch.equal(decode[4:], torch.zeros_like(decode[4:]))
     assert_close(decode, expected)
-    assert_close(on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, backend="torch"),
-                 expected)
+    assert_close(
+        on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, backend="torch"), expected
+    )
     dense_q = q[:, :, None]  # [S, Hq, 1, D]
-    out = on_device(paged_attention, dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask, max_seqlen_k=163,
-                    backend="torch")
+    out = on_device(
+        paged_attention, dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask, max_seqlen_k=163, backend="torch"
+    )
     assert_close(out, paged_attention_reference(dense_q, k_pool, v_pool, tables, lens, key_mask=key_mask))
 
 
@@ -279,17 +375,35 @@ def test_torch_backend_empty_batches():
     tables, lens = torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     dense = on_device(paged_attention, torch.randn(0, 4, 1, 32), k_pool, v_pool, tables, lens, backend="torch")
     assert dense.shape == (0, 1, 4, 32)
-    packed = on_device(paged_attention, torch.randn(0, 4, 32), k_pool, v_pool, tables, lens,
-                       cu_seqlens_q=torch.zeros(1, dtype=torch.int32), backend="torch")
+    packed = on_device(
+        paged_attention,
+        torch.randn(0, 4, 32),
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        backend="torch",
+    )
     assert packed.shape == (0, 4, 32)
     tables, lens = _tables([5, 9], 4)  # sequences in the call, no query among them
-    none = on_device(paged_attention, torch.randn(0, 4, 32), k_pool, v_pool, tables, lens,
-                     cu_seqlens_q=torch.zeros(3, dtype=torch.int32), max_seqlen_q=0, backend="torch")
+    none = on_device(
+        paged_attention,
+        torch.randn(0, 4, 32),
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=torch.zeros(3, dtype=torch.int32),
+        max_seqlen_q=0,
+        backend="torch",
+    )
     assert none.shape == (0, 4, 32)
 
 
 def test_torch_backend_serves_without_the_per_sequence_reference(monkeypatch):
     """The torch backend is batched: the per-sequence reference is for checking only."""
+
     def per_sequence(*args, **kwargs):
         raise AssertionError("the torch backend looped over sequences")
 
@@ -321,8 +435,10 @@ def _fp8_pool(num_blocks: int, heads_kv: int, head_dim: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     scales = [(torch.rand(heads_kv, generator=gen) + 0.25) for _ in range(2)]
     shape = (num_blocks, BLOCK_SIZE, heads_kv, head_dim)
-    pools = [quantize_kv(torch.randn(shape, generator=gen) * 8 * scale[:, None], scale, torch.float8_e4m3fn)
-             for scale in scales]
+    pools = [
+        quantize_kv(torch.randn(shape, generator=gen) * 8 * scale[:, None], scale, torch.float8_e4m3fn)
+        for scale in scales
+    ]
     return (*pools, *scales)
 
 
@@ -337,14 +453,31 @@ def test_fp8_pool_matches_reference_on_dequantized_kv(dtype, splits, backend):
     tables, lens = _tables([1, 40, 300, 17, 0], 64)
     q, cu = _packed([1, 7, 1, 17, 1], 6, 40, dtype)
     options = dict(sliding_window=29, softcap=9.0, scale=0.21)
-    out = on_device(paged_attention, q, k_pool, v_pool, tables, lens, cu_seqlens_q=cu, max_seqlen_q=17,
-                    max_seqlen_k=300, backend=backend, num_splits=splits if backend == "triton" else None,
-                    k_scale=k_scale, v_scale=v_scale, **options)
+    out = on_device(
+        paged_attention,
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        lens,
+        cu_seqlens_q=cu,
+        max_seqlen_q=17,
+        max_seqlen_k=300,
+        backend=backend,
+        num_splits=splits if backend == "triton" else None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **options,
+    )
     dequantized = [dequantize_kv(pool, scale, torch.float32) for pool, scale in ((k_pool, k_scale), (v_pool, v_scale))]
     expected = paged_attention_reference(q.float(), *dequantized, tables, lens, cu_seqlens_q=cu, **options)
     assert_close(out, expected.to(dtype))
-    assert_close(paged_attention_reference(q.float(), k_pool, v_pool, tables, lens, cu_seqlens_q=cu, k_scale=k_scale,
-                                           v_scale=v_scale, **options), expected)
+    assert_close(
+        paged_attention_reference(
+            q.float(), k_pool, v_pool, tables, lens, cu_seqlens_q=cu, k_scale=k_scale, v_scale=v_scale, **options
+        ),
+        expected,
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -400,8 +533,10 @@ def test_custom_op_takes_the_models_query_layout():
 
     def step(projected: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         query = projected.view(1, -1, 6, 24).transpose(1, 2)  # no RoPE: the projection's layout
-        return paged_attention_op(query, kv_cache, 0, tables, lens, cu, 2, 40, 0.3, None, None, None, None, None,
-                                  "torch") * 2
+        return (
+            paged_attention_op(query, kv_cache, 0, tables, lens, cu, 2, 40, 0.3, None, None, None, None, None, "torch")
+            * 2
+        )
 
     compiled = torch.compile(step, fullgraph=True)
     before = counters["stats"]["unique_graphs"]
@@ -413,8 +548,10 @@ def test_custom_op_takes_the_models_query_layout():
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         with marked_sizes_only():
             got = compiled(*inputs)
-        want = paged_attention_reference(packed, k_pool, v_pool, tables[:rows], lens[:rows], cu_seqlens_q=cu,
-                                         scale=0.3) * 2
+        want = (
+            paged_attention_reference(packed, k_pool, v_pool, tables[:rows], lens[:rows], cu_seqlens_q=cu, scale=0.3)
+            * 2
+        )
         assert_close(got[0], want)
     assert counters["stats"]["unique_graphs"] - before == 1
 
@@ -434,8 +571,11 @@ def test_write_kv_matches_reference(dtype):
     assert torch.equal(k_pool.view(-1, 3, 80)[17], new_k[0, 1])
 
 
-@pytest.mark.parametrize("slots", [[[4, -1, 9], [-1, 0, 11]], [[-1, -1, -1], [-1, -1, -1]], [[-1, 15, 2], [3, 1, -1]]],
-                         ids=["some-skipped", "all-skipped", "first-skipped"])
+@pytest.mark.parametrize(
+    "slots",
+    [[[4, -1, 9], [-1, 0, 11]], [[-1, -1, -1], [-1, -1, -1]], [[-1, 15, 2], [3, 1, -1]]],
+    ids=["some-skipped", "all-skipped", "first-skipped"],
+)
 def test_write_kv_on_a_device_skips_slot_minus_one_without_reading_on_the_host(slots):
     """The torch backend on a GPU (attention="torch", inside captured decode steps) writes the kept rows, leaves
     every other slot alone (the pool's last slot included where no row is kept), and never makes the host wait for
@@ -474,14 +614,25 @@ def test_write_kv_bad_inputs():
 # sm_90: every (dtype, head dim, tile height) default_paged_config can return and every decode tile a tuned table
 # can hold, each flag combination that changes the code path (split or not, varlen or dense), plus the split
 # combine (2 to MAX_SPLITS splits) and the write kernel; an fp8 pool under 16-bit queries, decode and prefill tiles.
-SM90_CASES = [(dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, varlen) for dtype in DTYPES
-              for head_dim in (64, 80, 96, 128, 256, 512) for rows in (1, 24, 48, 4096)
-              for split, varlen in ((False, False), (True, True))]
-SM90_CASES += [(torch.float16, head_dim, cfg, True, True) for head_dim in (64, 128, 256, 512)
-               for cfg in candidate_paged_configs(head_dim, torch.float16, 4)]
-SM90_CASES += [(dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, True, torch.float8_e4m3fn)
-               for dtype in (torch.float16, torch.bfloat16) for head_dim in (64, 128, 256) for rows in (4, 4096)
-               for split in (False, True)]
+SM90_CASES = [
+    (dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, varlen)
+    for dtype in DTYPES
+    for head_dim in (64, 80, 96, 128, 256, 512)
+    for rows in (1, 24, 48, 4096)
+    for split, varlen in ((False, False), (True, True))
+]
+SM90_CASES += [
+    (torch.float16, head_dim, cfg, True, True)
+    for head_dim in (64, 128, 256, 512)
+    for cfg in candidate_paged_configs(head_dim, torch.float16, 4)
+]
+SM90_CASES += [
+    (dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, True, torch.float8_e4m3fn)
+    for dtype in (torch.float16, torch.bfloat16)
+    for head_dim in (64, 128, 256)
+    for rows in (4, 4096)
+    for split in (False, True)
+]
 UNIT_STRIDES = ("stride_qd", "stride_od", "stride_kd", "stride_vd", "stride_bt_col", "stride_mask_col")
 
 
@@ -490,19 +641,51 @@ def _attention_job(dtype, head_dim, cfg, split, varlen, pool_dtype=None):
     pool = "*" + TRITON_TYPES[pool_dtype or dtype]
     kernel = paged_module._paged_attention_kernel
     signature = {name: "i32" for name in kernel.arg_names if name.startswith("stride_")}
-    signature.update({name: "i32" for name in ("num_kv_heads", "head_dim", "block_size", "uniform_q_len",
-                                               "window", "chunk")})
-    signature.update(Q=ptr, K_POOL=pool, V_POOL=pool, O=ptr, BLOCK_TABLES="*i32", SEQ_LENS="*i32",
-                     CU_SEQLENS_Q="*i32", KEY_MASK="*i1", SINKS="*fp32", PART_O="*fp32", PART_LSE="*fp32",
-                     K_SCALE="*fp32", V_SCALE="*fp32", score_scale="fp32", softcap_log2="fp32")
+    signature.update(
+        {name: "i32" for name in ("num_kv_heads", "head_dim", "block_size", "uniform_q_len", "window", "chunk")}
+    )
+    signature.update(
+        Q=ptr,
+        K_POOL=pool,
+        V_POOL=pool,
+        O=ptr,
+        BLOCK_TABLES="*i32",
+        SEQ_LENS="*i32",
+        CU_SEQLENS_Q="*i32",
+        KEY_MASK="*i1",
+        SINKS="*fp32",
+        PART_O="*fp32",
+        PART_LSE="*fp32",
+        K_SCALE="*fp32",
+        V_SCALE="*fp32",
+        score_scale="fp32",
+        softcap_log2="fp32",
+    )
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    constexprs = dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-                      VARLEN=varlen, HAS_WINDOW=True, HAS_CHUNK=True, HAS_SOFTCAP=True, HAS_KEY_MASK=True,
-                      HAS_SINKS=True, SPLIT=split,
-                      UPCAST=False, IEEE_FP32=dtype == torch.float32, FP8_KV=pool_dtype is not None)
-    return dict(module="hfaccel.kernels.paged_attention", kernel="_paged_attention_kernel",
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **launch_like(kernel, signature, constexprs, UNIT_STRIDES))
+    constexprs = dict(
+        GROUP=4,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        VARLEN=varlen,
+        HAS_WINDOW=True,
+        HAS_CHUNK=True,
+        HAS_SOFTCAP=True,
+        HAS_KEY_MASK=True,
+        HAS_SINKS=True,
+        SPLIT=split,
+        UPCAST=False,
+        IEEE_FP32=dtype == torch.float32,
+        FP8_KV=pool_dtype is not None,
+    )
+    return dict(
+        module="hfaccel.kernels.paged_attention",
+        kernel="_paged_attention_kernel",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch_like(kernel, signature, constexprs, UNIT_STRIDES),
+    )
 
 
 def _side_jobs():
@@ -511,27 +694,45 @@ def _side_jobs():
     jobs = []
     for dtype in DTYPES:
         for head_dim in (64, 256, 512):
-            signature = {name: "i32" for name in combine.arg_names
-                         if name not in ("BLOCK_S", "BLOCK_D", "VARLEN", "HAS_SINKS")}
-            signature.update(O="*" + TRITON_TYPES[dtype], PART_O="*fp32", PART_LSE="*fp32", CU_SEQLENS_Q="*i32",
-                             SINKS="*fp32")
+            signature = {
+                name: "i32" for name in combine.arg_names if name not in ("BLOCK_S", "BLOCK_D", "VARLEN", "HAS_SINKS")
+            }
+            signature.update(
+                O="*" + TRITON_TYPES[dtype], PART_O="*fp32", PART_LSE="*fp32", CU_SEQLENS_Q="*i32", SINKS="*fp32"
+            )
             for splits in (2, paged_module.MAX_SPLITS):
                 constexprs = dict(BLOCK_S=splits, BLOCK_D=head_dim, VARLEN=True, HAS_SINKS=True)
-                jobs.append(dict(module="hfaccel.kernels.paged_attention", kernel="_combine_splits_kernel",
-                                 num_warps=combine_warps(splits, head_dim), num_stages=1,
-                                 **launch_like(combine, signature, constexprs, ("stride_od",))))
+                jobs.append(
+                    dict(
+                        module="hfaccel.kernels.paged_attention",
+                        kernel="_combine_splits_kernel",
+                        num_warps=combine_warps(splits, head_dim),
+                        num_stages=1,
+                        **launch_like(combine, signature, constexprs, ("stride_od",)),
+                    )
+                )
             ptr = "*" + TRITON_TYPES[dtype]
             for pool in (ptr, "*fp8e4nv") if dtype != torch.float32 else (ptr,):
-                signature = {name: "i32" for name in write_module._write_kv_kernel.arg_names
-                             if name not in ("BLOCK_H", "BLOCK_D", "QUANTIZE", "QMAX")}
-                signature.update(K=ptr, V=ptr, K_POOL=pool, V_POOL=pool, SLOTS="*i64", K_SCALE="*fp32",
-                                 V_SCALE="*fp32")
+                signature = {
+                    name: "i32"
+                    for name in write_module._write_kv_kernel.arg_names
+                    if name not in ("BLOCK_H", "BLOCK_D", "QUANTIZE", "QMAX")
+                }
+                signature.update(K=ptr, V=ptr, K_POOL=pool, V_POOL=pool, SLOTS="*i64", K_SCALE="*fp32", V_SCALE="*fp32")
                 for block_h in (1, 8):  # one KV head (MQA) to Llama-3's eight
-                    constexprs = dict(BLOCK_H=block_h, BLOCK_D=head_dim, QUANTIZE=pool != ptr,
-                                      QMAX=write_module.FP8_MAX)
-                    jobs.append(dict(module="hfaccel.kernels.write_kv", kernel="_write_kv_kernel",
-                                     signature=signature, constexprs=constexprs,
-                                     num_warps=write_module.write_kv_warps(block_h * head_dim), num_stages=1))
+                    constexprs = dict(
+                        BLOCK_H=block_h, BLOCK_D=head_dim, QUANTIZE=pool != ptr, QMAX=write_module.FP8_MAX
+                    )
+                    jobs.append(
+                        dict(
+                            module="hfaccel.kernels.write_kv",
+                            kernel="_write_kv_kernel",
+                            signature=signature,
+                            constexprs=constexprs,
+                            num_warps=write_module.write_kv_warps(block_h * head_dim),
+                            num_stages=1,
+                        )
+                    )
     return jobs
 
 

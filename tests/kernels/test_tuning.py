@@ -12,7 +12,12 @@ from hfaccel.kernels import tuning
 from hfaccel.kernels.flash_attention import FlashConfig
 from hfaccel.kernels.paged_attention import PagedConfig
 from hfaccel.kernels.w4a16_config import (
-    M_BUCKETS, W4A16Config, candidate_configs, fit_config, heuristic_config, pick_w4a16_config,
+    M_BUCKETS,
+    W4A16Config,
+    candidate_configs,
+    fit_config,
+    heuristic_config,
+    pick_w4a16_config,
 )
 from hfaccel.kernels.w4a16_config import table_key as w4a16_key
 from hfaccel.runner.graphs import DEFAULT_LADDER
@@ -36,9 +41,16 @@ def test_lookup_reads_the_table_once(gpu_table):
     assert tuning.lookup("w4a16", "m1_n7", "cuda") == {"block_n": 64, "us": 3.5}  # cached per process
 
 
-@pytest.mark.parametrize("content, message", [(None, "no tuned kernel table"), ("{not json", "unreadable"),
-                                              ('{"ops": [1, 2]}', "unreadable"), ('{"gpu": "x"}', "unreadable"),
-                                              ('{"ops": {"w4a16": [1]}}', "unreadable")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no tuned kernel table"),
+        ("{not json", "unreadable"),
+        ('{"ops": [1, 2]}', "unreadable"),
+        ('{"gpu": "x"}', "unreadable"),
+        ('{"ops": {"w4a16": [1]}}', "unreadable"),
+    ],
+)
 def test_missing_or_corrupt_table_warns_and_falls_back(gpu_table, content, message):
     if content is not None:
         gpu_table.write_text(content)
@@ -59,8 +71,12 @@ MAX_MODEL_LENS = (256, 1000, 4096, 8192, 40000, 131072)  # what a captured decod
 def test_nearest_bucket_is_the_closest_by_ratio_batch_first_ties_toward_the_larger(tuned_table):
     measured = [(1, 1024), (4, 1024), (4, 32768), (16, 4096), (64, 4096)]
     entries = {tuning.bucket_key(d=128, b=b, ctx=ctx, dtype=torch.float16): {"us": float(b)} for b, ctx in measured}
-    others = ["d128_b2_ctx1024_dtypebfloat16", "d64_b2_ctx1024_dtypefloat16",  # other exact fields
-              "d128_b2_dtypefloat16", "d128_bx_ctx1024_dtypefloat16"]  # other layouts
+    others = [
+        "d128_b2_ctx1024_dtypebfloat16",
+        "d64_b2_ctx1024_dtypefloat16",  # other exact fields
+        "d128_b2_dtypefloat16",
+        "d128_bx_ctx1024_dtypefloat16",
+    ]  # other layouts
     tuned_table({"op": {**entries, **{key: {"us": 0.5} for key in others}}})
 
     def nearest(batch, ctx, dtype=torch.float16, device="cuda"):
@@ -82,10 +98,16 @@ def test_unmeasured_buckets_take_the_nearest_entry_in_every_op(tuned_table, monk
     flash = dict(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True, us=80.0, sdpa_us=100.0)
     gemv = W4A16Config("gemv", 1, 512, 128, split_k=8, num_warps=2, num_stages=1)
     gemm = W4A16Config("gemm", 16, 128, 64, split_k=4, num_warps=4, num_stages=4)
-    tuned_table({"paged_attention": {paged_module.table_key(128, 4, 8, 4096, torch.bfloat16): paged},
-                 "flash_attention": {flash_module.table_key(128, 4, 2048, torch.float16): flash},
-                 "w4a16": {w4a16_key(1, 4096, 4096, torch.float16, 128): {**gemv.entry(), "us": 3.0},
-                           w4a16_key(16, 4096, 4096, torch.float16, 128): {**gemm.entry(), "us": 7.0}}})
+    tuned_table(
+        {
+            "paged_attention": {paged_module.table_key(128, 4, 8, 4096, torch.bfloat16): paged},
+            "flash_attention": {flash_module.table_key(128, 4, 2048, torch.float16): flash},
+            "w4a16": {
+                w4a16_key(1, 4096, 4096, torch.float16, 128): {**gemv.entry(), "us": 3.0},
+                w4a16_key(16, 4096, 4096, torch.float16, 128): {**gemm.entry(), "us": 7.0},
+            },
+        }
+    )
     for batch, max_len in ((24, 131072), (1, 256), (256, 4096)):
         plan = paged_module.plan_launch(batch, 8, 4, 1, max_len, 128, torch.bfloat16, "cuda")
         assert plan == PagedConfig(16, 128, 8, 2, num_splits=4)
@@ -94,7 +116,8 @@ def test_unmeasured_buckets_take_the_nearest_entry_in_every_op(tuned_table, monk
     picks = [pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") for m in (2, 4, 3, 200)]
     assert picks == [gemv, gemm, gemm, gemm]  # M 2: bucket 2, nearer 1; 4 (and 3): 1 and 16 tie (x4), the larger
     assert pick_w4a16_config(2, 4096, 4096, torch.bfloat16, 128, "cuda") == heuristic_config(
-        2, 4096, 4096, torch.bfloat16, 128)  # no entry of its dtype
+        2, 4096, 4096, torch.bfloat16, 128
+    )  # no entry of its dtype
 
 
 def test_every_captured_decode_launch_reads_a_paged_entry(tuned_table, monkeypatch):
@@ -106,20 +129,30 @@ def test_every_captured_decode_launch_reads_a_paged_entry(tuned_table, monkeypat
     assert paged_sweep.BATCHES == DEFAULT_LADDER and set(DEFAULT_LADDER) <= set(paged_module.BATCH_BUCKETS)
     shape = ModelShapes.named("llama-3.1-8b")
     group = shape.num_heads // shape.num_kv_heads
-    tiles = [(c.block_n, c.num_warps, c.num_stages)
-             for c in paged_module.candidate_paged_configs(shape.head_dim, torch.float16, group)]
+    tiles = [
+        (c.block_n, c.num_warps, c.num_stages)
+        for c in paged_module.candidate_paged_configs(shape.head_dim, torch.float16, group)
+    ]
     buckets = list(itertools.product(paged_sweep.DTYPES, paged_sweep.BATCHES, paged_sweep.CONTEXTS))
-    entries = {paged_module.table_key(shape.head_dim, group, batch, ctx, dtype):
-               dict(zip(("block_n", "num_warps", "num_stages"), tiles[i % len(tiles)]), num_splits=100 + i, us=1.0)
-               for i, (dtype, batch, ctx) in enumerate(buckets)}
+    entries = {
+        paged_module.table_key(shape.head_dim, group, batch, ctx, dtype): dict(
+            zip(("block_n", "num_warps", "num_stages"), tiles[i % len(tiles)]), num_splits=100 + i, us=1.0
+        )
+        for i, (dtype, batch, ctx) in enumerate(buckets)
+    }
     assert len(entries) == len(buckets)  # one key per measured bucket: no two ladder sizes share one
     tuned_table({"paged_attention": entries})
-    for dtype, batch, max_len in itertools.product(paged_sweep.DTYPES, range(1, DEFAULT_LADDER[-1] + 1),
-                                                   MAX_MODEL_LENS):
+    for dtype, batch, max_len in itertools.product(
+        paged_sweep.DTYPES, range(1, DEFAULT_LADDER[-1] + 1), MAX_MODEL_LENS
+    ):
         plan = paged_module.plan_launch(batch, shape.num_kv_heads, group, 1, max_len, shape.head_dim, dtype, "cuda")
         entry = entries[paged_module.table_key(shape.head_dim, group, batch, _measured_context(max_len), dtype)]
         assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits) == (
-            entry["block_n"], entry["num_warps"], entry["num_stages"], entry["num_splits"]), (dtype, batch, max_len)
+            entry["block_n"],
+            entry["num_warps"],
+            entry["num_stages"],
+            entry["num_splits"],
+        ), (dtype, batch, max_len)
 
 
 def _measured_context(max_len: int) -> int:
@@ -134,9 +167,12 @@ def test_every_long_prefill_and_int4_product_reads_an_entry(tuned_table):
     largest bucket) resolve to a table entry."""
     shape = ModelShapes.named("llama-3.1-8b")
     group = shape.num_heads // shape.num_kv_heads
-    flash_entries = {flash_module.table_key(shape.head_dim, group, seq, dtype):
-                     dict(block_m=64, block_n=32, num_warps=4, num_stages=10 + i, tma=False, us=1.0)
-                     for i, (dtype, seq) in enumerate(itertools.product(flash_sweep.DTYPES, flash_module.SEQ_BUCKETS))}
+    flash_entries = {
+        flash_module.table_key(shape.head_dim, group, seq, dtype): dict(
+            block_m=64, block_n=32, num_warps=4, num_stages=10 + i, tma=False, us=1.0
+        )
+        for i, (dtype, seq) in enumerate(itertools.product(flash_sweep.DTYPES, flash_module.SEQ_BUCKETS))
+    }
     int4_entries = {}
     for n, k in w4a16_sweep.linear_shapes([shape]):
         for dtype, group_size, m in itertools.product(w4a16_sweep.DTYPES, w4a16_sweep.GROUP_SIZES, M_BUCKETS):
@@ -147,9 +183,10 @@ def test_every_long_prefill_and_int4_product_reads_an_entry(tuned_table):
     for dtype, seq in itertools.product(flash_sweep.DTYPES, (128, 500, 512, 3000, 16384, 20000, 131072)):
         entry = flash_entries[flash_module.table_key(shape.head_dim, group, seq, dtype)]
         assert flash_module.pick_config(shape.head_dim, dtype, seq, group, "cuda") == FlashConfig(
-            64, 32, 4, entry["num_stages"])
-    for (n, k), dtype, m in itertools.product(w4a16_sweep.linear_shapes([shape]), w4a16_sweep.DTYPES,
-                                              [*range(1, DEFAULT_LADDER[-1] + 1), 1000, 4096, 131072]):
+            64, 32, 4, entry["num_stages"]
+        )
+    for (n, k), dtype, m in itertools.product(
+        w4a16_sweep.linear_shapes([shape]), w4a16_sweep.DTYPES, [*range(1, DEFAULT_LADDER[-1] + 1), 1000, 4096, 131072]
+    ):
         entry = int4_entries[w4a16_key(m, n, k, dtype, 128)]
-        assert pick_w4a16_config(m, n, k, dtype, 128, "cuda") == fit_config(W4A16Config.from_entry(entry), m, n, k,
-                                                                            128)
+        assert pick_w4a16_config(m, n, k, dtype, 128, "cuda") == fit_config(W4A16Config.from_entry(entry), m, n, k, 128)

@@ -9,11 +9,27 @@ import pytest
 import torch
 
 from hfaccel.kernels import tuning
-from hfaccel.kernels.w4a16 import (INT4PACK_DTYPE, dequantize, dequantize_weight, int4pack_matmul,
-                                   int4pack_scales_and_zeros, int4pack_unsupported, pack_int4_cpu, w4a16_matmul,
-                                   w4a16_reference)
-from hfaccel.kernels.w4a16_config import (DEQUANT_MIN_M, M_BUCKETS, W4A16Config, candidate_configs, fit_config,
-                                          heuristic_config, pick_w4a16_config, table_key)
+from hfaccel.kernels.w4a16 import (
+    INT4PACK_DTYPE,
+    dequantize,
+    dequantize_weight,
+    int4pack_matmul,
+    int4pack_scales_and_zeros,
+    int4pack_unsupported,
+    pack_int4_cpu,
+    w4a16_matmul,
+    w4a16_reference,
+)
+from hfaccel.kernels.w4a16_config import (
+    DEQUANT_MIN_M,
+    M_BUCKETS,
+    W4A16Config,
+    candidate_configs,
+    fit_config,
+    heuristic_config,
+    pick_w4a16_config,
+    table_key,
+)
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import INT4PACK_TOLERANCE, TRITON_TYPES, compile_sm90
 
@@ -30,7 +46,7 @@ SHAPES = [(384, 320, 128), (192, 200, 64), (160, 136, 32)]
 
 def _weights(k, n, group_size, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=gen)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=gen)
     scales = (torch.rand(k // group_size, n, generator=gen) * 0.02 + 0.005).to(dtype)
     zeros = torch.randint(0, 16, (k // group_size, n), generator=gen).to(dtype)
     return qweight, scales, zeros
@@ -98,11 +114,19 @@ def test_int4_linear_runs_gptq_checkpoints(m, act_order):
     g_idx = torch.arange(k, dtype=torch.int32) // group_size
     if act_order:
         g_idx = g_idx[torch.randperm(k, generator=gen)]
-    tensors = formats.to_gptq(formats.Int4Weight.from_values(
-        q, torch.rand(k // group_size, n, generator=gen).half() * 0.02 + 0.01,
-        torch.randint(0, 16, (k // group_size, n), generator=gen).half(), group_size, g_idx), v1=False)
-    weight = formats.from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
-                               group_size, v1=False)
+    tensors = formats.to_gptq(
+        formats.Int4Weight.from_values(
+            q,
+            torch.rand(k // group_size, n, generator=gen).half() * 0.02 + 0.01,
+            torch.randint(0, 16, (k // group_size, n), generator=gen).half(),
+            group_size,
+            g_idx,
+        ),
+        v1=False,
+    )
+    weight = formats.from_gptq(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], group_size, v1=False
+    )
     assert (weight.perm is not None) == act_order
     module = Int4Linear.from_weight(weight, dtype=torch.float32).to(DEVICE)
     x = torch.randn(m, k, device=DEVICE)
@@ -158,8 +182,9 @@ def test_custom_op_traces_without_graph_breaks():
     qweight, scales, zeros = (t.to(DEVICE) for t in _weights(192, 200, 64, torch.float16))
     x = torch.randn(3, 192, device=DEVICE).half()
     torch.library.opcheck(w4a16_matmul_op, (x, qweight, scales, zeros, 64, "auto"))
-    fn = torch.compile(lambda x: w4a16_matmul_op(x * 2, qweight, scales, zeros, 64, "auto") + 1, fullgraph=True,
-                       backend="aot_eager")
+    fn = torch.compile(
+        lambda x: w4a16_matmul_op(x * 2, qweight, scales, zeros, 64, "auto") + 1, fullgraph=True, backend="aot_eager"
+    )
     expected = w4a16_reference(x * 2, qweight, scales, zeros, 64) + 1
     error = (fn(x).float() - expected.float()).abs().max() / expected.float().abs().max()
     assert error <= TOLERANCE[torch.float16]
@@ -205,24 +230,52 @@ def test_every_candidate_is_valid_for_its_shape():
 def test_router_follows_the_table_deterministically(gpu_table):
     tuned = W4A16Config("gemm", 16, 128, 64, split_k=4, num_warps=4, num_stages=4)
     gemv = W4A16Config("gemv", 1, 512, 128, split_k=8, num_warps=2, num_stages=1)
-    gpu_table.write_text(json.dumps({"gpu": "NVIDIA Test GPU 80GB", "ops": {"w4a16": {
-        table_key(4, 4096, 4096, torch.float16, 128): {**tuned.entry(), "us": 7.5},
-        table_key(1, 4096, 4096, torch.float16, 128): {**gemv.entry(), "us": 3.25}}}}))
+    gpu_table.write_text(
+        json.dumps(
+            {
+                "gpu": "NVIDIA Test GPU 80GB",
+                "ops": {
+                    "w4a16": {
+                        table_key(4, 4096, 4096, torch.float16, 128): {**tuned.entry(), "us": 7.5},
+                        table_key(1, 4096, 4096, torch.float16, 128): {**gemv.entry(), "us": 3.25},
+                    }
+                },
+            }
+        )
+    )
     picks = [pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") for m in (3, 4, 3, 1, 4)]
     assert picks == [tuned, tuned, tuned, gemv, tuned]  # M = 3 and 4 share the bucket m4
     for m in (2, 64):  # M buckets not in the table: the nearest measured (2: m1 and m4 tie, the larger)
         assert pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") == fit_config(tuned, m, 4096, 4096, 128)
     assert pick_w4a16_config(4, 4096, 4096, torch.bfloat16, 128, "cuda") == heuristic_config(
-        4, 4096, 4096, torch.bfloat16, 128)  # no entry of its dtype
+        4, 4096, 4096, torch.bfloat16, 128
+    )  # no entry of its dtype
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "no tuned kernel table"), ("{not json", "unreadable"), ('{"ops": {"w4a16": []}}', "unreadable"),
-    (json.dumps({"ops": {"w4a16": {table_key(16, 4096, 4096, torch.float16, 128): {"path": "marlin"}}}}), "unusable"),
-    (json.dumps({"ops": {"w4a16": {table_key(16, 4096, 4096, torch.float16, 128): {"path": "gemv", "tile": 3}}}}),
-     "unusable"),
-    (json.dumps({"ops": {"w4a16": {table_key(16, 4096, 4096, torch.float16, 128): {"path": "gemm", "block_k": 8}}}}),
-     "unusable")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no tuned kernel table"),
+        ("{not json", "unreadable"),
+        ('{"ops": {"w4a16": []}}', "unreadable"),
+        (
+            json.dumps({"ops": {"w4a16": {table_key(16, 4096, 4096, torch.float16, 128): {"path": "marlin"}}}}),
+            "unusable",
+        ),
+        (
+            json.dumps(
+                {"ops": {"w4a16": {table_key(16, 4096, 4096, torch.float16, 128): {"path": "gemv", "tile": 3}}}}
+            ),
+            "unusable",
+        ),
+        (
+            json.dumps(
+                {"ops": {"w4a16": {table_key(16, 4096, 4096, torch.float16, 128): {"path": "gemm", "block_k": 8}}}}
+            ),
+            "unusable",
+        ),
+    ],
+)
 def test_missing_or_corrupt_table_means_heuristics_with_a_warning(gpu_table, content, message):
     if content is not None:
         gpu_table.write_text(content)
@@ -246,8 +299,18 @@ def test_bad_inputs():
 def _kernel_job(dtype, cfg: W4A16Config, split: bool):
     """A compile job for the kernel that serves ``cfg`` (``split``: its fp32-partials variant)."""
     ptr = "*" + TRITON_TYPES[dtype]
-    ints = ["group_size", "k_per_split", "stride_xm", "stride_qk", "stride_sg", "stride_zg", "stride_os",
-            "stride_om", "N", "K"]
+    ints = [
+        "group_size",
+        "k_per_split",
+        "stride_xm",
+        "stride_qk",
+        "stride_sg",
+        "stride_zg",
+        "stride_os",
+        "stride_om",
+        "N",
+        "K",
+    ]
     signature = {name: "i32" for name in ints + ["M"]}
     signature.update(X=ptr, QW="*i32", SCALES=ptr, ZEROS=ptr, OUT="*fp32" if split else ptr)
     constexprs = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split)
@@ -256,22 +319,50 @@ def _kernel_job(dtype, cfg: W4A16Config, split: bool):
         del signature["M"]
     else:
         kernel = "_gemm_kernel"
-        constexprs.update(BLOCK_M=cfg.block_m, SCALE_AFTER=cfg.block_m < cfg.block_k,
-                          F32_DOT=dtype == torch.float32)
-    return dict(module="hfaccel.kernels.w4a16", kernel=kernel, signature=signature, constexprs=constexprs,
-                divisible=["X", "QW", "SCALES", "ZEROS", "OUT"] + ints, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, ptx_patterns=["ld.global.v4", "cvt.rn.f32.s32", "cvt.rn.f32.u32"])
+        constexprs.update(BLOCK_M=cfg.block_m, SCALE_AFTER=cfg.block_m < cfg.block_k, F32_DOT=dtype == torch.float32)
+    return dict(
+        module="hfaccel.kernels.w4a16",
+        kernel=kernel,
+        signature=signature,
+        constexprs=constexprs,
+        divisible=["X", "QW", "SCALES", "ZEROS", "OUT"] + ints,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        ptx_patterns=["ld.global.v4", "cvt.rn.f32.s32", "cvt.rn.f32.u32"],
+    )
 
 
 def _side_jobs(dtype):
     ptr = "*" + TRITON_TYPES[dtype]
-    return [dict(module="hfaccel.kernels.w4a16", kernel="_dequantize_kernel",
-                 signature=dict(QW="*i32", SCALES=ptr, ZEROS=ptr, W=ptr, N="i32", group_size="i32",
-                                stride_qk="i32", stride_sg="i32", stride_zg="i32", stride_wk="i32"),
-                 constexprs=dict(BLOCK_N=128, BLOCK_K=64), num_warps=4, num_stages=1),
-            dict(module="hfaccel.kernels.w4a16", kernel="_sum_splits_kernel",
-                 signature=dict(PARTIAL="*fp32", OUT=ptr, numel="i32", splits="i32"),
-                 constexprs=dict(BLOCK=w4a16_module.SUM_BLOCK), num_warps=4, num_stages=1)]
+    return [
+        dict(
+            module="hfaccel.kernels.w4a16",
+            kernel="_dequantize_kernel",
+            signature=dict(
+                QW="*i32",
+                SCALES=ptr,
+                ZEROS=ptr,
+                W=ptr,
+                N="i32",
+                group_size="i32",
+                stride_qk="i32",
+                stride_sg="i32",
+                stride_zg="i32",
+                stride_wk="i32",
+            ),
+            constexprs=dict(BLOCK_N=128, BLOCK_K=64),
+            num_warps=4,
+            num_stages=1,
+        ),
+        dict(
+            module="hfaccel.kernels.w4a16",
+            kernel="_sum_splits_kernel",
+            signature=dict(PARTIAL="*fp32", OUT=ptr, numel="i32", splits="i32"),
+            constexprs=dict(BLOCK=w4a16_module.SUM_BLOCK),
+            num_warps=4,
+            num_stages=1,
+        ),
+    ]
 
 
 def _tuned_entries():
@@ -292,8 +383,20 @@ def _sm90_configs():
             picked.update((torch.float16, c) for c in candidate_configs(m, n, k, torch.float16, 128))
             picked.update((dtype, heuristic_config(m, n, k, dtype, 128)) for dtype in DTYPES)
     picked.update(_tuned_entries())
-    kernels = {(dtype, c.path, c.block_m if c.path == "gemm" else 1, c.block_n, c.block_k, c.num_warps,
-                c.num_stages, c.split_k > 1) for dtype, c in picked if c.path != "dequant"}
+    kernels = {
+        (
+            dtype,
+            c.path,
+            c.block_m if c.path == "gemm" else 1,
+            c.block_n,
+            c.block_k,
+            c.num_warps,
+            c.num_stages,
+            c.split_k > 1,
+        )
+        for dtype, c in picked
+        if c.path != "dequant"
+    }
     return sorted(kernels, key=str)
 
 
@@ -303,8 +406,10 @@ SM90_DTYPES = DTYPES
 
 @pytest.fixture(scope="module")
 def sm90_results():
-    jobs = [_kernel_job(dtype, W4A16Config(path, block_m, block_n, block_k, 1, warps, stages), split)
-            for dtype, path, block_m, block_n, block_k, warps, stages, split in SM90_KERNELS]
+    jobs = [
+        _kernel_job(dtype, W4A16Config(path, block_m, block_n, block_k, 1, warps, stages), split)
+        for dtype, path, block_m, block_n, block_k, warps, stages, split in SM90_KERNELS
+    ]
     return compile_sm90(jobs + [job for dtype in SM90_DTYPES for job in _side_jobs(dtype)])
 
 
@@ -316,8 +421,10 @@ def test_compiles_for_sm90(index, sm90_results):
     assert result["ok"], f"{case}: {result.get('error')}"
     assert result["shared"] <= 227 * 1024
     counts = result["ptx_counts"]
-    assert counts.get("cvt.rn.f32.s32", 0) + counts.get("cvt.rn.f32.u32", 0) == 0, \
+    assert counts.get("cvt.rn.f32.s32", 0) + counts.get("cvt.rn.f32.u32", 0) == 0, (
         f"{case}: int->float conversions in the dequantization"
+    )
     if index < len(SM90_KERNELS) and case[1] == "gemv":
-        assert counts["ld.global.v4"] > 0 and result["shared"] == 0, \
+        assert counts["ld.global.v4"] > 0 and result["shared"] == 0, (
             f"{case}: the GEMV must stream 128-bit loads and keep its sums in registers"
+        )

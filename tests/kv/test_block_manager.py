@@ -149,8 +149,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert ends.tolist() == lengths + [0]
         for seq_id, row in zip(ids, rows.tolist()):
             blocks = self.manager.block_table(seq_id)
-            assert self.device_tables.table[row, :len(blocks)].tolist() == blocks, f"row of sequence {seq_id}"
-        assert len(set(rows[:len(ids)].tolist())) == len(ids), "two sequences share a row"
+            assert self.device_tables.table[row, : len(blocks)].tolist() == blocks, f"row of sequence {seq_id}"
+        assert len(set(rows[: len(ids)].tolist())) == len(ids), "two sequences share a row"
 
     @invariant()
     def consistent(self):
@@ -178,8 +178,11 @@ def test_device_tables_send_only_what_changed(monkeypatch):
     """An append-only step sends only the new blocks; a copy-on-write or a crop, the sequence's whole table; a
     sequence id used again after being freed gets its new table; a step longer than a sequence holds is refused."""
     sent = []
-    monkeypatch.setattr(device_tables_module, "to_device", lambda values, *args: sent.append(len(values)) or
-                        torch.tensor(values, dtype=torch.int64))
+    monkeypatch.setattr(
+        device_tables_module,
+        "to_device",
+        lambda values, *args: sent.append(len(values)) or torch.tensor(values, dtype=torch.int64),
+    )
     manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
     tables = DeviceBlockTables(manager, 8, torch.device("cpu"), rows=1)
 
@@ -187,7 +190,7 @@ def test_device_tables_send_only_what_changed(monkeypatch):
         ends = [manager.seq_len(s) for s in seq_ids]
         rows, _ = tables.upload(seq_ids, ends, [ends], len(seq_ids))
         for seq_id, row in zip(seq_ids, rows.tolist()):
-            assert tables.table[row, :len(manager.block_table(seq_id))].tolist() == manager.block_table(seq_id)
+            assert tables.table[row, : len(manager.block_table(seq_id))].tolist() == manager.block_table(seq_id)
         return sent[-1] - 2 * len(seq_ids)  # values of block updates sent: 3 per block
 
     manager.add_sequence("a", num_tokens=9)  # 3 blocks

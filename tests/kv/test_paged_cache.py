@@ -55,8 +55,11 @@ def test_accelerated_generate_reads_the_pool_without_gathering(monkeypatch):
     expected = model.generate(**batch, max_new_tokens=10, **GREEDY)
     hfaccel.accelerate(model, attention="triton")
     calls, caches = _watch_pool_reads(monkeypatch)
-    monkeypatch.setattr(PagedKV, "gather", lambda self: (_ for _ in ()).throw(AssertionError("gathered"))
-                        if self.dense is None else self.dense)
+    monkeypatch.setattr(
+        PagedKV,
+        "gather",
+        lambda self: (_ for _ in ()).throw(AssertionError("gathered")) if self.dense is None else self.dense,
+    )
     got = model.generate(**batch, max_new_tokens=10, **GREEDY)
     assert torch.equal(got, expected)
     assert len(calls) == 10 * model.config.num_hidden_layers  # the prefill and 9 decode steps, every layer
@@ -143,8 +146,15 @@ def test_beam_search_in_a_pool_sized_exactly_for_the_request():
 def test_sampling_with_seed_matches(accelerated):
     model = tiny_model("qwen2")
     batch = padded_batch()
-    kwargs = dict(max_new_tokens=16, do_sample=True, top_k=20, temperature=0.8, pad_token_id=0, eos_token_id=None,
-                  num_return_sequences=2)
+    kwargs = dict(
+        max_new_tokens=16,
+        do_sample=True,
+        top_k=20,
+        temperature=0.8,
+        pad_token_id=0,
+        eos_token_id=None,
+        num_return_sequences=2,
+    )
     torch.manual_seed(7)
     expected = model.generate(**batch, **kwargs)
     if accelerated:
@@ -164,8 +174,13 @@ def test_assisted_decoding_matches():
     got = model.generate(**batch, max_new_tokens=16, assistant_model=draft, **GREEDY)
     assert torch.equal(got, expected)
     with pytest.warns(UserWarning, match="transformers' implementation.*'(past_key_values|cache)'"):
-        got = model.generate(**batch, max_new_tokens=16, assistant_model=draft,
-                             **generate_cache(_paged_cache(model, rows=1, length=40)), **GREEDY)
+        got = model.generate(
+            **batch,
+            max_new_tokens=16,
+            assistant_model=draft,
+            **generate_cache(_paged_cache(model, rows=1, length=40)),
+            **GREEDY,
+        )
     assert torch.equal(got, expected)
 
 
@@ -214,8 +229,9 @@ def _feed(cache, reference, steps, batch=3, seed=0):
 def _assert_same(cache, reference):
     assert cache.get_seq_length() == reference.get_seq_length()
     for layer in range(cache.num_layers):
-        empty = torch.zeros(len(cache.rows), *cache.pool.group_shapes[0][:1], 0, cache.pool.group_shapes[0][1],
-                            device=DEVICE)
+        empty = torch.zeros(
+            len(cache.rows), *cache.pool.group_shapes[0][:1], 0, cache.pool.group_shapes[0][1], device=DEVICE
+        )
         keys, values = cache.update(empty, empty, layer)
         assert torch.equal(keys, reference.layers[layer].keys)
         assert torch.equal(values, reference.layers[layer].values)

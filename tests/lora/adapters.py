@@ -14,8 +14,7 @@ PROMPTS = [[5, 9, 20, 33, 41, 7, 12], [60, 3, 3, 17], list(range(10, 31)), [88, 
 NEW_TOKENS = 10
 
 
-def save_adapter(base: torch.nn.Module, path: Path, *, r: int, seed: int, boost: float = 8.0,
-                 **config) -> PeftModel:
+def save_adapter(base: torch.nn.Module, path: Path, *, r: int, seed: int, boost: float = 8.0, **config) -> PeftModel:
     """A random LoRA adapter of ``base`` (every projection unless ``target_modules`` says otherwise) saved into
     ``path``; returns PEFT's model with it active. ``boost`` scales the B matrices up so that each adapter's greedy
     tokens differ from the base model's and from each other's."""
@@ -35,10 +34,15 @@ def greedy_tokens(model, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> list[
     outs = []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                                 dtype=torch.long), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-            outs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                input_ids=torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(prompt) :].tolist())
     return outs
 
 

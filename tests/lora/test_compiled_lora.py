@@ -25,8 +25,16 @@ def test_the_compiled_step_serves_mixed_adapters_exactly(tmp_path):
         paths[name] = tmp_path / name
     model = hfaccel.accelerate(base, attention="torch")
     before = counters["stats"]["unique_graphs"]
-    engine = Engine(model, lora_adapters=paths, max_lora_rank=16, max_num_seqs=2, num_blocks=64, block_size=4,
-                    cuda_graphs=True, compile=True)
+    engine = Engine(
+        model,
+        lora_adapters=paths,
+        max_lora_rank=16,
+        max_num_seqs=2,
+        num_blocks=64,
+        block_size=4,
+        cuda_graphs=True,
+        compile=True,
+    )
     built = counters["stats"]["unique_graphs"]
     assert built - before == 3  # one graph for every size without LoRA, one with, one for the draw
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

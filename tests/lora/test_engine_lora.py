@@ -52,10 +52,16 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    setup = Setup("llama", tmp_path_factory.mktemp("llama-loras"), {
-        "r8": {"r": 8}, "r16": {"r": 16},
-        # rsLoRA, per-module ranks and alphas: PEFT's scaling rules
-        "mixed": {"r": 8, "use_rslora": True, "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"down_proj": 3}}})
+    setup = Setup(
+        "llama",
+        tmp_path_factory.mktemp("llama-loras"),
+        {
+            "r8": {"r": 8},
+            "r16": {"r": 16},
+            # rsLoRA, per-module ranks and alphas: PEFT's scaling rules
+            "mixed": {"r": 8, "use_rslora": True, "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"down_proj": 3}},
+        },
+    )
     for name in ("r8", "r16", "mixed"):
         assert setup.expected[name] != setup.expected[None], f"adapter {name} should change the tokens"
     yield setup
@@ -91,8 +97,10 @@ def test_each_adapter_equals_peft_in_one_batch(arch, tmp_path):
         setup.close()
 
 
-MODES = {"eager": {"cuda_graphs": False},
-         "static-step-async": {"cuda_graphs": True, "async_scheduling": True}}  # DecodeGraphs' step, uncaptured
+MODES = {
+    "eager": {"cuda_graphs": False},
+    "static-step-async": {"cuda_graphs": True, "async_scheduling": True},
+}  # DecodeGraphs' step, uncaptured
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -118,8 +126,11 @@ def test_static_step_serves_a_mix_of_adapters_in_every_row(engines, monkeypatch)
     graphs = engine.runner.graphs
     variants = []
     original = graphs._replay
-    monkeypatch.setattr(graphs, "_replay", lambda size, advance, lora=False, draw=False: variants.append(lora) or
-                        original(size, advance, lora, draw))
+    monkeypatch.setattr(
+        graphs,
+        "_replay",
+        lambda size, advance, lora=False, draw=False: variants.append(lora) or original(size, advance, lora, draw),
+    )
     prompts, loras, expected = mixed_batch(engines, ["r16", None, "mixed"])
     assert tokens(engine.generate(prompts, GREEDY, lora=loras)) == expected
     assert True in variants
@@ -213,9 +224,11 @@ def _bad_adapter(kind: str, setup: Setup, folder):
         rename = lambda t: {k.replace("layers.1.", "layers.7."): v for k, v in t.items()}  # noqa: E731
         return rewrite_tensors(r8, folder, rename), "has no module of that name"
     if kind == "wrong-shape":
+
         def narrow(tensors):
             key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
             return {**tensors, key: tensors[key][:, :48].contiguous()}
+
         return rewrite_tensors(r8, folder, narrow), "do not fit the base layer"
     if kind == "not-a-peft-directory":
         folder.mkdir()
@@ -239,8 +252,17 @@ def _bad_adapter(kind: str, setup: Setup, folder):
     raise AssertionError(kind)
 
 
-BAD = ["rank-above-max", "target-the-base-lacks", "wrong-shape", "not-a-peft-directory", "missing-path", "dora",
-       "bias", "modules-to-save", "lm-head"]
+BAD = [
+    "rank-above-max",
+    "target-the-base-lacks",
+    "wrong-shape",
+    "not-a-peft-directory",
+    "missing-path",
+    "dora",
+    "bias",
+    "modules-to-save",
+    "lm-head",
+]
 
 
 def test_bad_adapters_are_refused_and_the_engine_serves_on(engines, tmp_path):
@@ -332,8 +354,9 @@ def test_async_engine_serves_adds_and_removes_adapters(engines):
 
     async def scenario():
         await engine.add_lora("r16", engines.paths["r16"])
-        outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora=name) for p in PROMPTS
-                                      for name in ("r16", None, "r8")))
+        outs = await asyncio.gather(
+            *(engine.generate(p, GREEDY, lora=name) for p in PROMPTS for name in ("r16", None, "r8"))
+        )
         with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
             await engine.generate(PROMPTS[0], GREEDY, lora="x")
         await engine.remove_lora("r16")

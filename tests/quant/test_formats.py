@@ -33,10 +33,14 @@ def test_hand_built_awq_checkpoint_dequantizes_to_the_formula():
     q, z = _random_q(K, N, 1), _random_q(K // G, N, 2)
     scales = torch.rand(K // G, N, generator=torch.Generator().manual_seed(3)).half() + 0.01
     order = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of word c holds column 8c + order[j]
-    qweight = torch.tensor([[_pack_words_by_hand(q[r, 8 * c:8 * c + 8], order) for c in range(N // 8)]
-                            for r in range(K)], dtype=torch.int32)
-    qzeros = torch.tensor([[_pack_words_by_hand(z[r, 8 * c:8 * c + 8], order) for c in range(N // 8)]
-                           for r in range(K // G)], dtype=torch.int32)
+    qweight = torch.tensor(
+        [[_pack_words_by_hand(q[r, 8 * c : 8 * c + 8], order) for c in range(N // 8)] for r in range(K)],
+        dtype=torch.int32,
+    )
+    qzeros = torch.tensor(
+        [[_pack_words_by_hand(z[r, 8 * c : 8 * c + 8], order) for c in range(N // 8)] for r in range(K // G)],
+        dtype=torch.int32,
+    )
     weight = formats.from_awq(qweight, qzeros, scales, G)
     expected = torch.empty(N, K)
     for o in range(N):
@@ -61,10 +65,14 @@ def test_hand_built_gptq_checkpoint_dequantizes_to_the_formula(v1, act_order, sy
         g_idx = torch.empty(K, dtype=torch.int32)
         g_idx[order] = (torch.arange(K) // G).to(torch.int32)
     stored_z = (z - 1) & 0xF if v1 else z
-    qweight = torch.tensor([[_pack_words_by_hand(q[8 * r:8 * r + 8, o], range(8)) for o in range(N)]
-                            for r in range(K // 8)], dtype=torch.int32)
-    qzeros = torch.tensor([[_pack_words_by_hand(stored_z[r, 8 * c:8 * c + 8], range(8)) for c in range(N // 8)]
-                           for r in range(K // G)], dtype=torch.int32)
+    qweight = torch.tensor(
+        [[_pack_words_by_hand(q[8 * r : 8 * r + 8, o], range(8)) for o in range(N)] for r in range(K // 8)],
+        dtype=torch.int32,
+    )
+    qzeros = torch.tensor(
+        [[_pack_words_by_hand(stored_z[r, 8 * c : 8 * c + 8], range(8)) for c in range(N // 8)] for r in range(K // G)],
+        dtype=torch.int32,
+    )
     weight = formats.from_gptq(qweight, qzeros, scales, g_idx, G, v1=v1)
     expected = torch.empty(N, K)
     for o in range(N):
@@ -87,8 +95,14 @@ def test_gptq_g_idx_with_uneven_groups_is_rejected():
 
 
 def test_awq_refuses_act_order_weights():
-    weight = formats.Int4Weight(formats.pack_along_rows(_random_q(K, N)), torch.ones(K // G, N),
-                                torch.zeros(K // G, N), G, perm=torch.randperm(K), g_idx=torch.zeros(K))
+    weight = formats.Int4Weight(
+        formats.pack_along_rows(_random_q(K, N)),
+        torch.ones(K // G, N),
+        torch.zeros(K // G, N),
+        G,
+        perm=torch.randperm(K),
+        g_idx=torch.zeros(K),
+    )
     with pytest.raises(ValueError, match="save as gptq"):
         formats.to_awq(weight)
 
@@ -104,8 +118,15 @@ def test_hand_built_checkpoint_folder_loads(tmp_path, fmt):
 
     import hfaccel
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     plain = transformers.LlamaForCausalLM(config)
     tensors, expected = {}, {}
     gen = torch.Generator().manual_seed(9)
@@ -114,8 +135,11 @@ def test_hand_built_checkpoint_folder_loads(tmp_path, fmt):
             continue
         k, n = module.in_features, module.out_features
         q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
-        z = torch.full((k // G, n), 8, dtype=torch.int32) if fmt.endswith("sym") else \
-            torch.randint(0, 16, (k // G, n), generator=gen, dtype=torch.int32)
+        z = (
+            torch.full((k // G, n), 8, dtype=torch.int32)
+            if fmt.endswith("sym")
+            else torch.randint(0, 16, (k // G, n), generator=gen, dtype=torch.int32)
+        )
         s = (torch.rand(k // G, n, generator=gen) * 0.1 + 0.01).half()
         g_idx = torch.arange(k, dtype=torch.int32) // G
         if "act-order" in fmt:
@@ -123,19 +147,26 @@ def test_hand_built_checkpoint_folder_loads(tmp_path, fmt):
         if fmt == "awq":
             order = (0, 2, 4, 6, 1, 3, 5, 7)
             tensors[f"{name}.qweight"] = torch.tensor(
-                [[_pack_words_by_hand(q[r, 8 * c:8 * c + 8], order) for c in range(n // 8)] for r in range(k)],
-                dtype=torch.int32)
+                [[_pack_words_by_hand(q[r, 8 * c : 8 * c + 8], order) for c in range(n // 8)] for r in range(k)],
+                dtype=torch.int32,
+            )
             tensors[f"{name}.qzeros"] = torch.tensor(
-                [[_pack_words_by_hand(z[r, 8 * c:8 * c + 8], order) for c in range(n // 8)] for r in range(k // G)],
-                dtype=torch.int32)
+                [[_pack_words_by_hand(z[r, 8 * c : 8 * c + 8], order) for c in range(n // 8)] for r in range(k // G)],
+                dtype=torch.int32,
+            )
         else:
             stored = (z - 1) & 0xF if "v1" in fmt else z
             tensors[f"{name}.qweight"] = torch.tensor(
-                [[_pack_words_by_hand(q[8 * r:8 * r + 8, o], range(8)) for o in range(n)] for r in range(k // 8)],
-                dtype=torch.int32)
+                [[_pack_words_by_hand(q[8 * r : 8 * r + 8, o], range(8)) for o in range(n)] for r in range(k // 8)],
+                dtype=torch.int32,
+            )
             tensors[f"{name}.qzeros"] = torch.tensor(
-                [[_pack_words_by_hand(stored[r, 8 * c:8 * c + 8], range(8)) for c in range(n // 8)]
-                 for r in range(k // G)], dtype=torch.int32)
+                [
+                    [_pack_words_by_hand(stored[r, 8 * c : 8 * c + 8], range(8)) for c in range(n // 8)]
+                    for r in range(k // G)
+                ],
+                dtype=torch.int32,
+            )
             tensors[f"{name}.g_idx"] = g_idx
         tensors[f"{name}.scales"] = s
         expected[name] = ((q.float() - z.float()[g_idx.long()]) * s.float()[g_idx.long()]).t()
@@ -143,10 +174,18 @@ def test_hand_built_checkpoint_folder_loads(tmp_path, fmt):
         if not any(key.startswith(name + ".") for name in expected):
             tensors[key] = value.half().contiguous()
     save_file(tensors, tmp_path / "model.safetensors")
-    spec = ({"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm"}
-            if fmt == "awq" else
-            {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": "act-order" in fmt,
-             "sym": fmt.endswith("sym"), "checkpoint_format": "gptq" if "v1" in fmt else "gptq_v2"})
+    spec = (
+        {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm"}
+        if fmt == "awq"
+        else {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": G,
+            "desc_act": "act-order" in fmt,
+            "sym": fmt.endswith("sym"),
+            "checkpoint_format": "gptq" if "v1" in fmt else "gptq_v2",
+        }
+    )
     (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "quantization_config": spec}))
     model = hfaccel.load_quantized(tmp_path, dtype=torch.float16)
     for name, weight in expected.items():

@@ -112,8 +112,11 @@ def _block_fp8_checkpoint(path, arch: str, block: int) -> torch.nn.Module:
     path.mkdir()
     save_file(tensors, path / "model.safetensors")
     config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": [block, block]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
     (path / "config.json").write_text(json.dumps(config))
     return model
 
@@ -154,8 +157,11 @@ def test_unread_formats_say_which_are_read(tmp_path):
     model = tiny_model("llama")
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
-                                     "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}}}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="reads compressed-tensors fp8 checkpoints"):
         hfaccel.load_quantized(tmp_path)

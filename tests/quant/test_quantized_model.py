@@ -11,6 +11,7 @@ from tests.devices import DEVICE
 from tests.helpers import quant_llama
 from tests.models import padded_batch
 
+
 def test_int4_linear_equals_dequantized_linear():
     linear = torch.nn.Linear(256, 72, bias=True).to(DEVICE)
     weight = quantize_rtn(linear.weight, 64)

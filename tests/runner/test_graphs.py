@@ -70,7 +70,7 @@ def test_the_steps_backend_serves_one_token_and_many_with_one_graph():
 def test_a_fallback_reason_leads_with_the_error_that_started_it():
     """A failed capture surfaces as capture_end's "previous error during capture"; the reason recorded names the
     error raised inside the captured step first."""
-    from hfaccel.runner.graphs import failure_reason
+    from hfaccel.runner.step_function import failure_reason
 
     try:
         try:
@@ -79,8 +79,10 @@ def test_a_fallback_reason_leads_with_the_error_that_started_it():
             raise ValueError("operation failed due to a previous error during capture")
     except ValueError as error:
         reason = failure_reason(error)
-    assert reason == ("RuntimeError: CUDA error: operation not permitted when stream is capturing; then "
-                      "ValueError: operation failed due to a previous error during capture")
+    assert reason == (
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing; then "
+        "ValueError: operation failed due to a previous error during capture"
+    )
     assert failure_reason(KeyError("size")) == "KeyError: 'size'"
 
 

@@ -20,8 +20,10 @@ def test_decode_continues_each_sequences_positions(static):
     case = CASES["qwen2_5_vl"]
     model = case.model()
     singles = [case.inputs([prompt]) for prompt in PROMPTS]
-    expected = [model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, -NEW_TOKENS:].tolist()
-                for inputs in singles]
+    expected = [
+        model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, -NEW_TOKENS:].tolist()
+        for inputs in singles
+    ]
     runner = ModelRunner(model, KVPool.for_model(model, num_blocks=32, block_size=16))
     if static:
         runner.enable_decode_graphs(4, 256)
@@ -29,8 +31,12 @@ def test_decode_continues_each_sequences_positions(static):
     seq_ids = list(range(len(PROMPTS)))
     runner.pool.reserve(seq_ids, [n + NEW_TOKENS for n in lengths])
     with hfaccel_attention(model, "torch"):
-        logits = torch.cat([prefill_sequence(model, runner, seq, inputs["input_ids"][0], _media(inputs))
-                            for seq, inputs in zip(seq_ids, singles)])  # [S, V]
+        logits = torch.cat(
+            [
+                prefill_sequence(model, runner, seq, inputs["input_ids"][0], _media(inputs))
+                for seq, inputs in zip(seq_ids, singles)
+            ]
+        )  # [S, V]
         assert set(runner.position_offsets) == {0, 2}  # the prompts with images
         tokens = [logits.argmax(-1)]
         for step in range(NEW_TOKENS - 1):

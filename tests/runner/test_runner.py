@@ -32,16 +32,17 @@ def test_packed_chunks_match_full_forward(arch):
     with hfaccel_attention(model):
         runner = ModelRunner(model, KVPool.for_model(model, num_blocks=64, block_size=4))
         first = [p[:3] for p in PROMPTS]  # the third prompt is a single token: whole in this step
-        logits1 = runner.forward([0, 1, 2, 3], _flat(first, model.device), [len(c) for c in first],
-                                 logits_for="all")
+        logits1 = runner.forward([0, 1, 2, 3], _flat(first, model.device), [len(c) for c in first], logits_for="all")
         rest = {0: PROMPTS[0][3:], 3: PROMPTS[3][3:]}
-        logits2 = runner.forward(list(rest), _flat(list(rest.values()), model.device),
-                                 [len(c) for c in rest.values()], logits_for="all")
+        logits2 = runner.forward(
+            list(rest), _flat(list(rest.values()), model.device), [len(c) for c in rest.values()], logits_for="all"
+        )
     assert model.config._attn_implementation == BASELINE_ATTENTION.get(arch, "sdpa")  # put back
     offsets = [0, 3, 6, 7]
     for seq, length in enumerate(len(c) for c in first):
-        torch.testing.assert_close(logits1[offsets[seq]:offsets[seq] + length], expected[seq][:length],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits1[offsets[seq] : offsets[seq] + length], expected[seq][:length], atol=1e-4, rtol=0
+        )
     split = len(rest[0])
     torch.testing.assert_close(logits2[:split], expected[0][3:], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits2[split:], expected[3][3:], atol=1e-4, rtol=0)

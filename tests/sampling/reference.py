@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import torch
 from transformers import (
-    LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 
-def transformers_probabilities(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                               top_p: float = 1.0, min_p: float | None = None) -> torch.Tensor:
+def transformers_probabilities(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    min_p: float | None = None,
+) -> torch.Tensor:
     """``logits [..., V]`` -> the fp32 distribution ``generate(do_sample=True, ...)`` samples from."""
     chain = LogitsProcessorList()
     if temperature != 1.0:

@@ -19,8 +19,11 @@ def _counted(tokens: list[int]) -> list[float]:
 
 def test_counts_follow_growing_outputs_with_rows_reused_and_grown(monkeypatch):
     sent = []
-    monkeypatch.setattr(penalties_module, "to_device",
-                        lambda values, dtype, device: sent.append(len(values)) or torch.tensor(values, dtype=dtype))
+    monkeypatch.setattr(
+        penalties_module,
+        "to_device",
+        lambda values, dtype, device: sent.append(len(values)) or torch.tensor(values, dtype=dtype),
+    )
     rng = random.Random(0)
     counts = TokenCounts(VOCAB, torch.device("cpu"), rows=1)  # grows as sequences come
     live: dict[str, tuple[list[int], list[int]]] = {}
@@ -62,17 +65,22 @@ def test_sampling_with_kept_counts_equals_counting_every_step():
     """Penalized rows over several steps: the counts kept across calls give the logits (and tokens) of counting
     each row's whole lists every call, with a token in flight counted too."""
     gen = torch.Generator().manual_seed(0)
-    params = [SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2,
-                             logprobs=5),  # logprobs after the penalties: they show any miscount
-              SamplingParams(temperature=0.8, seed=3, repetition_penalty=0.7, logprobs=5),
-              SamplingParams(temperature=0)]  # not penalized
+    params = [
+        SamplingParams(
+            temperature=0, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2, logprobs=5
+        ),  # logprobs after the penalties: they show any miscount
+        SamplingParams(temperature=0.8, seed=3, repetition_penalty=0.7, logprobs=5),
+        SamplingParams(temperature=0),
+    ]  # not penalized
     prompts, outputs = [[1, 2, 2], [5], [7, 8]], [[], [], []]
     counts = TokenCounts(VOCAB, torch.device("cpu"))
     for step in range(8):
         logits = torch.randn(3, VOCAB, generator=gen)
         pending = torch.tensor([step % VOCAB, -1, 4]) if step % 2 else None
-        rows = [SampleRow(p, p.seed, prompt, list(out), counter=len(out), key=i)
-                for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs))]
+        rows = [
+            SampleRow(p, p.seed, prompt, list(out), counter=len(out), key=i)
+            for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs))
+        ]
         kept, kept_logprobs = sample(logits, rows, pending, counts).result()
         assert (kept, kept_logprobs) == sample(logits, rows, pending).result()
         for out, token in zip(outputs, kept):

@@ -6,16 +6,31 @@ import pytest
 import torch
 
 from hfaccel.sampling import (
-    ACCEPT, DRAW, RESIDUAL, SampleRow, SamplingParams, Warping, keyed_noise, kept_probabilities, probabilities, race,
-    sample, seed_key, seeded_uniforms,
+    ACCEPT,
+    DRAW,
+    RESIDUAL,
+    SampleRow,
+    SamplingParams,
+    Warping,
+    keyed_noise,
+    kept_probabilities,
+    probabilities,
+    race,
+    sample,
+    seed_key,
+    seeded_uniforms,
 )
 from hfaccel.sampling import sampler as sampler_module
 from tests.sampling.reference import chi_square_p_value
 from tests.speculative.host_reads import HostReads
 
 VOCAB = 23
-WARPED = [SamplingParams(temperature=0.8, top_k=12, top_p=0.95), SamplingParams(temperature=1.5, top_p=0.9),
-          SamplingParams(temperature=1.3, min_p=0.05), SamplingParams(temperature=1.0)]
+WARPED = [
+    SamplingParams(temperature=0.8, top_k=12, top_p=0.95),
+    SamplingParams(temperature=1.5, top_p=0.9),
+    SamplingParams(temperature=1.3, min_p=0.05),
+    SamplingParams(temperature=1.0),
+]
 
 
 def _uniform_fit(values: torch.Tensor, bins: int = 50) -> float:
@@ -58,14 +73,26 @@ def test_seeded_uniforms_depend_on_the_key_only():
 def test_seeded_numbers_are_pinned():
     """A seed gives the same tokens across restarts and releases: the generator's numbers never change silently
     (and the key of all zeros is no fixed point of the hash)."""
-    values = seeded_uniforms(torch.tensor([0, 1234, -1]), torch.tensor([0, 7, 3]), torch.tensor([0, 5, 95]),
-                             streams=torch.tensor([0, 2, 0]), purpose=torch.tensor([DRAW, DRAW, ACCEPT]))
+    values = seeded_uniforms(
+        torch.tensor([0, 1234, -1]),
+        torch.tensor([0, 7, 3]),
+        torch.tensor([0, 5, 95]),
+        streams=torch.tensor([0, 2, 0]),
+        purpose=torch.tensor([DRAW, DRAW, ACCEPT]),
+    )
     assert values.tolist() == [0.8588654398918152, 0.6630362272262573, 0.8732761740684509]
 
 
 def test_seed_key_folds_any_int_into_int64():
-    assert [seed_key(s) for s in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -7, 2**64 + 5)] == \
-        [0, 5, 2**63 - 1, -2**63, -1, -7, 5]
+    assert [seed_key(s) for s in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -7, 2**64 + 5)] == [
+        0,
+        5,
+        2**63 - 1,
+        -(2**63),
+        -1,
+        -7,
+        5,
+    ]
 
 
 def _rows(params: SamplingParams, seeds: list[int | None], counter: int = 0) -> list[SampleRow]:
@@ -110,6 +137,7 @@ def test_the_distribution_test_has_power(monkeypatch):
     """Uniform instead of exponential noise races to a distribution a little off the warped one: caught."""
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
     params = WARPED[0]
+
     def uniform_race(weights, seeds, streams, counters, purpose):
         return race(weights, 1 - torch.exp(-keyed_noise(seeds, streams, counters, weights.shape[-1], purpose)))
 
@@ -126,7 +154,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     for counter in range(5):
         crowd = sample(logits, _rows(params, seeds, counter)).tokens
         for row in (1, 3, 4):
-            alone = sample(logits[row:row + 1], _rows(params, [seeds[row]], counter)).tokens
+            alone = sample(logits[row : row + 1], _rows(params, [seeds[row]], counter)).tokens
             assert int(alone[0]) == int(crowd[row])
 
 
@@ -182,10 +210,11 @@ def test_the_in_step_draw_picks_the_samplers_tokens():
         padded[4] += counter_shift
         padded = torch.cat([padded, torch.zeros(len(padded), 2, dtype=torch.long)], 1)  # [8, R + 2]
         got = sampler_module.draw_step(logits, padded)
-        shifted = [SampleRow(r.params, r.seed, [1], [], counter=r.counter + counter_shift, stream=r.stream)
-                   for r in rows]
-        assert got.tolist()[:len(rows)] == sample(logits[:len(rows)], shifted).tokens.tolist()
-        assert got.tolist()[len(rows):] == logits[len(rows):].argmax(-1).tolist()
+        shifted = [
+            SampleRow(r.params, r.seed, [1], [], counter=r.counter + counter_shift, stream=r.stream) for r in rows
+        ]
+        assert got.tolist()[: len(rows)] == sample(logits[: len(rows)], shifted).tokens.tolist()
+        assert got.tolist()[len(rows) :] == logits[len(rows) :].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("split_scan_fails", [False, True], ids=["torch-cumsum", "opaque-cumsum"])
@@ -208,9 +237,9 @@ def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host(monkeypat
     rows = _step_rows()
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(5))
     columns = torch.zeros(len(sampler_module.DRAW_COLUMNS), 16, dtype=torch.long)  # [8, 16]: a step's buffer
-    columns[:, :len(rows)] = torch.tensor(sampler_module.draw_columns(rows))
+    columns[:, : len(rows)] = torch.tensor(sampler_module.draw_columns(rows))
     with HostReads() as waits:
-        eager = sampler_module.draw_step(logits, columns[:, :len(rows)])
+        eager = sampler_module.draw_step(logits, columns[:, : len(rows)])
     assert waits.reads == [] and waits.uploads == []
     compiled = torch.compile(sampler_module.draw_step, fullgraph=True, dynamic=None, backend=inductor)
     before = counters["stats"]["unique_graphs"]

@@ -26,9 +26,16 @@ def test_sampling_filters_match_transformers_warpers():
         assert engine_set == [set(reference[r].nonzero()[:, 0].tolist()) for r in range(4)], (top_k, top_p)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
-    (0.7, None, 1.0, 0.0), (1.3, 7, 1.0, 0.0), (0.9, 20, 0.8, 0.0), (1.0, None, 0.6, 0.05), (0.5, 13, 0.95, 0.1),
-])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (0.7, None, 1.0, 0.0),
+        (1.3, 7, 1.0, 0.0),
+        (0.9, 20, 0.8, 0.0),
+        (1.0, None, 0.6, 0.05),
+        (0.5, 13, 0.95, 0.1),
+    ],
+)
 def test_probabilities_equal_transformers(temperature, top_k, top_p, min_p):
     logits = torch.randn(5, 97, generator=torch.Generator().manual_seed(3)) * 2
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -50,7 +57,6 @@ def test_rows_keep_their_own_parameters():
     got = probabilities(logits, Warping.of(params, 50, torch.device("cpu")))
     for row, p in enumerate(params):
         torch.testing.assert_close(got[row], transformers_probabilities(logits[row], p.temperature, p.top_k, p.top_p))
-
 
 
 def test_an_expanded_warping_is_the_warping_of_every_row():

@@ -73,10 +73,17 @@ def smollm2_tokenizer(qwen_style: bool = False):
 def tiny_model_over(tokenizer, seed: int = 0) -> transformers.PreTrainedModel:
     """A tiny random Llama whose vocabulary is the tokenizer's."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id or 0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 

@@ -14,17 +14,33 @@ from hypothesis import strategies as st
 from hfaccel.serve.chat import ChatShape
 from hfaccel.serve.reasoning import reasoning_mode, split_reasoning
 from hfaccel.serve.responses import OutputItems, input_messages
-from hfaccel.serve.tools import (PARSERS, Tool, ToolError, constrained_calls, constrained_schema, detect_parser,
-                                 parse_tool_choice, parse_tools)
+from hfaccel.serve.tools import (
+    PARSERS,
+    Tool,
+    ToolError,
+    constrained_calls,
+    constrained_schema,
+    detect_parser,
+    parse_tool_choice,
+    parse_tools,
+)
 
 WEATHER = Tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}})
 CALLS = {
-    "hermes": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>', "Let me look."),
-    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-                    '{"name": "get_time", "parameters": {"zone": "CET"}}', ""),
-    "mistral": ('Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "get_time", "arguments": {"zone": "CET"}}]', "Let me look."),
+    "hermes": (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "Let me look.",
+    ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"zone": "CET"}}',
+        "",
+    ),
+    "mistral": (
+        'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]',
+        "Let me look.",
+    ),
 }
 NOT_CALLS = {
     "hermes": "Use <tool_call> tags to call, like <tool_call> this </tool_call>.",
@@ -38,8 +54,10 @@ def test_each_format_reads_its_calls_and_leaves_other_text_as_content(name):
     text, content = CALLS[name]
     found_content, calls = PARSERS[name]().parse(text)
     assert found_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
-                                                                   ("get_time", {"zone": "CET"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "CET"}),
+    ]
     assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
     assert PARSERS[name]().parse(NOT_CALLS[name]) == (NOT_CALLS[name], [])
 
@@ -65,8 +83,9 @@ def _streamed(shape: ChatShape, text: str, cuts: list[int]) -> tuple[dict, list[
     message = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas) or None}
     calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
     if calls:
-        message["tool_calls"] = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                                 for c in calls if c.get("id")]
+        message["tool_calls"] = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls if c.get("id")
+        ]
         for c in calls:
             if not c.get("id"):
                 message["tool_calls"][-1]["arguments"] += c["function"]["arguments"]
@@ -98,10 +117,14 @@ SHAPES = [
     (ChatShape("none", None, reasoning="optional"), "No reasoning, <think> in the middle stays."),
     (ChatShape("none", None, reasoning="open"), "cut short while reasoning"),
     (ChatShape(WEATHER, None, constrained=True), '{"city": "Paris"}'),
-    (ChatShape("required", None, constrained=True),
-     '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'),
-    (ChatShape("required", None, reasoning="open", constrained=True),
-     'plan</think>[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'),
+    (
+        ChatShape("required", None, constrained=True),
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+    ),
+    (
+        ChatShape("required", None, reasoning="open", constrained=True),
+        'plan</think>[{"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+    ),
     (ChatShape("required", None, constrained=True), '[{"name": "get_weather", "param'),  # cut short: content
 ]
 
@@ -142,17 +165,24 @@ def test_tools_and_tool_choice_are_checked_naming_the_field():
     tools = parse_tools([{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}])
     assert tools == [Tool("get_weather", None, WEATHER.parameters)]
     assert parse_tools([{"type": "function", "name": "f"}], flat=True)[0].parameters["type"] == "object"
-    for bad, where in [([{"type": "retrieval"}], "tools[0]"), ([{"type": "function", "function": {"name": "a b"}}],
-                       "tools[0]"), ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tools[0]"),
-                       ([{"type": "function", "function": {"name": "f"}}] * 2, "tools"), ({"f": 1}, "tools")]:
+    for bad, where in [
+        ([{"type": "retrieval"}], "tools[0]"),
+        ([{"type": "function", "function": {"name": "a b"}}], "tools[0]"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tools[0]"),
+        ([{"type": "function", "function": {"name": "f"}}] * 2, "tools"),
+        ({"f": 1}, "tools"),
+    ]:
         with pytest.raises(ToolError) as error:
             parse_tools(bad)
         assert error.value.param == where
     assert parse_tool_choice(None, tools) == "auto" and parse_tool_choice(None, []) == "none"
     assert parse_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools) == tools[0]
     assert parse_tool_choice({"type": "function", "name": "get_weather"}, tools, flat=True) == tools[0]
-    for bad, message in [("required", None), ({"type": "function", "function": {"name": "nope"}}, "not among"),
-                         ("sometimes", "must be 'none'")]:
+    for bad, message in [
+        ("required", None),
+        ({"type": "function", "function": {"name": "nope"}}, "not among"),
+        ("sometimes", "must be 'none'"),
+    ]:
         with pytest.raises(ToolError, match=message or "needs tools") as error:
             parse_tool_choice(bad, tools if bad != "required" else [])
         assert error.value.param == "tool_choice"
@@ -171,24 +201,35 @@ def test_constrained_schemas_and_their_calls():
 
 
 def test_responses_input_items_become_chat_messages():
-    items = [{"role": "developer", "content": "be brief"},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
-             {"type": "reasoning", "id": "rs_1", "summary": []},
-             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
-             {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
-             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]}]
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]},
+    ]
     assert input_messages(items) == [
-        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
-            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny", "name": "get_weather"},
-        {"role": "tool", "tool_call_id": "c2", "content": "noon", "name": "get_time"}]
+        {"role": "tool", "tool_call_id": "c2", "content": "noon", "name": "get_time"},
+    ]
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
-    for bad, match in [([{"type": "item_reference", "id": "x"}], r"input\[0\]: items of type 'item_reference'"),
-                       ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "only text"),
-                       ([{"type": "function_call", "name": "f"}], "call_id"),
-                       ([{"type": "function_call_output", "output": "x"}], "names its call")]:
+    for bad, match in [
+        ([{"type": "item_reference", "id": "x"}], r"input\[0\]: items of type 'item_reference'"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "only text"),
+        ([{"type": "function_call", "name": "f"}], "call_id"),
+        ([{"type": "function_call_output", "output": "x"}], "names its call"),
+    ]:
         with pytest.raises(ValueError, match=match):
             input_messages(bad)

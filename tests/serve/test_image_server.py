@@ -20,8 +20,15 @@ def data_url(picture, kind: str = "PNG") -> str:
 
 
 def user(text: str, *urls: str) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
-                                         {"type": "text", "text": text}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                *({"type": "image_url", "image_url": {"url": url}} for url in urls),
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +46,21 @@ def engine_text(model, processor, messages: list[dict]) -> str:
     """What the Engine answers to the same chat, its images opened from their URLs."""
     from PIL import Image
 
-    opened = [{**m, "content": [{"type": "image", "image": Image.open(io.BytesIO(base64.b64decode(
-        p["image_url"]["url"].split(",", 1)[1])))} if p["type"] == "image_url" else p for p in m["content"]]}
-              for m in messages]
+    opened = [
+        {
+            **m,
+            "content": [
+                {
+                    "type": "image",
+                    "image": Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))),
+                }
+                if p["type"] == "image_url"
+                else p
+                for p in m["content"]
+            ],
+        }
+        for m in messages
+    ]
     engine = hfaccel.Engine(model, processor, num_blocks=32)
     out = engine.generate([opened], hfaccel.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     return out.outputs[0].text
@@ -52,36 +71,43 @@ def test_chat_with_images_streamed_and_not(served):
     client = server.client()
     messages = user("What is in these?", data_url(image(40, 50)), data_url(image(30, 20, 1), "JPEG"))
     expected = engine_text(model, processor, messages)
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].message.content == expected
     assert reply.usage.prompt_tokens > 2 * 16  # each image's placeholder expanded to its 16 tokens
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                            extra_body={"ignore_eos": True}, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}, stream=True
+    )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
     assert server.wait_idle()["blocks_used"] == 0
 
 
-@pytest.mark.parametrize("url,message", [
-    ("data:image/png;base64,bm90IGFuIGltYWdl", "not an image that can be decoded"),
-    ("data:image/png;base64,@@@", "base64"),
-    ("data:image/png,raw", "data:<mime type>;base64"),
-    ("ftp://images.example.com/a.png", r"data: URL or an http\(s\) URL"),
-    ("https://elsewhere.example.org/a.png", "not among the domains"),
-])
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        ("data:image/png;base64,bm90IGFuIGltYWdl", "not an image that can be decoded"),
+        ("data:image/png;base64,@@@", "base64"),
+        ("data:image/png,raw", "data:<mime type>;base64"),
+        ("ftp://images.example.com/a.png", r"data: URL or an http\(s\) URL"),
+        ("https://elsewhere.example.org/a.png", "not among the domains"),
+    ],
+)
 def test_bad_images_are_400s_and_the_server_keeps_serving(served, url, message):
     server, _, _ = served
     client = server.client()
     with pytest.raises(openai.BadRequestError, match=message) as caught:
         client.chat.completions.create(model="tiny", messages=user("What?", url), max_tokens=2)
     assert "messages" in str(caught.value)
-    reply = client.chat.completions.create(model="tiny", messages=user("And this?", data_url(image(40, 50))),
-                                           max_tokens=2)
+    reply = client.chat.completions.create(
+        model="tiny", messages=user("And this?", data_url(image(40, 50))), max_tokens=2
+    )
     assert reply.choices[0].finish_reason == "length"
 
 
 def test_too_many_images_are_a_400(served):
     server, _, _ = served
     with pytest.raises(openai.BadRequestError, match="at most 16 images"):
-        server.client().chat.completions.create(model="tiny", messages=user("Many", *[data_url(image(8, 8))] * 17),
-                                                max_tokens=2)
+        server.client().chat.completions.create(
+            model="tiny", messages=user("Many", *[data_url(image(8, 8))] * 17), max_tokens=2
+        )

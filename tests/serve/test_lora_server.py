@@ -37,8 +37,17 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    running = Server(model_dir / "base", "--lora", f"alpha={model_dir / 'alpha'}", "--lora",
-                     f"beta={model_dir / 'beta'}", "--max-lora-rank", "16", "--max-loras", "2")
+    running = Server(
+        model_dir / "base",
+        "--lora",
+        f"alpha={model_dir / 'alpha'}",
+        "--lora",
+        f"beta={model_dir / 'beta'}",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        "2",
+    )
     yield running
     assert running.stop() == 0
 
@@ -48,8 +57,13 @@ def expected(model_dir) -> dict:
     """The Engine's greedy texts of each prompt under each model name (in this process)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "base").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir / "base")
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), tokenizer, num_blocks=256,
-                    lora_adapters={"alpha": model_dir / "alpha", "beta": model_dir / "beta"}, max_lora_rank=16)
+    engine = Engine(
+        hfaccel.accelerate(model, attention="torch"),
+        tokenizer,
+        num_blocks=256,
+        lora_adapters={"alpha": model_dir / "alpha", "beta": model_dir / "beta"},
+        max_lora_rank=16,
+    )
     texts = {}
     for name, lora in (("tiny", None), ("alpha", "alpha"), ("beta", "beta")):
         outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora=lora)
@@ -71,12 +85,14 @@ def test_each_adapter_completes_as_the_engine_does(server, expected):
     with ThreadPoolExecutor(len(jobs)) as pool:  # at once: adapters and the base share the server's batches
         got = list(pool.map(lambda job: _complete(client, job[0], PROMPTS[job[1]]), jobs))
     assert got == [expected[name][i] for name, i in jobs]
-    chunks = list(client.completions.create(model="beta", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model="beta", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected["beta"][1][0]
     assert {c.model for c in chunks} == {"beta"}
-    chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0)
+    chat = client.chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
     assert chat.model == "alpha" and chat.choices[0].message.content is not None
     server.wait_idle()
 
@@ -110,8 +126,11 @@ def test_lora_options_are_checked_before_any_model_loads():
 
     assert lora_adapters(parse()) is None
     assert lora_adapters(parse("--lora", "a=/x", "--lora", "b = /y")) == {"a": "/x", "b": "/y"}
-    for options, message in ((("--lora", "a"), "NAME=PATH"), (("--lora", "a=/x", "--lora", "a=/y"), "given twice"),
-                             (("--served-model-name", "m", "--lora", "m=/x"), "the served model's own name")):
+    for options, message in (
+        (("--lora", "a"), "NAME=PATH"),
+        (("--lora", "a=/x", "--lora", "a=/y"), "given twice"),
+        (("--served-model-name", "m", "--lora", "m=/x"), "the served model's own name"),
+    ):
         with pytest.raises(SystemExit, match=message):
             lora_adapters(parse(*options))
     with pytest.raises(SystemExit, match="--lora is not supported with tensor parallelism"):

@@ -47,8 +47,11 @@ def test_each_prompt_is_checked_and_tokenized_once_off_the_event_loop(counted, s
 
     async def scenario():
         loop_thread = threading.get_ident()
-        reply = await _post(app, "/v1/completions", {"model": "tiny", "prompt": ["the cat", "a dog"],
-                                                     "max_tokens": 3, "temperature": 0, "stream": stream})
+        reply = await _post(
+            app,
+            "/v1/completions",
+            {"model": "tiny", "prompt": ["the cat", "a dog"], "max_tokens": 3, "temperature": 0, "stream": stream},
+        )
         return loop_thread, reply
 
     loop_thread, reply = asyncio.run(scenario())
@@ -60,8 +63,9 @@ def test_each_prompt_is_checked_and_tokenized_once_off_the_event_loop(counted, s
 def test_a_bad_request_is_refused_by_that_one_check(counted):
     async_engine, calls = counted
     app = create_app(async_engine, ServerConfig(model_name="tiny"))
-    reply = asyncio.run(_post(app, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 3,
-                                                        "top_k": 10_000}))
+    reply = asyncio.run(
+        _post(app, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 3, "top_k": 10_000})
+    )
     assert reply.status_code == 400 and "top_k" in reply.text
     assert calls["check_params"] == 1
 

@@ -23,7 +23,6 @@ from tests.helpers import CHAT_TEMPLATE, ROOT, Server
 from tests.models import char_tokenizer, tiny_model
 
 
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("served")
@@ -60,8 +59,11 @@ def test_chat_streamed_equal_non_streamed_with_usage(server):
     messages = [{"role": "user", "content": "hi there"}]
     full = client.chat.completions.create(messages=messages, max_tokens=10, **_greedy())
     assert full.choices[0].message.role == "assistant" and len(full.choices[0].message.content) == 10
-    chunks = list(client.chat.completions.create(messages=messages, max_tokens=10, stream=True,
-                                                 stream_options={"include_usage": True}, **_greedy()))
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, max_tokens=10, stream=True, stream_options={"include_usage": True}, **_greedy()
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
@@ -74,7 +76,7 @@ def test_n_stop_max_tokens_and_logprobs(server):
     out = client.completions.create(prompt="abc", max_tokens=20, stop=[stop], n=2, logprobs=2, **_greedy())
     assert [c.index for c in out.choices] == [0, 1]
     for choice in out.choices:
-        assert choice.text == free[:free.index(stop)] and choice.finish_reason == "stop"
+        assert choice.text == free[: free.index(stop)] and choice.finish_reason == "stop"
         assert len(choice.logprobs.tokens) >= len(choice.text)
         assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
         assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
@@ -82,8 +84,9 @@ def test_n_stop_max_tokens_and_logprobs(server):
     assert [len(c.text) for c in sampled.choices] == [5, 5, 5]
     multi = client.completions.create(prompt=["ab", "cd"], max_tokens=3, n=2, **_greedy())
     assert [c.index for c in multi.choices] == [0, 1, 2, 3]
-    chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=4, logprobs=True,
-                                          top_logprobs=3, **_greedy())
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "x"}], max_tokens=4, logprobs=True, top_logprobs=3, **_greedy()
+    )
     entries = chat.choices[0].logprobs.content
     assert len(entries) == 4 and all(len(e.top_logprobs) == 3 for e in entries)
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -125,8 +128,9 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("body, status, param", BAD_BODIES, ids=range(len(BAD_BODIES)))
 def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, body, status, param):
-    response = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=body, timeout=30, headers={"content-type": "application/json"}
+    )
     assert response.status_code == status, response.text
     if status != 200:
         error = response.json()["error"]
@@ -138,18 +142,24 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, body, sta
 
 
 def test_bad_chat_input(server):
-    for body, status in [({"model": "tiny", "messages": []}, 400),
-                         ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400),
-                         ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
-                         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400),
-                         ({"model": "tiny", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400)]:
+    for body, status in [
+        ({"model": "tiny", "messages": []}, 400),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400),
+    ]:
         response = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=30)
         assert response.status_code == status and "error" in response.json(), response.text
 
 
 def test_unknown_routes_and_methods_get_openai_errors(server):
-    for method, path, status in [("GET", "/v1/nope", 404), ("POST", "/nope", 404), ("GET", "/v1/completions", 405),
-                                 ("DELETE", "/v1/models", 405)]:
+    for method, path, status in [
+        ("GET", "/v1/nope", 404),
+        ("POST", "/nope", 404),
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/v1/models", 405),
+    ]:
         response = httpx.request(method, f"{server.url}{path}", timeout=10)
         assert response.status_code == status, response.text
         error = response.json()["error"]
@@ -175,8 +185,9 @@ def test_a_bad_request_fails_alone_among_concurrent_streams(server):
 
     def huge_top_k(streamed: bool) -> int:
         with pytest.raises(openai.BadRequestError) as raised:
-            client.completions.create(prompt="x", max_tokens=40, stream=streamed, extra_body={"top_k": 2**70},
-                                      **_greedy())
+            client.completions.create(
+                prompt="x", max_tokens=40, stream=streamed, extra_body={"top_k": 2**70}, **_greedy()
+            )
         return raised.value.body["param"]
 
     with ThreadPoolExecutor(6) as pool:
@@ -193,8 +204,10 @@ def _send_chunked_until_answered(port: int, total: int) -> tuple[int, bytes]:
     chunk = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
     sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         try:
             while sent < total and not select.select([sock], [], [], 0)[0]:
                 sock.sendall(chunk)
@@ -228,8 +241,10 @@ def test_a_disconnected_non_streamed_request_is_aborted(server):
     server.wait_idle()
     body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 240, "n": 8, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         deadline = time.monotonic() + 10
         while server.health()["running"] < 8:  # its prompt computed, its 8 completions decoding
             assert time.monotonic() < deadline, server.health()
@@ -253,10 +268,17 @@ def test_disconnect_mid_stream_frees_blocks(server):
 def test_metrics_in_prometheus_format(server):
     server.client().completions.create(prompt="metrics", max_tokens=4, **_greedy())
     text = httpx.get(f"{server.url}/metrics", timeout=5).text
-    for name in ("hfaccel_requests_total", "hfaccel_prompt_tokens_total", "hfaccel_generation_tokens_total",
-                 "hfaccel_time_to_first_token_seconds_bucket", "hfaccel_inter_token_latency_seconds_bucket",
-                 "hfaccel_queue_depth", "hfaccel_running_sequences", "hfaccel_kv_blocks_used",
-                 "hfaccel_kv_blocks_free"):
+    for name in (
+        "hfaccel_requests_total",
+        "hfaccel_prompt_tokens_total",
+        "hfaccel_generation_tokens_total",
+        "hfaccel_time_to_first_token_seconds_bucket",
+        "hfaccel_inter_token_latency_seconds_bucket",
+        "hfaccel_queue_depth",
+        "hfaccel_running_sequences",
+        "hfaccel_kv_blocks_used",
+        "hfaccel_kv_blocks_free",
+    ):
         assert name in text, name
     assert 'hfaccel_requests_total{endpoint="/v1/completions",status="200"}' in text
 
@@ -264,14 +286,33 @@ def test_metrics_in_prometheus_format(server):
 @pytest.mark.slow
 def test_200_concurrent_streams_from_another_process(server, tmp_path):
     prompts = ["the cat sat on", "hello world", "a", "once upon a time there was"]
-    expected = {p: server.client().completions.create(prompt=p, max_tokens=16, **_greedy()).choices[0].text
-                for p in prompts}
+    expected = {
+        p: server.client().completions.create(prompt=p, max_tokens=16, **_greedy()).choices[0].text for p in prompts
+    }
     out = tmp_path / "load.json"
-    command = [sys.executable, "-m", "hfaccel.tools.bench.loadgen", "--url", f"{server.url}/v1", "--model", "tiny",
-               "--requests", "200", "--concurrency", "200", "--max-tokens", "16", "--deadline", "240",
-               "--out", str(out), *[arg for p in prompts for arg in ("--prompt", p)]]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = [
+        sys.executable,
+        "-m",
+        "hfaccel.tools.bench.loadgen",
+        "--url",
+        f"{server.url}/v1",
+        "--model",
+        "tiny",
+        "--requests",
+        "200",
+        "--concurrency",
+        "200",
+        "--max-tokens",
+        "16",
+        "--deadline",
+        "240",
+        "--out",
+        str(out),
+        *[arg for p in prompts for arg in ("--prompt", p)],
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     print(done.stdout)  # p50 / p99 latency and TTFT
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())
@@ -283,8 +324,9 @@ def test_200_concurrent_streams_from_another_process(server, tmp_path):
 
 @pytest.fixture(scope="module")
 def guarded(model_dir):
-    running = Server(model_dir, "--api-key", "sesame", "--max-queue", "2", "--request-timeout", "0.3",
-                     "--read-timeout", "1")
+    running = Server(
+        model_dir, "--api-key", "sesame", "--max-queue", "2", "--request-timeout", "0.3", "--read-timeout", "1"
+    )
     yield running
     assert running.stop() == 0
 
@@ -302,8 +344,10 @@ def test_overload_gets_429_at_once(guarded):
     body = {"model": "tiny", "prompt": "load", "max_tokens": 200, "temperature": 0, "stream": True}
     headers = {"Authorization": "Bearer sesame"}
     with httpx.Client(timeout=30, headers=headers) as http:
-        with http.stream("POST", f"{guarded.url}/v1/completions", json=body) as first, \
-                http.stream("POST", f"{guarded.url}/v1/completions", json=body) as second:
+        with (
+            http.stream("POST", f"{guarded.url}/v1/completions", json=body) as first,
+            http.stream("POST", f"{guarded.url}/v1/completions", json=body) as second,
+        ):
             assert first.status_code == second.status_code == 200
             start = time.monotonic()
             third = http.post(f"{guarded.url}/v1/completions", json={**body, "stream": False})
@@ -313,8 +357,12 @@ def test_overload_gets_429_at_once(guarded):
 
 
 def test_a_request_that_can_never_be_admitted_is_a_400(guarded):
-    response = httpx.post(f"{guarded.url}/v1/completions", headers={"Authorization": "Bearer sesame"}, timeout=10,
-                          json={"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 2})
+    response = httpx.post(
+        f"{guarded.url}/v1/completions",
+        headers={"Authorization": "Bearer sesame"},
+        timeout=10,
+        json={"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 2},
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
 
 
@@ -343,8 +391,9 @@ def test_slow_clients_are_cut_off(guarded):
     request = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sesame\r\n"
     with ThreadPoolExecutor(5) as pool:
         headers = [pool.submit(_trickle, guarded.port, request, b"X-Slow: " + b"a" * 200) for _ in range(3)]
-        bodies = [pool.submit(_trickle, guarded.port, request + b"Content-Length: 500\r\n\r\n", b" " * 500)
-                  for _ in range(2)]
+        bodies = [
+            pool.submit(_trickle, guarded.port, request + b"Content-Length: 500\r\n\r\n", b" " * 500) for _ in range(2)
+        ]
         time.sleep(0.3)
         ok = guarded.client("sesame").completions.create(prompt="a", max_tokens=2, **_greedy())
         assert len(ok.choices[0].text) == 2
@@ -401,7 +450,7 @@ def test_sigterm_ends_each_request_cleanly_after_the_grace_period(model_dir):
     ended = 0
     for lines in results:
         assert lines[-1] == "data: [DONE]"
-        events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
         if "error" in events[-1]:
             assert events[-1]["error"]["code"] == "shutting_down"
             ended += 1

@@ -27,10 +27,16 @@ from tests.assets import smollm2_or_skip
 from tests.models import char_tokenizer, tiny_model
 from tests.helpers import Server
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Who are you?"}]
 
@@ -40,10 +46,17 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("structured")
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_or_skip())
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id or 0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     running = Server(path)
@@ -63,32 +76,57 @@ def test_json_schema_streamed_and_not(server):
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     text = choice.message.content  # one layout, no free whitespace: json.dumps's own
     assert text == json.dumps(json.loads(text), ensure_ascii=False)
-    chunks = list(client.chat.completions.create(messages=MESSAGES, max_tokens=80, response_format=JSON_SCHEMA,
-                                                 stream=True, **_greedy()))
+    chunks = list(
+        client.chat.completions.create(
+            messages=MESSAGES, max_tokens=80, response_format=JSON_SCHEMA, stream=True, **_greedy()
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
-    sampled = client.completions.create(prompt="Person:", max_tokens=80, temperature=1.3, seed=3, n=2,
-                                        extra_body={"response_format": JSON_SCHEMA}, model="tiny")
+    sampled = client.completions.create(
+        prompt="Person:",
+        max_tokens=80,
+        temperature=1.3,
+        seed=3,
+        n=2,
+        extra_body={"response_format": JSON_SCHEMA},
+        model="tiny",
+    )
     for completion in sampled.choices:
         jsonschema.validate(json.loads(completion.text), SCHEMA)
 
 
 def test_json_object_choice_and_regex(server):
     client = server.client()
-    chunks = client.completions.create(prompt="Data:", max_tokens=60, temperature=1.2, seed=1, stream=True,
-                                       extra_body={"response_format": {"type": "json_object"}}, model="tiny")
+    chunks = client.completions.create(
+        prompt="Data:",
+        max_tokens=60,
+        temperature=1.2,
+        seed=1,
+        stream=True,
+        extra_body={"response_format": {"type": "json_object"}},
+        model="tiny",
+    )
     text = "".join(c.choices[0].text for c in chunks)
     assert isinstance(json.loads(text), dict), text
     options = ["yes", "no", "maybe so"]
-    chat = client.chat.completions.create(messages=MESSAGES, max_tokens=10, temperature=1.5, seed=2,
-                                          extra_body={"structured_outputs": {"choice": options}}, model="tiny")
+    chat = client.chat.completions.create(
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=1.5,
+        seed=2,
+        extra_body={"structured_outputs": {"choice": options}},
+        model="tiny",
+    )
     assert chat.choices[0].message.content in options
     regex = r"[a-c]{3}-[0-9]{2}"
-    out = client.completions.create(prompt="Code:", max_tokens=20, extra_body={"structured_outputs": {"regex": regex}},
-                                    **_greedy())
+    out = client.completions.create(
+        prompt="Code:", max_tokens=20, extra_body={"structured_outputs": {"regex": regex}}, **_greedy()
+    )
     assert re.fullmatch(regex, out.choices[0].text), out.choices[0].text
-    plain = client.chat.completions.create(messages=MESSAGES, max_tokens=5, response_format={"type": "text"},
-                                           **_greedy())
+    plain = client.chat.completions.create(
+        messages=MESSAGES, max_tokens=5, response_format={"type": "text"}, **_greedy()
+    )
     assert plain.choices[0].finish_reason == "length"
 
 
@@ -104,21 +142,33 @@ def test_bad_specs_are_400_and_the_server_goes_on(server):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objet"}}}
     error = _refused(client.chat.completions.create, messages=MESSAGES, response_format=bad_schema, **_greedy())
     assert "the json does not compile" in error.body["message"] and error.body["param"] == "response_format"
-    error = _refused(client.completions.create, prompt="x", stream=True, **_greedy(),
-                     extra_body={"structured_outputs": {"regex": "[a-"}})
+    error = _refused(
+        client.completions.create,
+        prompt="x",
+        stream=True,
+        **_greedy(),
+        extra_body={"structured_outputs": {"regex": "[a-"}},
+    )
     assert "the regex does not compile: Regex parsing error" in error.body["message"]
     assert error.body["param"] == "structured_outputs"
-    error = _refused(client.chat.completions.create, messages=MESSAGES, **_greedy(),
-                     response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    error = _refused(
+        client.chat.completions.create,
+        messages=MESSAGES,
+        **_greedy(),
+        response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+    )
     assert error.body["message"] == "response_format.json_schema.schema must be a JSON schema (an object); got nothing"
-    error = _refused(client.chat.completions.create, messages=MESSAGES, **_greedy(),
-                     response_format={"type": "xml"})
+    error = _refused(client.chat.completions.create, messages=MESSAGES, **_greedy(), response_format={"type": "xml"})
     assert "response_format.type must be 'text', 'json_object' or 'json_schema'; got str 'xml'" in error.body["message"]
-    error = _refused(client.completions.create, prompt="x", **_greedy(),
-                     extra_body={"structured_outputs": {"jsn": {}}})
+    error = _refused(client.completions.create, prompt="x", **_greedy(), extra_body={"structured_outputs": {"jsn": {}}})
     assert "unknown fields ['jsn']" in error.body["message"]
-    error = _refused(client.chat.completions.create, messages=MESSAGES, response_format={"type": "json_object"},
-                     extra_body={"structured_outputs": {"choice": ["a"]}}, **_greedy())
+    error = _refused(
+        client.chat.completions.create,
+        messages=MESSAGES,
+        response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"choice": ["a"]}},
+        **_greedy(),
+    )
     assert "both constrain the output" in error.body["message"]
     assert server.wait_idle()["running"] == 0
     out = client.chat.completions.create(messages=MESSAGES, max_tokens=80, response_format=JSON_SCHEMA, **_greedy())

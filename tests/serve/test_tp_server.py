@@ -56,11 +56,17 @@ def _texts(server: Server) -> dict:
 
 def _ranks(server: Server) -> tuple[psutil.Process, psutil.Process]:
     """(rank 0: the process listening on the server's port, rank 1) among the server's spawned processes."""
-    spawned = [p for p in psutil.Process(server.process.pid).children()
-               if "multiprocessing.spawn" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+    spawned = [
+        p
+        for p in psutil.Process(server.process.pid).children()
+        if "multiprocessing.spawn" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
+    ]
     assert len(spawned) == 2, [p.cmdline() for p in spawned]
-    listening = [p for p in spawned
-                 if any(c.laddr.port == server.port and c.status == psutil.CONN_LISTEN for c in p.net_connections())]
+    listening = [
+        p
+        for p in spawned
+        if any(c.laddr.port == server.port and c.status == psutil.CONN_LISTEN for c in p.net_connections())
+    ]
     assert len(listening) == 1
     leader = listening[0]
     return leader, next(p for p in spawned if p.pid != leader.pid)
@@ -102,8 +108,9 @@ def test_a_rank_killed_mid_run_stops_the_server_with_an_error(model_dir):
         def stream() -> None:  # streams, one after another, until the server goes away
             try:
                 while True:
-                    for _ in server.client().completions.create(model="tiny", prompt="abc", max_tokens=200,
-                                                                temperature=0, stream=True):
+                    for _ in server.client().completions.create(
+                        model="tiny", prompt="abc", max_tokens=200, temperature=0, stream=True
+                    ):
                         first_chunk.set()
             except Exception as error:
                 errors.append(error)
@@ -136,8 +143,9 @@ def test_under_torchrun_the_ranks_serve_like_one_process_and_sigterm_stops_them(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         master_port = probe.getsockname()[1]
-    server = Server(model_dir, launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                         "--master-port", str(master_port)])
+    server = Server(
+        model_dir, launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(master_port)]
+    )
     try:
         workers = [p for p in psutil.Process(server.process.pid).children() if "hfaccel.tools.cli" in p.cmdline()]
         assert len(workers) == 2, [p.cmdline() for p in workers]

@@ -52,8 +52,12 @@ def _target_greedy(model, batch, new_tokens=NEW_TOKENS, eos=None):
 
 
 def _drafts(model, kind: str):
-    return {"perturbed": perturbed_copy(model), "self": model, "unrelated": tiny_model(_arch_of(model), seed=5),
-            "ngram": None}[kind]
+    return {
+        "perturbed": perturbed_copy(model),
+        "self": model,
+        "unrelated": tiny_model(_arch_of(model), seed=5),
+        "ngram": None,
+    }[kind]
 
 
 def _arch_of(model) -> str:
@@ -106,16 +110,18 @@ def test_assisted_generate_keeps_its_runners_between_calls():
     torch_kernels(model, draft)
     runners = []
     for _ in range(2):
-        assert torch.equal(model.generate(**batch, assistant_model=draft, max_new_tokens=NEW_TOKENS, **GREEDY),
-                           expected)
+        assert torch.equal(
+            model.generate(**batch, assistant_model=draft, max_new_tokens=NEW_TOKENS, **GREEDY), expected
+        )
         runners.append((model.hfaccel.session.speculative.target, model.hfaccel.session.speculative.draft))
     assert runners[0][0] is runners[1][0] and runners[0][1] is runners[1][1]
     target, draft_runner = runners[0]
     pools, steps = (target.pool, draft_runner.pool), (target.graphs, draft_runner.graphs, draft_runner.catch_up)
     larger = padded_batch(lengths=(11, 7, 4, 9, 3, 5))
     expected = _target_greedy(model, larger, new_tokens=3 * NEW_TOKENS, eos=[])
-    assert torch.equal(model.generate(**larger, assistant_model=draft, max_new_tokens=3 * NEW_TOKENS, **GREEDY),
-                       expected)
+    assert torch.equal(
+        model.generate(**larger, assistant_model=draft, max_new_tokens=3 * NEW_TOKENS, **GREEDY), expected
+    )
     speculative = model.hfaccel.session.speculative
     assert (speculative.target, speculative.draft) == (target, draft_runner)
     assert (target.graphs, draft_runner.graphs, draft_runner.catch_up) == steps  # built once
@@ -142,8 +148,15 @@ def test_greedy_equals_target_generate(arch, kind):
     expected = _target_greedy(model, batch, eos=[])
     draft = _drafts(model, kind)
     torch_kernels(model, draft)
-    got, stats = speculative_generate(model, draft, **batch, max_new_tokens=NEW_TOKENS, draft="ngram" if draft is None
-                                      else "model", return_stats=True, **GREEDY)
+    got, stats = speculative_generate(
+        model,
+        draft,
+        **batch,
+        max_new_tokens=NEW_TOKENS,
+        draft="ngram" if draft is None else "model",
+        return_stats=True,
+        **GREEDY,
+    )
     assert torch.equal(got, expected), f"{arch}/{kind}: {stats}\n{got}\n!= target\n{expected}"
     if kind == "self":
         assert stats.acceptance_rate == 1.0, stats
@@ -167,8 +180,7 @@ def test_num_draft_tokens_1_and_8(k):
     batch = _batch()
     draft = perturbed_copy(model)
     torch_kernels(model, draft)
-    got = speculative_generate(model, draft, **batch, num_draft_tokens=k, max_new_tokens=NEW_TOKENS,
-                               **GREEDY)
+    got = speculative_generate(model, draft, **batch, num_draft_tokens=k, max_new_tokens=NEW_TOKENS, **GREEDY)
     assert torch.equal(got, _target_greedy(model, batch, eos=[]))
 
 
@@ -178,8 +190,9 @@ def test_max_new_tokens_inside_an_accepted_run(new_tokens):
     model = tiny_model("qwen2")
     batch = _batch()
     torch_kernels(model)
-    got, stats = speculative_generate(model, model, **batch, num_draft_tokens=8, max_new_tokens=new_tokens,
-                                      return_stats=True, **GREEDY)
+    got, stats = speculative_generate(
+        model, model, **batch, num_draft_tokens=8, max_new_tokens=new_tokens, return_stats=True, **GREEDY
+    )
     assert torch.equal(got, _target_greedy(model, batch, new_tokens, eos=[]))
     assert stats.target_forwards == 1
 
@@ -188,30 +201,39 @@ def test_max_new_tokens_inside_an_accepted_run(new_tokens):
 def test_learned_positions_to_the_last_position_of_the_context(kind):
     """GPT-2 embeds positions from a table of ``n_positions`` rows: the verification steps' padding tokens (past
     a row's drafts) must not take positions beyond the context, where the last steps would index past it."""
-    config = transformers.GPT2Config(n_positions=36, n_embd=64, n_layer=2, n_head=4, vocab_size=96, pad_token_id=0,
-                                     bos_token_id=1, eos_token_id=2)
+    config = transformers.GPT2Config(
+        n_positions=36, n_embd=64, n_layer=2, n_head=4, vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval().to(DEVICE)
     batch = _batch()  # the longest prompt (11) + 25 new tokens fills all 36 positions
     expected = _target_greedy(model, batch, new_tokens=25, eos=[])
     draft = perturbed_copy(model) if kind == "perturbed" else None
     torch_kernels(model, draft)
-    got = speculative_generate(model, draft, **batch, draft="model" if draft is not None else "ngram",
-                               num_draft_tokens=4, max_new_tokens=25, **GREEDY)
+    got = speculative_generate(
+        model,
+        draft,
+        **batch,
+        draft="model" if draft is not None else "ngram",
+        num_draft_tokens=4,
+        max_new_tokens=25,
+        **GREEDY,
+    )
     assert torch.equal(got, expected)
 
 
 def test_rows_hit_eos_at_different_steps():
     model = tiny_model("llama")
     batch = _batch()
-    free_run = _target_greedy(model, batch, eos=[])[:, batch["input_ids"].shape[1]:]
+    free_run = _target_greedy(model, batch, eos=[])[:, batch["input_ids"].shape[1] :]
     # an EOS that row 0 emits late and another row emits early (or never): rows finish at different steps
     eos = next(t for t in free_run[0, 8:].tolist() if t not in free_run[0, :8].tolist())
     expected = _target_greedy(model, batch, eos=eos)
     draft = perturbed_copy(model)
     torch_kernels(model, draft)
-    got = speculative_generate(model, draft, **batch, max_new_tokens=NEW_TOKENS,
-                               do_sample=False, pad_token_id=0, eos_token_id=eos)
+    got = speculative_generate(
+        model, draft, **batch, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=eos
+    )
     assert torch.equal(got, expected)
     lengths = [(row == eos).nonzero()[0].item() if (row == eos).any() else None for row in got]
     assert len(set(lengths)) > 1, lengths
@@ -233,8 +255,9 @@ def test_generate_with_assistant_model_and_prompt_lookup():
     draft = torch_kernels(perturbed_copy(model))
     hfaccel.accelerate(model, attention="torch")
     assert torch.equal(model.generate(**batch, assistant_model=draft, max_new_tokens=NEW_TOKENS, **GREEDY), expected)
-    assert torch.equal(model.generate(**batch, prompt_lookup_num_tokens=3, max_new_tokens=NEW_TOKENS, **GREEDY),
-                       expected)
+    assert torch.equal(
+        model.generate(**batch, prompt_lookup_num_tokens=3, max_new_tokens=NEW_TOKENS, **GREEDY), expected
+    )
 
 
 def test_generate_with_an_assistant_passes_the_seed_on():
@@ -265,8 +288,16 @@ def test_generate_with_an_unsupported_option_uses_transformers_with_a_warning():
 def test_seeded_sampling_is_reproducible_and_stops_at_budget():
     model = tiny_model("qwen3")
     batch = _batch()
-    kwargs = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3,
-              "pad_token_id": 0, "eos_token_id": []}
+    kwargs = {
+        "max_new_tokens": 16,
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_k": 20,
+        "top_p": 0.9,
+        "seed": 3,
+        "pad_token_id": 0,
+        "eos_token_id": [],
+    }
     draft = perturbed_copy(model)
     torch_kernels(model, draft)
     state = torch.get_rng_state()
@@ -284,16 +315,31 @@ def test_seeded_sampling_with_the_target_as_draft_gives_the_engines_tokens(arch)
     model = torch_kernels(tiny_model(arch))
     batch = _batch()
     sampling = {"temperature": 1.3, "top_k": 40, "top_p": 0.9}
-    got, stats = speculative_generate(model, model, **batch, max_new_tokens=NEW_TOKENS, num_draft_tokens=4,
-                                      do_sample=True, seed=2026, return_stats=True, pad_token_id=0, eos_token_id=[],
-                                      **sampling)
+    got, stats = speculative_generate(
+        model,
+        model,
+        **batch,
+        max_new_tokens=NEW_TOKENS,
+        num_draft_tokens=4,
+        do_sample=True,
+        seed=2026,
+        return_stats=True,
+        pad_token_id=0,
+        eos_token_id=[],
+        **sampling,
+    )
     assert stats.acceptance_rate == 1.0, stats
     engine = Engine(model, max_num_seqs=4, num_blocks=64, block_size=4)
     prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
-    expected = [engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, n=i + 1, seed=2026, ignore_eos=True,
-                                                       **sampling))[0].outputs[i].token_ids
-                for i, prompt in enumerate(prompts)]
-    assert got[:, batch["input_ids"].shape[1]:].tolist() == expected
+    expected = [
+        engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, n=i + 1, seed=2026, ignore_eos=True, **sampling))[
+            0
+        ]
+        .outputs[i]
+        .token_ids
+        for i, prompt in enumerate(prompts)
+    ]
+    assert got[:, batch["input_ids"].shape[1] :].tolist() == expected
     assert len({tuple(tokens) for tokens in expected}) == 4
 
 
@@ -308,8 +354,19 @@ def test_a_verification_step_reads_the_device_once(monkeypatch, draft, do_sample
     model = tiny_model("llama")
     drafter = perturbed_copy(model) if draft == "model" else None
     torch_kernels(model, drafter)
-    _, stats = speculative_generate(model, drafter, **_batch(), draft=draft, num_draft_tokens=4, max_new_tokens=12,
-                                    do_sample=do_sample, seed=0, return_stats=True, pad_token_id=0, eos_token_id=[])
+    _, stats = speculative_generate(
+        model,
+        drafter,
+        **_batch(),
+        draft=draft,
+        num_draft_tokens=4,
+        max_new_tokens=12,
+        do_sample=do_sample,
+        seed=0,
+        return_stats=True,
+        pad_token_id=0,
+        eos_token_id=[],
+    )
     assert len(steps) == stats.target_forwards > 1 and stats.proposed > 0
     assert [waits.reads for waits in steps] == [["Tensor.tolist"]] * len(steps)
     assert [waits.uploads for waits in steps] == [[]] * len(steps)
@@ -322,8 +379,15 @@ SAMPLING = {"temperature": 0.9, "top_k": 5, "top_p": 0.95}
 
 
 def _tiny_vocab_model(seed: int):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -335,15 +399,29 @@ def _exact_two_token_distribution(model, prompt: torch.Tensor) -> torch.Tensor:
     """P(t1, t2) of the target's own sampling with SAMPLING, computed exactly: ``[V, V]``."""
     with torch.no_grad():
         first = transformers_probabilities(model(prompt).logits[0, -1], **SAMPLING)
-        second = [transformers_probabilities(model(torch.cat([prompt, prompt.new_tensor([[t]])], 1)).logits[0, -1],
-                                             **SAMPLING) for t in range(VOCAB)]
+        second = [
+            transformers_probabilities(
+                model(torch.cat([prompt, prompt.new_tensor([[t]])], 1)).logits[0, -1], **SAMPLING
+            )
+            for t in range(VOCAB)
+        ]
     return first[:, None] * torch.stack(second)
 
 
 def _sampled_pairs(target, draft) -> torch.Tensor:
     prompt = torch.tensor([[1, 2, 3, 4]], device=DEVICE)
-    out, stats = speculative_generate(target, draft, prompt.repeat(SAMPLES, 1), max_new_tokens=3, num_draft_tokens=2,
-                                      do_sample=True, seed=11, eos_token_id=[], return_stats=True, **SAMPLING)
+    out, stats = speculative_generate(
+        target,
+        draft,
+        prompt.repeat(SAMPLES, 1),
+        max_new_tokens=3,
+        num_draft_tokens=2,
+        do_sample=True,
+        seed=11,
+        eos_token_id=[],
+        return_stats=True,
+        **SAMPLING,
+    )
     assert 0.3 < stats.acceptance_rate < 0.95, stats  # both accepted and rejected drafts are in the sample
     counts = torch.zeros(VOCAB, VOCAB)
     for a, b in out[:, 4:6].tolist():
@@ -376,9 +454,21 @@ def test_a_biased_acceptance_rule_fails_the_same_test(sampling_setup, monkeypatc
 def test_bad_input_is_refused_clearly():
     model = tiny_model("llama")
     batch = _batch()
-    other_vocab = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16)).eval().to(DEVICE)
+    other_vocab = (
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=97,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+            )
+        )
+        .eval()
+        .to(DEVICE)
+    )
     cases = [
         ({"draft_model": other_vocab}, "vocabulary \\(97 tokens\\) differs from the target's \\(96\\)"),
         ({"draft_model": None}, "needs a draft_model"),

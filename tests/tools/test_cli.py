@@ -24,8 +24,9 @@ def model_dir(tmp_path_factory):
 
 
 def test_demo_on_a_local_model(model_dir, capsys):
-    assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--prompt", "d e",
-                 "--max-new-tokens", "6"]) == 0
+    assert (
+        main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--prompt", "d e", "--max-new-tokens", "6"]) == 0
+    )
     out = capsys.readouterr().out
     assert "identical" in out and "tokens/s" in out and "transformers (sdpa)" in out and "vs transformers" in out
     assert "served by: decode loop hfaccel; attention" in out
@@ -43,8 +44,10 @@ def test_demo_says_when_both_rows_run_transformers_path(model_dir, capsys, monke
 
 def test_demo_with_compile_on_a_cpu(model_dir, capsys, monkeypatch, recompile_limit_per_model):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU as a user has it
-    assert main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--max-new-tokens", "6",
-                 "--compile", "true"]) == 0
+    assert (
+        main(["demo", "--model", str(model_dir), "--prompt", "a b c", "--max-new-tokens", "6", "--compile", "true"])
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "identical" in out and "compile=True: its static cache and compiled forward" in out, out
     assert "same path" not in out  # a ratio: the compiled path is not transformers' eager one
@@ -58,27 +61,67 @@ def test_generate_prints_text(model_dir, capsys):
 def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
     output = tmp_path / "bench.json"
-    assert main(["bench", "attention", "paged", "memory", "decode", "engine", "--model", "tiny-llama", "--batch", "1",
-                 "--batch", "2", "--prompt-len", "8", "--new-tokens", "3", "--requests", "6", "--profile",
-                 "--kv-cache-dtype", "fp8", "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "attention",
+                "paged",
+                "memory",
+                "decode",
+                "engine",
+                "--model",
+                "tiny-llama",
+                "--batch",
+                "1",
+                "--batch",
+                "2",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "3",
+                "--requests",
+                "6",
+                "--profile",
+                "--kv-cache-dtype",
+                "fp8",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     results = json.loads(output.read_text())
     assert {"environment", "attention", "paged", "memory", "decode", "engine"} <= results.keys()
-    assert {row["path"] for row in results["decode"]} == {"transformers sdpa", "hfaccel", "hfaccel compile=False",
-                                                          "hfaccel compile=True"}
-    assert all(row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 and row["read_gb_per_s"] > 0
-               and row["num_splits"] >= 1 for row in results["paged"])
+    assert {row["path"] for row in results["decode"]} == {
+        "transformers sdpa",
+        "hfaccel",
+        "hfaccel compile=False",
+        "hfaccel compile=True",
+    }
+    assert all(
+        row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 and row["read_gb_per_s"] > 0 and row["num_splits"] >= 1
+        for row in results["paged"]
+    )
     memory = {row["cache"]: row["bytes"] for row in results["memory"]}
     assert memory["real tokens (no padding)"] <= memory["hfaccel pool held at most"] <= memory["hfaccel pool allocated"]
     assert memory["real tokens (no padding)"] < memory["transformers DynamicCache"]
     assert all(row["tokens_per_s"] > 0 and 0 < row["pct_roofline"] for row in results["decode"])
     assert [(row["batch"], row["rows"].split()[0]) for row in results["decode_sampler"]] == [
-        (1, "greedy"), (1, "seeded"), (1, "seeded,"), (2, "greedy"), (2, "seeded"), (2, "seeded,")]
+        (1, "greedy"),
+        (1, "seeded"),
+        (1, "seeded,"),
+        (2, "greedy"),
+        (2, "seeded"),
+        (2, "seeded,"),
+    ]
     assert all(row["sample_ms"] > 0 and row["share_of_step"] > 0 for row in results["decode_sampler"])
     kernels = results["decode_kernels"]  # --profile: hfaccel's step by kernel (here the CPU's ops), at each batch
     assert {row["batch"] for row in kernels} == {1, 2} and all(0 < row["share_of_step"] <= 1 for row in kernels)
     assert any(row["kernel"] == "aten::mm" and row["calls_per_step"] >= 1 for row in kernels if row["batch"] == 1)
-    assert all(row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 and row["routed_ms"] > 0
-               for row in results["attention"])
+    assert all(
+        row["hfaccel_tflops"] > 0 and row["sdpa_tflops"] > 0 and row["routed_ms"] > 0 for row in results["attention"]
+    )
     assert {row["routed_path"] for row in results["attention"]} == {"sdpa"}  # hfaccel's kernels do not run here
     assert "prefill attention" in capsys.readouterr().out
     paths = {row["path"]: row for row in results["engine"]}
@@ -108,8 +151,27 @@ def test_bench_engine_over_two_ranks_reports_the_all_reduce_share(tmp_path, monk
     the decode step and its collectives are timed."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     output = tmp_path / "bench.json"
-    assert main(["bench", "engine", "--model", "tiny-llama", "--device", "cpu", "--tensor-parallel-size", "2",
-                 "--requests", "4", "--batch", "3", "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "engine",
+                "--model",
+                "tiny-llama",
+                "--device",
+                "cpu",
+                "--tensor-parallel-size",
+                "2",
+                "--requests",
+                "4",
+                "--batch",
+                "3",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(output.read_text())["engine_tp"]
     assert (row["ranks"], row["backend"], row["batch"]) == (2, "gloo", 3)
     assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["all_reduce_ms"] > 0
@@ -120,8 +182,27 @@ def test_bench_engine_over_two_ranks_reports_the_all_reduce_share(tmp_path, monk
 def test_bench_speculative(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     output = tmp_path / "bench.json"
-    assert main(["bench", "speculative", "--batch", "1", "--batch", "2", "--prompt-len", "16", "--new-tokens", "8",
-                 "--draft", "self", "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "speculative",
+                "--batch",
+                "1",
+                "--batch",
+                "2",
+                "--prompt-len",
+                "16",
+                "--new-tokens",
+                "8",
+                "--draft",
+                "self",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(output.read_text())["speculative"]
     assert [row["batch"] for row in rows] == [1, 2]
     assert all(row["alpha"] == 1.0 and row["acceptance_rate"] == 1.0 for row in rows)  # the target drafts itself
@@ -131,14 +212,35 @@ def test_bench_speculative(tmp_path, monkeypatch):
 def test_bench_int4(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
     output = tmp_path / "bench.json"
-    assert main(["bench", "int4", "--batch", "1", "--batch", "2", "--prompt-len", "8", "--new-tokens", "3",
-                 "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "int4",
+                "--batch",
+                "1",
+                "--batch",
+                "2",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "3",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     results = json.loads(output.read_text())
     kernels, decode = results["int4_kernels"], results["int4_decode"]
     assert [(row["k"], row["n"], row["m"]) for row in kernels] == [(256, 384, 1), (256, 384, 16)]
     assert all(row["int4_us"] > 0 and row["cublas_us"] > 0 and row["int4_gb_per_s"] > 0 for row in kernels)
     assert [(row["weights"], row["batch"]) for row in decode] == [
-        ("float32", 1), ("float32", 2), ("int4 rtn g128", 1), ("int4 rtn g128", 2)]
+        ("float32", 1),
+        ("float32", 2),
+        ("int4 rtn g128", 1),
+        ("int4 rtn g128", 2),
+    ]
     assert all(row["tokens_per_s"] > 0 and row["weight_gb"] > 0 for row in decode)
     assert decode[2]["weight_gb"] < decode[0]["weight_gb"] / 3  # int4 layers hold ~1/7 of the fp32 bytes
 
@@ -146,8 +248,9 @@ def test_bench_int4(tmp_path, monkeypatch):
 def test_bench_fp8(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
     output = tmp_path / "bench.json"
-    assert main(["bench", "fp8", "--batch", "1", "--prompt-len", "8", "--new-tokens", "3", "--output",
-                 str(output)]) == 0
+    assert (
+        main(["bench", "fp8", "--batch", "1", "--prompt-len", "8", "--new-tokens", "3", "--output", str(output)]) == 0
+    )
     results = json.loads(output.read_text())
     kernels, decode = results["fp8_kernels"], results["fp8_decode"]
     assert [(row["m"], row["path"]) for row in kernels] == [(1, "torch reference"), (16, "torch reference")]
@@ -160,8 +263,25 @@ def test_bench_vlm(tmp_path, monkeypatch):
     """The VLM case's plumbing on its tiny model: decode rows of each path that ran, the serving comparison."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     output = tmp_path / "bench.json"
-    assert main(["bench", "vlm", "--model", "tiny", "--requests", "3", "--batch", "2", "--new-tokens", "3",
-                 "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "vlm",
+                "--model",
+                "tiny",
+                "--requests",
+                "3",
+                "--batch",
+                "2",
+                "--new-tokens",
+                "3",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     results = json.loads(output.read_text())
     assert [row["path"] for row in results["vlm_decode"]] == ["transformers sdpa", "hfaccel"]
     serve = results["vlm_serve"]
@@ -180,8 +300,27 @@ def test_bench_structured(tmp_path, monkeypatch):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(smollm2) / name, tokenizer / name)
     output = tmp_path / "bench.json"
-    assert main(["bench", "structured", "--device", "cpu", "--model", "tiny-llama", "--tokenizer", str(tokenizer),
-                 "--requests", "2", "--new-tokens", "3", "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "structured",
+                "--device",
+                "cpu",
+                "--model",
+                "tiny-llama",
+                "--tokenizer",
+                str(tokenizer),
+                "--requests",
+                "2",
+                "--new-tokens",
+                "3",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     results = json.loads(output.read_text())
     masks, rows = results["structured_masks"], results["structured_throughput"]
     assert masks[-1]["spec"] == "all" and {"choice", "json_object", "regex: phone number"} < {m["spec"] for m in masks}
@@ -198,17 +337,47 @@ def test_bench_lora(tmp_path, monkeypatch):
     pytest.importorskip("peft")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     output = tmp_path / "bench.json"
-    assert main(["bench", "lora", "--device", "cpu", "--model", "tiny-llama", "--batch", "3", "--prompt-len", "4",
-                 "--new-tokens", "2", "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "lora",
+                "--device",
+                "cpu",
+                "--model",
+                "tiny-llama",
+                "--batch",
+                "3",
+                "--prompt-len",
+                "4",
+                "--new-tokens",
+                "2",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     results = json.loads(output.read_text())
     rows, kernels, config = results["lora_throughput"], results["lora_kernels"], results["lora_config"]
     assert [(row["path"], row["adapters"]) for row in rows] == [
-        ("base model, no LoRA engine", 0), ("LoRA engine, base requests", 0), ("LoRA engine, 1 adapter", 1),
-        ("LoRA engine, 8 adapters mixed", 3)]  # 3 requests: 3 of the 8 adapters
+        ("base model, no LoRA engine", 0),
+        ("LoRA engine, base requests", 0),
+        ("LoRA engine, 1 adapter", 1),
+        ("LoRA engine, 8 adapters mixed", 3),
+    ]  # 3 requests: 3 of the 8 adapters
     assert all(row["output_tokens"] == 3 * 2 and row["tokens_per_s"] > 0 and row["steps"] == 2 for row in rows)
     assert rows[0]["vs_base"] == 1 and (config["adapters"], config["rank"], config["wrapped_layers"]) == (8, 16, 28)
-    assert [k["layers"] for k in kernels] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj", "all"]
+    assert [k["layers"] for k in kernels] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "all",
+    ]
     assert kernels[-1]["count"] == 28 and all(k["ms_per_step"] > 0 and k["vs_base_step"] > 0 for k in kernels)
     assert all(k["base_step_ms"] == rows[0]["step_ms"] for k in kernels)
 
@@ -226,8 +395,24 @@ def test_quantize_command_writes_a_loadable_checkpoint(model_dir, tmp_path, meth
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"w{i % 90 + 4}" for i in range(400)))
     out = tmp_path / "q"
-    args = ["quantize", str(model_dir), "--method", method, "--out", str(out), "--group-size", "32",
-            "--samples", "4", "--seq-len", "16", "--calib", str(text), "--device", "cpu"]
+    args = [
+        "quantize",
+        str(model_dir),
+        "--method",
+        method,
+        "--out",
+        str(out),
+        "--group-size",
+        "32",
+        "--samples",
+        "4",
+        "--seq-len",
+        "16",
+        "--calib",
+        str(text),
+        "--device",
+        "cpu",
+    ]
     assert main(args) == 0
     model = hfaccel.load_quantized(out, dtype=torch.float16)
     assert any(isinstance(m, hfaccel.Int4Linear) for m in model.modules())

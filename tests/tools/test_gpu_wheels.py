@@ -14,7 +14,9 @@ METADATA = {
     "openai": ["httpx2>=2", "jiter", "numpy; extra == 'datalib'", "tomli; python_version < '3.11'", "pydantic"],
     "httpx2": ["httpcore2", "anyio", "truststore; python_version >= '3.10'"],
     "pydantic": ["typing-extensions"],
-    "httpcore2": [], "jiter": [], "truststore": [],
+    "httpcore2": [],
+    "jiter": [],
+    "truststore": [],
 }
 
 

@@ -57,11 +57,27 @@ def test_w4a16_sweep_times_the_candidates_of_each_bucket():
 
     assert "w4a16" in available_ops() and w4a16.OP == "w4a16"
     assert w4a16.linear_shapes([ModelShapes.named("llama-3.1-8b")]) == [
-        (4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
-    tiny = [ModelShapes("test", hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=64, vocab_size=256)]
-    entries = w4a16.sweep(tiny, torch.device("cpu"), Console(quiet=True), m_buckets=(1,), dtypes=(torch.float32,),
-                          reps=1)
+        (4096, 4096),
+        (1024, 4096),
+        (14336, 4096),
+        (4096, 14336),
+        (128256, 4096),
+    ]
+    tiny = [
+        ModelShapes(
+            "test",
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=64,
+            vocab_size=256,
+        )
+    ]
+    entries = w4a16.sweep(
+        tiny, torch.device("cpu"), Console(quiet=True), m_buckets=(1,), dtypes=(torch.float32,), reps=1
+    )
     shapes = w4a16.linear_shapes(tiny)
     assert set(entries) == {table_key(1, n, k, torch.float32, 128) for n, k in shapes}
     for n, k in shapes:
@@ -113,10 +129,27 @@ def test_fp8_sweep_measures_candidates_into_the_keys_the_router_reads(tuned_tabl
 
     assert "fp8" in available_ops() and fp8.OP == "fp8"
     assert fp8.layouts(4096, 14336) == [(14336, 1), (128, 128)] and fp8.layouts(77, 200) == [(200, 1)]
-    tiny = [ModelShapes("test", hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=64, vocab_size=256)]
-    entries = fp8.sweep(tiny, torch.device("cpu"), Console(quiet=True), m_buckets=(1, 32), dtypes=(torch.bfloat16,),
-                        blocks=False, reps=1)
+    tiny = [
+        ModelShapes(
+            "test",
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=64,
+            vocab_size=256,
+        )
+    ]
+    entries = fp8.sweep(
+        tiny,
+        torch.device("cpu"),
+        Console(quiet=True),
+        m_buckets=(1, 32),
+        dtypes=(torch.bfloat16,),
+        blocks=False,
+        reps=1,
+    )
     shapes = fp8.linear_shapes(tiny)
     assert set(entries) == {table_key(m, n, k, torch.bfloat16, k, 1) for n, k in shapes for m in (1, 32)}
     for key, entry in entries.items():
@@ -126,4 +159,5 @@ def test_fp8_sweep_measures_candidates_into_the_keys_the_router_reads(tuned_tabl
     tuned_table({"fp8": entries})
     n, k = shapes[0]
     assert pick_fp8_config(32, n, k, torch.bfloat16, k, 1, "cuda") == Fp8Config.from_entry(
-        entries[table_key(32, n, k, torch.bfloat16, k, 1)])
+        entries[table_key(32, n, k, torch.bfloat16, k, 1)]
+    )

@@ -21,8 +21,10 @@ def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.
     value, in rank order. ``target`` must be a module-level function (spawned processes import it)."""
     context = multiprocessing.get_context("spawn")
     port = _free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, world_size, port, workdir, target, args), daemon=True)
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=_rank_main, args=(rank, world_size, port, workdir, target, args), daemon=True)
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
@@ -46,8 +48,14 @@ def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.
 
 
 def _rank_main(rank: int, world_size: int, port: int, workdir: Path, target: Callable, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     import datetime
 

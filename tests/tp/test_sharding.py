@@ -100,7 +100,10 @@ def test_fp8_checkpoint_layers_under_tp_are_a_clear_error(monkeypatch):
     proj = model.model.layers[0].self_attn.q_proj
     proj.weight.data = proj.weight.data.to(torch.float8_e4m3fn)
     _fake_tp(monkeypatch, 2)
-    with pytest.raises(ValueError, match=r"fp8 checkpoint's layers under tensor parallelism \(e\.g\. "
-                                         r"model\.layers\.0\.self_attn\.q_proj\).*quantize=\"fp8\""):
+    with pytest.raises(
+        ValueError,
+        match=r"fp8 checkpoint's layers under tensor parallelism \(e\.g\. "
+        r"model\.layers\.0\.self_attn\.q_proj\).*quantize=\"fp8\"",
+    ):
         hfaccel.accelerate(model, attention="torch")
     assert not hasattr(model, "hfaccel")

@@ -42,8 +42,13 @@ def _engine_rank(path: str, prompts: list[list[int]], budgets: list[int]) -> dic
         stats = engine.stats()
     finally:
         engine.shutdown()
-    return {"outputs": _outputs(outputs), "stats": stats, "kv_heads": engine.runner.pool.group_shapes[0][0],
-            "steps": engine.host_times.steps, "copies": engine.runner.pool.copies_made}
+    return {
+        "outputs": _outputs(outputs),
+        "stats": stats,
+        "kv_heads": engine.runner.pool.group_shapes[0][0],
+        "steps": engine.host_times.steps,
+        "copies": engine.runner.pool.copies_made,
+    }
 
 
 def test_engine_under_tp_equals_single_process(saved_llama, tmp_path):
@@ -51,8 +56,9 @@ def test_engine_under_tp_equals_single_process(saved_llama, tmp_path):
 
     prompts, budgets = mixed_prompts()
     single = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.float32)
-    expected = _outputs(hfaccel.Engine(hfaccel.accelerate(single, attention="torch"), **ENGINE)
-                        .generate(prompts, _params(budgets)))
+    expected = _outputs(
+        hfaccel.Engine(hfaccel.accelerate(single, attention="torch"), **ENGINE).generate(prompts, _params(budgets))
+    )
 
     leader, follower = run_ranks(_engine_rank, str(saved_llama), prompts, budgets, workdir=tmp_path, timeout=120)
 
@@ -72,8 +78,9 @@ def _static_engine_rank(path: str, prompts: list[list[int]], budgets: list[int])
     model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), cuda_graphs=True, **ENGINE)
     static, run_packed = [], DecodeGraphs.run_packed
-    engine.runner.graphs.run_packed = lambda *args: static.append(args[0].shape[0]) or run_packed(
-        engine.runner.graphs, *args)
+    engine.runner.graphs.run_packed = lambda *args: (
+        static.append(args[0].shape[0]) or run_packed(engine.runner.graphs, *args)
+    )
     result = {"static": static}
     if engine.is_leader:
         try:
@@ -108,11 +115,11 @@ def test_engine_under_tp_runs_its_decode_steps_static_on_every_rank(saved_llama,
 
     prompts, budgets = mixed_prompts()
     single = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.float32)
-    expected = _outputs(hfaccel.Engine(hfaccel.accelerate(single, attention="torch"), **ENGINE)
-                        .generate(prompts, _params(budgets)))
+    expected = _outputs(
+        hfaccel.Engine(hfaccel.accelerate(single, attention="torch"), **ENGINE).generate(prompts, _params(budgets))
+    )
 
-    leader, follower = run_ranks(_static_engine_rank, str(saved_llama), prompts, budgets, workdir=tmp_path,
-                                 timeout=120)
+    leader, follower = run_ranks(_static_engine_rank, str(saved_llama), prompts, budgets, workdir=tmp_path, timeout=120)
 
     assert leader["outputs"] == expected
     assert leader["static"] and leader["static"] == follower["static"]

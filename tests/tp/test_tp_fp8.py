@@ -21,9 +21,12 @@ def _fp8_rank(path: str, batch: dict) -> dict:
     hfaccel.accelerate(model, attention="torch", quantize="fp8")
     tokens = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
     layers = {name: model.get_submodule(name) for name in LAYERS}
-    return {"tokens": tokens, "decode": str(model.hfaccel.decode),
-            "types": {name: type(layer).__name__ for name, layer in layers.items()},
-            "weights": {name: (layer.weight.view(torch.uint8), layer.weight_scale) for name, layer in layers.items()}}
+    return {
+        "tokens": tokens,
+        "decode": str(model.hfaccel.decode),
+        "types": {name: type(layer).__name__ for name, layer in layers.items()},
+        "weights": {name: (layer.weight.view(torch.uint8), layer.weight_scale) for name, layer in layers.items()},
+    }
 
 
 def test_fp8_under_tp_equals_fp8_single_process(saved_llama, tmp_path):

@@ -36,8 +36,12 @@ def _tp_rank(path: str, batch: dict) -> dict:
     hfaccel.accelerate(model, attention="torch")  # "torch": hfaccel's decode loop on the CPU too
     out = _generate(model, batch)
     session = model.hfaccel.session
-    return {**out, "decode": str(model.hfaccel.decode), "pool_kv_heads": session.runner.pool.group_shapes[0][0],
-            "config_kv_heads": model.config.num_key_value_heads}
+    return {
+        **out,
+        "decode": str(model.hfaccel.decode),
+        "pool_kv_heads": session.runner.pool.group_shapes[0][0],
+        "config_kv_heads": model.config.num_key_value_heads,
+    }
 
 
 def test_generate_under_tp_equals_single_process(saved_model, tmp_path):

@@ -28,9 +28,14 @@ def _int4_rank(path: str, batch: dict) -> dict:
     hfaccel.accelerate(model, attention="torch", quantize="rtn", group_size=GROUP)
     tokens = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
     layers = {name: model.get_submodule(name) for name in LAYERS}
-    return {"error": error, "unchanged": unchanged, "tokens": tokens, "decode": str(model.hfaccel.decode),
-            "types": {name: type(layer).__name__ for name, layer in layers.items()},
-            "weights": {name: (layer.qweight, layer.scales, layer.zeros) for name, layer in layers.items()}}
+    return {
+        "error": error,
+        "unchanged": unchanged,
+        "tokens": tokens,
+        "decode": str(model.hfaccel.decode),
+        "types": {name: type(layer).__name__ for name, layer in layers.items()},
+        "weights": {name: (layer.qweight, layer.scales, layer.zeros) for name, layer in layers.items()},
+    }
 
 
 def test_int4_under_tp_equals_int4_single_process(saved_llama, tmp_path):
@@ -47,8 +52,7 @@ def test_int4_under_tp_equals_int4_single_process(saved_llama, tmp_path):
         assert got["error"] is not None and "model.layers.0.mlp.down_proj (rowwise" in got["error"], got["error"]
         assert "split 2 ways into multiples of group_size (32)" in got["error"]
         assert got["unchanged"] == "Linear"  # the failed call changed nothing
-        assert got["types"] == {LAYERS[0]: "Int4Linear", LAYERS[1]: "RowwiseInt4Linear",
-                                LAYERS[2]: "RowwiseInt4Linear"}
+        assert got["types"] == {LAYERS[0]: "Int4Linear", LAYERS[1]: "RowwiseInt4Linear", LAYERS[2]: "RowwiseInt4Linear"}
         for name, (qweight, scales, zeros) in got["weights"].items():
             whole = single.get_submodule(name)
             if name.endswith("q_proj"):  # colwise: this rank's output columns ([K/8, N] layout)
@@ -56,8 +60,11 @@ def test_int4_under_tp_equals_int4_single_process(saved_llama, tmp_path):
                 parts = (whole.qweight[:, columns], whole.scales[:, columns], whole.zeros[:, columns])
             else:  # rowwise: this rank's input rows, whole groups
                 rows, groups = qweight.shape[0], scales.shape[0]
-                parts = (whole.qweight[rank * rows:(rank + 1) * rows], whole.scales[rank * groups:(rank + 1) * groups],
-                         whole.zeros[rank * groups:(rank + 1) * groups])
+                parts = (
+                    whole.qweight[rank * rows : (rank + 1) * rows],
+                    whole.scales[rank * groups : (rank + 1) * groups],
+                    whole.zeros[rank * groups : (rank + 1) * groups],
+                )
             for got_part, want in zip((qweight, scales, zeros), parts):
                 assert torch.equal(got_part, want), f"rank {rank} {name}"
         assert got["decode"] == "hfaccel"

@@ -42,8 +42,20 @@ from rich.console import Console
 from hfaccel.tools.bench.timing import environment
 
 # case -> module of hfaccel.tools.bench with ``run(options, console) -> dict`` (result sections)
-CASES = ("attention", "paged", "memory", "decode", "engine", "speculative", "int4", "fp8", "serve", "structured",
-         "lora", "vlm")
+CASES = (
+    "attention",
+    "paged",
+    "memory",
+    "decode",
+    "engine",
+    "speculative",
+    "int4",
+    "fp8",
+    "serve",
+    "structured",
+    "lora",
+    "vlm",
+)
 NOT_IN_ALL = ("int4", "fp8", "serve", "structured", "lora", "vlm")  # int4, fp8, vlm build multi-billion models;
 # serve starts (or needs) a server; structured needs the optional xgrammar; lora makes its adapters with peft (a dev
 # dependency)
@@ -75,13 +87,27 @@ class BenchOptions:
         return self.device.type == "cuda"
 
 
-def run_bench(what: str | list[str] = "all", model: str | None = None, device: str = "auto",
-              dtypes: list[str] | None = None, batches: list[int] | None = None, prompt_len: int | None = None,
-              new_tokens: int | None = None, output: str | None = None, console: Console | None = None,
-              draft: str = "int4", num_draft_tokens: int = 4, num_requests: int | None = None,
-              url: str | None = None, host: bool = False, tokenizer: str | None = None,
-              tensor_parallel_size: int = 1, profile: bool = False, layers: int | None = None,
-              kv_cache_dtype: str | None = None) -> dict:
+def run_bench(
+    what: str | list[str] = "all",
+    model: str | None = None,
+    device: str = "auto",
+    dtypes: list[str] | None = None,
+    batches: list[int] | None = None,
+    prompt_len: int | None = None,
+    new_tokens: int | None = None,
+    output: str | None = None,
+    console: Console | None = None,
+    draft: str = "int4",
+    num_draft_tokens: int = 4,
+    num_requests: int | None = None,
+    url: str | None = None,
+    host: bool = False,
+    tokenizer: str | None = None,
+    tensor_parallel_size: int = 1,
+    profile: bool = False,
+    layers: int | None = None,
+    kv_cache_dtype: str | None = None,
+) -> dict:
     """Run the selected benchmarks (one name, a list, or "all"), print tables, write JSON; returns the results."""
     chosen = {what} if isinstance(what, str) else set(what)
     unknown = sorted(chosen - set(CASES) - {"all"})
@@ -90,9 +116,24 @@ def run_bench(what: str | list[str] = "all", model: str | None = None, device: s
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     names = dtypes or (["float16", "bfloat16"] if dev.type == "cuda" else ["float32"])
-    options = BenchOptions(dev, [getattr(torch, d) for d in names], model, batches, prompt_len, new_tokens, draft,
-                           num_draft_tokens, num_requests, url, host, tokenizer, tensor_parallel_size, profile,
-                           layers, kv_cache_dtype)
+    options = BenchOptions(
+        dev,
+        [getattr(torch, d) for d in names],
+        model,
+        batches,
+        prompt_len,
+        new_tokens,
+        draft,
+        num_draft_tokens,
+        num_requests,
+        url,
+        host,
+        tokenizer,
+        tensor_parallel_size,
+        profile,
+        layers,
+        kv_cache_dtype,
+    )
     results = {"environment": environment(dev)}
     for case in CASES:
         if case in chosen or ("all" in chosen and case not in NOT_IN_ALL):

@@ -17,9 +17,17 @@ from hfaccel.tools.bench.timing import table, time_ms
 
 # (batch, heads, kv_heads, seq, head_dim): Llama-3.1-8B and 3.2-1B heads (32 over 8, d 128 / 64), Gemma-2-2B's
 # (8 over 4, d 256), a d-80 MHA model; S 1k-8k.
-CUDA_GRID = [(4, 32, 8, 1024, 128), (2, 32, 8, 2048, 128), (1, 32, 8, 4096, 128), (1, 32, 8, 8192, 128),
-             (4, 32, 8, 2048, 64), (1, 32, 8, 8192, 64), (2, 8, 4, 2048, 256), (1, 8, 4, 8192, 256),
-             (1, 32, 32, 2048, 80)]
+CUDA_GRID = [
+    (4, 32, 8, 1024, 128),
+    (2, 32, 8, 2048, 128),
+    (1, 32, 8, 4096, 128),
+    (1, 32, 8, 8192, 128),
+    (4, 32, 8, 2048, 64),
+    (1, 32, 8, 8192, 64),
+    (2, 8, 4, 2048, 256),
+    (1, 8, 4, 8192, 256),
+    (1, 32, 32, 2048, 80),
+]
 CPU_GRID = [(1, 4, 2, 128, 64), (1, 4, 4, 256, 128)]
 PLAIN_CAUSAL = KernelMask(key_mask=None, q_offset=0, kv_offset=0, causal=True, sliding_window=None)
 
@@ -49,27 +57,42 @@ def bench_attention(grid, dtypes, device: torch.device) -> list[AttentionRow]:
     return [_row(*shape, dtype, device) for shape in grid for dtype in dtypes]
 
 
-def _row(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-         device: torch.device) -> AttentionRow:
+def _row(
+    batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> AttentionRow:
     def states(h):  # [B, H, S, D] views of [B, S, H, D] projections, as transformers passes them
         return torch.randn(batch, seq, h, head_dim, device=device, dtype=dtype).transpose(1, 2)
 
     q, k, v = states(heads), states(kv_heads), states(kv_heads)
     module = torch.nn.Module()
     ours = time_ms(lambda: flash_attention(q, k, v, causal=True), device)
-    theirs = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads),
-                     device)
+    theirs = time_ms(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads), device
+    )
     routed = time_ms(lambda: auto_attention(module, q, k, v, PLAIN_CAUSAL), device)
     flops = attention_flops(batch, heads, seq, seq, head_dim, causal=True)
     cfg = pick_config(head_dim, dtype, seq, heads // kv_heads, device)
-    return AttentionRow(batch, heads, kv_heads, seq, head_dim, str(dtype).removeprefix("torch."), ours, theirs,
-                        flops / ours / 1e9, flops / theirs / 1e9, theirs / ours, resolve_backend("auto", device),
-                        f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}{' tma' if cfg.tma else ''}",
-                        prefill_route("auto", q, k, PLAIN_CAUSAL, None), routed, theirs / routed)
+    return AttentionRow(
+        batch,
+        heads,
+        kv_heads,
+        seq,
+        head_dim,
+        str(dtype).removeprefix("torch."),
+        ours,
+        theirs,
+        flops / ours / 1e9,
+        flops / theirs / 1e9,
+        theirs / ours,
+        resolve_backend("auto", device),
+        f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}{' tma' if cfg.tma else ''}",
+        prefill_route("auto", q, k, PLAIN_CAUSAL, None),
+        routed,
+        theirs / routed,
+    )
 
 
 def run(options, console) -> dict:
-    rows = [asdict(r) for r in bench_attention(CUDA_GRID if options.cuda else CPU_GRID, options.dtypes,
-                                                 options.device)]
+    rows = [asdict(r) for r in bench_attention(CUDA_GRID if options.cuda else CPU_GRID, options.dtypes, options.device)]
     console.print(table("prefill attention (causal): hfaccel's kernel, torch SDPA, and the routed path", rows))
     return {"attention": rows}

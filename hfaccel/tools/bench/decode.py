@@ -34,7 +34,7 @@ from hfaccel.hf import accelerate, restore
 from hfaccel.device import to_device
 from hfaccel.sampling import SampleRow, SamplingParams, draw_columns, draw_step, sample
 from hfaccel.tools.bench.timing import read_bandwidth, read_ms, sync, table, time_ms, weight_read_bytes
-from hfaccel.runner.graphs import failure_reason
+from hfaccel.runner.step_function import failure_reason
 from hfaccel.tools.models import build_model
 
 STATIC_COMPILE = "transformers static+compile"
@@ -85,8 +85,10 @@ def sampler_rows(decode: list[DecodeRow], device: torch.device) -> list[SamplerR
     for step in (row for row in decode if row.path == "hfaccel"):
         batch, step_ms = step.batch, step.ms_per_step
         logits = torch.randn(batch, step.vocab_size, device=device)
-        for label, params in (("greedy", SamplingParams(temperature=0)),
-                              ("seeded (temperature 1, top-p 0.9)", SAMPLED)):
+        for label, params in (
+            ("greedy", SamplingParams(temperature=0)),
+            ("seeded (temperature 1, top-p 0.9)", SAMPLED),
+        ):
             sample_rows = [SampleRow(params, params.seed, [1], [], stream=i) for i in range(batch)]
             ms = time_ms(lambda: sample(logits, sample_rows).tokens, device)
             rows.append(SamplerRow(step.model, batch, label, ms, ms / step_ms))
@@ -160,8 +162,9 @@ def kernel_rows(spec: str, model, input_ids: torch.Tensor, new_tokens: int, kwar
         per_step[name] = ((us - prefill_us) / steps, (calls - prefill_calls) / steps)
     total = sum(us for us, _ in per_step.values() if us > 0) or 1.0
     ranked = sorted(per_step.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]
-    return [KernelRow(spec, input_ids.shape[0], name[:100], calls, us, us / total) for name, (us, calls) in ranked
-            if us > 0]
+    return [
+        KernelRow(spec, input_ids.shape[0], name[:100], calls, us, us / total) for name, (us, calls) in ranked if us > 0
+    ]
 
 
 def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> dict[str, tuple[float, int]]:
@@ -176,8 +179,11 @@ def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict)
         model.generate(input_ids, **args)
         sync(input_ids.device)
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    return {event.key: (event.self_device_time_total if cuda else event.self_cpu_time_total, event.count)
-            for event in profiled.key_averages() if event.device_type == kind}
+    return {
+        event.key: (event.self_device_time_total if cuda else event.self_cpu_time_total, event.count)
+        for event in profiled.key_averages()
+        if event.device_type == kind
+    }
 
 
 def _set_up_tracer(device: torch.device) -> None:
@@ -189,9 +195,17 @@ def _set_up_tracer(device: torch.device) -> None:
         sync(device)
 
 
-def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int, device: torch.device,
-                 dtype: torch.dtype, profile: bool = False, layers: int | None = None,
-                 failures: dict | None = None) -> tuple[list[DecodeRow], list[KernelRow]]:
+def bench_decode(
+    spec: str,
+    batches: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    profile: bool = False,
+    layers: int | None = None,
+    failures: dict | None = None,
+) -> tuple[list[DecodeRow], list[KernelRow]]:
     """Decode speed of each path at each batch size (greedy, fixed length, random prompts); with ``profile``
     hfaccel's decode step by kernel at each batch size. A path that raises is left out, its reason put in
     ``failures`` (path and batch -> reason)."""
@@ -220,9 +234,23 @@ def bench_decode(spec: str, batches: list[int], prompt_len: int, new_tokens: int
         restore(model)
         theirs = {path: ms for path, ms in measured.items() if path.startswith("transformers")}
         baseline = min(theirs, key=theirs.get)
-        rows += [DecodeRow(spec, str(dtype).removeprefix("torch."), path, batch, prompt_len, new_tokens,
-                           batch / ms * 1e3, ms, theirs[baseline] / ms, baseline, weight_ms / ms * 100, vocab)
-                 for path, ms in measured.items()]
+        rows += [
+            DecodeRow(
+                spec,
+                str(dtype).removeprefix("torch."),
+                path,
+                batch,
+                prompt_len,
+                new_tokens,
+                batch / ms * 1e3,
+                ms,
+                theirs[baseline] / ms,
+                baseline,
+                weight_ms / ms * 100,
+                vocab,
+            )
+            for path, ms in measured.items()
+        ]
     return rows, kernels
 
 
@@ -238,23 +266,40 @@ def plan(options) -> list[tuple[str, torch.dtype]]:
 def run(options, console) -> dict:
     rows, sampler, kernels, failures = [], [], [], {}
     for spec, dtype in plan(options):
-        measured, profiled = bench_decode(spec, options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
-                                          options.prompt_len or (128 if options.cuda else 32),
-                                          options.new_tokens or (128 if options.cuda else 16), options.device, dtype,
-                                          profile=options.profile, layers=options.layers, failures=failures)
+        measured, profiled = bench_decode(
+            spec,
+            options.batches or ([1, 16, 64] if options.cuda else [1, 4]),
+            options.prompt_len or (128 if options.cuda else 32),
+            options.new_tokens or (128 if options.cuda else 16),
+            options.device,
+            dtype,
+            profile=options.profile,
+            layers=options.layers,
+            failures=failures,
+        )
         sampler += sampler_rows(measured, options.device)
         rows += measured
         kernels += profiled
     rows, sampler, kernels = ([asdict(r) for r in part] for part in (rows, sampler, kernels))
-    console.print(table("decode: generate() decode steps (vs_baseline: the fastest transformers path that ran, "
-                        "named in baseline; pct_roofline: one weight read at the read bandwidth / the step)", rows))
+    console.print(
+        table(
+            "decode: generate() decode steps (vs_baseline: the fastest transformers path that ran, "
+            "named in baseline; pct_roofline: one weight read at the read bandwidth / the step)",
+            rows,
+        )
+    )
     for where, reason in failures.items():
         console.print(f"[yellow]could not run {where}: {reason}")
     console.print(table("the sampler's share of hfaccel's decode step", sampler))
     if not options.profile:
         return {"decode": rows, "decode_sampler": sampler, "decode_failures": failures}
-    console.print(table(f"hfaccel's decode step by kernel (torch.profiler; the top {PROFILE_TOP} by time per step, "
-                        "share of the step's kernel time)", kernels))
+    console.print(
+        table(
+            f"hfaccel's decode step by kernel (torch.profiler; the top {PROFILE_TOP} by time per step, "
+            "share of the step's kernel time)",
+            kernels,
+        )
+    )
     return {"decode": rows, "decode_sampler": sampler, "decode_kernels": kernels, "decode_failures": failures}
 
 
@@ -271,8 +316,9 @@ class QuantizedDecodeRow:
     pct_roofline: float  # one read of those bytes at the read bandwidth / the step
 
 
-def dense_then_quantized(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
-                         dtype: torch.dtype, quantize_model) -> list[QuantizedDecodeRow]:
+def dense_then_quantized(
+    spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device, dtype: torch.dtype, quantize_model
+) -> list[QuantizedDecodeRow]:
     """Accelerated generate() decode steps with the model's 16-bit weights, then with the same model quantized in
     place by ``quantize_model(model)`` (which returns the weights' label), so the dense run always comes first."""
     model = build_model(spec, device, dtype)
@@ -286,9 +332,18 @@ def dense_then_quantized(spec: str, batches, prompt_len: int, new_tokens: int, d
         for batch in batches:
             ms = step_ms(model, inputs[batch], new_tokens, {})
             dense = next((r.ms_per_step for r in rows if r.batch == batch), None)
-            rows.append(QuantizedDecodeRow(spec, weights, batch, new_tokens, batch / ms * 1e3, ms,
-                                           dense / ms if dense else 1.0, step_bytes / 1e9,
-                                           100 * read_ms(step_bytes, bandwidth) / ms))
+            rows.append(
+                QuantizedDecodeRow(
+                    spec,
+                    weights,
+                    batch,
+                    new_tokens,
+                    batch / ms * 1e3,
+                    ms,
+                    dense / ms if dense else 1.0,
+                    step_bytes / 1e9,
+                    100 * read_ms(step_bytes, bandwidth) / ms,
+                )
+            )
         restore(model)
     return rows
-

@@ -92,16 +92,26 @@ class Workload:
     output_lens: list[int]
 
 
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
-                  seed: int = 0) -> Workload:
+def make_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int = 0
+) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
-def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: int, block_size: int = 16,
-                 max_num_batched_tokens: int = 2048, static_batch: int = 32, sequential_subset: int = 8,
-                 kv_cache_dtype: str | None = None):
+def bench_engine(
+    model,
+    work: Workload,
+    device: torch.device,
+    *,
+    max_num_seqs: int,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    static_batch: int = 32,
+    sequential_subset: int = 8,
+    kv_cache_dtype: str | None = None,
+):
     """Rows for each serving path, and the decode-step table. Every path is timed on its second run of the
     workload (the first compiles, captures and warms caches); the engine's variants alternate, A B B A, and each
     reports the median of its two timed runs. ``kv_cache_dtype`` ("fp8"): one more engine, its pool in that dtype
@@ -112,8 +122,12 @@ def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: i
     rows.append(_sequential(model, work, sequential_subset, device))
     rows.append(_static_batches(model, work, static_batch, device))
     accelerate(model, paged=False)
-    settings = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                "num_blocks": num_blocks, "block_size": block_size}
+    settings = {
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+    }
     engines = {"hfaccel Engine": Engine(model, **settings)}
     if engines["hfaccel Engine"].async_scheduling:
         engines["hfaccel Engine, synchronous scheduling"] = Engine(model, async_scheduling=False, **settings)
@@ -134,18 +148,21 @@ def bench_engine(model, work: Workload, device: torch.device, *, max_num_seqs: i
     return rows, decode
 
 
-def _generate_batch(model, work: Workload, num_blocks: int, block_size: int, max_tokens: int,
-                    device: torch.device) -> ServingRow:
+def _generate_batch(
+    model, work: Workload, num_blocks: int, block_size: int, max_tokens: int, device: torch.device
+) -> ServingRow:
     from transformers import GenerationConfig
 
     mean_len = round(statistics.mean(work.output_lens))
     config = GenerationConfig(max_new_tokens=mean_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cb_config, settings = compat.continuous_batching_config(num_blocks, block_size, max_tokens,
-                                                            fastest=device.type == "cuda")
+    cb_config, settings = compat.continuous_batching_config(
+        num_blocks, block_size, max_tokens, fastest=device.type == "cuda"
+    )
     for _ in range(2):  # the first run warms up; the second is timed
         start = time.perf_counter()
-        outputs = model.generate_batch(inputs=work.prompts, generation_config=config,
-                                       continuous_batching_config=cb_config, record_timestamps=True)
+        outputs = model.generate_batch(
+            inputs=work.prompts, generation_config=config, continuous_batching_config=cb_config, record_timestamps=True
+        )
         sync(device)
         seconds = time.perf_counter() - start
     produced = sum(len(o.generated_tokens) for o in outputs.values())
@@ -156,8 +173,9 @@ def _generate_batch(model, work: Workload, num_blocks: int, block_size: int, max
 
 def _sequential(model, work: Workload, subset: int, device: torch.device) -> ServingRow:
     tokens, seconds = 0, 0.0
-    model.generate(torch.tensor([work.prompts[0]], device=device), max_new_tokens=4, do_sample=False,
-                   pad_token_id=0)  # warm-up
+    model.generate(
+        torch.tensor([work.prompts[0]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=0
+    )  # warm-up
     for prompt, length in list(zip(work.prompts, work.output_lens))[:subset]:
         ids = torch.tensor([prompt], device=device)
         start = time.perf_counter()
@@ -172,8 +190,8 @@ def _static_batches(model, work: Workload, size: int, device: torch.device) -> S
     _static_batch(model, work.prompts[:size], work.output_lens[:size], device)  # warm-up
     tokens, start = 0, time.perf_counter()
     for first in range(0, len(work.prompts), size):
-        lengths = work.output_lens[first:first + size]
-        _static_batch(model, work.prompts[first:first + size], lengths, device)
+        lengths = work.output_lens[first : first + size]
+        _static_batch(model, work.prompts[first : first + size], lengths, device)
         tokens += sum(lengths)  # what the requests asked for; the rest of each row is padding work
     sync(device)
     return _row(f"padded static batches of {size}", len(work.prompts), tokens, time.perf_counter() - start, [], [])
@@ -184,8 +202,14 @@ def _static_batch(model, prompts: list[list[int]], lengths: list[int], device: t
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
-                   do_sample=False, pad_token_id=0)
+    model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max(lengths),
+        min_new_tokens=max(lengths),
+        do_sample=False,
+        pad_token_id=0,
+    )
 
 
 def _engine_run(engine: Engine, work: Workload, device: torch.device, name: str) -> ServingRow:
@@ -230,8 +254,9 @@ def _decode_step(engine: Engine, batch: int, context: int, device: torch.device)
 
 
 def _row(path: str, requests: int, tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> ServingRow:
-    return ServingRow(path, requests, tokens, seconds, tokens / seconds, None, *percentiles_ms(ttft),
-                      *percentiles_ms(itl))
+    return ServingRow(
+        path, requests, tokens, seconds, tokens / seconds, None, *percentiles_ms(ttft), *percentiles_ms(itl)
+    )
 
 
 def bench_host(model, tokenizer, batches, device: torch.device) -> list[HostStepRow]:
@@ -249,8 +274,14 @@ def bench_host(model, tokenizer, batches, device: torch.device) -> list[HostStep
         generate_ms = (time.perf_counter() - start) * 1e3 / HOST_OUTPUT
         accelerate(model, paged=False)
         blocks = batch * -(-(HOST_PROMPT + HOST_OUTPUT) // 16) + 1
-        engine = Engine(model, tokenizer, max_num_seqs=batch, num_blocks=blocks, max_num_batched_tokens=max(
-            512, batch * HOST_PROMPT), enable_prefix_caching=False)
+        engine = Engine(
+            model,
+            tokenizer,
+            max_num_seqs=batch,
+            num_blocks=blocks,
+            max_num_batched_tokens=max(512, batch * HOST_PROMPT),
+            enable_prefix_caching=False,
+        )
         params = SamplingParams(max_tokens=HOST_OUTPUT, temperature=0, ignore_eos=True)
         engine.generate(work.prompts, params)  # warm-up
         engine.host_times.reset()
@@ -263,8 +294,17 @@ def bench_host(model, tokenizer, batches, device: torch.device) -> list[HostStep
         times = engine.host_times
         step_ms = (time.perf_counter() - start) * 1e3 / max(times.steps, 1)
         parts = times.per_step_ms()
-        rows.append(HostStepRow(batch, times.steps, step_ms, *parts.values(), step_ms - sum(parts.values()),
-                                generate_ms, step_ms / generate_ms))
+        rows.append(
+            HostStepRow(
+                batch,
+                times.steps,
+                step_ms,
+                *parts.values(),
+                step_ms - sum(parts.values()),
+                generate_ms,
+                step_ms / generate_ms,
+            )
+        )
         del engine
         gc.collect()
     return rows
@@ -289,24 +329,41 @@ def run(options, console) -> dict:
         tokenizer = _host_tokenizer(net)
         rows = [asdict(r) for r in bench_host(net, tokenizer, options.batches or HOST_BATCHES, options.device)]
         detok = "with SmolLM2's tokenizer" if tokenizer is not None else "token ids only, no detokenization"
-        console.print(table(f"engine host time per step (ms), {spec}, {HOST_PROMPT}-token prompts, {HOST_OUTPUT} "
-                            f"greedy tokens, {detok}", rows))
+        console.print(
+            table(
+                f"engine host time per step (ms), {spec}, {HOST_PROMPT}-token prompts, {HOST_OUTPUT} "
+                f"greedy tokens, {detok}",
+                rows,
+            )
+        )
         restore(net)
         return {"engine_host": rows}
     count = options.num_requests or (256 if options.cuda else 32)
-    work = make_workload(count, (16, 512) if options.cuda else (8, 64), (16, 256) if options.cuda else (4, 32),
-                         net.config.vocab_size)
+    work = make_workload(
+        count, (16, 512) if options.cuda else (8, 64), (16, 256) if options.cuda else (4, 32), net.config.vocab_size
+    )
     if options.tensor_parallel_size > 1:
         from hfaccel.tools.bench.engine_tp import run_tp
 
         del net  # every rank loads its shard from a saved copy
-        return run_tp(options, console, spec, work, max_num_seqs=256 if options.cuda else 16,
-                      max_num_batched_tokens=4096 if options.cuda else 512)
+        return run_tp(
+            options,
+            console,
+            spec,
+            work,
+            max_num_seqs=256 if options.cuda else 16,
+            max_num_batched_tokens=4096 if options.cuda else 512,
+        )
     # generate_batch bounds its running requests by KV blocks and tokens only: the engine gets the same freedom
     # (256 sequences, its largest decode graph), so that neither path's TTFT is a queue the other does not have
-    rows, decode = bench_engine(net, work, options.device, max_num_seqs=256 if options.cuda else 16,
-                                max_num_batched_tokens=4096 if options.cuda else 512,
-                                kv_cache_dtype=options.kv_cache_dtype)
+    rows, decode = bench_engine(
+        net,
+        work,
+        options.device,
+        max_num_seqs=256 if options.cuda else 16,
+        max_num_batched_tokens=4096 if options.cuda else 512,
+        kv_cache_dtype=options.kv_cache_dtype,
+    )
     serving, steps = [asdict(r) for r in rows], [asdict(r) for r in decode]
     console.print(table(f"serving {count} requests, {spec}: output tokens/s and latency", serving))
     console.print(table(f"engine decode step vs reading the weights once ({spec})", steps))

@@ -40,31 +40,52 @@ class TPStepRow:
     all_reduce_share: float  # all_reduce_ms / step_ms
 
 
-def run_tp(options, console, spec: str, work, max_num_seqs: int, max_num_batched_tokens: int,
-           block_size: int = 16) -> dict:
+def run_tp(
+    options, console, spec: str, work, max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16
+) -> dict:
     """Save the model, run :func:`_rank` on ``options.tensor_parallel_size`` ranks, print and return the row."""
     from hfaccel.distributed import RankFailed, supervise
 
     size, batch = options.tensor_parallel_size, (options.batches or [min(64, max_num_seqs)])[0]
     need = sum(-(-(len(p) + n) // block_size) for p, n in zip(work.prompts, work.output_lens))
-    settings = dict(max_num_seqs=max(max_num_seqs, batch), max_num_batched_tokens=max_num_batched_tokens,
-                    block_size=block_size, num_blocks=max(need, batch * -(-(DECODE_CONTEXT + 8) // block_size)))
+    settings = dict(
+        max_num_seqs=max(max_num_seqs, batch),
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_blocks=max(need, batch * -(-(DECODE_CONTEXT + 8) // block_size)),
+    )
     with tempfile.TemporaryDirectory(prefix="hfaccel-bench-tp-") as folder:
         build_model(spec, torch.device("cpu"), options.dtypes[0]).save_pretrained(folder)
         result = Path(folder) / "result.json"
         try:
-            supervise(_rank, (folder, spec, options.device.type, str(options.dtypes[0]).removeprefix("torch."),
-                              work, batch, settings, str(result)), size)
+            supervise(
+                _rank,
+                (
+                    folder,
+                    spec,
+                    options.device.type,
+                    str(options.dtypes[0]).removeprefix("torch."),
+                    work,
+                    batch,
+                    settings,
+                    str(result),
+                ),
+                size,
+            )
         except RankFailed as error:
             raise SystemExit(f"hfaccel bench engine: {error}") from None
         row = json.loads(result.read_text())
-    console.print(table(f"engine over {size} tensor-parallel ranks, {spec}: the all-reduce share of a decode step "
-                        "(the collectives timed alone)", [row]))
+    console.print(
+        table(
+            f"engine over {size} tensor-parallel ranks, {spec}: the all-reduce share of a decode step "
+            "(the collectives timed alone)",
+            [row],
+        )
+    )
     return {"engine_tp": [row]}
 
 
-def _rank(folder: str, spec: str, device_type: str, dtype: str, work, batch: int, settings: dict,
-          result: str) -> None:
+def _rank(folder: str, spec: str, device_type: str, dtype: str, work, batch: int, settings: dict, result: str) -> None:
     """One rank: the sharded model, the engine (rank 0 serves and times; the others follow), then the collectives."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, DistributedConfig
@@ -76,8 +97,12 @@ def _rank(folder: str, spec: str, device_type: str, dtype: str, work, batch: int
 
     device = torch.device(device_type)
     init_ranks(backend_for(device))
-    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"),
-                                                 dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        distributed_config=DistributedConfig(tp_plan="auto"),
+        dtype=getattr(torch, dtype),
+        attn_implementation="sdpa",
+    ).eval()
     engine = Engine(accelerate(model), **settings)
     device = engine.runner.device
     if engine.is_leader:
@@ -92,8 +117,16 @@ def _rank(folder: str, spec: str, device_type: str, dtype: str, work, batch: int
     config = model.config.get_text_config(decoder=True)
     reduce_ms = all_reduce_ms(2 * config.num_hidden_layers, (batch, config.hidden_size), model.dtype, device)
     if dist.get_rank() == 0:
-        row = TPStepRow(spec, dist.get_world_size(), backend_for(device), batch, served.tokens_per_s, step.step_ms,
-                        reduce_ms, reduce_ms / step.step_ms)
+        row = TPStepRow(
+            spec,
+            dist.get_world_size(),
+            backend_for(device),
+            batch,
+            served.tokens_per_s,
+            step.step_ms,
+            reduce_ms,
+            reduce_ms / step.step_ms,
+        )
         Path(result).write_text(json.dumps(asdict(row)))
 
 

@@ -56,27 +56,47 @@ def bench_fp8_kernels(shapes, ms, dtypes, device: torch.device, on_row=lambda ro
     rows = []
     for k, n in shapes:
         first = random_fp8_weight(n, k, device)
-        weights = [first] + [random_fp8_weight(n, k, device)
-                             for _ in range(l2_cold_copies(tensor_bytes(first), device) - 1)]
+        weights = [first] + [
+            random_fp8_weight(n, k, device) for _ in range(l2_cold_copies(tensor_bytes(first), device) - 1)
+        ]
         for dtype in dtypes:
-            denses = [torch.randn(n, k, device=device, dtype=dtype) * 0.02
-                      for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))]
+            denses = [
+                torch.randn(n, k, device=device, dtype=dtype) * 0.02
+                for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))
+            ]
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 fp8 = cold_graph_time_ms([lambda w=w: fp8_matmul(x, w[0], w[1], k, 1) for w in weights], device) * 1e3
                 cublas = cold_graph_time_ms([lambda d=d: F.linear(x, d) for d in denses], device) * 1e3
-                path = (pick_fp8_config(m, n, k, dtype, k, 1, device).label
-                        if resolve_backend("auto", device) == "triton" else "torch reference")
+                path = (
+                    pick_fp8_config(m, n, k, dtype, k, 1, device).label
+                    if resolve_backend("auto", device) == "triton"
+                    else "torch reference"
+                )
                 gb_per_s = tensor_bytes(first) / fp8 / 1e3
-                rows.append(Fp8KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, fp8, cublas,
-                                         cublas / fp8, gb_per_s, 100 * gb_per_s / bandwidth))
+                rows.append(
+                    Fp8KernelRow(
+                        k,
+                        n,
+                        m,
+                        str(dtype).removeprefix("torch."),
+                        path,
+                        fp8,
+                        cublas,
+                        cublas / fp8,
+                        gb_per_s,
+                        100 * gb_per_s / bandwidth,
+                    )
+                )
                 on_row(rows[-1])
     return rows
 
 
-def bench_fp8_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
-                     dtype: torch.dtype) -> list[QuantizedDecodeRow]:
+def bench_fp8_decode(
+    spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device, dtype: torch.dtype
+) -> list[QuantizedDecodeRow]:
     """Accelerated generate() tokens/s with 16-bit weights, then fp8 (per-channel scales)."""
+
     def fp8(model) -> str:
         quantize(model, "fp8")
         return "fp8 e4m3 per channel"
@@ -86,13 +106,27 @@ def bench_fp8_decode(spec: str, batches, prompt_len: int, new_tokens: int, devic
 
 def run(options, console) -> dict:
     dtypes = [torch.bfloat16] if options.cuda and torch.bfloat16 in options.dtypes else options.dtypes[:1]
-    kernels = [asdict(r) for r in bench_fp8_kernels(CUDA_SHAPES if options.cuda else CPU_SHAPES,
-                                                    CUDA_MS if options.cuda else CPU_MS, dtypes, options.device,
-                                                    lambda r: console.print(row_line(r)))]
+    kernels = [
+        asdict(r)
+        for r in bench_fp8_kernels(
+            CUDA_SHAPES if options.cuda else CPU_SHAPES,
+            CUDA_MS if options.cuda else CPU_MS,
+            dtypes,
+            options.device,
+            lambda r: console.print(row_line(r)),
+        )
+    ]
     console.print(table("fp8 (e4m3, per-channel scales; the routed path) vs cuBLAS: x [M, K] @ W [K, N]", kernels))
-    decode = [asdict(r) for r in bench_fp8_decode(
-        options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"), options.batches or [1, 16],
-        options.prompt_len or (128 if options.cuda else 16), options.new_tokens or (128 if options.cuda else 8),
-        options.device, dtypes[0])]
+    decode = [
+        asdict(r)
+        for r in bench_fp8_decode(
+            options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"),
+            options.batches or [1, 16],
+            options.prompt_len or (128 if options.cuda else 16),
+            options.new_tokens or (128 if options.cuda else 8),
+            options.device,
+            dtypes[0],
+        )
+    ]
     console.print(table("fp8 vs 16-bit weights: accelerated generate() tokens/s", decode))
     return {"fp8_kernels": kernels, "fp8_decode": decode}

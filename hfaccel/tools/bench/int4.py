@@ -56,7 +56,7 @@ class Int4KernelRow:
 
 def random_int4_weight(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device):
     """``(qweight [K/8, N], scales, zeros [K/g, N])`` with random values, in the kernel layout."""
-    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device)
     scales = (torch.rand(k // group_size, n, device=device) * 0.02 + 0.005).to(dtype)
     zeros = torch.randint(0, 16, (k // group_size, n), device=device).to(dtype)
     return qweight, scales, zeros
@@ -66,29 +66,36 @@ def random_int4_weights(n: int, k: int, group_size: int, dtype: torch.dtype, dev
     """Copies of :func:`random_int4_weight`, as many as keep each call of a timed replay that takes them in turn
     reading its weights from HBM (:func:`timing.l2_cold_copies`; one off CUDA)."""
     weights = [random_int4_weight(n, k, group_size, dtype, device)]
-    return weights + [random_int4_weight(n, k, group_size, dtype, device)
-                      for _ in range(l2_cold_copies(tensor_bytes(weights[0]), device) - 1)]
+    return weights + [
+        random_int4_weight(n, k, group_size, dtype, device)
+        for _ in range(l2_cold_copies(tensor_bytes(weights[0]), device) - 1)
+    ]
 
 
-def bench_int4_kernels(shapes, ms, dtypes, device: torch.device,
-                       on_row: Callable[[Int4KernelRow], None] = lambda row: None) -> list[Int4KernelRow]:
+def bench_int4_kernels(
+    shapes, ms, dtypes, device: torch.device, on_row: Callable[[Int4KernelRow], None] = lambda row: None
+) -> list[Int4KernelRow]:
     """Each ``(k, n)`` of ``shapes`` at each dtype and M; ``on_row`` sees each row as it is measured."""
     bandwidth = read_bandwidth(device)
     rows = []
     for k, n in shapes:
         for dtype in dtypes:
             weights = random_int4_weights(n, k, GROUP_SIZE, dtype, device)  # made once for every M
-            denses = [torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
-                      for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))]
+            denses = [
+                torch.randn(n, k, device=device, dtype=dtype) * 0.02  # nn.Linear.weight layout
+                for _ in range(l2_cold_copies(n * k * dtype.itemsize, device))
+            ]
             for m in ms:
-                rows.append(_kernel_row(torch.randn(m, k, device=device, dtype=dtype), weights, denses, device,
-                                        bandwidth))
+                rows.append(
+                    _kernel_row(torch.randn(m, k, device=device, dtype=dtype), weights, denses, device, bandwidth)
+                )
                 on_row(rows[-1])
     return rows
 
 
-def _kernel_row(x: torch.Tensor, weights: list[tuple], denses: list[torch.Tensor], device: torch.device,
-                bandwidth: float) -> Int4KernelRow:
+def _kernel_row(
+    x: torch.Tensor, weights: list[tuple], denses: list[torch.Tensor], device: torch.device, bandwidth: float
+) -> Int4KernelRow:
     """``x [M, K]`` times the int4 weight copies ``weights`` (routed, and dequantize + cuBLAS) and the dense
     ``denses [N, K]`` (cuBLAS), each timed over its copies in turn."""
     (m, k), n, dtype = x.shape, denses[0].shape[0], x.dtype
@@ -97,12 +104,30 @@ def _kernel_row(x: torch.Tensor, weights: list[tuple], denses: list[torch.Tensor
     path = paths[0]
     int4 = cold_graph_time_ms(int4_calls, device) * 1e3
     cublas = cold_graph_time_ms([lambda dense=dense: F.linear(x, dense) for dense in denses], device) * 1e3
-    dequant = cold_graph_time_ms([lambda weight=weight: w4a16_matmul(x, *weight, GROUP_SIZE,
-                                                                     config=W4A16Config("dequant"))
-                                  for weight in weights], device) * 1e3
+    dequant = (
+        cold_graph_time_ms(
+            [
+                lambda weight=weight: w4a16_matmul(x, *weight, GROUP_SIZE, config=W4A16Config("dequant"))
+                for weight in weights
+            ],
+            device,
+        )
+        * 1e3
+    )
     gb_per_s = weight_bytes / int4 / 1e3
-    return Int4KernelRow(k, n, m, str(dtype).removeprefix("torch."), path, int4, cublas, dequant, cublas / int4,
-                         gb_per_s, 100 * gb_per_s / bandwidth)
+    return Int4KernelRow(
+        k,
+        n,
+        m,
+        str(dtype).removeprefix("torch."),
+        path,
+        int4,
+        cublas,
+        dequant,
+        cublas / int4,
+        gb_per_s,
+        100 * gb_per_s / bandwidth,
+    )
 
 
 def _int4_path(x: torch.Tensor, weight, device: torch.device) -> tuple[Callable[[], torch.Tensor], str]:
@@ -122,14 +147,19 @@ def _int4_path(x: torch.Tensor, weight, device: torch.device) -> tuple[Callable[
 def whole_group_size(model: torch.nn.Module) -> int:
     """The largest of 128, 64 and 32 that divides the input width of every Linear but the head, so that every
     layer is quantized (SmolLM2's 576 takes 64; at 128 only its down projections would be)."""
-    widths = {m.in_features for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")}
+    widths = {
+        m.in_features
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")
+    }
     return next((g for g in (GROUP_SIZE, 64, 32) if all(w % g == 0 for w in widths)), GROUP_SIZE)
 
 
-def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device,
-                      dtype: torch.dtype) -> list[QuantizedDecodeRow]:
+def bench_int4_decode(
+    spec: str, batches, prompt_len: int, new_tokens: int, device: torch.device, dtype: torch.dtype
+) -> list[QuantizedDecodeRow]:
     """Accelerated generate() tokens/s with dense weights, then RTN int4 (:func:`whole_group_size`)."""
+
     def int4(model) -> str:
         group_size = whole_group_size(model)
         quantize(model, "rtn", group_size=group_size)
@@ -139,13 +169,27 @@ def bench_int4_decode(spec: str, batches, prompt_len: int, new_tokens: int, devi
 
 
 def run(options, console) -> dict:
-    kernels = [asdict(r) for r in bench_int4_kernels(CUDA_SHAPES if options.cuda else CPU_SHAPES,
-                                                     CUDA_MS if options.cuda else CPU_MS, options.dtypes,
-                                                     options.device, lambda r: console.print(row_line(r)))]
+    kernels = [
+        asdict(r)
+        for r in bench_int4_kernels(
+            CUDA_SHAPES if options.cuda else CPU_SHAPES,
+            CUDA_MS if options.cuda else CPU_MS,
+            options.dtypes,
+            options.device,
+            lambda r: console.print(row_line(r)),
+        )
+    ]
     console.print(table(f"int4 W4A16 (g={GROUP_SIZE}) vs cuBLAS: x [M, K] @ W [K, N]", kernels))
-    decode = [asdict(r) for r in bench_int4_decode(
-        options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"), options.batches or [1, 16],
-        options.prompt_len or (128 if options.cuda else 16), options.new_tokens or (128 if options.cuda else 8),
-        options.device, options.dtypes[0])]
+    decode = [
+        asdict(r)
+        for r in bench_int4_decode(
+            options.model or ("llama-3.1-8b" if options.cuda else "tiny-llama"),
+            options.batches or [1, 16],
+            options.prompt_len or (128 if options.cuda else 16),
+            options.new_tokens or (128 if options.cuda else 8),
+            options.device,
+            options.dtypes[0],
+        )
+    ]
     console.print(table("int4 vs dense weights: accelerated generate() tokens/s", decode))
     return {"int4_kernels": kernels, "int4_decode": decode}

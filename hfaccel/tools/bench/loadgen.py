@@ -17,8 +17,14 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-DEFAULT_PROMPTS = ["the cat sat on", "hello world", "a", "once upon a time there was", "x y z",
-                   "the quick brown fox jumps over the lazy dog"]
+DEFAULT_PROMPTS = [
+    "the cat sat on",
+    "hello world",
+    "a",
+    "once upon a time there was",
+    "x y z",
+    "the quick brown fox jumps over the lazy dog",
+]
 
 
 @dataclass
@@ -52,8 +58,9 @@ async def _one(client, model: str, index: int, prompt: str, max_tokens: int, gat
     async with gate:
         start = time.perf_counter()
         try:
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            )
             async for chunk in stream:
                 if not chunk.choices:
                     continue
@@ -68,8 +75,17 @@ async def _one(client, model: str, index: int, prompt: str, max_tokens: int, gat
     return result
 
 
-async def run_load(url: str, model: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int,
-                   timeout: float = 60.0, deadline: float = 300.0, api_key: str = "none"):
+async def run_load(
+    url: str,
+    model: str,
+    prompts: list[str],
+    requests: int,
+    concurrency: int,
+    max_tokens: int,
+    timeout: float = 60.0,
+    deadline: float = 300.0,
+    api_key: str = "none",
+):
     """(per-request results, summary) of ``requests`` streaming completions at ``concurrency``."""
     from openai import AsyncOpenAI
 
@@ -85,9 +101,16 @@ async def run_load(url: str, model: str, prompts: list[str], requests: int, conc
 
 def summarize(results: list[Result], concurrency: int, seconds: float) -> Summary:
     ok = [r for r in results if r.error is None]
-    return Summary(len(results), concurrency, len(ok), len(results) - len(ok), seconds,
-                   sum(r.chunks for r in ok) / seconds, *percentiles_ms([r.latency_s for r in ok]),
-                   *percentiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]))
+    return Summary(
+        len(results),
+        concurrency,
+        len(ok),
+        len(results) - len(ok),
+        seconds,
+        sum(r.chunks for r in ok) / seconds,
+        *percentiles_ms([r.latency_s for r in ok]),
+        *percentiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+    )
 
 
 def percentiles_ms(values: list[float]) -> tuple[float | None, float | None]:
@@ -112,12 +135,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=300.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    results, summary = asyncio.run(run_load(args.url, args.model, args.prompt or DEFAULT_PROMPTS, args.requests,
-                                            args.concurrency, args.max_tokens, args.timeout, args.deadline,
-                                            args.api_key))
-    print(f"{summary.ok}/{summary.requests} ok in {summary.seconds:.2f}s at concurrency {summary.concurrency}: "
-          f"latency p50 {summary.latency_p50_ms} ms, p99 {summary.latency_p99_ms} ms; "
-          f"TTFT p50 {summary.ttft_p50_ms} ms, p99 {summary.ttft_p99_ms} ms; {summary.chunks_per_s:.1f} tokens/s")
+    results, summary = asyncio.run(
+        run_load(
+            args.url,
+            args.model,
+            args.prompt or DEFAULT_PROMPTS,
+            args.requests,
+            args.concurrency,
+            args.max_tokens,
+            args.timeout,
+            args.deadline,
+            args.api_key,
+        )
+    )
+    print(
+        f"{summary.ok}/{summary.requests} ok in {summary.seconds:.2f}s at concurrency {summary.concurrency}: "
+        f"latency p50 {summary.latency_p50_ms} ms, p99 {summary.latency_p99_ms} ms; "
+        f"TTFT p50 {summary.ttft_p50_ms} ms, p99 {summary.ttft_p99_ms} ms; {summary.chunks_per_s:.1f} tokens/s"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"summary": asdict(summary), "results": [asdict(r) for r in results]}, f, indent=1)

@@ -46,8 +46,12 @@ from hfaccel.tools.models import build_model
 ADAPTERS = 8
 RANK = 16
 TARGETS = DEFAULT_TARGET_MODULES  # q, k, v, o, gate, up, down
-BASE, LORA_BASE, ONE, MIXED = "base model, no LoRA engine", "LoRA engine, base requests", \
-    "LoRA engine, 1 adapter", f"LoRA engine, {ADAPTERS} adapters mixed"
+BASE, LORA_BASE, ONE, MIXED = (
+    "base model, no LoRA engine",
+    "LoRA engine, base requests",
+    "LoRA engine, 1 adapter",
+    f"LoRA engine, {ADAPTERS} adapters mixed",
+)
 
 
 @dataclass
@@ -77,8 +81,9 @@ class KernelRow:
     vs_base_step: float  # ms_per_step / base_step_ms
 
 
-def make_adapters(model: torch.nn.Module, folder: Path, count: int = ADAPTERS, rank: int = RANK,
-                  targets=TARGETS) -> dict[str, str]:
+def make_adapters(
+    model: torch.nn.Module, folder: Path, count: int = ADAPTERS, rank: int = RANK, targets=TARGETS
+) -> dict[str, str]:
     """``count`` random PEFT LoRA adapters of ``model`` (``init_lora_weights=False``: A and B random, B scaled
     down so that the updates stay small) saved under ``folder``; ``{name: path}``. The model is given back as it
     came (PEFT's layers unloaded, its parameters' ``requires_grad`` restored)."""
@@ -119,20 +124,33 @@ def _serve(engine: Engine, prompts: list[list[int]], new_tokens: int, path: str,
     steps = engine.host_times.steps - steps
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     distinct = len({name for name in (loras if isinstance(loras, list) else [loras]) if name is not None})
-    return ThroughputRow(path, distinct, len(prompts), produced, seconds, produced / seconds, None, steps,
-                         seconds * 1e3 / max(steps, 1))
+    return ThroughputRow(
+        path, distinct, len(prompts), produced, seconds, produced / seconds, None, steps, seconds * 1e3 / max(steps, 1)
+    )
 
 
-def bench_throughput(model, prompts: list[list[int]], new_tokens: int, adapters: dict[str, str], *,
-                     max_loras: int = ADAPTERS, max_rank: int = RANK):
+def bench_throughput(
+    model,
+    prompts: list[list[int]],
+    new_tokens: int,
+    adapters: dict[str, str],
+    *,
+    max_loras: int = ADAPTERS,
+    max_rank: int = RANK,
+):
     """The four rows (base engine; LoRA engine with base requests, one adapter, all adapters mixed), the LoRA
     engine's wrapped layers by name (their slot pools, for :func:`bench_kernels`) and its kernels' backend. Warm-up
     runs first, then A B C D D C B A; the LoRA engine is closed before the baseline's second run (the model's own
     layers back)."""
     batch = len(prompts)
     longest = max(map(len, prompts)) + new_tokens + 1
-    settings = {"max_num_seqs": batch, "num_blocks": batch * -(-longest // 16) + 8, "block_size": 16,
-                "max_num_batched_tokens": max(512, sum(map(len, prompts))), "enable_prefix_caching": False}
+    settings = {
+        "max_num_seqs": batch,
+        "num_blocks": batch * -(-longest // 16) + 8,
+        "block_size": 16,
+        "max_num_batched_tokens": max(512, sum(map(len, prompts))),
+        "enable_prefix_caching": False,
+    }
     names = sorted(adapters, key=lambda n: int(n.rsplit("-", 1)[1]))
     loras = {LORA_BASE: None, ONE: names[0], MIXED: [names[i % len(names)] for i in range(batch)]}
     base = Engine(model, **settings)  # before the LoRA engine wraps the model's layers
@@ -199,12 +217,23 @@ def bench_kernels(layers: dict, backend: str, batch: int, base_step_ms: float) -
         apply_ms = graph_time_ms(apply(layer), device)
         shrink_ms, expand_ms = graph_time_ms(shrink(layer), device), graph_time_ms(expand(layer), device)
         per_step = len(group) * apply_ms
-        rows.append(KernelRow(kind, len(group), layer.in_features, layer.out_features, apply_ms * 1e3,
-                              shrink_ms * 1e3, expand_ms * 1e3, per_step, base_step_ms, per_step / base_step_ms))
+        rows.append(
+            KernelRow(
+                kind,
+                len(group),
+                layer.in_features,
+                layer.out_features,
+                apply_ms * 1e3,
+                shrink_ms * 1e3,
+                expand_ms * 1e3,
+                per_step,
+                base_step_ms,
+                per_step / base_step_ms,
+            )
+        )
     sync(device)
     total = graph_time_ms(step, device)
-    rows.append(KernelRow("all", len(layers), None, None, None, None, None, total, base_step_ms,
-                          total / base_step_ms))
+    rows.append(KernelRow("all", len(layers), None, None, None, None, None, total, base_step_ms, total / base_step_ms))
     return rows
 
 
@@ -220,21 +249,43 @@ def run(options, console) -> dict:
         adapters = make_adapters(model, Path(folder))
         accelerate(model, paged=False)
         rows, layers, backend = bench_throughput(model, work.prompts, new_tokens, adapters)
-    kernels_path = "Triton kernels, CUDA-graph replay" if device.type == "cuda" else \
-        f"torch reference on {device.type} (no Triton kernels off CUDA)"
-    config = {"model": spec, "device": device.type, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
-              "prompt_len": prompt_len, "new_tokens": new_tokens, "adapters": ADAPTERS, "rank": RANK,
-              "targets": list(TARGETS), "max_loras": ADAPTERS, "max_lora_rank": RANK,
-              "backend": backend, "kernels": kernels_path, "wrapped_layers": len(layers)}
+    kernels_path = (
+        "Triton kernels, CUDA-graph replay"
+        if device.type == "cuda"
+        else f"torch reference on {device.type} (no Triton kernels off CUDA)"
+    )
+    config = {
+        "model": spec,
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "adapters": ADAPTERS,
+        "rank": RANK,
+        "targets": list(TARGETS),
+        "max_loras": ADAPTERS,
+        "max_lora_rank": RANK,
+        "backend": backend,
+        "kernels": kernels_path,
+        "wrapped_layers": len(layers),
+    }
     serving = [asdict(r) for r in rows]
-    describe = (f"{spec} ({config['dtype']}, {device.type}), batch {batch}, {prompt_len}-token prompts, {new_tokens} "
-                f"greedy tokens each (ignore_eos), {ADAPTERS} adapters of rank {RANK} on {', '.join(TARGETS)}")
+    describe = (
+        f"{spec} ({config['dtype']}, {device.type}), batch {batch}, {prompt_len}-token prompts, {new_tokens} "
+        f"greedy tokens each (ignore_eos), {ADAPTERS} adapters of rank {RANK} on {', '.join(TARGETS)}"
+    )
     console.print(table(f"LoRA serving: Engine output tokens/s, {describe}", serving))
     base_step_ms = rows[0].step_ms
     kernels = [asdict(r) for r in bench_kernels(layers, backend, batch, base_step_ms)]
-    console.print(table(f"LoRA kernels per decode step (lora_apply; lora_shrink, lora_expand beside it; {batch} rows "
-                        f"over {ADAPTERS} slots, pool rank {RANK}; {kernels_path}) vs the base engine step, {spec} "
-                        f"({config['dtype']})", kernels))
+    console.print(
+        table(
+            f"LoRA kernels per decode step (lora_apply; lora_shrink, lora_expand beside it; {batch} rows "
+            f"over {ADAPTERS} slots, pool rank {RANK}; {kernels_path}) vs the base engine step, {spec} "
+            f"({config['dtype']})",
+            kernels,
+        )
+    )
     del layers
     gc.collect()
     restore(model)

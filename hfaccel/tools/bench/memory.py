@@ -53,8 +53,10 @@ def memory_comparison(model, lengths: list[int], new_tokens: int = NEW_TOKENS) -
     real = (sum(lengths) + len(lengths) * new_tokens) * kv_bytes_per_token(model)
     rows = [MemoryRow("real tokens (no padding)", real, 1.0)]
     restore(model)
-    for name, extra in (("transformers DynamicCache", {}), ("transformers StaticCache",
-                                                            {"cache_implementation": "static"})):
+    for name, extra in (
+        ("transformers DynamicCache", {}),
+        ("transformers StaticCache", {"cache_implementation": "static"}),
+    ):
         out = model.generate(**batch, return_dict_in_generate=True, **args, **extra)
         rows.append(MemoryRow(name, _cache_bytes(compat.output_cache(out)), 0.0))
         del out
@@ -63,8 +65,10 @@ def memory_comparison(model, lengths: list[int], new_tokens: int = NEW_TOKENS) -
     model.generate(**batch, **args)
     pool = model.hfaccel.session.runner.pool
     peak = pool.manager.peak_used_blocks * pool.block_bytes()
-    rows += [MemoryRow("hfaccel pool allocated", tensor_bytes(pool.memory_tensors()), 0.0),
-             MemoryRow("hfaccel pool held at most", peak, 0.0)]
+    rows += [
+        MemoryRow("hfaccel pool allocated", tensor_bytes(pool.memory_tensors()), 0.0),
+        MemoryRow("hfaccel pool held at most", peak, 0.0),
+    ]
     restore(model)
     for row in rows:
         row.vs_real_tokens = row.bytes / real
@@ -78,6 +82,11 @@ def run(options, console) -> dict:
     if options.prompt_len:  # the same mix, its longest prompt this long
         lengths = [max(1, n * options.prompt_len // max(lengths)) for n in lengths]
     rows = [asdict(r) for r in memory_comparison(model, lengths)]
-    console.print(table(f"KV memory generate() allocates, {spec} {options.dtypes[0]}, prompts {lengths} + "
-                        f"{NEW_TOKENS} new tokens each", rows))
+    console.print(
+        table(
+            f"KV memory generate() allocates, {spec} {options.dtypes[0]}, prompts {lengths} + "
+            f"{NEW_TOKENS} new tokens each",
+            rows,
+        )
+    )
     return {"memory": rows}

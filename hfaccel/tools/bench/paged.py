@@ -37,9 +37,16 @@ class PagedRow:
     block_n: int
 
 
-def bench_paged(grid, dtype: torch.dtype, device: torch.device, heads: int = 32, kv_heads: int = 8,
-                head_dim: int = 128, block_size: int = 16,
-                on_row: Callable[[PagedRow], None] = lambda row: None) -> list[PagedRow]:
+def bench_paged(
+    grid,
+    dtype: torch.dtype,
+    device: torch.device,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+    on_row: Callable[[PagedRow], None] = lambda row: None,
+) -> list[PagedRow]:
     """One decode step of attention over the paged pool (shuffled blocks) vs SDPA on contiguous K/V; ``on_row``
     sees each row as it is measured."""
     bandwidth = read_bandwidth(device), copy_bandwidth(device)
@@ -51,8 +58,18 @@ def bench_paged(grid, dtype: torch.dtype, device: torch.device, heads: int = 32,
     return rows
 
 
-def _row(batch: int, context: int, dtype: torch.dtype, device: torch.device, bandwidth: tuple[float, float], *,
-         heads: int, kv_heads: int, head_dim: int, block_size: int) -> PagedRow:
+def _row(
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    bandwidth: tuple[float, float],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> PagedRow:
     blocks = batch * -(-context // block_size)
     pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
     tables = torch.randperm(blocks, device=device).view(batch, -1).int()  # shuffled, as a live pool is
@@ -65,15 +82,36 @@ def _row(batch: int, context: int, dtype: torch.dtype, device: torch.device, ban
     ours_graph, theirs_graph = graph_time_ms(ours, device), graph_time_ms(theirs, device)
     gb_per_s = 2 * batch * context * kv_heads * head_dim * q.element_size() / ours_graph / 1e6
     plan = plan_launch(batch, kv_heads, heads // kv_heads, 1, context, head_dim, dtype, device)
-    return PagedRow(batch, context, str(dtype).removeprefix("torch."), time_ms(ours, device), ours_graph,
-                    time_ms(theirs, device), theirs_graph, gb_per_s, *bandwidth, gb_per_s / bandwidth[0],
-                    theirs_graph / ours_graph, plan.num_splits, plan.block_n)
+    return PagedRow(
+        batch,
+        context,
+        str(dtype).removeprefix("torch."),
+        time_ms(ours, device),
+        ours_graph,
+        time_ms(theirs, device),
+        theirs_graph,
+        gb_per_s,
+        *bandwidth,
+        gb_per_s / bandwidth[0],
+        theirs_graph / ours_graph,
+        plan.num_splits,
+        plan.block_n,
+    )
 
 
 def run(options, console) -> dict:
     shapes = {} if options.cuda else dict(heads=8, kv_heads=2, head_dim=64)
-    rows = [asdict(r) for r in bench_paged(CUDA_GRID if options.cuda else CPU_GRID, options.dtypes[0],
-                                             options.device, **shapes, on_row=lambda r: console.print(row_line(r)))]
-    console.print(table("paged decode attention: hfaccel (paged pool) vs SDPA (contiguous K/V), "
-                        "eager and in a CUDA graph", rows))
+    rows = [
+        asdict(r)
+        for r in bench_paged(
+            CUDA_GRID if options.cuda else CPU_GRID,
+            options.dtypes[0],
+            options.device,
+            **shapes,
+            on_row=lambda r: console.print(row_line(r)),
+        )
+    ]
+    console.print(
+        table("paged decode attention: hfaccel (paged pool) vs SDPA (contiguous K/V), eager and in a CUDA graph", rows)
+    )
     return {"paged": rows}

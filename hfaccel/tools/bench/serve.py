@@ -21,8 +21,13 @@ from pathlib import Path
 CONCURRENCY = (1, 8, 64)
 
 
-def bench_serve(url: str | None, model: str | None, new_tokens: int, device: str = "auto",
-                concurrency: tuple[int, ...] = CONCURRENCY) -> list[dict]:
+def bench_serve(
+    url: str | None,
+    model: str | None,
+    new_tokens: int,
+    device: str = "auto",
+    concurrency: tuple[int, ...] = CONCURRENCY,
+) -> list[dict]:
     from hfaccel.tools.bench.loadgen import DEFAULT_PROMPTS, run_load
 
     server = None
@@ -52,9 +57,26 @@ def _start_server(model: str | None, device: str):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    process = subprocess.Popen([sys.executable, "-m", "hfaccel.tools.cli", "serve", path, "--port", str(port),
-                                "--served-model-name", "bench", "--device", device, "--max-queue", "1024"],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hfaccel.tools.cli",
+            "serve",
+            path,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "bench",
+            "--device",
+            device,
+            "--max-queue",
+            "1024",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
@@ -70,7 +92,8 @@ def _start_server(model: str | None, device: str):
 def run(options, console) -> dict:
     from hfaccel.tools.bench.timing import table
 
-    rows = bench_serve(options.url, options.model, options.new_tokens or (128 if options.cuda else 16),
-                       str(options.device))
+    rows = bench_serve(
+        options.url, options.model, options.new_tokens or (128 if options.cuda else 16), str(options.device)
+    )
     console.print(table("OpenAI-compatible server over loopback: streaming completions", rows))
     return {"serve": rows}

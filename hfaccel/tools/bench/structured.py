@@ -41,36 +41,75 @@ from hfaccel.tools.models import NAMED_CONFIGS
 
 _NAME = {"type": "string", "maxLength": 16}
 _AGE = {"type": "integer", "minimum": 0, "maximum": 120}
-RECORD = {"type": "object", "properties": {"name": _NAME, "age": _AGE,
-                                           "city": {"enum": ["Paris", "Lima", "Oslo", "Cairo", "Kyoto"]}},
-          "required": ["name", "age", "city"], "additionalProperties": False}
+RECORD = {
+    "type": "object",
+    "properties": {"name": _NAME, "age": _AGE, "city": {"enum": ["Paris", "Lima", "Oslo", "Cairo", "Kyoto"]}},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
 
 # (name, spec, prompt): the mask-time cases
 MASK_CASES: list[tuple[str, dict, str]] = [
-    ("json: flat object", {"json": {"type": "object", "properties": {"name": _NAME, "age": _AGE,
-                                                                     "email": {"type": "string", "format": "email"}},
-                                    "required": ["name", "age", "email"], "additionalProperties": False}},
-     "Describe a person as JSON with their name, age and email:"),
-    ("json: nested + arrays", {"json": {
-        "type": "object", "properties": {
-            "title": {"type": "string", "maxLength": 40},
-            "authors": {"type": "array", "items": RECORD, "minItems": 1, "maxItems": 3},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
-            "meta": {"type": "object", "properties": {"pages": {"type": "integer", "minimum": 1},
-                                                      "published": {"type": "string", "format": "date"}},
-                     "required": ["pages", "published"], "additionalProperties": False}},
-        "required": ["title", "authors", "meta"], "additionalProperties": False}},
-     "Give the details of a book as JSON:"),
-    ("json: enums + pattern", {"json": {
-        "type": "object", "properties": {
-            "status": {"enum": ["open", "closed", "pending"]},
-            "priority": {"type": "integer", "enum": [1, 2, 3]},
-            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-            "score": {"type": "number"}, "done": {"type": "boolean"}},
-        "required": ["status", "priority", "code", "score", "done"], "additionalProperties": False}},
-     "A support ticket as JSON:"),
-    ("json: array of records", {"json": {"type": "array", "items": RECORD, "minItems": 2, "maxItems": 6}},
-     "List some people as a JSON array:"),
+    (
+        "json: flat object",
+        {
+            "json": {
+                "type": "object",
+                "properties": {"name": _NAME, "age": _AGE, "email": {"type": "string", "format": "email"}},
+                "required": ["name", "age", "email"],
+                "additionalProperties": False,
+            }
+        },
+        "Describe a person as JSON with their name, age and email:",
+    ),
+    (
+        "json: nested + arrays",
+        {
+            "json": {
+                "type": "object",
+                "properties": {
+                    "title": {"type": "string", "maxLength": 40},
+                    "authors": {"type": "array", "items": RECORD, "minItems": 1, "maxItems": 3},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
+                    "meta": {
+                        "type": "object",
+                        "properties": {
+                            "pages": {"type": "integer", "minimum": 1},
+                            "published": {"type": "string", "format": "date"},
+                        },
+                        "required": ["pages", "published"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["title", "authors", "meta"],
+                "additionalProperties": False,
+            }
+        },
+        "Give the details of a book as JSON:",
+    ),
+    (
+        "json: enums + pattern",
+        {
+            "json": {
+                "type": "object",
+                "properties": {
+                    "status": {"enum": ["open", "closed", "pending"]},
+                    "priority": {"type": "integer", "enum": [1, 2, 3]},
+                    "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                    "score": {"type": "number"},
+                    "done": {"type": "boolean"},
+                },
+                "required": ["status", "priority", "code", "score", "done"],
+                "additionalProperties": False,
+            }
+        },
+        "A support ticket as JSON:",
+    ),
+    (
+        "json: array of records",
+        {"json": {"type": "array", "items": RECORD, "minItems": 2, "maxItems": 6}},
+        "List some people as a JSON array:",
+    ),
     ("json_object", {"json_object": True}, "Any JSON object describing the weather:"),
     ("regex: phone number", {"regex": r"\(\d{3}\) \d{3}-\d{4}"}, "Call us at"),
     ("regex: sentence", {"regex": r"[A-Z][a-z]+( [a-z]+){3,15}\."}, "Write one sentence about the sea:"),
@@ -140,8 +179,9 @@ def bench_masks(engine: Engine, tokenizer, max_tokens: int, requests: int = MASK
     for case, (_, spec, prompt) in enumerate(MASK_CASES):
         for i in range(requests):
             prompts.append(prompt)
-            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=1000 * case + i,
-                                         structured_outputs=spec))
+            params.append(
+                SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=1000 * case + i, structured_outputs=spec)
+            )
     outputs = engine.generate(prompts, params)
     failed = [o.error for o in outputs if o.error]
     if failed:
@@ -155,7 +195,7 @@ def bench_masks(engine: Engine, tokenizer, max_tokens: int, requests: int = MASK
         grammars.compile(structured)
         compile_ms = (time.perf_counter() - start) * 1e3
         times, stopped = [], 0
-        for output in outputs[case * requests:(case + 1) * requests]:
+        for output in outputs[case * requests : (case + 1) * requests]:
             completion = output.outputs[0]
             stopped += completion.finish_reason == "stop"
             constraint = grammars.constraint(structured)
@@ -183,8 +223,9 @@ def throughput_prompts(count: int) -> list[str]:
     return [f"Request {i}: list the members of club number {i} as a JSON array of records." for i in range(count)]
 
 
-def bench_throughput(engine: Engine, prompts: list[str], max_tokens: int,
-                     fractions: tuple[int, ...] = FRACTIONS) -> list[ThroughputRow]:
+def bench_throughput(
+    engine: Engine, prompts: list[str], max_tokens: int, fractions: tuple[int, ...] = FRACTIONS
+) -> list[ThroughputRow]:
     """Output tokens/s of ``engine`` serving ``prompts`` with each percentage of them structured (every request
     greedy, ``ignore_eos``, ``max_tokens`` tokens); warm-up runs first, then A B C C B A, medians of two."""
     runs = {pct: partial(_serve, engine, prompts, max_tokens, pct) for pct in fractions}
@@ -200,8 +241,15 @@ def _serve(engine: Engine, prompts: list[str], max_tokens: int, pct: int) -> Thr
     structured = round(count * pct / 100)
     order = list(range(0, count, 2)) + list(range(1, count, 2))  # 50%: every other request
     chosen = set(order[:structured])
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                             structured_outputs=THROUGHPUT_SPEC if i in chosen else None) for i in range(count)]
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            structured_outputs=THROUGHPUT_SPEC if i in chosen else None,
+        )
+        for i in range(count)
+    ]
     steps, mask_seconds = engine.host_times.steps, engine.host_times.masks
     device = engine.runner.device
     sync(device)
@@ -215,8 +263,18 @@ def _serve(engine: Engine, prompts: list[str], max_tokens: int, pct: int) -> Thr
         raise RuntimeError(f"{len(failed)} of {count} requests failed in the {pct}% structured run: {failed[0]}")
     steps = engine.host_times.steps - steps
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return ThroughputRow(pct, count, len(chosen), max_tokens, produced, seconds, produced / seconds, None, steps,
-                         mask_seconds * 1e3 / max(steps, 1))
+    return ThroughputRow(
+        pct,
+        count,
+        len(chosen),
+        max_tokens,
+        produced,
+        seconds,
+        produced / seconds,
+        None,
+        steps,
+        mask_seconds * 1e3 / max(steps, 1),
+    )
 
 
 def run(options, console) -> dict:
@@ -231,18 +289,37 @@ def run(options, console) -> dict:
     seqs = max(count, len(MASK_CASES) * MASK_REQUESTS)
     max_len = longest_prompt + max(throughput_tokens, mask_tokens) + 8
     accelerate(model, paged=False)
-    engine = Engine(model, tokenizer, max_num_seqs=seqs, num_blocks=seqs * -(-max_len // 16) + 8,
-                    max_num_batched_tokens=max(512, seqs * 32), enable_prefix_caching=False)
+    engine = Engine(
+        model,
+        tokenizer,
+        max_num_seqs=seqs,
+        num_blocks=seqs * -(-max_len // 16) + 8,
+        max_num_batched_tokens=max(512, seqs * 32),
+        enable_prefix_caching=False,
+    )
     masks = [asdict(row) for row in bench_masks(engine, tokenizer, mask_tokens)]
-    console.print(table(f"structured outputs: host mask time per token (fill_next_token_bitmask + accept_token), "
-                        f"{name}, {MASK_REQUESTS} generations per spec, up to {mask_tokens} tokens", masks))
+    console.print(
+        table(
+            f"structured outputs: host mask time per token (fill_next_token_bitmask + accept_token), "
+            f"{name}, {MASK_REQUESTS} generations per spec, up to {mask_tokens} tokens",
+            masks,
+        )
+    )
     rows = [asdict(row) for row in bench_throughput(engine, prompts, throughput_tokens)]
-    console.print(table(f"structured outputs: Engine throughput, {name} ({str(dtype).removeprefix('torch.')}, "
-                        f"{device.type}), {count} requests in one batch, {throughput_tokens} greedy tokens each "
-                        f"(structured: a JSON array of >= {MIN_ITEMS} records)", rows))
+    console.print(
+        table(
+            f"structured outputs: Engine throughput, {name} ({str(dtype).removeprefix('torch.')}, "
+            f"{device.type}), {count} requests in one batch, {throughput_tokens} greedy tokens each "
+            f"(structured: a JSON array of >= {MIN_ITEMS} records)",
+            rows,
+        )
+    )
     del engine
     gc.collect()
     restore(model)
-    return {"structured_masks": masks, "structured_throughput": rows,
-            "structured_specs": {case[0]: json.dumps(case[1]) for case in MASK_CASES}
-            | {"throughput": json.dumps(THROUGHPUT_SPEC)}}
+    return {
+        "structured_masks": masks,
+        "structured_throughput": rows,
+        "structured_specs": {case[0]: json.dumps(case[1]) for case in MASK_CASES}
+        | {"throughput": json.dumps(THROUGHPUT_SPEC)},
+    }

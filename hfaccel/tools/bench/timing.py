@@ -72,8 +72,9 @@ def l2_cold_copies(nbytes: int, device: torch.device) -> int:
     return max(1, min(64, -(-2 * l2 // max(nbytes, 1))))
 
 
-def cold_graph_time_ms(calls: Sequence[Callable[[], object]], device: torch.device, reps: int = 5,
-                       rep: int = 100) -> float:
+def cold_graph_time_ms(
+    calls: Sequence[Callable[[], object]], device: torch.device, reps: int = 5, rep: int = 100
+) -> float:
     """Median milliseconds of one of ``calls`` — the same op over distinct copies of its operands, enough of them
     (:func:`l2_cold_copies`) that each call finds its operands in HBM, as a decode step finds its weights — replayed
     in turn from one CUDA graph: the GPU's time alone. An eager call's host work (Python, allocations, the launch)
@@ -139,13 +140,18 @@ def environment(device: torch.device) -> dict:
 
     import hfaccel
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
-        "hfaccel": hfaccel.__version__, "commit": commit or None, "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": triton.__version__,
+        "hfaccel": hfaccel.__version__,
+        "commit": commit or None,
+        "command": " ".join(sys.argv),
     }
 
 

@@ -50,9 +50,16 @@ class ModelShapes:
         if name not in NAMED_CONFIGS:
             raise ValueError(f"model must be one of {sorted(NAMED_CONFIGS)}; got {name!r}")
         c = NAMED_CONFIGS[name]
-        return cls(name, c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                   c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                   c["vocab_size"])
+        return cls(
+            name,
+            c["hidden_size"],
+            c["intermediate_size"],
+            c["num_hidden_layers"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            c["vocab_size"],
+        )
 
 
 def available_ops() -> list[str]:
@@ -60,9 +67,14 @@ def available_ops() -> list[str]:
     return sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
 
 
-def tune(models: Sequence[str] = DEFAULT_MODELS, ops: Sequence[str] | None = None, device: str = "cuda",
-         output: str | Path | None = None, console: Console | None = None,
-         sweeps: dict[str, Callable] | None = None) -> Path:
+def tune(
+    models: Sequence[str] = DEFAULT_MODELS,
+    ops: Sequence[str] | None = None,
+    device: str = "cuda",
+    output: str | Path | None = None,
+    console: Console | None = None,
+    sweeps: dict[str, Callable] | None = None,
+) -> Path:
     """Sweep the ops' configurations for the models' shapes on ``device`` (a CUDA GPU) and write the table;
     returns its path. ``sweeps`` (op -> sweep function) replaces the op modules (tests)."""
     console = console or Console()
@@ -79,8 +91,13 @@ def tune(models: Sequence[str] = DEFAULT_MODELS, ops: Sequence[str] | None = Non
         table["ops"][op] = {**table["ops"].get(op, {}), **sweep(shapes, dev, console)}
     import triton
 
-    table.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=" ".join(sys.argv))
+    table.update(
+        gpu=gpu,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(sys.argv),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     tuning.load_table.cache_clear()

@@ -32,13 +32,18 @@ def sweep(shapes, device: torch.device, console) -> dict[str, dict]:
     return results
 
 
-def _bucket(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device, console) -> dict:
+def _bucket(
+    batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype, device: torch.device, console
+) -> dict:
     def states(h):  # [B, H, S, D] views of [B, S, H, D] projections, as transformers passes them
         return torch.randn(batch, seq, h, head_dim, device=device, dtype=dtype).transpose(1, 2)
 
     q, k, v = states(heads), states(kv_heads), states(kv_heads)
-    config, us = fastest(candidate_configs(head_dim, dtype),
-                         lambda cfg: flash_attention(q, k, v, causal=True, config=cfg), device, console)
+    config, us = fastest(
+        candidate_configs(head_dim, dtype),
+        lambda cfg: flash_attention(q, k, v, causal=True, config=cfg),
+        device,
+        console,
+    )
     sdpa_us = 1e3 * time_ms(lambda: sdpa_causal(q, k, v, None), device)
     return {**asdict(config), "us": round(us, 2), "sdpa_us": round(sdpa_us, 2)}

@@ -32,8 +32,9 @@ def layouts(n: int, k: int, blocks: bool = True) -> list[tuple[int, int]]:
     return [(k, 1)] + ([(BLOCK, BLOCK)] if blocks and k % BLOCK == 0 else [])
 
 
-def random_weights(n: int, k: int, group_k: int, group_n: int, device: torch.device,
-                   copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_weights(
+    n: int, k: int, group_k: int, group_n: int, device: torch.device, copies: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``copies`` random fp8 weights ``[K, N]`` and their scales in the layout."""
     weights = []
     for _ in range(copies):
@@ -43,8 +44,16 @@ def random_weights(n: int, k: int, group_k: int, group_n: int, device: torch.dev
     return weights
 
 
-def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M_BUCKETS,
-          dtypes: Sequence[torch.dtype] = DTYPES, blocks: bool = True, reps: int = 5) -> dict[str, dict]:
+def sweep(
+    shapes,
+    device: torch.device,
+    console,
+    *,
+    m_buckets: Sequence[int] = M_BUCKETS,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    blocks: bool = True,
+    reps: int = 5,
+) -> dict[str, dict]:
     """Table entries ``{bucket key: {config fields..., "us": median microseconds}}`` for the models' shapes.
     ``reps`` counts timed runs off CUDA (tests); on CUDA do_bench decides."""
     entries = {}
@@ -59,8 +68,14 @@ def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M
                     best, us = fastest_cold(
                         candidate_configs(m, k, dtype, group_k),
                         lambda cfg: [lambda w=w: fp8_matmul(rows, *w, group_k, group_n, config=cfg) for w in weights],
-                        device, console, reps, TIMED_MS)
+                        device,
+                        console,
+                        reps,
+                        TIMED_MS,
+                    )
                     entries[table_key(m, n, k, dtype, group_k, group_n)] = {**best.entry(), "us": round(us, 2)}
-                    console.print(f"  fp8 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} "
-                                  f"groups {group_k}x{group_n}: {best.label}, {us:.1f} us")
+                    console.print(
+                        f"  fp8 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} "
+                        f"groups {group_k}x{group_n}: {best.label}, {us:.1f} us"
+                    )
     return entries

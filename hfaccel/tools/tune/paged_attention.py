@@ -19,7 +19,13 @@ from dataclasses import asdict, replace
 import torch
 
 from hfaccel.kernels.paged_attention import (
-    MAX_SPLITS, OP, candidate_paged_configs, default_paged_config, paged_attention, plan_launch, table_key,
+    MAX_SPLITS,
+    OP,
+    candidate_paged_configs,
+    default_paged_config,
+    paged_attention,
+    plan_launch,
+    table_key,
 )
 from hfaccel.kernels.runtime import num_sms
 from hfaccel.runner.graphs import DEFAULT_LADDER
@@ -50,12 +56,20 @@ def sweep(shapes, device: torch.device, console) -> dict[str, dict]:
 def split_candidates(heuristic: int, context: int, most: int = MAX_SPLITS) -> list[int]:
     """Split counts to measure: powers of two up to ``most`` (at most MAX_SPLITS) and the heuristic's, each leaving
     >= 64 keys per split."""
-    counts = {1, heuristic} | {2 ** i for i in range(1, min(most, MAX_SPLITS).bit_length())}
+    counts = {1, heuristic} | {2**i for i in range(1, min(most, MAX_SPLITS).bit_length())}
     return sorted(n for n in counts if n == 1 or context // n >= 64)
 
 
-def _bucket(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device, console) -> dict:
+def _bucket(
+    batch: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    console,
+) -> dict:
     blocks = batch * -(-context // BLOCK_SIZE)
     pool = torch.randn(2, blocks, BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype)
     tables = torch.randperm(blocks, device=device).view(batch, -1).int()  # shuffled, as a live pool is
@@ -66,8 +80,9 @@ def _bucket(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, 
         return paged_attention(q, pool[0], pool[1], tables, lens, max_seqlen_k=context, config=cfg)
 
     group = heads // kv_heads
-    heuristic = plan_launch(batch, kv_heads, group, 1, context, head_dim, dtype, device,
-                            default_paged_config(head_dim, dtype, group))
+    heuristic = plan_launch(
+        batch, kv_heads, group, 1, context, head_dim, dtype, device, default_paged_config(head_dim, dtype, group)
+    )
     most = SPLIT_WAVES * num_sms(device) // (batch * kv_heads)  # decode: one query tile per (sequence, KV head)
     splits = [replace(heuristic, num_splits=n) for n in split_candidates(heuristic.num_splits, context, most)]
     best_split = splits[0] if len(splits) == 1 else fastest(splits, call, device, console, graph=True)[0]

@@ -31,14 +31,27 @@ def linear_shapes(shapes) -> list[tuple[int, int]]:
     found = []
     for s in shapes:
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        found += [(q, s.hidden_size), (kv, s.hidden_size), (s.hidden_size, q), (s.intermediate_size, s.hidden_size),
-                  (s.hidden_size, s.intermediate_size), (s.vocab_size, s.hidden_size)]
+        found += [
+            (q, s.hidden_size),
+            (kv, s.hidden_size),
+            (s.hidden_size, q),
+            (s.intermediate_size, s.hidden_size),
+            (s.hidden_size, s.intermediate_size),
+            (s.vocab_size, s.hidden_size),
+        ]
     return list(dict.fromkeys(found))
 
 
-def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M_BUCKETS,
-          dtypes: Sequence[torch.dtype] = DTYPES, group_sizes: Sequence[int] = GROUP_SIZES,
-          reps: int = 5) -> dict[str, dict]:
+def sweep(
+    shapes,
+    device: torch.device,
+    console,
+    *,
+    m_buckets: Sequence[int] = M_BUCKETS,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    group_sizes: Sequence[int] = GROUP_SIZES,
+    reps: int = 5,
+) -> dict[str, dict]:
     """Table entries ``{bucket key: {config fields..., "us": median microseconds}}`` for the models' shapes.
     ``reps`` counts timed runs off CUDA (tests); on CUDA do_bench decides."""
     entries = {}
@@ -54,8 +67,14 @@ def sweep(shapes, device: torch.device, console, *, m_buckets: Sequence[int] = M
                     best, us = fastest_cold(
                         candidate_configs(m, n, k, dtype, group_size),
                         lambda cfg: [lambda w=w: w4a16_matmul(rows, *w, group_size, config=cfg) for w in weights],
-                        device, console, reps, TIMED_MS)
+                        device,
+                        console,
+                        reps,
+                        TIMED_MS,
+                    )
                     entries[table_key(m, n, k, dtype, group_size)] = {**best.entry(), "us": round(us, 2)}
-                    console.print(f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
-                                  f"{best.label}, {us:.1f} us")
+                    console.print(
+                        f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
+                        f"{best.label}, {us:.1f} us"
+                    )
     return entries
