@@ -80,10 +80,7 @@ class AsyncEngine:
         its LoRA adapter and is not checked again; ``lora``: the LoRA adapter of a prompt given as such.
         """
         if isinstance(prompt, PreparedPrompt):
-            if params is not None and params is not prompt.params:
-                raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
-            if lora is not None and (prompt.lora is None or prompt.lora.name != lora):
-                raise ValueError("a PreparedPrompt carries its own LoRA adapter; pass lora=None")
+            prompt.check_call(params, lora)
             prepared = prompt
         else:
             prepared = await self.prepare(prompt, params, lora=lora)

@@ -227,12 +227,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         if self._closed:
             raise RuntimeError("this hfaccel Engine was closed (Engine.close()); make a new one")
         if isinstance(prompt, PreparedPrompt):
-            if params is not None and params is not prompt.params:
-                raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
-            if lora is not None and (prompt.lora is None or prompt.lora.name != lora):
-                raise ValueError(
-                    "a PreparedPrompt carries its own LoRA adapter; pass lora=None (or prepare it with lora=...)"
-                )
+            prompt.check_call(params, lora)
             prepared = prompt
         else:
             prepared = self.prepare_prompt(prompt, params or SamplingParams(), lora=lora)

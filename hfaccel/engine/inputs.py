@@ -43,6 +43,15 @@ class PreparedPrompt:
     lora: LoRAAdapter | None = None  # the LoRA adapter it runs through (None: the base model)
     media: MediaInputs | None = None  # its images' inputs (an image-text-to-text model's processor made them)
 
+    def check_call(self, params: SamplingParams | None, lora: str | None) -> None:
+        """ValueError where a call passing this prompt gives other parameters or another adapter than it carries."""
+        if params is not None and params is not self.params:
+            raise ValueError("a PreparedPrompt carries its own SamplingParams; pass params=None")
+        if lora is not None and (self.lora is None or self.lora.name != lora):
+            raise ValueError(
+                "a PreparedPrompt carries its own LoRA adapter; pass lora=None (or prepare it with lora=...)"
+            )
+
 
 class Intake:
     """Prompts and parameters checked against one engine's model and limits, and the requests made of them.
