@@ -9,17 +9,17 @@
 # `make test` runs the suite twice, each in a virtual environment of its own inside the clone, so that what a new
 # user installs today is what is tested: .venv gets the newest releases of everything but torch (upgraded
 # eagerly on every run, so an old transformers left there cannot hide a break), .venv-lowest the floors
-# pyproject.toml declares for transformers (what the GPU machines run) and peft, for the model-level tests. The
-# floors of torch (2.11) and triton (3.6) are the GPU machines' and tested there (make gpu-test): the only CPU torch
-# wheel here is 2.13, and triton 3.6's interpreter (what tests on a CPU run) fails under numpy 2.4
-# ("only 0-dimensional arrays can be converted to Python scalars"), where its compiler on a GPU does not.
+# pyproject.toml declares for transformers and triton (what the GPU machines run) and peft, for the model-level
+# tests; numpy below 2.4 there, where triton 3.6's interpreter (what tests on a CPU run) works ("only 0-dimensional
+# arrays can be converted to Python scalars" under 2.4). The floor of torch (2.11, the GPU machines') is tested there
+# only (make gpu-test): the only CPU torch wheel here is 2.13.
 
 PYTHON ?= python3
 TORCH_PIN ?= torch==2.13.0
 PIP := $(PYTHON) -m pip
 VENV ?= .venv
 VENV_LOWEST ?= .venv-lowest
-LOWEST_PINS ?= transformers==5.17.0 peft==0.18.0
+LOWEST_PINS ?= transformers==5.17.0 peft==0.18.0 triton==3.6.0 "numpy<2.4"
 # What the lowest transformers is tested on: where hfaccel meets transformers' code (accelerate, generate's loop and
 # arguments, the model forwards the runner, speculative decoding and LoRA layers drive, the engine's exactness
 # against generate); the rest of the engine, the server and the kernels do not depend on the transformers release.
