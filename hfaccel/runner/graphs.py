@@ -27,6 +27,7 @@ from hfaccel.runner.step_function import (
     failure_reason,
     mark_draw_dynamic,
     mark_step_dynamic,
+    recompile_reason,
     release_generator_from_capture,
     static_step,
 )
@@ -121,6 +122,10 @@ class DecodeGraphs:
         self._step_fn = compiled_function(static_step) if compile else static_step
         self._draw_fn = compiled_function(draw_step) if compile and draws else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
+        self.size_one_failure: str | None = None  # why steps of one sequence run at the next size (compiled steps)
+        # the (advance, lora) variants the compiled step was traced for, and those whose size 1 was settled
+        self._traced: set[tuple[bool, bool]] = set()
+        self._settled: set[tuple[bool, bool]] = set()
         self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
         self.capture_failures: dict[tuple[int, bool, bool, bool], str] = {}
@@ -140,6 +145,8 @@ class DecodeGraphs:
         ]
         if self.draw_compile_failure is not None:
             parts.append(f"draw uncompiled ({self.draw_compile_failure})")
+        if self.size_one_failure is not None:
+            parts.append(f"batch 1 runs at {self.sizes[0]} ({self.size_one_failure})")
         if self.capture:
             parts.append(f"CUDA graphs for sizes {sorted({size for size, *_ in self._graphs})}")
         parts += [
@@ -164,19 +171,24 @@ class DecodeGraphs:
         ``progress(done, total)`` is called after each size."""
         sizes = list(self.sizes if sizes is None else sizes)
         for done, size in enumerate(sizes, 1):
-            self.positions.zero_()
-            self.seq_lens.zero_()
-            self.slot_mapping.fill_(-1)
-            self.lora_index.fill_(-1)
-            self.draw_columns.zero_()
-            self.state_slots.fill_(self._scratch_slot())
-            self.position_offsets.zero_()
-            self._size = None
             for lora in (False, True) if self.runner.lora is not None else (False,):
                 for draw in (False, True) if self.draws else (False,):
-                    self._replay(self.size_for(size), advance=False, lora=lora, draw=draw)
+                    padded = self._size_for(size, advance=False, lora=lora)
+                    self._pad_rows()
+                    self._replay(padded, advance=False, lora=lora, draw=draw)
             if progress is not None:
                 progress(done, len(sizes))
+
+    def _pad_rows(self) -> None:
+        """Make every row of the buffers a padding row: it reads and writes nothing."""
+        self.positions.zero_()
+        self.seq_lens.zero_()
+        self.slot_mapping.fill_(-1)
+        self.lora_index.fill_(-1)
+        self.draw_columns.zero_()
+        self.state_slots.fill_(self._scratch_slot())
+        self.position_offsets.zero_()
+        self._size = None
 
     def serves(self, num_new: Sequence[int], logits_for: str | Sequence[int]) -> bool:
         """Whether a forward is a step this mode runs: one token per sequence with logits for each of them, or
@@ -197,6 +209,37 @@ class DecodeGraphs:
             raise ValueError(f"a decode step holds 1 to {self.max_batch} sequences; got {batch}")
         return next(s for s in self.sizes if s >= batch)
 
+    def _size_for(self, batch: int, advance: bool, lora: bool) -> int:
+        """:meth:`size_for` a step about to run (its buffers not yet filled), a compiled step's size 1 settled first
+        for each variant (:meth:`_settle_size_one`)."""
+        settled = (advance, lora) in self._settled
+        if batch == 1 and self.compiled and not settled and self.sizes[0] == 1 and len(self.sizes) > 1:
+            self._settle_size_one(advance, lora)
+        return self.size_for(batch)
+
+    def _settle_size_one(self, advance: bool, lora: bool) -> None:
+        """Whether the compiled step's graph serves one sequence. Traced at one, it would be specialised to one
+        (a second graph for every other size); traced at more, a model's own code may still specialise size 1
+        (Llama 4's rotary ``torch.polar``, Qwen3.5's M-RoPE and Gemma 4's per-layer inputs guard on the batch being
+        at least 2, in views inductor checks for overlap). So the graph is traced at the next size, on padding
+        rows, then size 1 is tried on it without compiling; where it would compile again, steps of one sequence run
+        at the next size (one padding row) and :meth:`status` says why."""
+        self._settled.add((advance, lora))
+        if (advance, lora) not in self._traced:
+            self._pad_rows()
+            self._replay(self.sizes[1], advance=advance, lora=lora)
+        if not self.compiled:  # compiling failed: every size runs eagerly
+            return
+        self._pad_rows()
+        rows = self._rows(1)
+        mark_step_dynamic(rows, self.runner.pool)
+        reason = recompile_reason(
+            self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
+        )
+        if reason is not None:
+            self.size_one_failure = reason
+            self.sizes.remove(1)
+
     # ---------------------------------------------------------------------------------- host-fed steps
     def run(
         self,
@@ -214,7 +257,7 @@ class DecodeGraphs:
         :func:`~hfaccel.sampling.sampler.draws_in_step`), each sequence's next token drawn inside the step instead:
         ``[B]`` int64, what ``sample`` gives for those rows."""
         batch = len(seq_ids)
-        size = self.size_for(batch)
+        size = self._size_for(batch, advance=False, lora=any(slot >= 0 for slot in lora_slots or ()))
         num_new = [1] * batch if num_new is None else list(num_new)
         if draw is not None and (not self.draws or len(draw) != batch):
             raise ValueError(
@@ -249,7 +292,7 @@ class DecodeGraphs:
             )
         if width > self.block_tables.shape[1]:
             raise ValueError(f"block tables {width} blocks wide exceed the steps' {self.block_tables.shape[1]}")
-        size = self.size_for(batch)
+        size = self._size_for(batch, advance=False, lora=False)
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:size].zero_()[:batch].copy_(step.positions)
         self.seq_lens[:size].zero_()[:batch].copy_(step.seq_lens)
@@ -264,7 +307,7 @@ class DecodeGraphs:
         (:meth:`advance` runs them). Their blocks must already cover every position those steps will reach."""
         if self.tokens_per_seq != 1:
             raise RuntimeError(f"device-fed steps run one token per sequence; these steps take {self.tokens_per_seq}")
-        size = self.size_for(len(seq_ids))
+        size = self._size_for(len(seq_ids), advance=True, lora=False)
         self._fill(seq_ids, starts, size, [1] * len(seq_ids))
         self._size = size
 
@@ -358,6 +401,7 @@ class DecodeGraphs:
         logits = self._compiled(
             self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
         )
+        self._traced.add((advance, lora))
         return self._compiled(self._draw_fn, logits, self.draw_columns[:, :size]) if draw else logits
 
     def _compiled(self, function, *args) -> torch.Tensor:

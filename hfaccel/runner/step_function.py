@@ -76,6 +76,20 @@ def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
     torch._dynamo.maybe_mark_dynamic(columns, 1)
 
 
+def recompile_reason(compiled, *args) -> str | None:
+    """Why ``compiled`` (a :func:`compiled_function`, its dimensions marked dynamic) would compile again to run on
+    ``args`` — the guard that fails, in one line — or None when a graph it holds serves them, which then ran."""
+    try:
+        with compat.marked_sizes_only(), torch.compiler.set_stance("fail_on_recompile"):
+            compiled(*args)
+    except Exception as error:  # the stance's RuntimeError, or the step failing at this size: either way not served
+        guards = [
+            line.strip()[2:].split(": ", 1)[-1] for line in str(error).splitlines() if line.strip().startswith("- ")
+        ]
+        return f"the model's code specialises it: {guards[0][:300]}" if guards else failure_reason(error)
+    return None
+
+
 def failure_reason(error: BaseException) -> str:
     """A fallback's reason in one line: the error's type and the first line of its message (at most 300 chars).
     Where ``error`` was raised while handling another (a failed capture's ``capture_end`` reports only "operation

@@ -310,7 +310,8 @@ def test_one_compiled_step_serves_every_batch_size_context_and_pool_size():
     got = model.generate(**long_batch, max_new_tokens=3, **GREEDY)
     assert torch.equal(got, expected) and str(model.hfaccel.decode) == "hfaccel"
     assert model.hfaccel.session.runner.pool.num_blocks > blocks  # the pool grew under the same step
-    assert model.hfaccel.session.runner.graphs.compiled
+    graphs = model.hfaccel.session.runner.graphs
+    assert graphs.compiled and graphs.sizes[0] == 1, graphs.status()  # batch 1 on the graph itself, not padded
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
