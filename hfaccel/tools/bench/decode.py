@@ -150,26 +150,27 @@ def step_ms(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict, reps:
 
 
 def kernel_rows(spec: str, model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> list[KernelRow]:
-    """The prepared path's decode step by kernel, the top :data:`PROFILE_TOP`: per kernel, (its time in a profiled
-    ``generate`` of ``new_tokens`` tokens - in one of 1 token) / (``new_tokens`` - 1), as :func:`step_ms` times the
-    step (the calls are warm: :func:`step_ms` made them just before)."""
-    full = _kernel_times(model, input_ids, new_tokens, kwargs)
-    prefill = _kernel_times(model, input_ids, 1, kwargs)
+    """The prepared path's decode step by kernel, the top :data:`PROFILE_TOP`: per kernel, the calls a profiled
+    ``generate`` of ``new_tokens`` tokens makes beyond those of one of 1 token — its last ones, since generate
+    prefills first — their time summed and divided by ``new_tokens - 1``. Summing the decode calls themselves, rather
+    than subtracting the two runs' totals, gives no negative or noise-sized time on a loaded machine. The calls are
+    warm: :func:`step_ms` made them just before."""
+    full = _kernel_calls(model, input_ids, new_tokens, kwargs)
+    prefill = _kernel_calls(model, input_ids, 1, kwargs)
     steps = new_tokens - 1
     per_step = {}  # kernel -> (µs, calls) per decode step
-    for name, (us, calls) in full.items():
-        prefill_us, prefill_calls = prefill.get(name, (0.0, 0))
-        per_step[name] = ((us - prefill_us) / steps, (calls - prefill_calls) / steps)
-    total = sum(us for us, _ in per_step.values() if us > 0) or 1.0
+    for name, times in full.items():
+        decode = times[len(prefill.get(name, ())) :]
+        if decode:
+            per_step[name] = (sum(decode) / steps, len(decode) / steps)
+    total = sum(us for us, _ in per_step.values()) or 1.0
     ranked = sorted(per_step.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]
-    return [
-        KernelRow(spec, input_ids.shape[0], name[:100], calls, us, us / total) for name, (us, calls) in ranked if us > 0
-    ]
+    return [KernelRow(spec, input_ids.shape[0], name[:100], calls, us, us / total) for name, (us, calls) in ranked]
 
 
-def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> dict[str, tuple[float, int]]:
-    """(self device time in µs, calls) of each kernel of one greedy ``generate`` (each op's self CPU time on the
-    CPU)."""
+def _kernel_calls(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict) -> dict[str, list[float]]:
+    """Each kernel's calls in one greedy ``generate``, in order: their self device time in µs (each op's self CPU
+    time on the CPU)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -179,11 +180,11 @@ def _kernel_times(model, input_ids: torch.Tensor, new_tokens: int, kwargs: dict)
         model.generate(input_ids, **args)
         sync(input_ids.device)
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    return {
-        event.key: (event.self_device_time_total if cuda else event.self_cpu_time_total, event.count)
-        for event in profiled.key_averages()
-        if event.device_type == kind
-    }
+    calls: dict[str, list[float]] = {}
+    for event in sorted(profiled.events(), key=lambda event: event.time_range.start):
+        if event.device_type == kind:
+            calls.setdefault(event.key, []).append(event.self_device_time_total if cuda else event.self_cpu_time_total)
+    return calls
 
 
 def _set_up_tracer(device: torch.device) -> None:
