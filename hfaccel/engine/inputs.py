@@ -199,7 +199,6 @@ class Intake:
             "a LoRA adapter": adapter is not None,
             "prompt_logprobs": params.prompt_logprobs is not None,
             "tensor parallelism": self.tp is not None,
-            "a model whose layers keep recurrent state": self.pool.states is not None,
         }
         refused = [what for what, present in refused.items() if present]
         if refused:

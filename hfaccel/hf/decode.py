@@ -233,8 +233,6 @@ def hfaccel_sample(
     images = multimodal.multimodal_inputs(model, model_kwargs)
     reason = _unsupported(input_ids, generation_config, synced_gpus, model_kwargs, images)
     images = images if multimodal.carries_images(images) else []  # token types alone: a text prompt
-    if reason is None and images:
-        reason = multimodal.unsupported_reason(model)
     pads = [0] * input_ids.shape[0]
     if reason is None and mask is not None:
         pads = left_padding(mask)  # one read of the mask per call

@@ -44,13 +44,3 @@ def carries_images(names: list[str]) -> bool:
     """Whether a call with these multimodal inputs has images (or videos) to encode; without them its token types
     or image sizes mark nothing, and the prompt is text."""
     return any(name in ENCODER_INPUTS for name in names)
-
-
-def unsupported_reason(model) -> str | None:
-    """Why a multimodal prompt of this model cannot be prefilled into hfaccel's pool, or None."""
-    if model.hfaccel.layout is not None and model.hfaccel.layout.hybrid:
-        return (
-            "images on a model whose layers keep recurrent state (its prefill through transformers' forward "
-            "writes K/V only)"
-        )
-    return None

@@ -188,6 +188,18 @@ class PromptCache(PoolCache):
         self.seq_ids, self.padding = list(seq_ids), [int(pad) for pad in padding]
         self.seq_len = 0  # cache positions filled (padding included); one forward fills them
         self._view: tuple[PagedKV, torch.Tensor] | None = None  # the forward's view and slots, shared by its layers
+        # a hybrid model's recurrent layers: each row's state starts here and goes to its sequence's slot
+        self.state_view = StateView(pool.num_layers) if pool.states is not None else None
+
+    @functools.cached_property
+    def prompt_state_slots(self) -> torch.Tensor | None:
+        """The state slot of each row's sequence, ``[B]`` int64 on the pool's device (None without recurrent
+        state): the recurrent layers run transformers' own forward on the padded batch and store each row's state
+        there (``hfaccel.kv.state``)."""
+        if self.pool.states is None:
+            return None
+        slots = [self.manager.state_slot(seq_id) for seq_id in self.seq_ids]
+        return torch.tensor(slots, dtype=torch.int64).to(self.pool.device)
 
     def _begin_layer(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
@@ -217,7 +229,7 @@ class PromptCache(PoolCache):
         slots = torch.where(held >= 0, slot_mapping(tables, rows, held.clamp(min=0), self.block_size), -1)
         self.seq_len = width
         paged = PagedKV(
-            **self.pool.layer_view(0),
+            **self.pool.layer_view(min(self.pool.place)),  # a template: each layer's view replaces its own fields
             block_tables=tables,
             seq_lens=(width - pads).to(torch.int32),
             max_seq_len=width - min(self.padding),

@@ -11,7 +11,10 @@ under hfaccel's :class:`~hfaccel.kv.SequenceKVCache`, runs transformers' own for
 that compute as many new tokens and either all have a state or all start one (``[G, L, H]``, a decode step's rows
 ``[B, 1, H]`` in one group): the group's states gathered from their slots into a transformers ``Cache`` of its own
 (:class:`StateView`, transformers' ``LinearAttentionLayer`` per layer, so its padding, concatenation and in-place
-rules are transformers'), and written back to the slots afterwards. Under any other cache the mixer runs as it is.
+rules are transformers'), and written back to the slots afterwards. Under a
+:class:`~hfaccel.kv.PromptCache` (a multimodal prompt's prefill through the model's own forward) it runs once on the
+padded batch as transformers gives it, every row starting its state, each row's state then stored in its
+sequence's slot. Under any other cache the mixer runs as it is.
 """
 
 from __future__ import annotations
@@ -206,18 +209,18 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
     """One mixer call (``arguments``: the call's, by name): per state group under hfaccel's cache (module
     docstring), else transformers' as it is."""
     cache_name = next(
-        (
-            name
-            for name in ("cache", "cache_params", "past_key_values")
-            if getattr(arguments.get(name), "states_step", None) is not None
-        ),
+        (name for name in ("cache", "cache_params", "past_key_values") if _holds_states(arguments.get(name))),
         None,
     )
     if cache_name is None:
         return original(*args, **kwargs)
     cache = arguments[cache_name]
-    pool, step = cache.pool.states, cache.states_step
-    hidden = arguments.pop(_hidden_name(arguments))  # [1, T, H]
+    pool, step = cache.pool.states, getattr(cache, "states_step", None)
+    hidden = arguments.pop(_hidden_name(arguments))  # [1, T, H]; a prompt's: [B, L, H]
+    if step is None:  # a prompt's prefill through transformers' forward: its rows, padding and mask as they are
+        return _run_group(
+            original, arguments, cache_name, cache.state_view, pool, layer, hidden, cache.prompt_state_slots, True
+        )
     if "attention_mask" in arguments:
         arguments["attention_mask"] = None  # packed sequences hold no padding
     view = cache.state_view
@@ -238,6 +241,12 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
             out = hidden.new_empty(1, hidden.shape[1], hidden_out.shape[-1], dtype=hidden_out.dtype)
         out[0].index_copy_(0, group.tokens, hidden_out.reshape(-1, hidden_out.shape[-1]))
     return _as_returned(result, out)
+
+
+def _holds_states(cache) -> bool:
+    """Whether ``cache`` is one of hfaccel's whose recurrent states live in state slots: a packed forward's (its
+    ``states_step``) or a prompt's prefill (its ``prompt_state_slots``)."""
+    return getattr(cache, "states_step", None) is not None or getattr(cache, "prompt_state_slots", None) is not None
 
 
 def _hidden_output(result) -> torch.Tensor:

@@ -206,6 +206,33 @@ def case_model(case):
     return _MODELS[case.name]
 
 
+def test_a_hybrid_models_image_requests_keep_their_state_in_slots():
+    """Qwen3.5 (linear-attention layers keep recurrent state): each image request's prefill stores its recurrent
+    state in its sequence's slot, decoded in the batch with a text-only request — transformers' tokens on each alone,
+    after preemption too (the prompt, images and tokens computed again from a fresh state), every slot given back."""
+    from tests.hf.vlm_models import CASES
+
+    case = CASES["qwen3_5"]
+    model = case_model(case)
+    prompts = [[5, 6, image(60, 45), 7, 8], [20, 21, 22, 23], [9, image(30, 30, 1), 10, image(40, 50, 2), 11]]
+    singles = [case.inputs([prompt]) for prompt in prompts]
+    expected = [model.generate(**inputs, max_new_tokens=24, do_sample=False)[0, -24:].tolist() for inputs in singles]
+    requests = [
+        {
+            "prompt_token_ids": inputs["input_ids"][0].tolist(),
+            "multimodal_inputs": {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
+        }
+        for inputs in singles
+    ]
+    params = hfaccel.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = hfaccel.Engine(model, max_num_seqs=3, num_blocks=8, block_size=8)  # 64 slots: 99 tokens preempt
+    outputs = engine.generate(requests, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    manager = engine.runner.pool.manager
+    assert engine.stats()["blocks_used"] == 0 and manager.num_free_state_slots == engine.runner.pool.states.num_slots
+
+
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3"])
 def test_prompts_repeating_images_take_prefix_hits_past_them(name):
     """A follow-up that repeats a prompt's images and its text up to past them (a chat's next turn) takes those

@@ -16,7 +16,7 @@ ONE_IMAGE = [[5, 6, image(60, 45), 7, 8]]
 TWO_IMAGES = [[9, image(30, 30, 1), 10, 11, 12, 13, 14, image(40, 50, 2), 15]]
 MIXED = ONE_IMAGE + TWO_IMAGES + [[20, 21, 22, 23]]  # left-padded: two image prompts and a text-only one
 GREEDY = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
-SERVED = sorted(name for name in CASES if name != "qwen3_5")
+SERVED = sorted(CASES)
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -110,19 +110,19 @@ def test_vision_encoder_keeps_its_attention_and_restore_undoes_it():
     assert "generate" not in vars(model)
 
 
-def test_hybrid_model_with_images_runs_transformers_loop_with_its_reason():
-    """Qwen3.5 (linear-attention layers keep recurrent state): text-only prompts on hfaccel's loop; prompts with
-    images on transformers' loop, saying why — transformers' tokens either way."""
+def test_hybrid_model_with_images_keeps_each_rows_state_in_its_slot():
+    """Qwen3.5 (linear-attention layers keep recurrent state): the multimodal prefill runs transformers' recurrent
+    layers on the padded batch and stores each row's state in its sequence's slot, which the compiled decode steps
+    then read and write — transformers' tokens, every slot given back."""
     case = CASES["qwen3_5"]
     model = case.model()
-    with_image, text_only = case.inputs(ONE_IMAGE), case.inputs([[20, 21, 22, 23]])
-    expected = [model.generate(**batch, **GREEDY) for batch in (with_image, text_only)]
-    hfaccel.accelerate(model, attention="torch")
-    assert torch.equal(model.generate(**with_image, **GREEDY), expected[0])
-    assert model.hfaccel.decode.path == "transformers"
-    assert "recurrent state" in model.hfaccel.decode.reason
-    assert torch.equal(model.generate(**text_only, **GREEDY), expected[1])
-    assert str(model.hfaccel.decode) == "hfaccel"
+    inputs = case.inputs(MIXED)
+    expected = model.generate(**inputs, **GREEDY)
+    hfaccel.accelerate(model, attention="torch", compile=True)
+    assert torch.equal(model.generate(**inputs, **GREEDY), expected)
+    assert str(model.hfaccel.decode) == "hfaccel" and model.hfaccel.session.steps() == "compiled"
+    pool = model.hfaccel.session.runner.pool
+    assert pool.states is not None and pool.manager.num_free_state_slots == pool.states.num_slots
 
 
 def test_image_text_to_text_pipeline_keeps_working():
