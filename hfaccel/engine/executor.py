@@ -250,10 +250,12 @@ class StepExecutor:
         packed = [c for c in chunks if not _prefills_images(c)]
         for chunk in packed:
             self._continue_after_images(chunk)
-        logits = self._packed_forward(packed, input_ids[: sum(c.length for c in packed)], draw, prompt_rows)
+        offset = sum(c.length for c in packed)
+        prompt = [] if prompt_rows is None else prompt_rows.rows  # packed token indices, in chunk order
+        logits = self._packed_forward(packed, input_ids[:offset], draw, [row for row in prompt if row < offset])
         if len(packed) == len(chunks):
             return logits
-        rows, offset, completing = [], sum(c.length for c in packed), sum(c.completes for c in packed)
+        rows, prompt_logits, completing = [], [], sum(c.completes for c in packed)
         with_images = chunks[len(packed) :]
         encoded = self.encoder_cache.inputs(
             self.model,
@@ -262,18 +264,17 @@ class StepExecutor:
                 for c in with_images
             ],
         )
-        for chunk, inputs in zip(with_images, encoded):  # [1, V] each
-            media = chunk.seq.request.media
-            rows.append(
-                prefill_sequence(
-                    self.model, self.runner, chunk.seq.seq_id, input_ids[offset : offset + chunk.length], inputs
-                )
-            )
+        for chunk, inputs in zip(with_images, encoded):
+            media, end = chunk.seq.request.media, offset + chunk.length
+            keep = [row - offset for row in prompt if offset <= row < end]
+            out = prefill_sequence(self.model, self.runner, chunk.seq.seq_id, input_ids[offset:end], inputs, keep)
+            rows.append(out[:1])  # [1, V]: its last token's
+            prompt_logits.append(out[1:])  # [len(keep), V]
             self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))
-            offset += chunk.length
+            offset = end
         if logits is None:
-            return torch.cat(rows)
-        return torch.cat([logits[:completing], *rows, logits[completing:]])  # the prompt rows stay last
+            return torch.cat(rows + prompt_logits)
+        return torch.cat([logits[:completing], *rows, logits[completing:], *prompt_logits])  # the prompt rows last
 
     def _continue_after_images(self, chunk: ScheduledChunk) -> None:
         """A sequence of a prompt with images that its own prefill did not compute (prefix-cache hits covered its
@@ -291,9 +292,10 @@ class StepExecutor:
         chunks: list[ScheduledChunk],
         input_ids: torch.Tensor,
         draw: list[SampleRow] | None,
-        prompt_rows: PromptRows | None,
+        prompt_rows: list[int],
     ) -> torch.Tensor | None:
-        """The packed forward of ``chunks`` (what :meth:`_forward` returns for them; None for no chunk)."""
+        """The packed forward of ``chunks`` (what :meth:`_forward` returns for them, ``prompt_rows`` the packed
+        token indices whose logits follow; None for no chunk)."""
         if not chunks:
             return None
         completing = [i for i, c in enumerate(chunks) if c.completes]
@@ -306,7 +308,7 @@ class StepExecutor:
             logits_for=completing,
             lora_slots=lora_slots,
             draw=draw,
-            prompt_rows=None if prompt_rows is None else prompt_rows.rows,
+            prompt_rows=prompt_rows or None,
         )
 
     def _device_tokens(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -197,7 +197,6 @@ class Intake:
             return
         refused = {
             "a LoRA adapter": adapter is not None,
-            "prompt_logprobs": params.prompt_logprobs is not None,
             "tensor parallelism": self.tp is not None,
         }
         refused = [what for what, present in refused.items() if present]

@@ -53,23 +53,27 @@ def prefill_batch(
 
 
 @torch.inference_mode()
-def prefill_sequence(model, runner, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+def prefill_sequence(
+    model, runner, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = ()
+) -> torch.Tensor:
     """The Engine's prefill of one sequence's tokens ``input_ids [L]`` (its slots held) with its multimodal
     ``inputs`` (the processor's pixel values, image sizes, token types... of its prompt) through the model's forward;
-    its position offset set. Returns the logits of its last token, ``[1, V]``."""
+    its position offset set. Returns the logits of its last token, then those of the positions ``keep`` (its prompt
+    logprobs'): ``[1 + len(keep), V]``."""
     length = input_ids.shape[0]
     cache = PromptCache(model.config, runner.pool, [seq_id], [0])
+    rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
     with _positions_given(model) as seen:
         out = model(
             input_ids=input_ids[None],
             attention_mask=torch.ones_like(input_ids)[None],
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=rows,
             **{compat.cache_argument(model): cache},
             **inputs,
         )
     _set_offsets(runner, [seq_id], [length], _next_positions(seen, 1, length, [0]))
-    return out.logits[:, -1]
+    return out.logits[0]
 
 
 def _set_offsets(runner, seq_ids: Sequence[Hashable], lengths: Sequence[int], ends: Sequence[int]) -> None:

@@ -7,6 +7,7 @@ request alone."""
 import io
 
 import pytest
+import torch
 from PIL import Image
 
 import hfaccel
@@ -32,16 +33,20 @@ def llava():
 
 def transformers_tokens(model, processor, prompt, max_new_tokens: int = 10) -> list[int]:
     """transformers' greedy tokens for one prompt alone (a chat, a ``{"prompt", "images"}`` dict or a text)."""
-    if isinstance(prompt, dict):
-        inputs = processor(text=[prompt["prompt"]], images=prompt["images"], return_tensors="pt")
-    elif isinstance(prompt, str):
-        inputs = processor(text=[prompt], return_tensors="pt")
-    else:
-        inputs = processor.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-        )
+    inputs = _processed_alone(processor, prompt)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _processed_alone(processor, prompt) -> dict:
+    """The processor's inputs for one prompt (a chat, a ``{"prompt", "images"}`` dict or a text)."""
+    if isinstance(prompt, dict):
+        return processor(text=[prompt["prompt"]], images=prompt["images"], return_tensors="pt")
+    if isinstance(prompt, str):
+        return processor(text=[prompt], return_tensors="pt")
+    return processor.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
 
 
 def _prompts() -> list:
@@ -140,11 +145,37 @@ def test_a_text_model_refuses_images():
     assert not engine.has_unfinished_requests()
 
 
-def test_refused_combinations_say_so(llava):
+def test_refused_combinations_say_so(llava, tmp_path):
+    from tests.lora.adapters import save_adapter
+
     model, processor = llava
-    engine = hfaccel.Engine(model, processor, num_blocks=32)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        engine.add_request(chat("What?", image(40, 50)), hfaccel.SamplingParams(max_tokens=2, prompt_logprobs=1))
+    save_adapter(model, tmp_path / "a", r=4, seed=0, target_modules=r".*language_model.*\.(q|v)_proj")
+    engine = hfaccel.Engine(model, processor, num_blocks=32, lora_adapters={"a": tmp_path / "a"})
+    with pytest.raises(ValueError, match="requests with images are not supported with a LoRA adapter"):
+        engine.add_request(chat("What?", image(40, 50)), hfaccel.SamplingParams(max_tokens=2), lora="a")
+    assert not engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_of_image_prompts_equal_transformers(llava):
+    """prompt_logprobs of a prompt with images (how an evaluation harness scores a multimodal answer), in one step
+    with a text prompt asking for them too: each prompt token's log-probability, the image's placeholders included,
+    is transformers' log-softmax of the model's forward on that prompt alone (fp32); the first has none."""
+    model, processor = llava
+    prompts = [chat("What is this?", image(40, 50)), "user: hello there\nassistant:"]
+    engine = hfaccel.Engine(model, processor, num_blocks=64)
+    outputs = engine.generate(prompts, hfaccel.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    for prompt, out in zip(prompts, outputs):
+        inputs = _processed_alone(processor, prompt)
+        ids = inputs["input_ids"][0]
+        with torch.no_grad():
+            logits = model(**inputs).logits[0]  # [L, V]
+        expected = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
+        entries = out.prompt_logprobs
+        assert out.prompt_token_ids == ids.tolist() and entries[0] is None
+        assert [entry.token_id for entry in entries[1:]] == ids[1:].tolist()
+        torch.testing.assert_close(
+            torch.tensor([entry.logprob for entry in entries[1:]]), expected, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_the_same_image_again_skips_the_encoder(llava):
