@@ -277,9 +277,9 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         Thread-safe (a server runs it off its event loop)."""
         return self.intake.process_prompt(prompt, **template)
 
-    def check_media(self, media: MediaInputs | None, params: SamplingParams, adapter: LoRAAdapter | None) -> None:
+    def check_media(self, media: MediaInputs | None) -> None:
         """ValueError for what a request with images cannot have yet (a no-op without images)."""
-        self.intake.check_media(media, params, adapter)
+        self.intake.check_media(media)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""

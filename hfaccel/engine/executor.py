@@ -267,7 +267,10 @@ class StepExecutor:
         for chunk, inputs in zip(with_images, encoded):
             media, end = chunk.seq.request.media, offset + chunk.length
             keep = [row - offset for row in prompt if offset <= row < end]
-            out = prefill_sequence(self.model, self.runner, chunk.seq.seq_id, input_ids[offset:end], inputs, keep)
+            slot = -1 if self.loras is None else self.loras.slot_of(chunk.seq.request.lora)
+            out = prefill_sequence(
+                self.model, self.runner, chunk.seq.seq_id, input_ids[offset:end], inputs, keep, lora_slot=slot
+            )
             rows.append(out[:1])  # [1, V]: its last token's
             prompt_logits.append(out[1:])  # [len(keep), V]
             self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))

@@ -109,7 +109,7 @@ class Intake:
         gave, ``params`` checked (unless they were)."""
         if not params_checked:
             self.check_params(params)
-        self.check_media(media, params, adapter)
+        self.check_media(media)
         if media is not None:
             media = media.located(prompt_ids, media_token_ids(self.model.config))
         return PreparedPrompt(text, tuple(prompt_ids), params, adapter, media)
@@ -191,17 +191,10 @@ class Intake:
                 f"most max_num_seqs={self.max_num_seqs} sequences",
             )
 
-    def check_media(self, media: MediaInputs | None, params: SamplingParams, adapter: LoRAAdapter | None) -> None:
+    def check_media(self, media: MediaInputs | None) -> None:
         """ValueError for what a request with images cannot have yet (a no-op without images)."""
-        if media is None:
-            return
-        refused = {
-            "a LoRA adapter": adapter is not None,
-            "tensor parallelism": self.tp is not None,
-        }
-        refused = [what for what, present in refused.items() if present]
-        if refused:
-            raise ValueError(f"requests with images are not supported with {', '.join(refused)} yet")
+        if media is not None and self.tp is not None:
+            raise ValueError("requests with images are not supported with tensor parallelism yet")
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

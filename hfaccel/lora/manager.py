@@ -247,16 +247,18 @@ class LoRAManager:
             )
         if module in _output_layers(self.model):
             return "it is the output embedding (lm_head), which LoRA adapters cannot target here"
+        if not module.startswith(text := _language_model_prefix(self.model)):
+            return f"it is outside the language model ({text[:-1]}), which alone takes LoRA adapters here"
         return f"it is a {type(found).__name__}, not a Linear layer"
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a LoRA adapter may target: every ``nn.Linear`` (not a subclass: quantized layers of other
-    libraries) and ``Int4Linear`` but the output embedding, by module name — for a layer another engine wrapped
-    already, the layer it wraps."""
-    skip, found, wrapped = _output_layers(model), {}, ()
+    libraries) and ``Int4Linear`` of the language model (an image-text model's vision tower runs without adapters)
+    but the output embedding, by module name — for a layer another engine wrapped already, the layer it wraps."""
+    skip, found, wrapped, text = _output_layers(model), {}, (), _language_model_prefix(model)
     for name, m in model.named_modules():  # parents come before their children
-        if name.startswith(wrapped):
+        if name.startswith(wrapped) or not name.startswith(text):
             continue
         if isinstance(m, LoRALinear):
             found[name] = m.base_layer
@@ -264,6 +266,14 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
         elif (type(m) is nn.Linear or isinstance(m, Int4Linear)) and name not in skip:
             found[name] = m
     return found
+
+
+def _language_model_prefix(model: nn.Module) -> str:
+    """The module-name prefix of ``model``'s language model (``transformers``' ``get_decoder()``: ``"model."`` for a
+    causal LM, ``"model.language_model."`` for most image-text models); ``""`` where it has none of its own."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    name = next((name for name, m in model.named_modules() if m is decoder), "")
+    return f"{name}." if name else ""
 
 
 def _output_layers(model: nn.Module) -> set[str]:

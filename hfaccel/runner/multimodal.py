@@ -54,16 +54,23 @@ def prefill_batch(
 
 @torch.inference_mode()
 def prefill_sequence(
-    model, runner, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = ()
+    model,
+    runner,
+    seq_id: Hashable,
+    input_ids: torch.Tensor,
+    inputs: dict,
+    keep: Sequence[int] = (),
+    lora_slot: int = -1,
 ) -> torch.Tensor:
     """The Engine's prefill of one sequence's tokens ``input_ids [L]`` (its slots held) with its multimodal
-    ``inputs`` (the processor's pixel values, image sizes, token types... of its prompt) through the model's forward;
-    its position offset set. Returns the logits of its last token, then those of the positions ``keep`` (its prompt
-    logprobs'): ``[1 + len(keep), V]``."""
+    ``inputs`` (the processor's pixel values, image sizes, token types... of its prompt) through the model's forward,
+    every token through LoRA slot ``lora_slot`` (-1: none; only the language model has LoRA layers); its position
+    offset set. Returns the logits of its last token, then those of the positions ``keep`` (its prompt logprobs'):
+    ``[1 + len(keep), V]``."""
     length = input_ids.shape[0]
     cache = PromptCache(model.config, runner.pool, [seq_id], [0])
     rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
-    with _positions_given(model) as seen:
+    with _positions_given(model) as seen, _adapter(runner, lora_slot, length, input_ids.device):
         out = model(
             input_ids=input_ids[None],
             attention_mask=torch.ones_like(input_ids)[None],
@@ -74,6 +81,19 @@ def prefill_sequence(
         )
     _set_offsets(runner, [seq_id], [length], _next_positions(seen, 1, length, [0]))
     return out.logits[0]
+
+
+@contextmanager
+def _adapter(runner, slot: int, length: int, device: torch.device):
+    """Every one of a forward's ``length`` tokens through LoRA slot ``slot`` for the duration (-1: none)."""
+    if slot < 0:
+        yield
+        return
+    runner.lora.index, runner.lora.slots = torch.full((length,), slot, dtype=torch.long, device=device), [slot]
+    try:
+        yield
+    finally:
+        runner.lora.index = None
 
 
 def _set_offsets(runner, seq_ids: Sequence[Hashable], lengths: Sequence[int], ends: Sequence[int]) -> None:

@@ -92,7 +92,7 @@ async def prepare_prompt(
         )
     try:
         params = params_for(max_tokens)
-        engine.check_media(media, params, lora)
+        engine.check_media(media)
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:

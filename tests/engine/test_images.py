@@ -145,15 +145,27 @@ def test_a_text_model_refuses_images():
     assert not engine.has_unfinished_requests()
 
 
-def test_refused_combinations_say_so(llava, tmp_path):
+def test_lora_adapters_serve_image_requests(llava, tmp_path):
+    """A LoRA adapter of the language model on requests with images, in one batch with the base model's: each
+    request's tokens are PEFT's own generate on it alone. An adapter that targets the vision tower (which runs
+    without adapters) is refused when it is added, saying why."""
     from tests.lora.adapters import save_adapter
 
     model, processor = llava
-    save_adapter(model, tmp_path / "a", r=4, seed=0, target_modules=r".*language_model.*\.(q|v)_proj")
-    engine = hfaccel.Engine(model, processor, num_blocks=32, lora_adapters={"a": tmp_path / "a"})
-    with pytest.raises(ValueError, match="requests with images are not supported with a LoRA adapter"):
-        engine.add_request(chat("What?", image(40, 50)), hfaccel.SamplingParams(max_tokens=2), lora="a")
-    assert not engine.has_unfinished_requests()
+    peft = save_adapter(model, tmp_path / "a", r=4, seed=0, target_modules=r".*language_model.*\.(q|v|down)_proj")
+    prompts = [chat("What is this?", image(40, 50)), chat("Compare", image(30, 30, 1))]
+    with_adapter = [transformers_tokens(peft, processor, prompt) for prompt in prompts]
+    base = [transformers_tokens(model, processor, prompt) for prompt in prompts]
+    assert with_adapter != base
+    save_adapter(model, tmp_path / "vision", r=4, seed=1, target_modules=r".*vision_tower.*\.q_proj")
+    engine = hfaccel.Engine(model, processor, num_blocks=64, lora_adapters={"a": tmp_path / "a"})
+    try:
+        outputs = engine.generate(prompts * 2, GREEDY, lora=["a", "a", None, None])
+        assert [o.outputs[0].token_ids for o in outputs] == with_adapter + base
+        with pytest.raises(ValueError, match="outside the language model"):
+            engine.add_lora("vision", tmp_path / "vision")
+    finally:
+        engine.close()
 
 
 def test_prompt_logprobs_of_image_prompts_equal_transformers(llava):
