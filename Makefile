@@ -19,7 +19,9 @@ TORCH_PIN ?= torch==2.13.0
 PIP := $(PYTHON) -m pip
 VENV ?= .venv
 VENV_LOWEST ?= .venv-lowest
-LOWEST_PINS ?= transformers==5.17.0 peft==0.18.0 triton==3.6.0 "numpy<2.4"
+LOWEST_PINS ?= transformers==5.17.0 peft==0.18.0
+# with a CPU torch only: a CUDA torch pins the triton it was built with
+LOWEST_CPU_PINS ?= triton==3.6.0 "numpy<2.4"
 # What the lowest transformers is tested on: where hfaccel meets transformers' code (accelerate, generate's loop and
 # arguments, the model forwards the runner, speculative decoding and LoRA layers drive, the engine's exactness
 # against generate); the rest of the engine, the server and the kernels do not depend on the transformers release.
@@ -44,6 +46,9 @@ test-newest:
 
 test-lowest:
 	$(MAKE) venv VENV=$(VENV_LOWEST) PINS="$(LOWEST_PINS)"
+	if $(VENV_LOWEST)/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(VENV_LOWEST)/bin/pip install $(LOWEST_CPU_PINS) && $(VENV_LOWEST)/bin/python -c \
+		"import numpy, triton; print('$(VENV_LOWEST): triton', triton.__version__, 'numpy', numpy.__version__)"; fi
 	$(VENV_LOWEST)/bin/python -m hfaccel.tools.assets
 	$(VENV_LOWEST)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=10 $(MODEL_TESTS) $(MODEL_TESTS_SKIP)
 

@@ -186,6 +186,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 max_num_seqs=max_num_seqs,
                 eos_token_ids=self.eos_token_ids,
                 tp=self.tp,
+                loras=self.loras,
             )
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
@@ -277,9 +278,9 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         Thread-safe (a server runs it off its event loop)."""
         return self.intake.process_prompt(prompt, **template)
 
-    def check_media(self, media: MediaInputs | None) -> None:
+    def check_media(self, media: MediaInputs | None, adapter: LoRAAdapter | None) -> None:
         """ValueError for what a request with images cannot have yet (a no-op without images)."""
-        self.intake.check_media(media)
+        self.intake.check_media(media, adapter)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""

@@ -24,7 +24,7 @@ from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.engine.prompt_logprobs import empty_prompt_logprobs
 from hfaccel.engine.scheduler import Request, Sequence
 from hfaccel.kv import KVPool
-from hfaccel.lora import LoRAAdapter
+from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling import IncrementalDetokenizer, InvalidSamplingParams, SamplingParams, StopChecker
 from hfaccel.sampling.structured import Grammars
 
@@ -57,7 +57,8 @@ class Intake:
     """Prompts and parameters checked against one engine's model and limits, and the requests made of them.
 
     ``processor``: an image-text-to-text model's processor (None: prompts without images only); ``pool``: the
-    engine's KV pool (a prompt must fit it); ``tp``: the tensor-parallel ranks, if any (no images there yet).
+    engine's KV pool (a prompt must fit it); ``tp``: the tensor-parallel ranks, if any (no images there yet);
+    ``loras``: the engine's LoRA adapters, if any (an image request's adapter must leave the vision tower alone).
     """
 
     def __init__(
@@ -72,10 +73,11 @@ class Intake:
         max_num_seqs: int,
         eos_token_ids: set[int],
         tp: TensorParallel | None,
+        loras: LoRAManager | None,
     ):
         self.model, self.processor, self.tokenizer, self.pool = model, processor, tokenizer, pool
         self.vocab_size, self.max_model_len, self.max_num_seqs = vocab_size, max_model_len, max_num_seqs
-        self.eos_token_ids, self.tp = eos_token_ids, tp
+        self.eos_token_ids, self.tp, self.loras = eos_token_ids, tp, loras
         self._seq_ids = itertools.count()
         self._grammars: Grammars | None = None  # structured outputs' compiled grammars (on first use)
         self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
@@ -109,7 +111,7 @@ class Intake:
         gave, ``params`` checked (unless they were)."""
         if not params_checked:
             self.check_params(params)
-        self.check_media(media)
+        self.check_media(media, adapter)
         if media is not None:
             media = media.located(prompt_ids, media_token_ids(self.model.config))
         return PreparedPrompt(text, tuple(prompt_ids), params, adapter, media)
@@ -191,10 +193,18 @@ class Intake:
                 f"most max_num_seqs={self.max_num_seqs} sequences",
             )
 
-    def check_media(self, media: MediaInputs | None) -> None:
+    def check_media(self, media: MediaInputs | None, adapter: LoRAAdapter | None) -> None:
         """ValueError for what a request with images cannot have yet (a no-op without images)."""
-        if media is not None and self.tp is not None:
+        if media is None:
+            return
+        if self.tp is not None:
             raise ValueError("requests with images are not supported with tensor parallelism yet")
+        outside = [] if adapter is None else self.loras.beyond_language_model(adapter)
+        if outside:
+            raise ValueError(
+                f"requests with images cannot take LoRA adapter {adapter.name!r}: it targets {len(outside)} layers "
+                f"outside the language model ({outside[0]}, ...), which hfaccel runs without adapters"
+            )
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

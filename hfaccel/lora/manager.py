@@ -60,13 +60,17 @@ class LoRAManager:
         self.closed = False
         candidates = linear_layers(model)
         self._shapes = {name: (layer.in_features, layer.out_features) for name, layer in candidates.items()}
+        # layers outside the language model (an image-text model's vision tower) are never wrapped: hfaccel runs them
+        # without adapters, so an adapter's weights there are kept but unused, and its image requests are refused
+        self._language_model = _language_model_prefix(model)
+        self._outside = {name for name in candidates if not name.startswith(self._language_model)}
         self._dtype = layer_dtype(next(iter(candidates.values()))) if candidates else torch.float32
         self._pin = any(layer_device(layer).type == "cuda" for layer in candidates.values())
         loaded = [self._load(name, path, self._shapes) for name, path in (adapters or {}).items()]
         targets = set(target_modules if target_modules is not None else DEFAULT_TARGET_MODULES)
         wrap = sorted(
-            {n for n in candidates if n.rsplit(".", 1)[-1] in targets}
-            | {m for adapter in loaded for m in adapter.weights}
+            ({n for n in candidates if n.rsplit(".", 1)[-1] in targets} | {m for a in loaded for m in a.weights})
+            - self._outside
         )
         if not wrap:
             raise ValueError(
@@ -94,8 +98,14 @@ class LoRAManager:
 
     # ------------------------------------------------------------------------------------------- registry
     def load(self, name: str, path: str | os.PathLike) -> LoRAAdapter:
-        """The adapter at ``path`` read and checked against the wrapped layers (not registered yet; thread-safe)."""
-        return self._load(name, path, {n: self._shapes[n] for n in self.layers})
+        """The adapter at ``path`` read and checked against the wrapped layers and those outside the language model
+        (not registered yet; thread-safe)."""
+        return self._load(name, path, {n: self._shapes[n] for n in (*self.layers, *self._outside)})
+
+    def beyond_language_model(self, adapter: LoRAAdapter) -> list[str]:
+        """The modules ``adapter`` targets outside the language model (the vision tower's), which hfaccel runs
+        without adapters: requests with images cannot take it."""
+        return sorted(name for name in adapter.weights if name in self._outside)
 
     def register(self, adapter: LoRAAdapter) -> None:
         """Serve ``adapter`` under its name (``ValueError`` if the name is taken)."""
@@ -247,18 +257,16 @@ class LoRAManager:
             )
         if module in _output_layers(self.model):
             return "it is the output embedding (lm_head), which LoRA adapters cannot target here"
-        if not module.startswith(text := _language_model_prefix(self.model)):
-            return f"it is outside the language model ({text[:-1]}), which alone takes LoRA adapters here"
         return f"it is a {type(found).__name__}, not a Linear layer"
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a LoRA adapter may target: every ``nn.Linear`` (not a subclass: quantized layers of other
-    libraries) and ``Int4Linear`` of the language model (an image-text model's vision tower runs without adapters)
-    but the output embedding, by module name — for a layer another engine wrapped already, the layer it wraps."""
-    skip, found, wrapped, text = _output_layers(model), {}, (), _language_model_prefix(model)
+    libraries) and ``Int4Linear`` but the output embedding, by module name — for a layer another engine wrapped
+    already, the layer it wraps."""
+    skip, found, wrapped = _output_layers(model), {}, ()
     for name, m in model.named_modules():  # parents come before their children
-        if name.startswith(wrapped) or not name.startswith(text):
+        if name.startswith(wrapped):
             continue
         if isinstance(m, LoRALinear):
             found[name] = m.base_layer

@@ -23,6 +23,7 @@ from hfaccel.device import to_device
 from hfaccel.kernels.attention_tiles import BATCH_LADDER
 from hfaccel.kv import DeviceBlockTables, PackedStep, token_metadata
 from hfaccel.runner.step_function import (
+    compiled_call,
     compiled_function,
     failure_reason,
     mark_draw_dynamic,
@@ -122,10 +123,10 @@ class DecodeGraphs:
         self._step_fn = compiled_function(static_step) if compile else static_step
         self._draw_fn = compiled_function(draw_step) if compile and draws else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
-        self.size_one_failure: str | None = None  # why steps of one sequence run at the next size (compiled steps)
-        # the (advance, lora) variants the compiled step was traced for, and those whose size 1 was settled
+        # the (advance, lora) variants the compiled step was traced for, and for those settled, why steps of one
+        # sequence run at the next size (None: at size 1)
         self._traced: set[tuple[bool, bool]] = set()
-        self._settled: set[tuple[bool, bool]] = set()
+        self._size_one: dict[tuple[bool, bool], str | None] = {}
         self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
         self.capture_failures: dict[tuple[int, bool, bool, bool], str] = {}
@@ -145,8 +146,9 @@ class DecodeGraphs:
         ]
         if self.draw_compile_failure is not None:
             parts.append(f"draw uncompiled ({self.draw_compile_failure})")
-        if self.size_one_failure is not None:
-            parts.append(f"batch 1 runs at {self.sizes[0]} ({self.size_one_failure})")
+        reason = next((reason for reason in self._size_one.values() if reason is not None), None)
+        if reason is not None:
+            parts.append(f"batch 1 runs at {self.sizes[1]} ({reason})")
         if self.capture:
             parts.append(f"CUDA graphs for sizes {sorted({size for size, *_ in self._graphs})}")
         parts += [
@@ -210,35 +212,35 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     def _size_for(self, batch: int, advance: bool, lora: bool) -> int:
-        """:meth:`size_for` a step about to run (its buffers not yet filled), a compiled step's size 1 settled first
-        for each variant (:meth:`_settle_size_one`)."""
-        settled = (advance, lora) in self._settled
-        if batch == 1 and self.compiled and not settled and self.sizes[0] == 1 and len(self.sizes) > 1:
-            self._settle_size_one(advance, lora)
+        """:meth:`size_for` a step about to run (its buffers not yet filled); batch 1 at the next size for a compiled
+        variant whose graph does not serve one sequence (:meth:`_settle_size_one`, once per variant)."""
+        variant = (advance, lora)
+        if batch == 1 and self.compiled and self.agree is None and len(self.sizes) > 1:
+            if variant not in self._size_one:
+                self._size_one[variant] = self._settle_size_one(advance, lora)
+            if self._size_one[variant] is not None:
+                return self.sizes[1]
         return self.size_for(batch)
 
-    def _settle_size_one(self, advance: bool, lora: bool) -> None:
-        """Whether the compiled step's graph serves one sequence. Traced at one, it would be specialised to one
-        (a second graph for every other size); traced at more, a model's own code may still specialise size 1
-        (Llama 4's rotary ``torch.polar``, Qwen3.5's M-RoPE and Gemma 4's per-layer inputs guard on the batch being
-        at least 2, in views inductor checks for overlap). So the graph is traced at the next size, on padding
-        rows, then size 1 is tried on it without compiling; where it would compile again, steps of one sequence run
-        at the next size (one padding row) and :meth:`status` says why."""
-        self._settled.add((advance, lora))
+    def _settle_size_one(self, advance: bool, lora: bool) -> str | None:
+        """Why the compiled step's graph of this variant cannot serve one sequence, or None. Traced at one, it would
+        be specialised to one (a second graph for every other size); traced at more, a model's own code may still
+        specialise size 1 (Llama 4's rotary ``torch.polar``, Qwen3.5's M-RoPE and Gemma 4's per-layer inputs guard on
+        the batch being at least 2, in views inductor checks for overlap). So the graph is traced at the next size,
+        on padding rows, then size 1 is tried on it without compiling; where it would compile again, steps of one
+        sequence run at the next size (one padding row). Not under tensor parallelism, where every rank must run the
+        same forwards: there the first size traced decides."""
         if (advance, lora) not in self._traced:
             self._pad_rows()
-            self._replay(self.sizes[1], advance=advance, lora=lora)
+            self._step(self.sizes[1], advance, lora)  # traced, not captured
         if not self.compiled:  # compiling failed: every size runs eagerly
-            return
+            return None
         self._pad_rows()
         rows = self._rows(1)
         mark_step_dynamic(rows, self.runner.pool)
-        reason = recompile_reason(
+        return recompile_reason(
             self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
         )
-        if reason is not None:
-            self.size_one_failure = reason
-            self.sizes.remove(1)
 
     # ---------------------------------------------------------------------------------- host-fed steps
     def run(
@@ -416,8 +418,7 @@ class DecodeGraphs:
         else:
             mark_draw_dynamic(*args)
         try:
-            with compat.marked_sizes_only():
-                return function(*args)
+            return compiled_call(function, *args)
         except compat.compile_errors() as error:
             reason = failure_reason(error)
             _log.warning(

@@ -5,6 +5,7 @@ failed capture leaves behind."""
 from __future__ import annotations
 
 import logging
+import threading
 import types
 from typing import TYPE_CHECKING
 
@@ -76,17 +77,32 @@ def mark_draw_dynamic(logits: torch.Tensor, columns: torch.Tensor) -> None:
     torch._dynamo.maybe_mark_dynamic(columns, 1)
 
 
+# held by every call of a compiled step and by a recompile probe: torch's compile stance is process-wide, so no
+# other thread's compiled step runs (and compiles) while a probe forbids compiling
+_COMPILED_CALLS = threading.RLock()
+
+
+def compiled_call(compiled, *args):
+    """``compiled(*args)`` (a :func:`compiled_function`, its dimensions marked dynamic) as every compiled step runs:
+    sizes marked dynamic traced as symbols (:func:`hfaccel.compat.marked_sizes_only`), no probe running meanwhile."""
+    with _COMPILED_CALLS, compat.marked_sizes_only():
+        return compiled(*args)
+
+
 def recompile_reason(compiled, *args) -> str | None:
-    """Why ``compiled`` (a :func:`compiled_function`, its dimensions marked dynamic) would compile again to run on
-    ``args`` — the guard that fails, in one line — or None when a graph it holds serves them, which then ran."""
+    """Why ``compiled`` would compile again to run on ``args`` — the guard that fails, in one line — or None when a
+    graph it holds serves them, which then ran. While it tries, torch's stance forbids compiling in the whole
+    process; hfaccel's own compiled calls wait for it (:func:`compiled_call`), a user's own ``torch.compile`` in
+    another thread would see the stance."""
     try:
-        with compat.marked_sizes_only(), torch.compiler.set_stance("fail_on_recompile"):
-            compiled(*args)
+        with _COMPILED_CALLS, torch.compiler.set_stance("fail_on_recompile"):
+            compiled_call(compiled, *args)
     except Exception as error:  # the stance's RuntimeError, or the step failing at this size: either way not served
         guards = [
             line.strip()[2:].split(": ", 1)[-1] for line in str(error).splitlines() if line.strip().startswith("- ")
         ]
-        return f"the model's code specialises it: {guards[0][:300]}" if guards else failure_reason(error)
+        sized = [guard for guard in guards if ".size()" in guard]  # the batch's, before another variant's
+        return f"the model's code specialises it: {(sized or guards)[0][:300]}" if guards else failure_reason(error)
     return None
 
 

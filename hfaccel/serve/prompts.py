@@ -92,7 +92,7 @@ async def prepare_prompt(
         )
     try:
         params = params_for(max_tokens)
-        engine.check_media(media)
+        engine.check_media(media, lora)
     except InvalidSamplingParams as error:
         raise APIError(400, str(error), param=error.param) from None
     except ValueError as error:

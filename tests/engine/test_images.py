@@ -147,8 +147,8 @@ def test_a_text_model_refuses_images():
 
 def test_lora_adapters_serve_image_requests(llava, tmp_path):
     """A LoRA adapter of the language model on requests with images, in one batch with the base model's: each
-    request's tokens are PEFT's own generate on it alone. An adapter that targets the vision tower (which runs
-    without adapters) is refused when it is added, saying why."""
+    request's tokens are PEFT's own generate on it alone. An adapter that also targets the vision tower (which runs
+    without adapters) serves text requests, and image requests with it are refused, saying why."""
     from tests.lora.adapters import save_adapter
 
     model, processor = llava
@@ -162,8 +162,12 @@ def test_lora_adapters_serve_image_requests(llava, tmp_path):
     try:
         outputs = engine.generate(prompts * 2, GREEDY, lora=["a", "a", None, None])
         assert [o.outputs[0].token_ids for o in outputs] == with_adapter + base
-        with pytest.raises(ValueError, match="outside the language model"):
-            engine.add_lora("vision", tmp_path / "vision")
+        engine.add_lora("vision", tmp_path / "vision")
+        with pytest.raises(ValueError, match="cannot take LoRA adapter 'vision': it targets 2 layers outside the"):
+            engine.add_request(chat("What?", image(40, 50)), GREEDY, lora="vision")
+        text = engine.generate(["user: hello\nassistant:"], GREEDY, lora="vision")[0]
+        assert text.error is None and len(text.outputs[0].token_ids) == GREEDY.max_tokens
+        assert not engine.has_unfinished_requests()
     finally:
         engine.close()
 
