@@ -25,7 +25,7 @@ from torch import nn
 from hfaccel import compat
 from hfaccel.quant.formats import Int4Weight
 from hfaccel.quant.linear import Int4Linear
-from hfaccel.quant.rtn import group_params, quantize_rtn, quantize_values
+from hfaccel.quant.rtn import group_params, quantize_rtn, quantize_values, rtn_round_trip
 
 AWQ_GRID = 20
 MAX_SAMPLE_TOKENS = 2048  # activation rows kept per Linear for the AWQ search
@@ -230,18 +230,22 @@ def _apply_awq(layer, linears: dict[str, nn.Linear], records: dict[str, _Recorde
 
 
 def _search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
-    """Per-input-channel scale ``mean|x|^α`` minimising the group's output error after rounding."""
+    """Per-input-channel scale ``mean|x|^α`` minimising the group's output error after rounding: the mean square of
+    ``x @ (rounded - w).T`` over the ``R`` rows of ``x [R, K]`` and a weight's ``N`` outputs, computed from the
+    inputs' Gram matrix ``G = x.T @ x / R`` as ``sum((D @ G) * D) / N`` (``D = rounded - w``), which costs ``K``
+    where the product costs ``R`` per output."""
     x_mean = x.abs().mean(0).clamp(min=1e-5)  # [K]
-    reference = [x @ w.float().t() for w in weights]
+    gram = x.t() @ x / x.shape[0]  # [K, K]
     best, best_error = torch.ones_like(x_mean), float("inf")
     for step in range(AWQ_GRID):
         s = x_mean.pow(step / AWQ_GRID)
         s = s / (s.max() * s.min()).sqrt()
         error = 0.0
-        for w, ref in zip(weights, reference):
-            scaled = w.float() * s[None, :]
-            rounded = quantize_rtn(scaled, group_size).dequantize().to(x.device) / s[None, :]
-            error += (x @ rounded.t() - ref).pow(2).mean().item()
+        for w in weights:
+            w = w.float()
+            rounded = rtn_round_trip(w * s[None, :], group_size) / s[None, :]
+            d = rounded - w  # [N, K]
+            error += ((d @ gram) * d).sum().item() / d.shape[0]
         if error < best_error:
             best, best_error = s, error
     return best

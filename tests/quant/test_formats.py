@@ -192,3 +192,13 @@ def test_hand_built_checkpoint_folder_loads(tmp_path, fmt):
         module = model.get_submodule(name)
         assert isinstance(module, hfaccel.Int4Linear), name
         assert torch.equal(module.int4_weight().dequantize(), weight), name
+
+
+def test_rtn_round_trip_is_quantize_then_dequantize():
+    """AWQ's scale search rounds without packing (``rtn_round_trip``): exactly the values of ``quantize_rtn``'s
+    packed weight dequantized, odd output counts included."""
+    from hfaccel.quant.rtn import quantize_rtn, rtn_round_trip
+
+    torch.manual_seed(0)
+    weight = torch.randn(37, 192) * torch.rand(192) * 3  # [N, K]: 3 groups of 64 columns
+    assert torch.equal(rtn_round_trip(weight, 64), quantize_rtn(weight, 64).dequantize())
