@@ -213,7 +213,8 @@ class DecodeGraphs:
 
     def _size_for(self, batch: int, advance: bool, lora: bool) -> int:
         """:meth:`size_for` a step about to run (its buffers not yet filled); batch 1 at the next size for a compiled
-        variant whose graph does not serve one sequence (:meth:`_settle_size_one`, once per variant)."""
+        variant whose graph does not serve one sequence (:meth:`_settle_size_one`, once per variant). ``lora``: the
+        variant's, read for batch 1 only."""
         variant = (advance, lora)
         if batch == 1 and self.compiled and self.agree is None and len(self.sizes) > 1:
             if variant not in self._size_one:
@@ -259,7 +260,7 @@ class DecodeGraphs:
         :func:`~hfaccel.sampling.sampler.draws_in_step`), each sequence's next token drawn inside the step instead:
         ``[B]`` int64, what ``sample`` gives for those rows."""
         batch = len(seq_ids)
-        size = self._size_for(batch, advance=False, lora=any(slot >= 0 for slot in lora_slots or ()))
+        size = self._size_for(batch, advance=False, lora=batch == 1 and lora_slots is not None and lora_slots[0] >= 0)
         num_new = [1] * batch if num_new is None else list(num_new)
         if draw is not None and (not self.draws or len(draw) != batch):
             raise ValueError(

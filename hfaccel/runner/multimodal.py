@@ -70,7 +70,7 @@ def prefill_sequence(
     length = input_ids.shape[0]
     cache = PromptCache(model.config, runner.pool, [seq_id], [0])
     rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
-    with _positions_given(model) as seen, _adapter(runner, lora_slot, length, input_ids.device):
+    with _positions_given(model) as seen, _adapter(runner, runner.lora_index([lora_slot], [length])):
         out = model(
             input_ids=input_ids[None],
             attention_mask=torch.ones_like(input_ids)[None],
@@ -84,12 +84,13 @@ def prefill_sequence(
 
 
 @contextmanager
-def _adapter(runner, slot: int, length: int, device: torch.device):
-    """Every one of a forward's ``length`` tokens through LoRA slot ``slot`` for the duration (-1: none)."""
-    if slot < 0:
+def _adapter(runner, index: torch.Tensor | None):
+    """Each token's LoRA slot (``index [T]``, :meth:`ModelRunner.lora_index`) given to the layers for the duration
+    (None: no adapter), as ``ModelRunner.run_model`` gives them."""
+    if index is None:
         yield
         return
-    runner.lora.index, runner.lora.slots = torch.full((length,), slot, dtype=torch.long, device=device), [slot]
+    runner.lora.index = index
     try:
         yield
     finally:

@@ -228,7 +228,7 @@ class ModelRunner:
         start = time.perf_counter()
         step = self._with_offsets(self.pool.packed_step(seq_ids, starts, num_new), seq_ids, num_new).to(self.device)
         keep = self._logits_index(step, num_new, logits_for, prompt_rows)
-        lora_index = self._lora_index(lora_slots, num_new)
+        lora_index = self.lora_index(lora_slots, num_new)
         self.metadata_seconds += time.perf_counter() - start
         return self._eager_forward(input_ids, step, keep, lora_index)
 
@@ -310,7 +310,7 @@ class ModelRunner:
                 self.lora.index = None
         return out.logits[0]
 
-    def _lora_index(self, lora_slots: Sequence[int] | None, num_new: Sequence[int]) -> torch.Tensor | None:
+    def lora_index(self, lora_slots: Sequence[int] | None, num_new: Sequence[int]) -> torch.Tensor | None:
         """The LoRA slot of each packed token, ``[T]`` on the device, or None when no sequence has an adapter; the
         slots present go to the context as a host list (the torch reference loops over those only)."""
         present = sorted({slot for slot in lora_slots if slot >= 0}) if lora_slots is not None else []
