@@ -19,9 +19,11 @@ Paths (``hfaccel.kernels.fp8_config`` routes each call by shape and the GPU's tu
   :func:`quantize_activations`), fp8 tensor-core tiles, each K tile's product scaled by both operands' scales;
 - ``dequant``: the weight dequantized once to the activation dtype, then the dense matmul (large M).
 
-The weight-only paths keep the activations' precision: what halves is the weight's bytes, where decode's time goes.
-``w8a8`` doubles the tensor cores' rate for large M at the cost of rounding the activations (as vLLM's and
-transformers' fp8 kernels do); its reference is :func:`w8a8_reference`.
+The tiled paths split K across programs where their tiles alone leave SMs idle (``hfaccel.kernels.split_k``: fp32
+partials added in split order, bit-identical run to run). The weight-only paths keep the activations' precision:
+what halves is the weight's bytes, where decode's time goes. ``w8a8`` doubles the tensor cores' rate for large M at
+the cost of rounding the activations (as vLLM's and transformers' fp8 kernels do); its reference is
+:func:`w8a8_reference`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton.language as tl
 
 from hfaccel.kernels.fp8_config import PATHS, W8A8_DTYPES, Fp8Config, fit_config, pick_fp8_config
 from hfaccel.kernels.runtime import interpreting, resolve_backend, triton_can_run
+from hfaccel.kernels.split_k import finish, k_slices, partial_out
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -48,22 +51,27 @@ def _gemv_kernel(
     K,
     group_k,
     group_n,
+    k_per_split,
     stride_xm,
     stride_wk,
     stride_sk,
+    stride_os,
     stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    # Program: row pid_m of x times BLOCK_N columns; each K tile lies in one K group (BLOCK_K divides group_k, or
-    # there is one group), its partial sum scaled by that group's row of scales.
+    # Program: row pid_m of x times BLOCK_N columns over K slice pid_k; each K tile lies in one K group (BLOCK_K
+    # divides group_k, or there is one group), its partial sum scaled by that group's row of scales.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
+    k_start = pid_k * k_per_split
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
         k_ok = k0 + offs_k < K
         x = tl.load(X + pid_m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
         w = tl.load(
@@ -71,7 +79,10 @@ def _gemv_kernel(
         ).to(tl.float32)  # [BLOCK_K, BLOCK_N]
         scale = tl.load(S + (k0 // group_k) * stride_sk + offs_n // group_n, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += tl.sum(x[:, None] * w, 0) * scale
-    tl.store(OUT + pid_m * stride_om + offs_n, acc.to(OUT.dtype.element_ty), mask=n_ok)
+    if SPLIT:  # this slice's fp32 partial
+        tl.store(OUT + pid_k * stride_os + pid_m * stride_om + offs_n, acc, mask=n_ok)
+    else:
+        tl.store(OUT + pid_m * stride_om + offs_n, acc.to(OUT.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -86,29 +97,34 @@ def _gemm_kernel(
     K,
     group_k,
     group_n,
+    k_per_split,
     stride_xm,
     stride_xsm,
     stride_wk,
     stride_sk,
+    stride_os,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
     W8A8: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    # Program: a [BLOCK_M, BLOCK_N] output tile; each K tile lies in one K group, its product scaled by that group's
-    # weight scales. 16-bit: the fp8 weights converted to the activation dtype (exactly); F32_DOT: fp32 operands
-    # (fp32 activations, or bf16 in the interpreter, which cannot compute in bf16). W8A8: X holds e4m3 activations
-    # over per-row (and K group) scales XS, fp8 x fp8 products scaled by both.
+    # Program: a [BLOCK_M, BLOCK_N] output tile over K slice pid_k; each K tile lies in one K group, its product
+    # scaled by that group's weight scales. 16-bit: the fp8 weights converted to the activation dtype (exactly);
+    # F32_DOT: fp32 operands (fp32 activations, or bf16 in the interpreter, which cannot compute in bf16). W8A8: X
+    # holds e4m3 activations over per-row (and K group) scales XS, fp8 x fp8 products scaled by both.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
+    k_start = pid_k * k_per_split
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
         k_ok = k0 + offs_k < K
         x = tl.load(
             X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
@@ -126,11 +142,11 @@ def _gemm_kernel(
             part = tl.dot(x, w.to(x.dtype))
         scale = tl.load(S + group * stride_sk + offs_n // group_n, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += part * scale[None, :]
-    tl.store(
-        OUT + offs_m[:, None] * stride_om + offs_n[None, :],
-        acc.to(OUT.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    out_ptrs = OUT + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT:  # this slice's fp32 partial
+        tl.store(out_ptrs + pid_k * stride_os, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,18 +209,19 @@ def fp8_matmul(
     config: Fp8Config | None = None,
 ) -> torch.Tensor:
     """``x: [M, K]`` times the fp8 weight ``[K, N]`` (layout in the module docstring); returns ``[M, N]`` in
-    ``x``'s dtype. ``config`` (``hfaccel tune``) or ``path`` (one of :data:`PATHS` with default tiles: tests,
-    benchmarks) forces a path; by default ``pick_fp8_config`` decides."""
+    ``x``'s dtype. ``config`` (``hfaccel tune``; fitted to the shape) or ``path`` (one of :data:`PATHS` with default
+    tiles: tests, benchmarks) forces a path; by default ``pick_fp8_config`` decides."""
     _check(x, weight, scales, group_k, group_n)
     if resolve_backend(backend, x.device) == "torch":
         return fp8_reference(x, weight, scales, group_k, group_n)
     m, k = x.shape
     n = weight.shape[1]
-    config = config or (
-        _default_config(path, m, k, group_k)
-        if path is not None
-        else pick_fp8_config(m, n, k, x.dtype, group_k, group_n, x.device)
-    )
+    if config is not None:
+        config = fit_config(config, k, group_k)
+    elif path is not None:
+        config = _default_config(path, m, k, group_k)
+    else:
+        config = pick_fp8_config(m, n, k, x.dtype, group_k, group_n, x.device)
     if config.path == "w8a8" and x.dtype not in W8A8_DTYPES:
         raise ValueError(f"the w8a8 path takes {W8A8_DTYPES} activations; got {x.dtype}")
     if m == 0:
@@ -212,13 +229,18 @@ def fp8_matmul(
     x, weight, scales = x.contiguous(), weight.contiguous(), scales.contiguous()
     if config.path == "dequant":
         return x @ dequantize(weight, scales, group_k, group_n, x.dtype)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    k_per_split, splits = k_slices(k, config.split_k, config.block_k)
+    out = partial_out(splits, m, n, x)  # [S, M, N]
     tiles = dict(
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT=splits > 1,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     grid_n = triton.cdiv(n, config.block_n)
     if config.path == "gemv":
-        _gemv_kernel[(m, grid_n)](
+        _gemv_kernel[(m, grid_n, splits)](
             x,
             weight,
             scales,
@@ -227,19 +249,21 @@ def fp8_matmul(
             k,
             group_k,
             group_n,
+            k_per_split,
             x.stride(0),
             weight.stride(0),
             scales.stride(0),
             out.stride(0),
+            out.stride(1),
             **tiles,
         )
     else:
-        x_scales = scales  # a placeholder pointer: read only by w8a8
+        operand, x_scales = x, scales  # scales: a placeholder pointer, read only by w8a8
         if config.path == "w8a8":
-            x, x_scales = quantize_activations(x, group_k)
-        f32_dot = out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and interpreting() and not x.is_cuda)
-        _gemm_kernel[(triton.cdiv(m, config.block_m), grid_n)](
-            x,
+            operand, x_scales = quantize_activations(x, group_k)
+        f32_dot = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting() and not x.is_cuda)
+        _gemm_kernel[(triton.cdiv(m, config.block_m), grid_n, splits)](
+            operand,
             x_scales,
             weight,
             scales,
@@ -249,17 +273,19 @@ def fp8_matmul(
             k,
             group_k,
             group_n,
-            x.stride(0),
+            k_per_split,
+            operand.stride(0),
             x_scales.stride(0),
             weight.stride(0),
             scales.stride(0),
             out.stride(0),
+            out.stride(1),
             BLOCK_M=config.block_m,
             F32_DOT=f32_dot,
             W8A8=config.path == "w8a8",
             **tiles,
         )
-    return out
+    return finish(out, x.dtype)
 
 
 def _default_config(path: str, m: int, k: int, group_k: int) -> Fp8Config:

@@ -14,12 +14,15 @@ it serves large M only, and never off CUDA (the CPU keeps the weight-only paths'
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
 from hfaccel.kernels import tuning
+from hfaccel.kernels.runtime import DEFAULT_NUM_SMS, num_sms
+from hfaccel.kernels.split_k import split_count
 
 OP = "fp8"
 PATHS = ("gemv", "gemm", "w8a8", "dequant")
@@ -32,7 +35,8 @@ W8A8_DTYPES = (torch.float16, torch.bfloat16)  # activations the w8a8 path takes
 
 @dataclass(frozen=True)
 class Fp8Config(tuning.TableConfig):
-    """A path and its launch parameters; ``block_k`` lies in one K group of the scales (:func:`fit_config`)."""
+    """A path and its launch parameters; ``block_k`` lies in one K group of the scales (:func:`fit_config`);
+    ``split_k`` programs share K on the tiled paths (``hfaccel.kernels.split_k``: deterministic)."""
 
     path: str
     block_m: int = 16  # gemm and w8a8 (gemv programs take one row)
@@ -40,10 +44,12 @@ class Fp8Config(tuning.TableConfig):
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
     OP, PATHS = OP, PATHS
 
     def __post_init__(self):
         self.check_tiles(("block_m", "block_n", "block_k", "num_warps"))
+        self.check_split_k()
         if self.path in ("gemm", "w8a8") and (self.block_m < 16 or self.block_k < min_block_k(self.path)):
             raise ValueError(
                 f"a {self.path} tile needs block_m >= 16 and block_k >= {min_block_k(self.path)} (the "
@@ -52,11 +58,14 @@ class Fp8Config(tuning.TableConfig):
 
     @property
     def label(self) -> str:
-        """Short form for tables and logs: ``w8a8 128x128x128, 8 warps, 3 stages``."""
+        """Short form for tables and logs: ``w8a8 128x128x128 split 2, 8 warps, 3 stages``."""
         if self.path == "dequant":
             return "dequant + dense matmul"
         rows = self.block_m if self.path != "gemv" else 1
-        return f"{self.path} {rows}x{self.block_n}x{self.block_k}, {self.num_warps} warps, {self.num_stages} stages"
+        return (
+            f"{self.path} {rows}x{self.block_n}x{self.block_k} split {self.split_k}, "
+            f"{self.num_warps} warps, {self.num_stages} stages"
+        )
 
 
 def min_block_k(path: str) -> int:
@@ -94,14 +103,17 @@ def group_block_k(k: int, group_k: int, block_k: int) -> int:
 
 
 def fit_config(config: Fp8Config, k: int, group_k: int) -> Fp8Config:
-    """``config`` with its K tile inside one group; a ValueError when the path cannot keep a tile that small."""
+    """``config`` with its K tile inside one group and no more splits than K tiles (none for ``dequant``); a
+    ValueError when the path cannot keep a tile that small."""
+    if config.path == "dequant":
+        return replace(config, split_k=1)
     block_k = group_block_k(k, group_k, config.block_k)
     if block_k < min_block_k(config.path):
         raise ValueError(
             f"fp8 K groups of {group_k} are not a multiple of {min_block_k(config.path)} (the smallest "
             f"K tile of the {config.path} path)"
         )
-    return replace(config, block_k=block_k)
+    return replace(config, block_k=block_k, split_k=max(1, min(config.split_k, -(-k // block_k))))
 
 
 def w8a8_runs(dtype: torch.dtype, device: torch.device | str | None) -> bool:
@@ -131,7 +143,7 @@ def pick_fp8_config(
             raise ValueError(f"w8a8 takes {W8A8_DTYPES} activations, not {dtype}")
         except (TypeError, ValueError) as error:
             _warn_bad_entry(key, str(error))
-    return heuristic_config(m, k, dtype, group_k, w8a8_runs(dtype, device))
+    return heuristic_config(m, n, k, dtype, group_k, w8a8_runs(dtype, device), num_sms(device))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -149,17 +161,26 @@ def _warn_bad_entry(key: str, error: str) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def heuristic_config(m: int, k: int, dtype: torch.dtype, group_k: int, w8a8: bool = False) -> Fp8Config:
-    """The configuration without a tuned entry: the GEMV up to ``GEMV_MAX_M`` rows, fp8 tensor cores from
+def heuristic_config(
+    m: int, n: int, k: int, dtype: torch.dtype, group_k: int, w8a8: bool = False, sms: int = DEFAULT_NUM_SMS
+) -> Fp8Config:
+    """The configuration without a tuned entry, sized for ``sms`` streaming multiprocessors: the GEMV up to
+    ``GEMV_MAX_M`` rows (K split until the grid holds about four programs per SM), fp8 tensor cores from
     ``W8A8_MIN_M`` where ``w8a8`` may serve, the dense matmul of the dequantized weight from ``DEQUANT_MIN_M``, the
-    16-bit tensor-core GEMM between (a block size that does not fit a K tile of 16 takes the dequantized weight)."""
+    16-bit tensor-core GEMM between (a block size that does not fit a K tile of 16 takes the dequantized weight); the
+    tensor-core tiles split K while they alone leave SMs idle."""
     if m <= GEMV_MAX_M:
-        return fit_config(Fp8Config("gemv", block_n=64, block_k=64), k, group_k)
+        config = fit_config(Fp8Config("gemv", block_n=64, block_k=64), k, group_k)
+        programs = m * -(-n // config.block_n)
+        return replace(config, split_k=split_count(4 * sms, programs, k // (2 * config.block_k)))
     if w8a8 and m >= W8A8_MIN_M and group_block_k(k, group_k, 128) >= min_block_k("w8a8"):
-        return fit_config(Fp8Config("w8a8", block_m=128, block_n=128, block_k=128, num_warps=8), k, group_k)
-    if m >= DEQUANT_MIN_M or group_block_k(k, group_k, 64) < min_block_k("gemm"):
+        config = fit_config(Fp8Config("w8a8", block_m=128, block_n=128, block_k=128, num_warps=8), k, group_k)
+    elif m >= DEQUANT_MIN_M or group_block_k(k, group_k, 64) < min_block_k("gemm"):
         return Fp8Config("dequant")
-    return fit_config(Fp8Config("gemm", block_m=16 if m <= 16 else 64, block_n=64, block_k=64), k, group_k)
+    else:
+        config = fit_config(Fp8Config("gemm", block_m=16 if m <= 16 else 64, block_n=64, block_k=64), k, group_k)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    return replace(config, split_k=split_count(2 * sms, tiles, k // (4 * config.block_k)))
 
 
 def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[Fp8Config]:
@@ -167,10 +188,11 @@ def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[
     found = []
     if m <= 2 * GEMV_MAX_M:
         found += [
-            Fp8Config("gemv", block_n=n, block_k=bk, num_warps=w, num_stages=1)
+            Fp8Config("gemv", block_n=n, block_k=bk, num_warps=w, num_stages=1, split_k=split)
             for n in (64, 128, 256)
             for bk in (64, 128)
             for w in (2, 4)
+            for split in (1, 4, 16)
         ]
     tiles = [
         (16, 64, 64),
@@ -183,13 +205,14 @@ def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[
         (128, 128, 128),
         (128, 256, 64),
     ]
+    splits = (1, 4) if m <= 256 else (1,)  # K shared where the tiles alone may leave SMs idle
     for bm, bn, bk in tiles:
         if bm > 2 * m and bm > 16:
             continue  # a tile mostly padding
-        for warps, stages in ((4, 3), (8, 3)):
-            found.append(Fp8Config("gemm", bm, bn, bk, warps, stages))
+        for (warps, stages), split in itertools.product(((4, 3), (8, 3)), splits):
+            found.append(Fp8Config("gemm", bm, bn, bk, warps, stages, split))
             if dtype in W8A8_DTYPES:
-                found.append(Fp8Config("w8a8", bm, bn, bk, warps, stages))
+                found.append(Fp8Config("w8a8", bm, bn, bk, warps, stages, split))
     found.append(Fp8Config("dequant"))
     fitted = []
     for config in found:

@@ -75,9 +75,10 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_sms(device: torch.device | str) -> int:
-    """Streaming multiprocessors of a CUDA device (read once per device); :data:`DEFAULT_NUM_SMS` elsewhere."""
-    device = torch.device(device)
-    if device.type != "cuda":
+def num_sms(device: torch.device | str | None) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device); :data:`DEFAULT_NUM_SMS` elsewhere (the
+    CPU, None, or a CUDA device named where no GPU is present: the heuristics' reference GPU)."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type != "cuda" or not torch.cuda.is_available():
         return DEFAULT_NUM_SMS
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -83,6 +83,11 @@ class TableConfig:
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be an int in 1..8; got {self.num_stages!r}")
 
+    def check_split_k(self) -> None:
+        """A ValueError unless ``split_k`` (how many programs share K) is an int >= 1."""
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"split_k must be an int >= 1; got {self.split_k!r}")
+
 
 class OpEntries(dict):
     """One op's entries (bucket key -> config) and the keys its nearest lookups chose, kept as long as the table

@@ -31,9 +31,8 @@ On a CPU, :func:`pack_int4_cpu` repacks the same weight once for torch's int4 CP
 by it; :func:`int4pack_unsupported` says where it cannot (group sizes other than 32/64/128/256, a torch without
 the op), and the caller keeps :func:`w4a16_matmul` there.
 
-``gemv`` and ``gemm`` split K across programs when the output tiles alone leave SMs idle: each split writes an
-fp32 partial sum and one more small kernel adds them in split order, so results never depend on scheduling
-(no atomics) — the same call gives bit-identical outputs run to run.
+``gemv`` and ``gemm`` split K across programs when the output tiles alone leave SMs idle
+(``hfaccel.kernels.split_k``: fp32 partials added in split order, bit-identical run to run).
 """
 
 from __future__ import annotations
@@ -45,10 +44,10 @@ import triton
 import triton.language as tl
 
 from hfaccel.kernels.runtime import interpreting, resolve_backend, triton_can_run
+from hfaccel.kernels.split_k import finish, k_slices, partial_out
 from hfaccel.kernels.w4a16_config import W4A16Config, fit_config, pick_w4a16_config
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUM_BLOCK = 1024
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 # The CPU kernel's vectorized path (AVX2 / AVX-512) is bf16's; other activations run scalar code there (fp32: ~19x
 # slower than the fp32 dense matmul at 576 x 576, one thread), so every dtype is computed in bf16 and cast back.
@@ -206,19 +205,6 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(PARTIAL, OUT, numel, splits, BLOCK: tl.constexpr):
-    # OUT = sum of PARTIAL[split] (flattened [splits, numel] fp32) in split order, in OUT's dtype.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = PARTIAL + offs
-    for _ in range(splits):
-        acc += tl.load(ptrs, mask=ok, other=0.0)
-        ptrs += numel  # pointer arithmetic: no int32 overflow past 2**31 elements
-    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _dequantize_kernel(
     QW,
     SCALES,
@@ -310,9 +296,8 @@ def _tiled(
     """The gemv or gemm path; with ``split_k > 1`` their fp32 partials, then their ordered sum."""
     m, k = x.shape
     n = qweight.shape[1]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    out = torch.empty(split, m, n, device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
+    k_per_split, split = k_slices(k, cfg.split_k, cfg.block_k)
+    out = partial_out(split, m, n, x)  # [S, M, N]
     args = (x, qweight, scales, zeros, out)
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0), out.stride(1))
     if cfg.path == "gemv":
@@ -347,15 +332,7 @@ def _tiled(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    return out[0] if split == 1 else _sum_splits(out, x.dtype)
-
-
-def _sum_splits(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``partial [S, M, N]`` fp32 summed over S in order, as ``[M, N]`` of ``dtype``."""
-    out = torch.empty(partial.shape[1:], device=partial.device, dtype=dtype)
-    numel = out.numel()
-    _sum_splits_kernel[(triton.cdiv(numel, SUM_BLOCK),)](partial, out, numel, partial.shape[0], BLOCK=SUM_BLOCK)
-    return out
+    return finish(out, x.dtype)
 
 
 def dequantize_weight(

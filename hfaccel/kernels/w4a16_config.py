@@ -24,13 +24,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from hfaccel.kernels import tuning
+from hfaccel.kernels.runtime import DEFAULT_NUM_SMS, num_sms
+from hfaccel.kernels.split_k import split_count
 
 OP = "w4a16"
 PATHS = ("gemv", "gemm", "dequant")
 M_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096: M is rounded up to one of these (and capped)
 DEQUANT_MIN_M = 1024  # heuristic: from this M on, dequantize + cuBLAS beats the fused GEMM on an H100
 GEMV_THREADS_COLUMNS = 128  # a GEMV warp covers 128 columns: 32 threads x 4 words (one 128-bit load each)
-H100_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,7 @@ class W4A16Config(tuning.TableConfig):
 
     def __post_init__(self):
         self.check_tiles(("block_m", "block_n", "block_k", "num_warps"))
-        if not isinstance(self.split_k, int) or self.split_k < 1:
-            raise ValueError(f"split_k must be an int >= 1; got {self.split_k!r}")
+        self.check_split_k()
         if self.block_k < 8 or (self.path == "gemm" and (self.block_k < 16 or self.block_m < 16)):
             raise ValueError(
                 f"block_k must be >= 8 (>= 16 with block_m >= 16 for gemm, the smallest tensor-core tile); got {self}"
@@ -112,7 +112,7 @@ def pick_w4a16_config(
             return _tuned_config(tuple(sorted(entry.items())), m, n, k, group_size)
         except (TypeError, ValueError) as error:
             _warn_bad_entry(key, str(error))
-    return heuristic_config(m, n, k, dtype, group_size, sm_count(device))
+    return heuristic_config(m, n, k, dtype, group_size, num_sms(device))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -129,21 +129,10 @@ def _warn_bad_entry(key: str, error: str) -> None:
     )
 
 
-def sm_count(device: torch.device | str | None) -> int:
-    """Streaming multiprocessors of a CUDA device (an H100's 132 elsewhere: the heuristics' reference GPU)."""
-    device = torch.device(device if device is not None else "cpu")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return H100_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=4096)
-def heuristic_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int, sms: int = H100_SMS) -> W4A16Config:
+def heuristic_config(
+    m: int, n: int, k: int, dtype: torch.dtype, group_size: int, sms: int = DEFAULT_NUM_SMS
+) -> W4A16Config:
     """The configuration without a tuned entry, sized for an H100 (``sms`` streaming multiprocessors).
 
     - M = 1 (or groups too small for a tensor-core K-tile, up to M = 16): the GEMV, 256 columns per program
@@ -156,7 +145,7 @@ def heuristic_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int
         cfg = W4A16Config("gemv", 1, 2 * GEMV_THREADS_COLUMNS, 128, num_warps=2, num_stages=1)
         block_k = min(cfg.block_k, tile_k)
         programs = m * -(-n // cfg.block_n)
-        cfg = replace(cfg, split_k=_split(4 * sms, programs, k // (2 * block_k)))
+        cfg = replace(cfg, split_k=split_count(4 * sms, programs, k // (2 * block_k)))
     elif m >= DEQUANT_MIN_M or tile_k < 16:
         cfg = W4A16Config("dequant", block_n=128, block_k=64)
     else:
@@ -168,16 +157,8 @@ def heuristic_config(m: int, n: int, k: int, dtype: torch.dtype, group_size: int
         else:
             cfg = W4A16Config("gemm", 128, 64 if wide else 128, 64, num_warps=8, num_stages=3)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        cfg = replace(cfg, split_k=_split(2 * sms, tiles, k // (4 * min(cfg.block_k, tile_k))))
+        cfg = replace(cfg, split_k=split_count(2 * sms, tiles, k // (4 * min(cfg.block_k, tile_k))))
     return fit_config(cfg, m, n, k, group_size)
-
-
-def _split(target_programs: int, programs: int, max_split: int) -> int:
-    """The largest power of two that brings ``programs`` up to about ``target_programs``, at most ``max_split``."""
-    split = 1
-    while split * 2 * programs <= target_programs and split * 2 <= max_split:
-        split *= 2
-    return split
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: torch.dtype, group_size: int) -> list[W4A16Config]:

@@ -92,15 +92,62 @@ def test_router_by_rows_and_device():
     """Without a tuned table: the GEMV for decode rows, 16-bit tensor cores between, and from large M fp8 tensor
     cores where they run (16-bit activations on a GPU of sm_89+), else the dequantized weight's dense matmul."""
     k = 4096
-    assert heuristic_config(1, k, torch.bfloat16, k).path == "gemv"
-    assert heuristic_config(GEMV_MAX_M, k, torch.bfloat16, k).path == "gemv"
-    assert heuristic_config(GEMV_MAX_M + 1, k, torch.bfloat16, k).path == "gemm"
-    assert heuristic_config(W8A8_MIN_M, k, torch.bfloat16, k, w8a8=True).path == "w8a8"
-    assert heuristic_config(W8A8_MIN_M, k, torch.bfloat16, k).path == "gemm"
-    assert heuristic_config(DEQUANT_MIN_M, k, torch.bfloat16, k).path == "dequant"
-    assert heuristic_config(DEQUANT_MIN_M, k, torch.bfloat16, k, w8a8=True).path == "w8a8"
-    assert pick_fp8_config(4096, 4096, k, torch.bfloat16, k, 1, "cpu").path == "dequant"  # never w8a8 off CUDA
-    assert heuristic_config(64, 96, torch.bfloat16, 24).path == "dequant"  # groups too small for a K tile of 16
+    n = k = 4096
+    assert heuristic_config(1, n, k, torch.bfloat16, k).path == "gemv"
+    assert heuristic_config(GEMV_MAX_M, n, k, torch.bfloat16, k).path == "gemv"
+    assert heuristic_config(GEMV_MAX_M + 1, n, k, torch.bfloat16, k).path == "gemm"
+    assert heuristic_config(W8A8_MIN_M, n, k, torch.bfloat16, k, w8a8=True).path == "w8a8"
+    assert heuristic_config(W8A8_MIN_M, n, k, torch.bfloat16, k).path == "gemm"
+    assert heuristic_config(DEQUANT_MIN_M, n, k, torch.bfloat16, k).path == "dequant"
+    assert heuristic_config(DEQUANT_MIN_M, n, k, torch.bfloat16, k, w8a8=True).path == "w8a8"
+    assert pick_fp8_config(4096, n, k, torch.bfloat16, k, 1, "cpu").path == "dequant"  # never w8a8 off CUDA
+    assert heuristic_config(64, n, 96, torch.bfloat16, 24).path == "dequant"  # groups too small for a K tile of 16
+
+
+def test_splits_k_while_tiles_leave_sms_idle():
+    """Decode rows over a narrow N (a KV projection) and small tensor-core batches split K; an LM head, or tiles that
+    fill the GPU, do not; the split follows the GPU's SM count."""
+    k = 4096
+    assert heuristic_config(1, 1024, k, torch.bfloat16, k).split_k > 1
+    assert heuristic_config(1, 1024, k, torch.bfloat16, 128).split_k > 1  # block weights: K tiles inside blocks
+    assert heuristic_config(16, 4096, k, torch.bfloat16, k).split_k > 1
+    assert heuristic_config(W8A8_MIN_M, 4096, k, torch.bfloat16, k, w8a8=True).split_k > 1
+    assert heuristic_config(1, 128256, k, torch.bfloat16, k).split_k == 1
+    assert heuristic_config(512, 14336, k, torch.bfloat16, k).split_k == 1
+    assert heuristic_config(DEQUANT_MIN_M, 4096, k, torch.bfloat16, k).split_k == 1
+    small_gpu = heuristic_config(1, 1024, k, torch.bfloat16, k, sms=16).split_k
+    assert 1 <= small_gpu < heuristic_config(1, 1024, k, torch.bfloat16, k).split_k
+    assert fit_config(Fp8Config("gemv", block_k=64, split_k=64), 200, 200).split_k == 4  # no more splits than tiles
+    assert fit_config(Fp8Config("dequant", split_k=4), 200, 200).split_k == 1
+    with pytest.raises(ValueError, match="split_k must be an int >= 1"):
+        Fp8Config("gemv", split_k=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [
+        Fp8Config("gemv", block_n=32, block_k=16, split_k=3),
+        Fp8Config("gemm", block_m=16, block_n=32, block_k=16, split_k=3),
+        Fp8Config("w8a8", block_m=16, block_n=32, block_k=32, split_k=2),
+    ],
+    ids=lambda c: c.path,
+)
+def test_split_k_matches_reference_and_repeats_bit_exactly(config, dtype):
+    """Each tiled path with K split unevenly (the last slice shorter, K tiles inside 64-row blocks): the reference's
+    result within the dtype's tolerance, and the same bits on every run (partials added in split order)."""
+    if config.path == "w8a8" and dtype == torch.float32:
+        pytest.skip("w8a8 takes 16-bit activations")
+    k, n, group_k, group_n = 200, 77, 64, 64
+    weight, scales = _weights(k, n, group_k, group_n)
+    x = torch.randn(5, k).to(dtype)
+    out = on_device(fp8_matmul, x, weight, scales, group_k, group_n, backend="triton", config=config)
+    reference = w8a8_reference if config.path == "w8a8" else fp8_reference
+    ref = reference(x, weight, scales, group_k, group_n)
+    error = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert error <= TOLERANCE[dtype], f"{config.label}: max error {error:.3g} of the output scale"
+    again = on_device(fp8_matmul, x, weight, scales, group_k, group_n, backend="triton", config=config)
+    assert torch.equal(out, again)
 
 
 def test_k_tiles_never_span_two_groups():
@@ -183,12 +230,21 @@ def test_bad_inputs():
 
 
 # ---- sm_90 compilation ------------------------------------------------------------------------------------------
-def _job(dtype, kernel: str, block_m: int, block_k: int, block_n: int = 64, num_warps: int = 4, w8a8: bool = False):
+def _job(
+    dtype,
+    kernel: str,
+    block_m: int,
+    block_k: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    w8a8: bool = False,
+    split: bool = False,
+):
     ptr = "*" + TRITON_TYPES[dtype]
-    ints = ["N", "K", "group_k", "group_n", "stride_xm", "stride_wk", "stride_sk", "stride_om"]
-    signature = {name: "i32" for name in ints}
-    signature.update(X="*fp8e4nv" if w8a8 else ptr, W="*fp8e4nv", S="*fp32", OUT=ptr)
-    constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k)
+    ints = ["N", "K", "group_k", "group_n", "k_per_split", "stride_xm", "stride_wk", "stride_sk", "stride_os"]
+    signature = {name: "i32" for name in ints + ["stride_om"]}
+    signature.update(X="*fp8e4nv" if w8a8 else ptr, W="*fp8e4nv", S="*fp32", OUT="*fp32" if split else ptr)
+    constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split)
     if kernel == "_gemm_kernel":
         signature.update(M="i32", XS="*fp32", stride_xsm="i32")
         constexprs.update(BLOCK_M=block_m, F32_DOT=dtype == torch.float32, W8A8=w8a8)
@@ -214,6 +270,12 @@ SM90_KERNELS += [
     (dtype, "_gemm_kernel", block_m, block_k, block_n, warps, True)
     for dtype in (torch.float16, torch.bfloat16)
     for block_m, block_k, block_n, warps in ((128, 128, 128, 8), (16, 64, 64, 4), (64, 32, 128, 4))
+]
+# split K: each path's fp32-partials variant
+SM90_KERNELS += [
+    (torch.bfloat16, "_gemv_kernel", 1, 64, 64, 4, False, True),
+    (torch.bfloat16, "_gemm_kernel", 16, 64, 64, 4, False, True),
+    (torch.bfloat16, "_gemm_kernel", 128, 128, 128, 8, True, True),
 ]
 
 

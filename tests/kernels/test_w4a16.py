@@ -2,13 +2,13 @@
 full GEMMs, dequantize + cuBLAS); torch's CPU int4 kernel on the repacked weight; the router; sm_90 compilation of
 every configuration it can pick."""
 
-import importlib
 import json
 
 import pytest
 import torch
 
 from hfaccel.kernels import tuning
+from hfaccel.kernels.split_k import SUM_BLOCK
 from hfaccel.kernels.w4a16 import (
     INT4PACK_DTYPE,
     dequantize,
@@ -33,7 +33,6 @@ from hfaccel.kernels.w4a16_config import (
 from tests.devices import DEVICE, on_device
 from tests.kernels.helpers import INT4PACK_TOLERANCE, TRITON_TYPES, compile_sm90
 
-w4a16_module = importlib.import_module("hfaccel.kernels.w4a16")
 # (atol, rtol) relative to the output's scale: the GEMM and dequant paths round the dequantized weight to the
 # activation dtype before the tensor-core dot (fp16: 2^-11 relative per weight, bf16: 2^-8), the reference does
 # not; over K terms the errors add like a random walk, so compare against max|reference| with these factors.
@@ -355,10 +354,10 @@ def _side_jobs(dtype):
             num_stages=1,
         ),
         dict(
-            module="hfaccel.kernels.w4a16",
+            module="hfaccel.kernels.split_k",
             kernel="_sum_splits_kernel",
             signature=dict(PARTIAL="*fp32", OUT=ptr, numel="i32", splits="i32"),
-            constexprs=dict(BLOCK=w4a16_module.SUM_BLOCK),
+            constexprs=dict(BLOCK=SUM_BLOCK),
             num_warps=4,
             num_stages=1,
         ),
