@@ -1,0 +1,54 @@
+"""The test processes' Triton interpreter maps triton.language once per launch (tests/interpreter.py): kernels give the
+same values, and the mapping's cost no longer grows with the nested @triton.jit calls a kernel makes."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tests.devices import DEVICE
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter runs CPU tensors only")
+
+
+@triton.jit
+def _double(x):
+    return x * 2 + tl.zeros(x.shape, x.dtype)  # tl.zeros: triton.language.standard, mapped through tl.core
+
+
+@triton.jit
+def _nested_calls_kernel(X, OUT, CALLS: tl.constexpr, N: tl.constexpr):
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    x = tl.load(X + offs)
+    for _ in tl.static_range(CALLS):
+        x = _double(x)
+    tl.store(OUT + offs, x)
+
+
+def _mappings(monkeypatch, calls: int) -> tuple[torch.Tensor, int]:
+    """The kernel's output with ``calls`` nested calls per program, and how many builtin namespaces the interpreter
+    mapped during its launch."""
+    from triton.runtime import interpreter
+
+    mapped = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *args: mapped.append(1) or patch_builtin(*args))
+    x = torch.arange(24, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _nested_calls_kernel[(3,)](x, out, CALLS=calls, N=8)
+    monkeypatch.setattr(interpreter, "_patch_builtin", patch_builtin)
+    return out, len(mapped)
+
+
+def test_the_language_is_mapped_once_per_launch(monkeypatch):
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang, "once_per_launch", False), (
+        f"tests/interpreter.py did not apply to triton {triton.__version__}: interpreted kernels run ~1.5x slower"
+    )
+    _mappings(monkeypatch, 1)  # the interpreter's first run of a function rewrites it (and adds to its globals)
+    one, few = _mappings(monkeypatch, 1)
+    eight, many = _mappings(monkeypatch, 8)
+    x = torch.arange(24, dtype=torch.float32)
+    assert torch.equal(one, x * 2) and torch.equal(eight, x * 256)
+    assert few == many > 0  # the launch's mapping and the first of tl.core's, however many nested calls follow
