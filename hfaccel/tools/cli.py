@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="named config whose shapes to tune for (repeatable; default: llama-3.2-1b and llama-3.1-8b)",
     )
     tune.add_argument("--op", action="append", help="op to tune (repeatable; default: every tunable op)")
+    tune.add_argument(
+        "--m",
+        type=int,
+        action="append",
+        help="M bucket of the GEMM ops (w4a16, fp8) to measure (repeatable, powers of two; default: 1 to 4096)",
+    )
     tune.add_argument("--device", default="cuda")
     tune.add_argument("--output", default=None, help="table path (default: hfaccel/kernels/configs/<gpu>.json)")
     quantize = sub.add_parser("quantize", help="quantize a model to int4 and save an AWQ or GPTQ checkpoint")

@@ -74,7 +74,7 @@ def tune_command(args: argparse.Namespace) -> None:
     from hfaccel.tools.tune import DEFAULT_MODELS, tune
 
     try:
-        tune(args.model or DEFAULT_MODELS, args.op, args.device, args.output)
+        tune(args.model or DEFAULT_MODELS, args.op, args.device, args.output, m_buckets=args.m)
     except ValueError as error:
         raise SystemExit(f"hfaccel tune: {error}") from None
 

@@ -25,7 +25,7 @@ def test_tune_merges_the_sweeps_into_the_gpu_table(monkeypatch, tmp_path):
 
     def sweep(shapes, device, console):
         seen.append([s.name for s in shapes])
-        return {tuning.bucket_key(n=shapes[0].hidden_size): {"block_n": 64, "us": 1.5}}
+        yield tuning.bucket_key(n=shapes[0].hidden_size), {"block_n": 64, "us": 1.5}
 
     path = tune.tune(models=["tiny-llama"], sweeps={"fake": sweep})
     path.write_text(json.dumps({**json.loads(path.read_text()), "ops": {"fake": {"old": {"us": 9}}, "kept": {}}}))
@@ -35,6 +35,50 @@ def test_tune_merges_the_sweeps_into_the_gpu_table(monkeypatch, tmp_path):
     assert table["gpu"] == "NVIDIA Test GPU" and "kept" in table["ops"]
     assert table["ops"]["fake"] == {"old": {"us": 9}, "n256": {"block_n": 64, "us": 1.5}}
     assert tuning.lookup("fake", "n256", "cuda") == {"block_n": 64, "us": 1.5}
+
+
+def test_a_sweep_stopped_part_way_keeps_the_buckets_it_measured(monkeypatch, tmp_path):
+    """The table is written after every bucket: a sweep cut short (a GPU session's time limit) leaves a whole table
+    with what it measured."""
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA Test GPU")
+
+    def sweep(shapes, device, console):
+        yield "m1", {"us": 1.0}
+        yield "m2", {"us": 2.0}
+        raise KeyboardInterrupt  # the session's timeout
+
+    with pytest.raises(KeyboardInterrupt):
+        tune.tune(models=["tiny-llama"], sweeps={"fake": sweep})
+    table = json.loads((tmp_path / "nvidia-test-gpu.json").read_text())
+    assert table["ops"]["fake"] == {"m1": {"us": 1.0}, "m2": {"us": 2.0}} and table["gpu"] == "NVIDIA Test GPU"
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_m_buckets_reach_the_gemm_sweeps_only(monkeypatch, tmp_path):
+    """``--m`` restricts the M buckets of the sweeps that have them (w4a16, fp8) and leaves the others as they are;
+    a bucket the router does not key, or M buckets for attention ops only, are refused."""
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA Test GPU")
+    asked = {}
+
+    def gemm(shapes, device, console, *, m_buckets=(1, 2, 4)):
+        asked["gemm"] = m_buckets
+        yield from ((f"m{m}", {"us": 1.0}) for m in m_buckets)
+
+    def attention(shapes, device, console):
+        asked["attention"] = True
+        yield "seq64", {"us": 1.0}
+
+    path = tune.tune(models=["tiny-llama"], sweeps={"gemm": gemm, "attention": attention}, m_buckets=[16, 1, 16])
+    assert asked == {"gemm": (1, 16), "attention": True}
+    assert set(json.loads(path.read_text())["ops"]["gemm"]) == {"m1", "m16"}
+    with pytest.raises(ValueError, match="powers of two from 1 to 4096; got \\[3, 8192\\]"):
+        tune.tune(models=["tiny-llama"], sweeps={"gemm": gemm}, m_buckets=[3, 8192, 4])
+    with pytest.raises(ValueError, match="M buckets apply to the GEMM ops"):
+        tune.tune(models=["tiny-llama"], sweeps={"attention": attention}, m_buckets=[1])
+    with pytest.raises(SystemExit, match="M buckets must be powers of two"):
+        main(["tune", "--op", "fp8", "--m", "3"])
 
 
 def test_unknown_ops_and_models_are_refused(monkeypatch):
@@ -75,8 +119,8 @@ def test_w4a16_sweep_times_the_candidates_of_each_bucket():
             vocab_size=256,
         )
     ]
-    entries = w4a16.sweep(
-        tiny, torch.device("cpu"), Console(quiet=True), m_buckets=(1,), dtypes=(torch.float32,), reps=1
+    entries = dict(
+        w4a16.sweep(tiny, torch.device("cpu"), Console(quiet=True), m_buckets=(1,), dtypes=(torch.float32,), reps=1)
     )
     shapes = w4a16.linear_shapes(tiny)
     assert set(entries) == {table_key(1, n, k, torch.float32, 128) for n, k in shapes}
@@ -102,7 +146,7 @@ def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monk
     monkeypatch.setattr(flash_sweep, "SEQ_BUCKETS", (64,))
     monkeypatch.setattr(flash_sweep, "TOKENS", 64)  # batch 1
     monkeypatch.setattr(flash_sweep, "DTYPES", (torch.float16,))
-    flash = flash_sweep.sweep(shapes, torch.device("cpu"), console)
+    flash = dict(flash_sweep.sweep(shapes, torch.device("cpu"), console))
     entry = flash[flash_attention.table_key(32, 4, 64, torch.float16)]
     assert len(flash) == 1 and entry["us"] > 0 and entry["sdpa_us"] > 0
     fields = {k: v for k, v in entry.items() if k not in ("us", "sdpa_us")}
@@ -111,7 +155,7 @@ def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monk
     monkeypatch.setattr(paged_sweep, "BATCHES", (2,))
     monkeypatch.setattr(paged_sweep, "CONTEXTS", (300,))
     monkeypatch.setattr(paged_sweep, "DTYPES", (torch.float16,))
-    paged = paged_sweep.sweep(shapes, torch.device("cpu"), console)
+    paged = dict(paged_sweep.sweep(shapes, torch.device("cpu"), console))
     entry = paged[paged_attention.table_key(32, 4, 2, 300, torch.float16)]
     assert len(paged) == 1 and entry["us"] > 0 and entry["num_splits"] in paged_sweep.split_candidates(2, 300)
     candidates = paged_attention.candidate_paged_configs(32, torch.float16, 4)
@@ -141,14 +185,16 @@ def test_fp8_sweep_measures_candidates_into_the_keys_the_router_reads(tuned_tabl
             vocab_size=256,
         )
     ]
-    entries = fp8.sweep(
-        tiny,
-        torch.device("cpu"),
-        Console(quiet=True),
-        m_buckets=(1, 32),
-        dtypes=(torch.bfloat16,),
-        blocks=False,
-        reps=1,
+    entries = dict(
+        fp8.sweep(
+            tiny,
+            torch.device("cpu"),
+            Console(quiet=True),
+            m_buckets=(1, 32),
+            dtypes=(torch.bfloat16,),
+            blocks=False,
+            reps=1,
+        )
     )
     shapes = fp8.linear_shapes(tiny)
     assert set(entries) == {table_key(m, n, k, torch.bfloat16, k, 1) for n, k in shapes for m in (1, 32)}

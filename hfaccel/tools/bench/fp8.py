@@ -25,7 +25,7 @@ from hfaccel.quant import quantize
 from hfaccel.tools.bench.decode import QuantizedDecodeRow, dense_then_quantized
 from hfaccel.tools.bench.timing import cold_graph_time_ms, l2_cold_copies, read_bandwidth, row_line, table, tensor_bytes
 
-CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
+CUDA_SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]  # (K, N) = (in, out) features
 CPU_SHAPES = [(256, 384)]
 CUDA_MS = [1, 16, 256, 4096]
 CPU_MS = [1, 16]

@@ -4,21 +4,25 @@ The table (``hfaccel/kernels/configs/<gpu>.json``, see ``hfaccel.kernels.tuning`
 bucket, the fastest configuration measured. Each tunable op has a module ``hfaccel/tools/tune/<op>.py`` with
 
     OP: str                                      # the op's name in the table
-    def sweep(shapes: list[ModelShapes], device: torch.device, console) -> dict[str, dict]
-        # bucket key -> the winning config's fields plus "us" (median microseconds)
+    def sweep(shapes: list[ModelShapes], device: torch.device, console) -> Iterator[tuple[str, dict]]
+        # (bucket key, the winning config's fields plus "us": median microseconds), as each bucket is measured;
+        # the GEMM ops' sweeps also take m_buckets=
 
 ``tune`` runs the sweeps of the ops asked for (default: every module here) over the named model configs and
-merges the results into the GPU's table, keeping entries of ops it did not run. A GPU session runs it once
+merges the results into the GPU's table, keeping entries of ops it did not run. The table is written after every
+bucket, so a sweep stopped part way (a GPU session's time limit) keeps what it measured. A GPU session runs it once
 and commits the table; every other session builds on it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import os
 import pkgutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,10 +77,12 @@ def tune(
     device: str = "cuda",
     output: str | Path | None = None,
     console: Console | None = None,
-    sweeps: dict[str, Callable] | None = None,
+    sweeps: dict[str, Callable[..., Iterable[tuple[str, dict]]]] | None = None,
+    m_buckets: Sequence[int] | None = None,
 ) -> Path:
-    """Sweep the ops' configurations for the models' shapes on ``device`` (a CUDA GPU) and write the table;
-    returns its path. ``sweeps`` (op -> sweep function) replaces the op modules (tests)."""
+    """Sweep the ops' configurations for the models' shapes on ``device`` (a CUDA GPU) and write the table after
+    each bucket; returns its path. ``m_buckets`` (powers of two, 1 to 4096) restricts the GEMM ops' (w4a16, fp8) M
+    buckets, e.g. to decode's; ``sweeps`` (op -> sweep function) replaces the op modules (tests)."""
     console = console or Console()
     dev = torch.device(device)
     gpu = tuning.gpu_name(dev)
@@ -84,25 +90,47 @@ def tune(
         raise ValueError(f"hfaccel tune measures kernels on a CUDA GPU; got device {dev} (no CUDA GPU here)")
     shapes = [ModelShapes.named(name) for name in models]
     sweeps = sweeps if sweeps is not None else _sweeps(ops)
+    options = _m_options(m_buckets, sweeps)
     path = Path(output) if output is not None else tuning.table_path(gpu)
     table = _existing(path)
-    for op, sweep in sweeps.items():
-        console.print(f"tuning {op} for {', '.join(models)} on {gpu}")
-        table["ops"][op] = {**table["ops"].get(op, {}), **sweep(shapes, dev, console)}
     import triton
 
-    table.update(
-        gpu=gpu,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join(sys.argv),
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    tuning.load_table.cache_clear()
+    table.update(gpu=gpu, torch=torch.__version__, triton=triton.__version__, command=" ".join(sys.argv))
+    for op, sweep in sweeps.items():
+        console.print(f"tuning {op} for {', '.join(models)} on {gpu}")
+        entries = table["ops"].setdefault(op, {})
+        for key, entry in sweep(shapes, dev, console, **options.get(op, {})):
+            entries[key] = entry
+            _write(path, table)
+    _write(path, table)
     console.print(f"wrote {path}")
     return path
+
+
+def _m_options(m_buckets: Sequence[int] | None, sweeps: dict[str, Callable]) -> dict[str, dict]:
+    """Each sweep's ``m_buckets=`` keyword (for the sweeps that take one); a ValueError for a bucket that is not one
+    the router keys (a power of two, 1 to 4096) or when no op asked for has M buckets."""
+    if m_buckets is None:
+        return {}
+    from hfaccel.kernels.w4a16_config import M_BUCKETS
+
+    bad = sorted(set(m_buckets) - set(M_BUCKETS))
+    if bad:
+        raise ValueError(f"M buckets must be powers of two from 1 to {M_BUCKETS[-1]}; got {bad}")
+    takes = [op for op, sweep in sweeps.items() if "m_buckets" in inspect.signature(sweep).parameters]
+    if not takes:
+        raise ValueError(f"M buckets apply to the GEMM ops (w4a16, fp8); none of {sorted(sweeps)} has them")
+    return {op: {"m_buckets": tuple(sorted(set(m_buckets)))} for op in takes}
+
+
+def _write(path: Path, table: dict) -> None:
+    """The table at ``path``, replaced whole (never half written), dated now; the tables' cache cleared."""
+    table["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    os.replace(partial, path)
+    tuning.load_table.cache_clear()
 
 
 def _sweeps(ops: Sequence[str] | None) -> dict[str, Callable]:

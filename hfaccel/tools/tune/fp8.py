@@ -9,7 +9,7 @@ as ``hfaccel tune --op w4a16`` times (CUDA-graph replays over weight copies twic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -53,10 +53,9 @@ def sweep(
     dtypes: Sequence[torch.dtype] = DTYPES,
     blocks: bool = True,
     reps: int = 5,
-) -> dict[str, dict]:
-    """Table entries ``{bucket key: {config fields..., "us": median microseconds}}`` for the models' shapes.
+) -> Iterator[tuple[str, dict]]:
+    """``(bucket key, {config fields..., "us": median microseconds})`` for the models' shapes, as each is measured.
     ``reps`` counts timed runs off CUDA (tests); on CUDA do_bench decides."""
-    entries = {}
     for n, k in linear_shapes(shapes):
         for group_k, group_n in layouts(n, k, blocks):
             copies = l2_cold_copies(n * k + 4 * -(-k // group_k) * -(-n // group_n), device)
@@ -73,9 +72,8 @@ def sweep(
                         reps,
                         TIMED_MS,
                     )
-                    entries[table_key(m, n, k, dtype, group_k, group_n)] = {**best.entry(), "us": round(us, 2)}
                     console.print(
                         f"  fp8 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} "
                         f"groups {group_k}x{group_n}: {best.label}, {us:.1f} us"
                     )
-    return entries
+                    yield table_key(m, n, k, dtype, group_k, group_n), {**best.entry(), "us": round(us, 2)}

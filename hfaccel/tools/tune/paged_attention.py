@@ -14,6 +14,7 @@ pool (batch 256 x 32k keys x 8 KV heads x head dim 128, K and V, 16-bit) holds 3
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 
 import torch
@@ -40,17 +41,17 @@ BLOCK_SIZE = 16  # the KV pool's block size (hfaccel's default)
 SPLIT_WAVES = 4  # split counts measured: those whose (sequence, KV head) programs x splits fill the SMs <= 4 times
 
 
-def sweep(shapes, device: torch.device, console) -> dict[str, dict]:
-    """Bucket key -> the fastest configuration's fields (``num_splits`` included) and its ``us``."""
-    results = {}
+def sweep(shapes, device: torch.device, console) -> Iterator[tuple[str, dict]]:
+    """``(bucket key, entry)`` as each is measured: the fastest configuration's fields (``num_splits`` included) and
+    its ``us``."""
     for heads, kv_heads, head_dim in sorted({(s.num_heads, s.num_kv_heads, s.head_dim) for s in shapes}):
         for dtype in DTYPES:
             for batch in BATCHES:
                 for context in CONTEXTS:
                     key = table_key(head_dim, heads // kv_heads, batch, context, dtype)
-                    results[key] = _bucket(batch, context, heads, kv_heads, head_dim, dtype, device, console)
-                    console.print(f"  {key}: {results[key]}")
-    return results
+                    entry = _bucket(batch, context, heads, kv_heads, head_dim, dtype, device, console)
+                    console.print(f"  {key}: {entry}")
+                    yield key, entry
 
 
 def split_candidates(heuristic: int, context: int, most: int = MAX_SPLITS) -> list[int]:

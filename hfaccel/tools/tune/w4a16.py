@@ -10,7 +10,7 @@ the host work of an eager call nor the L2 hits of a repeated one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -51,10 +51,9 @@ def sweep(
     dtypes: Sequence[torch.dtype] = DTYPES,
     group_sizes: Sequence[int] = GROUP_SIZES,
     reps: int = 5,
-) -> dict[str, dict]:
-    """Table entries ``{bucket key: {config fields..., "us": median microseconds}}`` for the models' shapes.
+) -> Iterator[tuple[str, dict]]:
+    """``(bucket key, {config fields..., "us": median microseconds})`` for the models' shapes, as each is measured.
     ``reps`` counts timed runs off CUDA (tests); on CUDA do_bench decides."""
-    entries = {}
     for n, k in linear_shapes(shapes):
         for dtype in dtypes:
             for group_size in group_sizes:
@@ -72,9 +71,8 @@ def sweep(
                         reps,
                         TIMED_MS,
                     )
-                    entries[table_key(m, n, k, dtype, group_size)] = {**best.entry(), "us": round(us, 2)}
                     console.print(
                         f"  w4a16 M={m} N={n} K={k} {str(dtype).removeprefix('torch.')} g={group_size}: "
                         f"{best.label}, {us:.1f} us"
                     )
-    return entries
+                    yield table_key(m, n, k, dtype, group_size), {**best.entry(), "us": round(us, 2)}
