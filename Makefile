@@ -24,9 +24,10 @@ LOWEST_PINS ?= transformers==5.17.0 peft==0.18.0
 LOWEST_CPU_PINS ?= triton==3.6.0 "numpy<2.4"
 # What the lowest transformers is tested on: where hfaccel meets transformers' code (accelerate, generate's loop and
 # arguments, the model forwards the runner, speculative decoding and LoRA layers drive, the engine's exactness
-# against generate); the rest of the engine, the server and the kernels do not depend on the transformers release.
+# against generate), and that the test processes' interpreter speed-up applies to triton's floor too; the rest of the
+# engine, the server and the kernels do not depend on the transformers release.
 MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py tests/engine/test_families_engine.py tests/speculative \
-	tests/lora
+	tests/lora tests/test_interpreter.py
 MODEL_TESTS_SKIP ?= --deselect tests/hf/test_compile_cache.py
 PYTEST_WORKERS ?= 2
 
