@@ -240,11 +240,13 @@ def _job(
     w8a8: bool = False,
     split: bool = False,
 ):
+    """A compile job specialised as a per-channel launch at model shapes is: ``group_n`` the constant 1, the
+    pointers, sizes and strides divisible by 16."""
     ptr = "*" + TRITON_TYPES[dtype]
-    ints = ["N", "K", "group_k", "group_n", "k_per_split", "stride_xm", "stride_wk", "stride_sk", "stride_os"]
-    signature = {name: "i32" for name in ints + ["stride_om"]}
+    ints = ["N", "K", "group_k", "k_per_split", "stride_xm", "stride_wk", "stride_sk", "stride_os", "stride_om"]
+    signature = {name: "i32" for name in ints}
     signature.update(X="*fp8e4nv" if w8a8 else ptr, W="*fp8e4nv", S="*fp32", OUT="*fp32" if split else ptr)
-    constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split)
+    constexprs = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, group_n=1)
     if kernel == "_gemm_kernel":
         signature.update(M="i32", XS="*fp32", stride_xsm="i32")
         constexprs.update(BLOCK_M=block_m, F32_DOT=dtype == torch.float32, W8A8=w8a8)
@@ -253,9 +255,10 @@ def _job(
         kernel=kernel,
         signature=signature,
         constexprs=constexprs,
-        divisible=["X", "W", "S", "OUT", "stride_xm", "stride_wk", "stride_om"],
+        divisible=["X", "W", "S", "OUT", *ints],
         num_warps=num_warps,
         num_stages=3,
+        ptx_patterns=["ld.global.v4", "ld.global.b8"],
     )
 
 
@@ -287,6 +290,11 @@ def sm90_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SM90_KERNELS)))
 def test_compiles_for_sm90(index, sm90_results):
-    result = sm90_results[index]
-    assert result["ok"], f"{SM90_KERNELS[index]}: {result.get('error')}"
+    case, result = SM90_KERNELS[index], sm90_results[index]
+    assert result["ok"], f"{case}: {result.get('error')}"
     assert result["shared"] <= 227 * 1024
+    if case[1] == "_gemv_kernel":
+        counts = result["ptx_counts"]
+        assert counts["ld.global.v4"] > 0 and counts["ld.global.b8"] == 0, (
+            f"{case}: the GEMV must stream the fp8 weight in 128-bit loads, not byte by byte ({counts})"
+        )
