@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="M bucket of the GEMM ops (w4a16, fp8) to measure (repeatable, powers of two; default: 1 to 4096)",
     )
+    tune.add_argument(
+        "--dtype",
+        action="append",
+        choices=("float16", "bfloat16"),
+        help="activation dtype to measure (repeatable; default: both)",
+    )
     tune.add_argument("--device", default="cuda")
     tune.add_argument("--output", default=None, help="table path (default: hfaccel/kernels/configs/<gpu>.json)")
     quantize = sub.add_parser("quantize", help="quantize a model to int4 and save an AWQ or GPTQ checkpoint")

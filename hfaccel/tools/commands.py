@@ -71,10 +71,13 @@ def bench_command(args: argparse.Namespace) -> None:
 
 def tune_command(args: argparse.Namespace) -> None:
     """``hfaccel tune``: this GPU's kernel table; a bad model or op name stops with a message."""
+    import torch
+
     from hfaccel.tools.tune import DEFAULT_MODELS, tune
 
     try:
-        tune(args.model or DEFAULT_MODELS, args.op, args.device, args.output, m_buckets=args.m)
+        dtypes = [getattr(torch, name) for name in args.dtype] if args.dtype else None
+        tune(args.model or DEFAULT_MODELS, args.op, args.device, args.output, m_buckets=args.m, dtypes=dtypes)
     except ValueError as error:
         raise SystemExit(f"hfaccel tune: {error}") from None
 

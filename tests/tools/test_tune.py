@@ -55,30 +55,35 @@ def test_a_sweep_stopped_part_way_keeps_the_buckets_it_measured(monkeypatch, tmp
     assert not list(tmp_path.glob("*.partial"))
 
 
-def test_m_buckets_reach_the_gemm_sweeps_only(monkeypatch, tmp_path):
-    """``--m`` restricts the M buckets of the sweeps that have them (w4a16, fp8) and leaves the others as they are;
-    a bucket the router does not key, or M buckets for attention ops only, are refused."""
+def test_m_buckets_reach_the_gemm_sweeps_only_and_dtypes_every_sweep(monkeypatch, tmp_path):
+    """``--m`` restricts the M buckets of the sweeps that have them (w4a16, fp8) and leaves the others as they are,
+    ``--dtype`` every sweep's dtypes; a bucket the router does not key, M buckets for attention ops only, or a dtype
+    the tables do not hold are refused."""
     monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA Test GPU")
     asked = {}
 
-    def gemm(shapes, device, console, *, m_buckets=(1, 2, 4)):
-        asked["gemm"] = m_buckets
+    def gemm(shapes, device, console, *, m_buckets=(1, 2, 4), dtypes=(torch.float16, torch.bfloat16)):
+        asked["gemm"] = m_buckets, dtypes
         yield from ((f"m{m}", {"us": 1.0}) for m in m_buckets)
 
-    def attention(shapes, device, console):
-        asked["attention"] = True
+    def attention(shapes, device, console, *, dtypes=(torch.float16, torch.bfloat16)):
+        asked["attention"] = dtypes
         yield "seq64", {"us": 1.0}
 
     path = tune.tune(models=["tiny-llama"], sweeps={"gemm": gemm, "attention": attention}, m_buckets=[16, 1, 16])
-    assert asked == {"gemm": (1, 16), "attention": True}
+    assert asked == {"gemm": ((1, 16), (torch.float16, torch.bfloat16)), "attention": (torch.float16, torch.bfloat16)}
     assert set(json.loads(path.read_text())["ops"]["gemm"]) == {"m1", "m16"}
+    tune.tune(models=["tiny-llama"], sweeps={"gemm": gemm, "attention": attention}, dtypes=[torch.bfloat16])
+    assert asked == {"gemm": ((1, 2, 4), (torch.bfloat16,)), "attention": (torch.bfloat16,)}
     with pytest.raises(ValueError, match="powers of two from 1 to 4096; got \\[3, 8192\\]"):
         tune.tune(models=["tiny-llama"], sweeps={"gemm": gemm}, m_buckets=[3, 8192, 4])
     with pytest.raises(ValueError, match="M buckets apply to the GEMM ops"):
         tune.tune(models=["tiny-llama"], sweeps={"attention": attention}, m_buckets=[1])
+    with pytest.raises(ValueError, match="tuned dtypes are"):
+        tune.tune(models=["tiny-llama"], sweeps={"gemm": gemm}, dtypes=[torch.float32])
     with pytest.raises(SystemExit, match="M buckets must be powers of two"):
-        main(["tune", "--op", "fp8", "--m", "3"])
+        main(["tune", "--op", "fp8", "--m", "3", "--dtype", "bfloat16"])
 
 
 def test_unknown_ops_and_models_are_refused(monkeypatch):
@@ -145,8 +150,7 @@ def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monk
     console = Console(quiet=True)
     monkeypatch.setattr(flash_sweep, "SEQ_BUCKETS", (64,))
     monkeypatch.setattr(flash_sweep, "TOKENS", 64)  # batch 1
-    monkeypatch.setattr(flash_sweep, "DTYPES", (torch.float16,))
-    flash = dict(flash_sweep.sweep(shapes, torch.device("cpu"), console))
+    flash = dict(flash_sweep.sweep(shapes, torch.device("cpu"), console, dtypes=(torch.float16,)))
     entry = flash[flash_attention.table_key(32, 4, 64, torch.float16)]
     assert len(flash) == 1 and entry["us"] > 0 and entry["sdpa_us"] > 0
     fields = {k: v for k, v in entry.items() if k not in ("us", "sdpa_us")}
@@ -154,8 +158,7 @@ def test_attention_sweeps_measure_candidates_into_the_keys_the_kernels_read(monk
 
     monkeypatch.setattr(paged_sweep, "BATCHES", (2,))
     monkeypatch.setattr(paged_sweep, "CONTEXTS", (300,))
-    monkeypatch.setattr(paged_sweep, "DTYPES", (torch.float16,))
-    paged = dict(paged_sweep.sweep(shapes, torch.device("cpu"), console))
+    paged = dict(paged_sweep.sweep(shapes, torch.device("cpu"), console, dtypes=(torch.float16,)))
     entry = paged[paged_attention.table_key(32, 4, 2, 300, torch.float16)]
     assert len(paged) == 1 and entry["us"] > 0 and entry["num_splits"] in paged_sweep.split_candidates(2, 300)
     candidates = paged_attention.candidate_paged_configs(32, torch.float16, 4)

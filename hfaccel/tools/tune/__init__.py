@@ -6,7 +6,7 @@ bucket, the fastest configuration measured. Each tunable op has a module ``hfacc
     OP: str                                      # the op's name in the table
     def sweep(shapes: list[ModelShapes], device: torch.device, console) -> Iterator[tuple[str, dict]]
         # (bucket key, the winning config's fields plus "us": median microseconds), as each bucket is measured;
-        # the GEMM ops' sweeps also take m_buckets=
+        # every sweep also takes dtypes=, the GEMM ops' m_buckets=
 
 ``tune`` runs the sweeps of the ops asked for (default: every module here) over the named model configs and
 merges the results into the GPU's table, keeping entries of ops it did not run. The table is written after every
@@ -34,6 +34,7 @@ from hfaccel.kernels import tuning
 from hfaccel.tools.models import NAMED_CONFIGS
 
 DEFAULT_MODELS = ("llama-3.2-1b", "llama-3.1-8b")
+TUNED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,12 @@ def tune(
     console: Console | None = None,
     sweeps: dict[str, Callable[..., Iterable[tuple[str, dict]]]] | None = None,
     m_buckets: Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> Path:
     """Sweep the ops' configurations for the models' shapes on ``device`` (a CUDA GPU) and write the table after
     each bucket; returns its path. ``m_buckets`` (powers of two, 1 to 4096) restricts the GEMM ops' (w4a16, fp8) M
-    buckets, e.g. to decode's; ``sweeps`` (op -> sweep function) replaces the op modules (tests)."""
+    buckets, e.g. to decode's, and ``dtypes`` every op's activation dtypes (a lent GPU's minutes go further);
+    ``sweeps`` (op -> sweep function) replaces the op modules (tests)."""
     console = console or Console()
     dev = torch.device(device)
     gpu = tuning.gpu_name(dev)
@@ -90,7 +93,7 @@ def tune(
         raise ValueError(f"hfaccel tune measures kernels on a CUDA GPU; got device {dev} (no CUDA GPU here)")
     shapes = [ModelShapes.named(name) for name in models]
     sweeps = sweeps if sweeps is not None else _sweeps(ops)
-    options = _m_options(m_buckets, sweeps)
+    options = _sweep_options(sweeps, m_buckets, dtypes)
     path = Path(output) if output is not None else tuning.table_path(gpu)
     table = _existing(path)
     import triton
@@ -107,20 +110,31 @@ def tune(
     return path
 
 
-def _m_options(m_buckets: Sequence[int] | None, sweeps: dict[str, Callable]) -> dict[str, dict]:
-    """Each sweep's ``m_buckets=`` keyword (for the sweeps that take one); a ValueError for a bucket that is not one
-    the router keys (a power of two, 1 to 4096) or when no op asked for has M buckets."""
-    if m_buckets is None:
-        return {}
+def _sweep_options(
+    sweeps: dict[str, Callable], m_buckets: Sequence[int] | None, dtypes: Sequence[torch.dtype] | None
+) -> dict[str, dict]:
+    """Each sweep's keywords: ``m_buckets=`` for the sweeps that take one, ``dtypes=``. A ValueError for an M that
+    is not a bucket the router keys (a power of two, 1 to 4096), M buckets where no op asked for has them, or a
+    dtype other than the 16-bit ones the tables hold."""
     from hfaccel.kernels.w4a16_config import M_BUCKETS
 
-    bad = sorted(set(m_buckets) - set(M_BUCKETS))
-    if bad:
-        raise ValueError(f"M buckets must be powers of two from 1 to {M_BUCKETS[-1]}; got {bad}")
-    takes = [op for op, sweep in sweeps.items() if "m_buckets" in inspect.signature(sweep).parameters]
-    if not takes:
-        raise ValueError(f"M buckets apply to the GEMM ops (w4a16, fp8); none of {sorted(sweeps)} has them")
-    return {op: {"m_buckets": tuple(sorted(set(m_buckets)))} for op in takes}
+    options: dict[str, dict] = {op: {} for op in sweeps}
+    if m_buckets is not None:
+        bad = sorted(set(m_buckets) - set(M_BUCKETS))
+        if bad:
+            raise ValueError(f"M buckets must be powers of two from 1 to {M_BUCKETS[-1]}; got {bad}")
+        takes = [op for op, sweep in sweeps.items() if "m_buckets" in inspect.signature(sweep).parameters]
+        if not takes:
+            raise ValueError(f"M buckets apply to the GEMM ops (w4a16, fp8); none of {sorted(sweeps)} has them")
+        for op in takes:
+            options[op]["m_buckets"] = tuple(sorted(set(m_buckets)))
+    if dtypes is not None:
+        bad = [str(d) for d in dtypes if d not in TUNED_DTYPES]
+        if bad:
+            raise ValueError(f"tuned dtypes are {[str(d) for d in TUNED_DTYPES]}; got {bad}")
+        for op in options:
+            options[op]["dtypes"] = tuple(dict.fromkeys(dtypes))
+    return options
 
 
 def _write(path: Path, table: dict) -> None:

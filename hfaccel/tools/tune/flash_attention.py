@@ -4,7 +4,7 @@ compares with the kernel's (``us``) to send plain causal prefills to the faster 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 
 import torch
@@ -20,11 +20,13 @@ DTYPES = (torch.float16, torch.bfloat16)
 TOKENS = 16384  # batch x query length of each measurement (batch 1 from 16k on)
 
 
-def sweep(shapes, device: torch.device, console) -> Iterator[tuple[str, dict]]:
+def sweep(
+    shapes, device: torch.device, console, *, dtypes: Sequence[torch.dtype] = DTYPES
+) -> Iterator[tuple[str, dict]]:
     """``(bucket key, entry)`` as each is measured: the fastest candidate's fields, its ``us`` and SDPA's
     ``sdpa_us`` for every attention shape of ``shapes`` (model dims), 16-bit dtype and tuned query length."""
     for heads, kv_heads, head_dim in sorted({(s.num_heads, s.num_kv_heads, s.head_dim) for s in shapes}):
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for seq in SEQ_BUCKETS:
                 key = table_key(head_dim, heads // kv_heads, seq, dtype)
                 entry = _bucket(max(1, TOKENS // seq), heads, kv_heads, seq, head_dim, dtype, device, console)

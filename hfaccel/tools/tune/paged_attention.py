@@ -14,7 +14,7 @@ pool (batch 256 x 32k keys x 8 KV heads x head dim 128, K and V, 16-bit) holds 3
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 
 import torch
@@ -41,11 +41,13 @@ BLOCK_SIZE = 16  # the KV pool's block size (hfaccel's default)
 SPLIT_WAVES = 4  # split counts measured: those whose (sequence, KV head) programs x splits fill the SMs <= 4 times
 
 
-def sweep(shapes, device: torch.device, console) -> Iterator[tuple[str, dict]]:
+def sweep(
+    shapes, device: torch.device, console, *, dtypes: Sequence[torch.dtype] = DTYPES
+) -> Iterator[tuple[str, dict]]:
     """``(bucket key, entry)`` as each is measured: the fastest configuration's fields (``num_splits`` included) and
     its ``us``."""
     for heads, kv_heads, head_dim in sorted({(s.num_heads, s.num_kv_heads, s.head_dim) for s in shapes}):
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for batch in BATCHES:
                 for context in CONTEXTS:
                     key = table_key(head_dim, heads // kv_heads, batch, context, dtype)
