@@ -7,6 +7,10 @@ a third of an attention kernel's interpreted time. :func:`patch_language_once_pe
 of each language module (``triton.language``, ``triton.language.core``) per launch and skips the repeats: the
 kernels run the same numpy operations, in the same order, on the same values.
 
+A function that sees no language module is still passed to the interpreter's own mapping, which refuses it as it
+would. The bookkeeping is per thread; the mapping itself, as in the interpreter, is global (kernels launched from
+two threads at once race there either way).
+
 Test processes only: hfaccel itself never changes Triton. Where the interpreter's internals differ from what this
 expects (another Triton release), nothing is changed and kernels run at the interpreter's own speed.
 """
@@ -44,7 +48,7 @@ def patch_language_once_per_launch() -> bool:
         if done is None:  # outside a launch: as the interpreter does
             return original(fn)
         modules = language_modules(fn)
-        if done is not _NOT_STARTED and modules <= done:
+        if modules and done is not _NOT_STARTED and modules <= done:
             return interpreter._LangPatchScope()  # nothing to undo: the launch's mapping stands
         state.done = modules if done is _NOT_STARTED else done | modules
         return original(fn)

@@ -25,6 +25,21 @@ def _nested_calls_kernel(X, OUT, CALLS: tl.constexpr, N: tl.constexpr):
     tl.store(OUT + offs, x)
 
 
+NO_LANGUAGE = """
+import triton
+
+
+@triton.jit
+def _identity(x):
+    return x
+"""
+
+
+@triton.jit
+def _calls_a_helper_without_language(X):
+    tl.store(X, no_language_helper._identity(tl.load(X)))  # noqa: F821 - the test puts the module here
+
+
 def _mappings(monkeypatch, calls: int) -> tuple[torch.Tensor, int]:
     """The kernel's output with ``calls`` nested calls per program, and how many builtin namespaces the interpreter
     mapped during its launch."""
@@ -52,3 +67,16 @@ def test_the_language_is_mapped_once_per_launch(monkeypatch):
     x = torch.arange(24, dtype=torch.float32)
     assert torch.equal(one, x * 2) and torch.equal(eight, x * 256)
     assert few == many > 0  # the launch's mapping and the first of tl.core's, however many nested calls follow
+
+
+def test_a_function_that_cannot_see_the_language_is_still_refused(tmp_path, monkeypatch):
+    """As the interpreter does: a nested @triton.jit function whose module imports no triton.language fails."""
+    import importlib
+
+    from triton.runtime.errors import InterpreterError
+
+    (tmp_path / "no_language_helper.py").write_text(NO_LANGUAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(globals(), "no_language_helper", importlib.import_module("no_language_helper"))
+    with pytest.raises(InterpreterError, match="triton.language must be visible"):
+        _calls_a_helper_without_language[(1,)](torch.zeros(1))

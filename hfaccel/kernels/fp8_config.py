@@ -6,7 +6,7 @@ tensor cores; a GPU of sm_89 or later, 16-bit activations) and ``dequant`` (the 
 matmul).
 
 A call asks :func:`pick_fp8_config`: the tuned table of the present GPU (``hfaccel tune --op fp8``; M rounded up to
-a power of two, the nearest measured M when its own was not) or, without an entry, the heuristics. Weight-only paths
+a power of two, a measured M next to it when its own was not) or, without an entry, the heuristics. Weight-only paths
 keep the activations' precision; ``w8a8`` rounds them to e4m3 as vLLM's and transformers' fp8 kernels do, so on a GPU
 it serves large M only, and never off CUDA (the CPU keeps the weight-only paths' results).
 """
@@ -22,7 +22,7 @@ import torch
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.runtime import DEFAULT_NUM_SMS, num_sms
-from hfaccel.kernels.split_k import split_count
+from hfaccel.kernels.split_k import fit_split, split_count
 
 OP = "fp8"
 PATHS = ("gemv", "gemm", "w8a8", "dequant")
@@ -31,6 +31,7 @@ GEMV_MAX_M = 8  # heuristic: rows of x served by the GEMV (decode and small batc
 W8A8_MIN_M = 128  # heuristic: from this M on a GPU, fp8 tensor cores (the activations quantized per token)
 DEQUANT_MIN_M = 1024  # heuristic: from this M (off the w8a8 path) the dense matmul of the dequantized weight
 W8A8_DTYPES = (torch.float16, torch.bfloat16)  # activations the w8a8 path takes (its output dtype)
+SPLITS = (1, 2, 4, 8, 16, 32)  # split-K counts the tuner measures (fitted to K's tiles)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def fit_config(config: Fp8Config, k: int, group_k: int) -> Fp8Config:
             f"fp8 K groups of {group_k} are not a multiple of {min_block_k(config.path)} (the smallest "
             f"K tile of the {config.path} path)"
         )
-    return replace(config, block_k=block_k, split_k=max(1, min(config.split_k, -(-k // block_k))))
+    return replace(config, block_k=block_k, split_k=fit_split(config.split_k, k, block_k))
 
 
 def w8a8_runs(dtype: torch.dtype, device: torch.device | str | None) -> bool:
@@ -133,7 +134,9 @@ def pick_fp8_config(
     """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU (or the nearest
     measured M's), else the heuristics (an entry that is malformed or cannot serve the shape warns and is not
     used)."""
-    key = tuning.nearest_key(OP, device, ("m",), **bucket_fields(m, n, k, dtype, group_k, group_n))
+    key = tuning.nearest_key(
+        OP, device, ("m",), max_ratio=tuning.NEAREST_M_RATIO, **bucket_fields(m, n, k, dtype, group_k, group_n)
+    )
     entry = None if key is None else tuning.lookup(OP, key, device)
     if entry is not None:
         try:
@@ -192,7 +195,7 @@ def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[
             for n in (64, 128, 256)
             for bk in (64, 128)
             for w in (2, 4)
-            for split in (1, 4, 16)
+            for split in SPLITS
         ]
     tiles = [
         (16, 64, 64),
@@ -205,7 +208,7 @@ def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[
         (128, 128, 128),
         (128, 256, 64),
     ]
-    splits = (1, 4) if m <= 256 else (1,)  # K shared where the tiles alone may leave SMs idle
+    splits = SPLITS[:5] if m <= 256 else SPLITS[:4]  # the heuristics' splits (a split count compiles nothing new)
     for bm, bn, bk in tiles:
         if bm > 2 * m and bm > 16:
             continue  # a tile mostly padding

@@ -36,9 +36,16 @@ def split_count(target_programs: int, programs: int, max_split: int) -> int:
     return split
 
 
+def fit_split(split_k: int, k: int, block_k: int) -> int:
+    """``split_k`` capped at K's number of ``block_k`` tiles (at least 1): no split without a tile of its own."""
+    return max(1, min(split_k, triton.cdiv(k, block_k)))
+
+
 def k_slices(k: int, split_k: int, block_k: int) -> tuple[int, int]:
     """``(k_per_split, splits)``: K cut into ``split_k`` slices of whole ``block_k`` tiles (fewer where K has too
-    few tiles for that many)."""
+    few tiles for that many; one, empty, where K is 0)."""
+    if k == 0:
+        return block_k, 1
     per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     return per_split, triton.cdiv(k, per_split)
 

@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+# The GEMM routers' (w4a16, fp8) reach: a tuned entry serves its own M bucket and the ones next to it, so a table
+# measured for decode's M (``hfaccel tune --m 1 --m 16``) never sends a prefill to a GEMV
+NEAREST_M_RATIO = 2
 
 
 def gpu_name(device: torch.device | str | None = None) -> str | None:
@@ -95,7 +98,7 @@ class OpEntries(dict):
 
     def __init__(self, entries: dict):
         super().__init__(entries)
-        self.chosen: dict[tuple, str | None] = {}  # (launch fields, nearest names) -> key
+        self.chosen: dict[tuple, str | None] = {}  # (launch fields, nearest names, max ratio) -> key
 
 
 @functools.cache
@@ -135,24 +138,27 @@ def lookup(op: str, key: str, device: torch.device | str | None) -> dict | None:
     return dict(entry) if isinstance(entry, dict) else None
 
 
-def nearest_key(op: str, device: torch.device | str | None, nearest: Sequence[str], /, **fields) -> str | None:
+def nearest_key(
+    op: str, device: torch.device | str | None, nearest: Sequence[str], /, max_ratio: int | None = None, **fields
+) -> str | None:
     """The key of ``op``'s entry that serves a launch, or None (no table, or no entry shares its exact fields).
 
     ``fields`` are the launch's bucket fields as :func:`bucket_key` takes them (in key order); those named in
     ``nearest`` are positive ints (batch, context, M, ...), the others must match exactly (head dim, group,
     dtype, ...). The launch's own key when measured; else, among the entries with its exact fields, the one
     nearest in the ``nearest`` fields by ratio (distance in log2 space), weighed in that order (the first
-    field decides, the next breaks its ties), ties toward the larger bucket. Chosen once per table.
+    field decides, the next breaks its ties), ties toward the larger bucket; ``max_ratio``: none further than
+    that ratio in any of them. Chosen once per table.
     """
     gpu = gpu_name(device)
     if gpu is None:
         return None
     entries = load_table(gpu).get(op, OpEntries({}))
     launch = {name: _field_text(value) for name, value in fields.items()}
-    query = (tuple(launch.items()), tuple(nearest))
+    query = (tuple(launch.items()), tuple(nearest), max_ratio)
     if query not in entries.chosen:
         key = bucket_key(**launch)
-        entries.chosen[query] = key if key in entries else _nearest(entries, launch, tuple(nearest))
+        entries.chosen[query] = key if key in entries else _nearest(entries, launch, tuple(nearest), max_ratio)
     return entries.chosen[query]
 
 
@@ -162,7 +168,7 @@ def lookup_nearest(op: str, device: torch.device | str | None, nearest: Sequence
     return None if key is None else lookup(op, key, device)
 
 
-def _nearest(entries: dict, launch: dict[str, str], nearest: tuple[str, ...]) -> str | None:
+def _nearest(entries: dict, launch: dict[str, str], nearest: tuple[str, ...], max_ratio: int | None) -> str | None:
     """The key of ``entries`` nearest to ``launch`` (field -> text) in the ``nearest`` fields (:func:`nearest_key`)."""
     names, target = list(launch), [int(launch[name]) for name in nearest]
     best: tuple[list, str] | None = None
@@ -174,6 +180,8 @@ def _nearest(entries: dict, launch: dict[str, str], nearest: tuple[str, ...]) ->
         if None in values:
             continue
         rank = [(Fraction(max(v, t), min(v, t)), -v) for v, t in zip(values, target)]  # per field: ratio, larger first
+        if max_ratio is not None and any(ratio > max_ratio for ratio, _ in rank):
+            continue
         if best is None or rank < best[0]:
             best = (rank, key)
     return None if best is None else best[1]

@@ -9,7 +9,7 @@ Three paths (``hfaccel.kernels.w4a16``):
 
 A call asks :func:`pick_w4a16_config`: the tuned table of the present GPU (``hfaccel tune``, see
 ``hfaccel.kernels.tuning``) has the measured best configuration for the call's bucket — M rounded up to a
-power of two, N, K, dtype and group size; an M not measured takes the nearest measured M's — and without an
+power of two, N, K, dtype and group size; an M not measured takes a measured M's next to it — and without an
 entry the heuristics (sized for an H100) decide. The choice is a pure function of the bucket and the table:
 the same call always takes the same path and tiles, so results are reproducible run to run.
 :func:`candidate_configs` is the search space ``hfaccel tune`` measures.
@@ -25,7 +25,7 @@ import torch
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.runtime import DEFAULT_NUM_SMS, num_sms
-from hfaccel.kernels.split_k import split_count
+from hfaccel.kernels.split_k import fit_split, split_count
 
 OP = "w4a16"
 PATHS = ("gemv", "gemm", "dequant")
@@ -96,7 +96,8 @@ def fit_config(config: W4A16Config, m: int, n: int, k: int, group_size: int) -> 
         raise ValueError(
             f"a gemm needs K-tiles of >= 16 rows inside one group; group_size={group_size} allows {block_k}"
         )
-    return replace(config, block_k=max(block_k, 8), split_k=max(1, min(config.split_k, k // block_k)))
+    block_k = max(block_k, 8)
+    return replace(config, block_k=block_k, split_k=fit_split(config.split_k, k, block_k))
 
 
 def pick_w4a16_config(
@@ -105,7 +106,9 @@ def pick_w4a16_config(
     """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU, else for the
     measured M nearest it (same N, K, group size and dtype), else the heuristics (a table entry that is malformed
     or cannot serve the shape warns and is not used)."""
-    key = tuning.nearest_key(OP, device, ("m",), **bucket_fields(m, n, k, dtype, group_size))
+    key = tuning.nearest_key(
+        OP, device, ("m",), max_ratio=tuning.NEAREST_M_RATIO, **bucket_fields(m, n, k, dtype, group_size)
+    )
     entry = None if key is None else tuning.lookup(OP, key, device)
     if entry is not None:
         try:

@@ -163,6 +163,25 @@ def test_k_tiles_never_span_two_groups():
         Fp8Config("w8a8", block_k=16)
 
 
+def test_a_table_measured_for_decode_never_sends_a_prefill_to_the_gemv(tuned_table):
+    """Entries measured at M = 1 and 16 only (``hfaccel tune --m 1 --m 16``, or a sweep stopped part way) serve the M
+    buckets next to them; larger M, and M equally far from both, take the heuristics."""
+    n, k = 4096, 4096
+    gemv = Fp8Config("gemv", block_n=128, block_k=128, num_warps=2, num_stages=1, split_k=4)
+    tuned_table({OP: {table_key(m, n, k, torch.bfloat16, k, 1): {**gemv.entry(), "us": 3.0} for m in (1, 16)}})
+    assert pick_fp8_config(2, n, k, torch.bfloat16, k, 1, "cuda") == gemv
+    assert pick_fp8_config(32, n, k, torch.bfloat16, k, 1, "cuda") == gemv
+    for m in (4, 64, 128, 4096):
+        assert pick_fp8_config(m, n, k, torch.bfloat16, k, 1, "cuda") == heuristic_config(m, n, k, torch.bfloat16, k)
+
+
+def test_k_of_zero_gives_zeros():
+    weight, scales = torch.zeros(0, 33, dtype=FP8_DTYPE), torch.zeros(0, 33)
+    for path in ("gemv", "gemm"):
+        out = on_device(fp8_matmul, torch.randn(3, 0), weight, scales, 64, 1, backend="triton", path=path)
+        assert out.shape == (3, 33) and not out.any()
+
+
 def test_tuned_entries_are_read_nearest_m_first(tuned_table):
     """A tuned table's entry serves its bucket and the M buckets nearest it; an entry the call cannot use (w8a8
     for fp32 activations, or a K tile across groups it cannot shrink) warns and the heuristics serve."""

@@ -113,8 +113,9 @@ def test_unmeasured_buckets_take_the_nearest_entry_in_every_op(tuned_table, monk
         assert plan == PagedConfig(16, 128, 8, 2, num_splits=4)
     assert flash_module.pick_config(128, torch.float16, 9000, 4, "cuda") == FlashConfig(64, 128, 4, 3, tma=True)
     assert not flash_module.sdpa_preferred(128, 4, 16384, torch.float16, "cuda")  # the s2048 measurement
-    picks = [pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") for m in (2, 4, 3, 200)]
-    assert picks == [gemv, gemm, gemm, gemm]  # M 2: bucket 2, nearer 1; 4 (and 3): 1 and 16 tie (x4), the larger
+    picks = [pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") for m in (2, 32, 4, 3, 200)]
+    # M 2: bucket 2, next to 1; 32: next to 16; 4 (and 3): 4x from both; 200: 16x from 16 — the heuristics
+    assert picks == [gemv, gemm] + [heuristic_config(m, 4096, 4096, torch.float16, 128) for m in (4, 3, 200)]
     assert pick_w4a16_config(2, 4096, 4096, torch.bfloat16, 128, "cuda") == heuristic_config(
         2, 4096, 4096, torch.bfloat16, 128
     )  # no entry of its dtype

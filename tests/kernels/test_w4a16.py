@@ -244,8 +244,11 @@ def test_router_follows_the_table_deterministically(gpu_table):
     )
     picks = [pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") for m in (3, 4, 3, 1, 4)]
     assert picks == [tuned, tuned, tuned, gemv, tuned]  # M = 3 and 4 share the bucket m4
-    for m in (2, 64):  # M buckets not in the table: the nearest measured (2: m1 and m4 tie, the larger)
+    for m in (2, 8):  # M buckets not in the table: a measured one next to them (2: m1 and m4 tie, the larger)
         assert pick_w4a16_config(m, 4096, 4096, torch.float16, 128, "cuda") == fit_config(tuned, m, 4096, 4096, 128)
+    assert pick_w4a16_config(64, 4096, 4096, torch.float16, 128, "cuda") == heuristic_config(
+        64, 4096, 4096, torch.float16, 128
+    )  # 16x from the nearest measured M
     assert pick_w4a16_config(4, 4096, 4096, torch.bfloat16, 128, "cuda") == heuristic_config(
         4, 4096, 4096, torch.bfloat16, 128
     )  # no entry of its dtype
