@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 import hfaccel
 from hfaccel.runner.step_function import failure_reason
@@ -46,17 +49,24 @@ def model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def walk_one(model_type: str) -> Outcome:
+def image_text_types() -> list[str]:
+    """The image-text-to-text model types of the installed transformers (walked on text prompts)."""
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def walk_one(model_type: str, auto=AutoModelForCausalLM) -> Outcome:
+    """One type's outcome, its model built by ``auto`` (``AutoModelForImageTextToText``: a vision-language model,
+    prompted with text alone)."""
     start = time.perf_counter()
-    status, detail = _walk(model_type)
+    status, detail = _walk(model_type, auto)
     return Outcome(model_type, status, detail, time.perf_counter() - start)
 
 
-def _walk(model_type: str) -> tuple[str, str]:
+def _walk(model_type: str, auto) -> tuple[str, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = _build(model_type)
+            model = _build(model_type, auto)
             ids, mask = _batch()
             expected = _generate(model, ids, mask)
         except Exception as error:
@@ -80,14 +90,14 @@ def _walk(model_type: str) -> tuple[str, str]:
     return SERVED, hfaccel.runner.support.model_support(model).layout.describe()
 
 
-def _build(model_type: str):
+def _build(model_type: str, auto):
     config = tiny_config(model_type)
     torch.manual_seed(0)
     try:
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+        model = auto.from_config(copy.deepcopy(config), attn_implementation="sdpa")
     except (ValueError, ImportError):  # a model transformers runs in eager attention only
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     POST_BUILD.get(model_type, lambda m: None)(model)
     return model.eval()
 

@@ -8,8 +8,18 @@ from pathlib import Path
 
 import transformers
 from packaging.version import Version
+from transformers import AutoModelForImageTextToText
 
-from tests.hf.model_walk import BROKEN, DECLINED, NO_TINY_MODEL, SERVED, model_types, models_page, walk_one
+from tests.hf.model_walk import (
+    BROKEN,
+    DECLINED,
+    NO_TINY_MODEL,
+    SERVED,
+    image_text_types,
+    model_types,
+    models_page,
+    walk_one,
+)
 
 SERVED_LISTS = Path(__file__).with_name("model_walk_served.json")
 MODELS_PAGE = Path(__file__).parents[2] / "docs" / "models.md"
@@ -47,3 +57,25 @@ def test_every_causal_lm_type_is_served_exactly_or_declined():
     )
     if f"transformers {transformers.__version__} " in MODELS_PAGE.read_text():  # the release the page was made on
         assert MODELS_PAGE.read_text() == models_page(outcomes), "docs/models.md: run python -m tests.hf.model_walk"
+
+
+# the vision-language families whose image prompts tests/hf/test_multimodal.py checks (those the release has)
+SERVED_WITH_IMAGES = {"gemma3", "idefics3", "llava", "mistral3", "qwen2_5_vl", "qwen3_5", "qwen3_vl", "smolvlm"}
+
+
+def test_every_image_text_type_is_served_exactly_or_declined_on_text_prompts():
+    """Every image-text-to-text type of the installed transformers, prompted with text alone: served by hfaccel's loop
+    with transformers' tokens or left on transformers' path with a reason, never accepted and then broken; none of
+    the families checked with images is among the declined."""
+    outcomes = [walk_one(model_type, AutoModelForImageTextToText) for model_type in image_text_types()]
+    broken = [o for o in outcomes if o.status == BROKEN]
+    assert not broken, "\n".join(f"{o.model_type}: {o.detail}" for o in broken)
+    declined = {o.model_type: o.detail for o in outcomes if o.status == DECLINED}
+    assert not SERVED_WITH_IMAGES & set(declined), {t: declined[t] for t in SERVED_WITH_IMAGES & set(declined)}
+    served = sum(o.status == SERVED for o in outcomes)
+    warnings.warn(
+        WalkSummary(
+            f"transformers {transformers.__version__}: {served} of {len(outcomes)} image-text types served by "
+            f"hfaccel on text prompts, {len(declined)} declined with a reason"
+        )
+    )

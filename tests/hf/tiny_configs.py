@@ -293,6 +293,8 @@ OVERRIDES: dict[str, dict] = {
     "dots1": {"n_shared_experts": 1},
     # all layers reuse the target's KV: num_kv_shared_layers == num_hidden_layers
     "gemma4_unified_assistant": {"text_config": {"__layers__": 6, "num_kv_shared_layers": 6}},
+    # its vision encoder's widths grow from the patch's elements (40 x 40 x 2 x 3: a 614k-wide first layer)
+    "inkling_mm_model": {"vision_config": {"patch_size": 4}},
     # multi_query: one KV head (num_key_value_heads is derived from it)
     "gpt_bigcode": {"num_key_value_heads": 1},
     # ZAYA supports one expert per token only
