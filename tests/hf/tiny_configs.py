@@ -295,6 +295,9 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_unified_assistant": {"text_config": {"__layers__": 6, "num_kv_shared_layers": 6}},
     # its vision encoder's widths grow from the patch's elements (40 x 40 x 2 x 3: a 614k-wide first layer)
     "inkling_mm_model": {"vision_config": {"patch_size": 4}},
+    # M-RoPE's sections split a tiny head's 8 rotary frequencies
+    "qwen2_vl": {"text_config": {"rope_parameters": lambda rope: {**(rope or {}), "mrope_section": [2, 3, 3]}}},
+    "qwen2_5_vl": {"text_config": {"rope_parameters": lambda rope: {**(rope or {}), "mrope_section": [2, 3, 3]}}},
     # multi_query: one KV head (num_key_value_heads is derived from it)
     "gpt_bigcode": {"num_key_value_heads": 1},
     # ZAYA supports one expert per token only
