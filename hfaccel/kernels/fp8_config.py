@@ -22,7 +22,7 @@ import torch
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.runtime import DEFAULT_NUM_SMS, num_sms
-from hfaccel.kernels.split_k import fit_split, split_count
+from hfaccel.kernels.split_k import fit_split, partials_cap, split_count
 
 OP = "fp8"
 PATHS = ("gemv", "gemm", "w8a8", "dequant")
@@ -171,11 +171,13 @@ def heuristic_config(
     ``GEMV_MAX_M`` rows (K split until the grid holds about four programs per SM), fp8 tensor cores from
     ``W8A8_MIN_M`` where ``w8a8`` may serve, the dense matmul of the dequantized weight from ``DEQUANT_MIN_M``, the
     16-bit tensor-core GEMM between (a block size that does not fit a K tile of 16 takes the dequantized weight); the
-    tensor-core tiles split K while they alone leave SMs idle."""
+    tensor-core tiles split K while they alone leave SMs idle, never into partials that move more bytes than the
+    weight (``split_k.partials_cap``)."""
     if m <= GEMV_MAX_M:
         config = fit_config(Fp8Config("gemv", block_n=64, block_k=64), k, group_k)
         programs = m * -(-n // config.block_n)
-        return replace(config, split_k=split_count(4 * sms, programs, k // (2 * config.block_k)))
+        most = min(k // (2 * config.block_k), partials_cap(m, k, 8))
+        return replace(config, split_k=split_count(4 * sms, programs, most))
     if w8a8 and m >= W8A8_MIN_M and group_block_k(k, group_k, 128) >= min_block_k("w8a8"):
         config = fit_config(Fp8Config("w8a8", block_m=128, block_n=128, block_k=128, num_warps=8), k, group_k)
     elif m >= DEQUANT_MIN_M or group_block_k(k, group_k, 64) < min_block_k("gemm"):
@@ -183,7 +185,8 @@ def heuristic_config(
     else:
         config = fit_config(Fp8Config("gemm", block_m=16 if m <= 16 else 64, block_n=64, block_k=64), k, group_k)
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    return replace(config, split_k=split_count(2 * sms, tiles, k // (4 * config.block_k)))
+    most = min(k // (4 * config.block_k), partials_cap(m, k, 8))
+    return replace(config, split_k=split_count(2 * sms, tiles, most))
 
 
 def candidate_configs(m: int, k: int, dtype: torch.dtype, group_k: int) -> list[Fp8Config]:

@@ -36,6 +36,13 @@ def split_count(target_programs: int, programs: int, max_split: int) -> int:
     return split
 
 
+def partials_cap(m: int, k: int, weight_bits: int) -> int:
+    """The most splits whose fp32 partials (written, then read by the sum: 8 bytes per output per split) move no
+    more bytes than the weight each output reads (``k * weight_bits / 8``): splitting pays at decode's few rows, not
+    at a prefill's many."""
+    return max(1, k * weight_bits // (64 * m))
+
+
 def fit_split(split_k: int, k: int, block_k: int) -> int:
     """``split_k`` capped at K's number of ``block_k`` tiles (at least 1): no split without a tile of its own."""
     return max(1, min(split_k, triton.cdiv(k, block_k)))

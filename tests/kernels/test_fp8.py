@@ -115,6 +115,8 @@ def test_splits_k_while_tiles_leave_sms_idle():
     assert heuristic_config(1, 128256, k, torch.bfloat16, k).split_k == 1
     assert heuristic_config(512, 14336, k, torch.bfloat16, k).split_k == 1
     assert heuristic_config(DEQUANT_MIN_M, 4096, k, torch.bfloat16, k).split_k == 1
+    # a KV projection at M = 512 leaves SMs idle, but split partials would move more bytes than its weight
+    assert heuristic_config(512, 1024, k, torch.bfloat16, k, w8a8=True).split_k == 1
     small_gpu = heuristic_config(1, 1024, k, torch.bfloat16, k, sms=16).split_k
     assert 1 <= small_gpu < heuristic_config(1, 1024, k, torch.bfloat16, k).split_k
     assert fit_config(Fp8Config("gemv", block_k=64, split_k=64), 200, 200).split_k == 4  # no more splits than tiles
