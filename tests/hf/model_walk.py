@@ -5,6 +5,9 @@ faster path). Each type ends one of four ways (:class:`Outcome`): served by hfac
 tokens, left on transformers' path with hfaccel's reason (and transformers' tokens), transformers itself unable to
 build or run the tiny model (its error), or broken — accepted then failing, or other tokens — which must never be.
 
+The image-text-to-text types are walked the same way (``AutoModelForImageTextToText``) on text prompts: the
+language model's path; their image prompts are checked family by family in ``tests/hf/test_multimodal.py``.
+
 ``python -m tests.hf.model_walk`` walks every type and writes ``docs/models.md`` from the outcomes.
 """
 
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
@@ -121,7 +124,8 @@ def _generate(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def models_page(outcomes: list[Outcome]) -> str:
-    """docs/models.md: every type with its outcome, grouped."""
+    """docs/models.md's causal-LM part: every type with its outcome, grouped (the image-text part follows it:
+    :func:`image_text_section`)."""
     lines = [
         "# Models",
         "",
@@ -129,9 +133,28 @@ def models_page(outcomes: list[Outcome]) -> str:
         f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), tried on a tiny random-weight model: `hfaccel.accelerate` "
         "then greedy `generate` on a left-padded batch, against transformers' own `generate` "
         "(`tests/hf/model_walk.py`; `python -m tests.hf.model_walk` writes this page, "
-        "`tests/hf/test_model_walk.py` checks it on both CI environments).",
+        "`tests/hf/test_model_walk.py` checks it on both CI environments). The image-text-to-text types follow.",
         "",
     ]
+    return "\n".join(lines + _grouped(outcomes, "##"))
+
+
+def image_text_section(outcomes: list[Outcome]) -> str:
+    """docs/models.md's image-text part: every image-text-to-text type with its outcome on text prompts, grouped."""
+    lines = [
+        "# Image-text-to-text models, on text prompts",
+        "",
+        f"Every model type transformers {transformers.__version__} registers for image-text-to-text "
+        "(`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`), walked the same way on text prompts: what serves the "
+        "language model. Prompts with images are checked family by family (`tests/hf/test_multimodal.py`; "
+        "`docs/usage.md` lists the families).",
+        "",
+    ]
+    return "\n".join(lines + _grouped(outcomes, "##"))
+
+
+def _grouped(outcomes: list[Outcome], heading: str) -> list[str]:
+    lines = []
     for status, title in (
         (SERVED, "Served by hfaccel (transformers' tokens)"),
         (DECLINED, "Left on transformers' path, with hfaccel's reason"),
@@ -139,21 +162,23 @@ def models_page(outcomes: list[Outcome]) -> str:
         (BROKEN, "Broken (must be empty)"),
     ):
         chosen = [o for o in outcomes if o.status == status]
-        lines += [f"## {title}: {len(chosen)}", "", "| model type | |", "| --- | --- |"]
+        lines += [f"{heading} {title}: {len(chosen)}", "", "| model type | |", "| --- | --- |"]
         lines += [f"| `{o.model_type}` | {o.detail.replace('|', '/')} |" for o in chosen]
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
-    outcomes = []
-    for model_type in model_types():
-        outcomes.append(walk_one(model_type))
-        print(
-            f"{outcomes[-1].status:>10}  {model_type}: {outcomes[-1].detail} ({outcomes[-1].seconds:.1f} s)", flush=True
-        )
-    Path(__file__).parents[2].joinpath("docs", "models.md").write_text(models_page(outcomes))
-    counts = {s: sum(o.status == s for o in outcomes) for s in (SERVED, DECLINED, NO_TINY_MODEL, BROKEN)}
+    walks = {}
+    for auto, types in ((AutoModelForCausalLM, model_types()), (AutoModelForImageTextToText, image_text_types())):
+        outcomes = walks[auto] = []
+        for model_type in types:
+            outcomes.append(walk_one(model_type, auto))
+            print(f"{outcomes[-1].status:>10}  {model_type}: {outcomes[-1].detail} ({outcomes[-1].seconds:.1f} s)")
+    page = models_page(walks[AutoModelForCausalLM]) + "\n" + image_text_section(walks[AutoModelForImageTextToText])
+    Path(__file__).parents[2].joinpath("docs", "models.md").write_text(page)
+    every = [o for outcomes in walks.values() for o in outcomes]
+    counts = {s: sum(o.status == s for o in every) for s in (SERVED, DECLINED, NO_TINY_MODEL, BROKEN)}
     print(counts)
     sys.exit(1 if counts[BROKEN] else 0)
 
