@@ -131,9 +131,9 @@ def w8a8_runs(dtype: torch.dtype, device: torch.device | str | None) -> bool:
 def pick_fp8_config(
     m: int, n: int, k: int, dtype: torch.dtype, group_k: int, group_n: int, device: torch.device | str | None = None
 ) -> Fp8Config:
-    """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU (or the nearest
-    measured M's), else the heuristics (an entry that is malformed or cannot serve the shape warns and is not
-    used)."""
+    """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU (or a measured M's
+    next to it: ``tuning.NEAREST_M_RATIO``), else the heuristics (an entry that is malformed or cannot serve the
+    shape warns and is not used)."""
     key = tuning.nearest_key(
         OP, device, ("m",), max_ratio=tuning.NEAREST_M_RATIO, **bucket_fields(m, n, k, dtype, group_k, group_n)
     )

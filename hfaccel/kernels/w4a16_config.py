@@ -25,7 +25,7 @@ import torch
 
 from hfaccel.kernels import tuning
 from hfaccel.kernels.runtime import DEFAULT_NUM_SMS, num_sms
-from hfaccel.kernels.split_k import fit_split, split_count
+from hfaccel.kernels.split_k import fit_split, partials_cap, split_count
 
 OP = "w4a16"
 PATHS = ("gemv", "gemm", "dequant")
@@ -103,9 +103,9 @@ def fit_config(config: W4A16Config, m: int, n: int, k: int, group_size: int) -> 
 def pick_w4a16_config(
     m: int, n: int, k: int, dtype: torch.dtype, group_size: int, device: torch.device | str | None = None
 ) -> W4A16Config:
-    """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU, else for the
-    measured M nearest it (same N, K, group size and dtype), else the heuristics (a table entry that is malformed
-    or cannot serve the shape warns and is not used)."""
+    """The configuration of a call: the tuned table's entry for its bucket on ``device``'s GPU, else for a
+    measured M next to it (same N, K, group size and dtype; ``tuning.NEAREST_M_RATIO``), else the heuristics (a
+    table entry that is malformed or cannot serve the shape warns and is not used)."""
     key = tuning.nearest_key(
         OP, device, ("m",), max_ratio=tuning.NEAREST_M_RATIO, **bucket_fields(m, n, k, dtype, group_size)
     )
@@ -140,7 +140,8 @@ def heuristic_config(
 
     - M = 1 (or groups too small for a tensor-core K-tile, up to M = 16): the GEMV, 256 columns per program
       (2 warps), K split until the grid holds about four programs per SM;
-    - M < ``DEQUANT_MIN_M``: the tensor-core GEMM, split-K while the tiles alone leave SMs idle;
+    - M < ``DEQUANT_MIN_M``: the tensor-core GEMM, split-K while the tiles alone leave SMs idle, never into
+      partials that move more bytes than the weight (``split_k.partials_cap``);
     - larger M: dequantize + cuBLAS.
     """
     tile_k = group_block_k(group_size)
@@ -148,7 +149,7 @@ def heuristic_config(
         cfg = W4A16Config("gemv", 1, 2 * GEMV_THREADS_COLUMNS, 128, num_warps=2, num_stages=1)
         block_k = min(cfg.block_k, tile_k)
         programs = m * -(-n // cfg.block_n)
-        cfg = replace(cfg, split_k=split_count(4 * sms, programs, k // (2 * block_k)))
+        cfg = replace(cfg, split_k=split_count(4 * sms, programs, min(k // (2 * block_k), partials_cap(m, k, 4))))
     elif m >= DEQUANT_MIN_M or tile_k < 16:
         cfg = W4A16Config("dequant", block_n=128, block_k=64)
     else:
@@ -160,7 +161,8 @@ def heuristic_config(
         else:
             cfg = W4A16Config("gemm", 128, 64 if wide else 128, 64, num_warps=8, num_stages=3)
         tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        cfg = replace(cfg, split_k=split_count(2 * sms, tiles, k // (4 * min(cfg.block_k, tile_k))))
+        most = min(k // (4 * min(cfg.block_k, tile_k)), partials_cap(m, k, 4))
+        cfg = replace(cfg, split_k=split_count(2 * sms, tiles, most))
     return fit_config(cfg, m, n, k, group_size)
 
 
