@@ -34,14 +34,18 @@ MIXER_FORWARD = "hfaccel_state_mixer"  # the attribute marking a mixer's forward
 @dataclass(frozen=True)
 class StateStep:
     """What a forward's recurrent layers need: each sequence's state slot and, for an eager forward, its groups
-    (None: a static step, every sequence one token with its state, the padding rows the scratch slot)."""
+    (None: a static step, every sequence one token with its state, the padding rows the scratch slot). A static
+    step's ``stores`` (default ``slots``) are where each row's new state goes: a row that reads a sequence's state
+    without advancing it (a mirror row, ``DecodeGraphs``) stores to the scratch slot."""
 
     slots: torch.Tensor  # [S] int64
     groups: tuple[StateGroup, ...] | None = None
+    stores: torch.Tensor | None = None  # [S] int64
 
     def to(self, device: torch.device) -> StateStep:
         groups = None if self.groups is None else tuple(group.to(device) for group in self.groups)
-        return StateStep(self.slots.to(device, non_blocking=True), groups)
+        stores = None if self.stores is None else self.stores.to(device, non_blocking=True)
+        return StateStep(self.slots.to(device, non_blocking=True), groups, stores)
 
 
 @dataclass(frozen=True)
@@ -228,8 +232,10 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
         # one scratch row more, so that the layer's code never sees a batch of one: its reshapes of views would guard
         # on it, and a compiled step would need a graph of its own for batch 1
         rows = torch.cat([hidden[0], hidden[0, :1]]).unsqueeze(1)  # [B + 1, 1, H]
-        slots = torch.cat([step.slots, step.slots.new_full((1,), pool.scratch)])  # [B + 1]
-        result = _run_group(original, arguments, cache_name, view, pool, layer, rows, slots, False)
+        scratch = step.slots.new_full((1,), pool.scratch)
+        slots = torch.cat([step.slots, scratch])  # [B + 1]
+        stores = slots if step.stores is None else torch.cat([step.stores, scratch])
+        result = _run_group(original, arguments, cache_name, view, pool, layer, rows, slots, False, stores)
         hidden_out = _hidden_output(result)
         return _as_returned(result, hidden_out.reshape(hidden_out.shape[0], hidden_out.shape[-1])[:-1][None])
     out = result = None
@@ -269,11 +275,13 @@ def _run_group(
     hidden: torch.Tensor,
     slots: torch.Tensor,
     fresh: bool,
+    stores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots``; ``[G, L, H_out]``."""
+    """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots``, the new states written to
+    ``stores`` (default ``slots``); ``[G, L, H_out]``."""
     view.load(pool, layer, slots, fresh)
     result = original(hidden, **{**arguments, cache_name: view})
-    view.store(pool, layer, slots)
+    view.store(pool, layer, slots if stores is None else stores)
     return result
 
 

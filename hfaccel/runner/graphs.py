@@ -2,7 +2,9 @@
 shapes, compiled, and replayed from CUDA graphs per padded batch size, so that a decode step costs one launch.
 
 A step of ``B`` sequences runs at the smallest ladder size ``>= B`` on static buffers sized for the largest; its
-padding rows write nowhere (slot ``-1``) and see no keys (length 0), their logits dropped. The host feeds a step
+padding rows write nowhere (slot ``-1``) and see no keys (length 0), their logits dropped — except the one row that
+pads a step of one sequence on a model that routes tokens to experts: it repeats that sequence, reading its keys
+and state and writing nowhere, so that it activates no other expert (:func:`experts_per_token`). The host feeds a step
 (:meth:`DecodeGraphs.run`, one non-blocking copy), or the device does (:meth:`DecodeGraphs.begin` then
 :meth:`DecodeGraphs.advance`: ``generate``'s rows move on one token a step). Only the batch and the pool's block
 count are dynamic (:func:`mark_step_dynamic`), so one compiled graph serves every size; a size that cannot be
@@ -21,7 +23,8 @@ import torch
 from hfaccel import compat
 from hfaccel.device import to_device
 from hfaccel.kernels.attention_tiles import BATCH_LADDER
-from hfaccel.kv import DeviceBlockTables, PackedStep, token_metadata
+from hfaccel.kv import PackedStep
+from hfaccel.runner.step_buffers import StepBuffers
 from hfaccel.runner.step_function import (
     compiled_call,
     compiled_function,
@@ -32,7 +35,7 @@ from hfaccel.runner.step_function import (
     release_generator_from_capture,
     static_step,
 )
-from hfaccel.sampling.sampler import DRAW_COLUMNS, SampleRow, draw_columns, draw_step
+from hfaccel.sampling.sampler import SampleRow, draw_columns, draw_step
 
 if TYPE_CHECKING:
     from hfaccel.runner.runner import ModelRunner
@@ -40,6 +43,15 @@ if TYPE_CHECKING:
 _log = logging.getLogger("hfaccel")
 DEFAULT_LADDER = BATCH_LADDER  # the padded batch sizes of decode steps (hfaccel.kernels.attention_tiles)
 MIN_CONTEXT_BUCKET = 64  # uncompiled, uncaptured steps are built for contexts of powers of two from here
+
+
+def experts_per_token(config) -> int:
+    """How many experts a model's layers route each token to, by its text config ``config`` (0: a dense model). On
+    a mixture of experts a padding row would read the weights of experts no sequence needs."""
+    text = config.get_text_config(decoder=True)
+    return next(
+        (k for name in ("num_experts_per_tok", "top_k_experts", "moe_topk") if (k := getattr(text, name, 0))), 0
+    )
 
 
 def compiles(setting: bool | str, device: torch.device) -> bool:
@@ -97,27 +109,8 @@ class DecodeGraphs:
         self.sizes = sorted({size for size in ladder if size < max_batch} | {max_batch})
         self.max_batch, self.max_model_len, self.tokens_per_seq = max_batch, max_model_len, tokens_per_seq
         self.last_only = tokens_per_seq > 1 and logits_for == "last"  # logits of each sequence's last real token
-        width, tokens = -(-max_model_len // runner.pool.block_size), max_batch * tokens_per_seq
-        on = {"device": self.device}
-        self.input_ids = torch.zeros(tokens, dtype=torch.long, **on)
-        self.positions = torch.zeros(tokens, dtype=torch.long, **on)
-        self.slot_mapping = torch.full((1, tokens), -1, dtype=torch.long, **on)
-        self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, **on)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, **on)
-        self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, **on) * tokens_per_seq
-        self.lora_index = torch.full((tokens,), -1, dtype=torch.long, **on)  # each token's LoRA slot (-1: none)
-        self.state_slots = torch.zeros(max_batch, dtype=torch.long, **on)  # each row's state slot (recurrent layers)
-        self.position_offsets = torch.zeros(tokens, dtype=torch.long, **on)  # each token's (runner.position_offsets)
         self.draws = draws  # whether run(draw=...) can draw the tokens inside the step
-        self.draw_columns = torch.zeros(len(DRAW_COLUMNS), max_batch, dtype=torch.long, **on)  # [8, B]: draw_step's
-        # the tokens whose logits a step returns: every token, or (last_only) each sequence's last real one
-        self.keep = (
-            torch.arange(max_batch, dtype=torch.long, **on) * tokens_per_seq
-            if self.last_only
-            else torch.arange(tokens, dtype=torch.long, **on)
-        )
-        self._tables = DeviceBlockTables(runner.pool.manager, width, self.device, rows=max_batch)
-        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # per size: the buffers' leading rows (made once)
+        self.buffers = StepBuffers(runner, max_batch, max_model_len, tokens_per_seq, self.last_only)
         # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
         # serves every batch size and pool size; each size is then captured as its own CUDA graph
         self._step_fn = compiled_function(static_step) if compile else static_step
@@ -127,12 +120,15 @@ class DecodeGraphs:
         # sequence run at the next size (None: at size 1)
         self._traced: set[tuple[bool, bool]] = set()
         self._size_one: dict[tuple[bool, bool], str | None] = {}
+        # a step of one sequence padded to the next size (see _size_for) fills its padding row as a mirror of it
+        self.mirror_padding = experts_per_token(runner.model.config) > 0
         self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
         self.capture_failures: dict[tuple[int, bool, bool, bool], str] = {}
         self._graphs: dict[tuple[int, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory_pool = None
         self._size: int | None = None  # the size begun by ``begin`` (advance mode)
+        self._mirror = False  # whether the steps begun by ``begin`` fill a mirror row
         # under tensor parallelism (set by the engine): every rank's verdict on a capture — True when all of them
         # captured — so that all ranks replay a size or none does (a replay on one rank alone would hang its peers)
         self.agree: Callable[[bool], bool] | None = None
@@ -162,9 +158,7 @@ class DecodeGraphs:
         dropped; the compiled step serves the new pool as it is (its block count is symbolic)."""
         self._graphs.clear()
         self._memory_pool = None
-        self._tables = DeviceBlockTables(
-            self.runner.pool.manager, self._tables.width, self.device, rows=len(self._tables.table)
-        )
+        self.buffers.pool_changed()
 
     @torch.inference_mode()  # as the runner's forwards run
     def warm_up(self, sizes: Sequence[int] | None = None, progress=None) -> None:
@@ -183,13 +177,7 @@ class DecodeGraphs:
 
     def _pad_rows(self) -> None:
         """Make every row of the buffers a padding row: it reads and writes nothing."""
-        self.positions.zero_()
-        self.seq_lens.zero_()
-        self.slot_mapping.fill_(-1)
-        self.lora_index.fill_(-1)
-        self.draw_columns.zero_()
-        self.state_slots.fill_(self._scratch_slot())
-        self.position_offsets.zero_()
+        self.buffers.pad()
         self._size = None
 
     def serves(self, num_new: Sequence[int], logits_for: str | Sequence[int]) -> bool:
@@ -237,7 +225,7 @@ class DecodeGraphs:
         if not self.compiled:  # compiling failed: every size runs eagerly
             return None
         self._pad_rows()
-        rows = self._rows(1)
+        rows = self.buffers.rows(1)
         mark_step_dynamic(rows, self.runner.pool)
         return recompile_reason(
             self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
@@ -267,18 +255,20 @@ class DecodeGraphs:
                 f"draw needs steps made with draws=True and one row per sequence; got {len(draw)} rows "
                 f"for {batch} sequences" + ("" if self.draws else " and steps without draws")
             )
+        mirror = self._mirrors(batch, size)
         start = time.perf_counter()
-        self._fill(seq_ids, starts, size, num_new, draw_columns(draw) if draw is not None else [])
-        lora = self._fill_lora(lora_slots, size)
+        self.buffers.fill(seq_ids, starts, size, num_new, draw_columns(draw) if draw is not None else [], mirror=mirror)
+        lora = self.buffers.fill_lora(lora_slots, size, mirror)
         self.runner.metadata_seconds += time.perf_counter() - start
         self._size = None
         if self.tokens_per_seq == 1:
-            self.input_ids[:batch].copy_(input_ids)
+            self.buffers.set_tokens(input_ids, mirror)
             out = self._replay(size, advance=False, lora=lora, draw=draw is not None)[:batch]
             return out.clone() if draw is not None else out  # tokens outlive the next replay (async scheduling)
         q = self.tokens_per_seq
         where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
-        self.input_ids[: size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
+        self.buffers.input_ids[: size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
+        self.buffers.mirror_tokens(mirror)
         logits = self._replay(size, advance=False, lora=lora)  # [size, V] (last_only) or [size * q, V]
         return logits[:batch] if self.last_only else logits[where]
 
@@ -293,14 +283,14 @@ class DecodeGraphs:
                 f"run_packed takes one token per sequence; got {step.positions.shape[0]} tokens for "
                 f"{batch} sequences (max_q_len {step.max_q_len}) on steps of {self.tokens_per_seq}"
             )
-        if width > self.block_tables.shape[1]:
-            raise ValueError(f"block tables {width} blocks wide exceed the steps' {self.block_tables.shape[1]}")
+        if width > self.buffers.block_tables.shape[1]:
+            raise ValueError(f"block tables {width} blocks wide exceed the steps' {self.buffers.block_tables.shape[1]}")
         size = self._size_for(batch, advance=False, lora=False)
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:size].zero_()[:batch].copy_(step.positions)
-        self.seq_lens[:size].zero_()[:batch].copy_(step.seq_lens)
-        self.slot_mapping[0, :size].fill_(-1)[:batch].copy_(step.slot_mapping.reshape(-1))
-        self.block_tables[:batch, :width].copy_(step.block_tables)
+        self.buffers.input_ids[:batch].copy_(input_ids)
+        self.buffers.positions[:size].zero_()[:batch].copy_(step.positions)
+        self.buffers.seq_lens[:size].zero_()[:batch].copy_(step.seq_lens)
+        self.buffers.slot_mapping[0, :size].fill_(-1)[:batch].copy_(step.slot_mapping.reshape(-1))
+        self.buffers.block_tables[:batch, :width].copy_(step.block_tables)
         self._size = None
         return self._replay(size, advance=False)[:batch]
 
@@ -311,7 +301,8 @@ class DecodeGraphs:
         if self.tokens_per_seq != 1:
             raise RuntimeError(f"device-fed steps run one token per sequence; these steps take {self.tokens_per_seq}")
         size = self._size_for(len(seq_ids), advance=True, lora=False)
-        self._fill(seq_ids, starts, size, [1] * len(seq_ids))
+        self._mirror = self._mirrors(len(seq_ids), size)
+        self.buffers.fill(seq_ids, starts, size, [1] * len(seq_ids), mirror=self._mirror)
         self._size = size
 
     def advance(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -319,93 +310,24 @@ class DecodeGraphs:
         if self._size is None:
             raise RuntimeError("DecodeGraphs.advance needs begin() first (and no run() in between)")
         batch = input_ids.shape[0]
-        self.input_ids[:batch].copy_(input_ids)
+        self.buffers.set_tokens(input_ids, self._mirror)
         return self._replay(self._size, advance=True)[:batch]
 
     # --------------------------------------------------------------------------------------- internals
-    def _fill(self, seq_ids, starts, size: int, num_new: list[int], draw: list[list[int]] = ()) -> None:
-        """Bring a step's metadata into the static buffers: the rows' block tables from the pool's device tables
-        (only what changed goes up, with the starts, token counts and ``draw`` columns, in one non-blocking copy),
-        then positions, slots and lengths computed on the device (:func:`hfaccel.kv.pool.token_metadata`, the rule
-        the eager forwards follow). The tables hold every block of each sequence, so device-fed steps can read
-        ahead."""
-        ends = [start + n for start, n in zip(starts, num_new)]
-        states = [self._state_slots(seq_ids, size)] if self.runner.pool.states is not None else []
-        offsets = [[self.runner.position_offsets.get(s, 0) for s in seq_ids]] if self.runner.offsets_positions else []
-        moved = self._tables.upload(seq_ids, ends, [starts, num_new, *draw, *states, *offsets], size)  # [3 + ..., size]
-        rows, start, real = moved[:3]
-        if draw:
-            self.draw_columns[:, :size].copy_(moved[3 : 3 + len(draw)])
-        if states:
-            self.state_slots[:size].copy_(moved[3 + len(draw)])
-        if offsets:
-            self.position_offsets[: size * self.tokens_per_seq].copy_(moved[-1].repeat_interleave(self.tokens_per_seq))
-        torch.index_select(self._tables.table, 0, rows, out=self.block_tables[:size])  # [size, W]
-        tokens = size * self.tokens_per_seq
-        positions, slots, lens, cu = token_metadata(
-            self._tables.table,
-            rows,
-            start,
-            real,
-            torch.full_like(real, self.tokens_per_seq),
-            tokens,
-            self.runner.pool.block_size,
-        )
-        self.positions[:tokens].copy_(positions)
-        self.seq_lens[:size].copy_(lens)
-        self.slot_mapping[0, :tokens].copy_(slots)
-        if self.last_only:  # each sequence's last real token (a padding row: its first, whose logits are dropped)
-            self.keep[:size].copy_(cu[:-1] + (real - 1).clamp_min(0))
-
-    def _state_slots(self, seq_ids, size: int) -> list[int]:
-        """Each row's state slot (the padding rows the scratch slot)."""
-        manager = self.runner.pool.manager
-        return [manager.state_slot(s) for s in seq_ids] + [self._scratch_slot()] * (size - len(seq_ids))
-
-    def _scratch_slot(self) -> int:
-        states = self.runner.pool.states
-        return 0 if states is None else states.scratch
-
-    def _fill_lora(self, lora_slots: Sequence[int] | None, size: int) -> bool:
-        """Bring each token's LoRA slot into its static buffer (padding rows -1, one non-blocking copy); False (the
-        variant without LoRA ops) when no row takes an adapter."""
-        present = sorted({slot for slot in lora_slots if slot >= 0}) if lora_slots is not None else []
-        if not present:
-            return False
-        q = self.tokens_per_seq
-        per_token = [slot for slot in lora_slots for _ in range(q)] + [-1] * ((size - len(lora_slots)) * q)
-        self.lora_index[: size * q].copy_(to_device(per_token, torch.long, self.device))
-        self.runner.lora.slots = present
-        return True
-
-    def _rows(self, size: int) -> tuple[torch.Tensor, ...]:
-        """The static buffers' views for a step of ``size`` sequences (``size * tokens_per_seq`` tokens)."""
-        if size not in self._views:
-            tokens = size * self.tokens_per_seq
-            self._views[size] = (
-                self.input_ids[:tokens],
-                self.positions[:tokens],
-                self.seq_lens[:size],
-                self.slot_mapping[:, :tokens],
-                self.block_tables[:size],
-                self.cu_seqlens_q[: size + 1],
-                self.keep[: size if self.last_only else tokens],
-                torch.arange(size, device=self.device),
-                self.lora_index[:tokens],
-                self.state_slots[:size],
-                self.position_offsets[:tokens],
-            )
-        return self._views[size]
+    def _mirrors(self, batch: int, size: int) -> bool:
+        """Whether a step of ``batch`` sequences run at ``size`` fills a mirror row: one sequence padded to the next
+        size on a model that routes tokens to experts (module docstring)."""
+        return self.mirror_padding and batch == 1 and size > 1
 
     def _step(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
         """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows; ``lora``: with
         the LoRA index buffer), then with ``draw`` the rows' tokens (:func:`draw_step` on the draw columns)."""
-        rows = self._rows(size)
+        rows = self.buffers.rows(size)
         logits = self._compiled(
             self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
         )
         self._traced.add((advance, lora))
-        return self._compiled(self._draw_fn, logits, self.draw_columns[:, :size]) if draw else logits
+        return self._compiled(self._draw_fn, logits, self.buffers.draw_columns[:, :size]) if draw else logits
 
     def _compiled(self, function, *args) -> torch.Tensor:
         """``function`` (the step or the draw, compiled or not) on ``args``, the dimensions that vary marked
@@ -451,8 +373,8 @@ class DecodeGraphs:
         The capture records the step without running it; the replay after it runs it again — the same slots, the
         same values — so a device-fed step's counters are put back to where the first run found them. A failed
         capture leaves this size uncaptured (eager), with its reason, and the other sizes as they are."""
-        self._rows(size)  # views made on the current stream, before the side stream
-        before = self._counters() if advance else None
+        self.buffers.rows(size)  # views made on the current stream, before the side stream
+        before = self.buffers.counters() if advance else None
         current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
@@ -460,9 +382,9 @@ class DecodeGraphs:
             logits = self._step(size, advance, lora, draw)
         current.wait_stream(stream)
         logits.record_stream(current)  # allocated on the side stream, used on this one
-        after = self._counters() if advance else None
+        after = self.buffers.counters() if advance else None
         if advance:
-            self._restore(before)
+            self.buffers.restore(before)
         graph, reason = torch.cuda.CUDAGraph(), None
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
@@ -481,16 +403,9 @@ class DecodeGraphs:
             )
             torch.cuda.synchronize(self.device)
             if advance:
-                self._restore(after)
+                self.buffers.restore(after)
             return logits
         self._memory_pool = graph.pool()
         self._graphs[(size, advance, lora, draw)] = (graph, captured)
         graph.replay()
         return captured
-
-    def _counters(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.positions.clone(), self.seq_lens.clone()
-
-    def _restore(self, counters: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.positions.copy_(counters[0])
-        self.seq_lens.copy_(counters[1])

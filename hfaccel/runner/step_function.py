@@ -35,9 +35,13 @@ def static_step(
     and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer. Returns the logits
     of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each sequence's last)."""
     input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets = rows
+    writes = slots[0] >= 0  # [T]: the tokens that write (not a padding row's, nor a mirror row's: DecodeGraphs)
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
-        slots = torch.where(seq_lens > 0, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
-    state = StateStep(state_slots) if runner.pool.states is not None else None
+        slots = torch.where(writes, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
+    state = None
+    if runner.pool.states is not None:  # a row that writes no K/V writes its state to the scratch slot
+        stores = torch.where(writes.view(-1, tokens_per_seq)[:, 0], state_slots, runner.pool.states.scratch)
+        state = StateStep(state_slots, stores=stores)
     step = PackedStep(
         slot_mapping=slots,
         block_tables=tables,

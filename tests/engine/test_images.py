@@ -280,16 +280,16 @@ def test_a_hybrid_models_image_requests_keep_their_state_in_slots():
     assert engine.stats()["blocks_used"] == 0 and manager.num_free_state_slots == engine.runner.pool.states.num_slots
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3", "llama4"])
 def test_prompts_repeating_images_take_prefix_hits_past_them(name):
     """A follow-up that repeats a prompt's images and its text up to past them (a chat's next turn) takes those
     blocks from the prefix cache and computes only the text after them — at the M-RoPE position offset the images
     gave (Qwen2.5-VL), after their bidirectional attention (Gemma 3): transformers' tokens on it alone, and so for
     the request that computed them. The same text with other images, or the same images in another text, takes
     none. The first prompt has two completions (n=2): each continues at the images' offset."""
-    from tests.hf.vlm_models import CASES
+    from tests.hf.vlm_models import served_case
 
-    case = CASES[name]
+    case = served_case(name)
     pictures = [image(40, 40, 1), image(60, 30, 2)]
     head = [9, *pictures[:1], 10, *pictures[1:], *range(50, 62)]  # past its last image, more than a block of text
     first, first_expected = _processed(case, [*head, 7])
@@ -307,16 +307,16 @@ def test_prompts_repeating_images_take_prefix_hits_past_them(name):
     assert engine.stats()["blocks_used"] == 0
 
 
-@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "gemma3", "llama4"])
 def test_one_steps_images_are_encoded_together(name):
     """Image prompts admitted in one step have their images encoded in one call of the vision tower (LLaVA, Gemma 3:
     images of one size; Qwen2.5-VL: patches of images of several sizes), each prompt then given its rows of the
     features — its
     tokens transformers' on it alone; the third prompt's image is the first's, encoded once. transformers 5.17, whose
     forward encodes its own pixels: each prompt alone."""
-    from tests.hf.vlm_models import CASES
+    from tests.hf.vlm_models import served_case
 
-    case = CASES[name]
+    case = served_case(name)
     prompts = [
         [9, image(40, 40, 1), 10, 11],
         [12, image(30, 50, 2), 13, image(60, 30, 3)],

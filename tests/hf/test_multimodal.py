@@ -9,7 +9,7 @@ import transformers
 
 import hfaccel
 from hfaccel.attention import attention_implementations
-from tests.hf.vlm_models import CASES, image
+from tests.hf.vlm_models import CASES, image, served_case
 
 NEW_TOKENS = 12
 ONE_IMAGE = [[5, 6, image(60, 45), 7, 8]]
@@ -21,7 +21,7 @@ SERVED = sorted(CASES)
 
 @pytest.mark.parametrize("family", SERVED)
 def test_images_through_hfaccels_loop_give_transformers_tokens(family):
-    case = CASES[family]
+    case = served_case(family)
     model = case.model()
     batches = {"one image": ONE_IMAGE, "two images": TWO_IMAGES, "mixed batch": MIXED, "text only": [[20, 21, 22]]}
     if case.per_row:  # SmolVLM's processor batches images per prompt: every prompt of a batch has one

@@ -113,3 +113,59 @@ def test_a_failed_capture_runs_that_size_eagerly_and_leaves_random_ops_working(m
     assert size == 2 and "stream is capturing" in reason.split("; then")[0], reason  # the cause, first
     assert len(runner.graphs.capture_failures) == 1 and runner.graphs._graphs  # size 4 captured
     torch.multinomial(torch.softmax(torch.randn(3, 11, device=DEVICE), -1), 1)  # raised after a failed capture
+
+
+def _steps_of_one(model, compile: bool, replays: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """One sequence's prompt, then four host-fed decode steps on the static steps (ladder 1, 2, 4) and four device-fed
+    ones; the logits of each. ``replays`` collects each replay's whole output, padding rows included."""
+    runner = ModelRunner(model, KVPool.for_model(model, num_blocks=32, block_size=4, max_num_seqs=2))
+    graphs = runner.enable_decode_graphs(4, 64, compile=compile, ladder=[1, 2, 4])
+    if replays is not None:
+        replay = graphs._replay
+        graphs._replay = lambda *args, **kwargs: replays.append(out := replay(*args, **kwargs)) or out
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 96, (17,), generator=gen).to(DEVICE)
+    steps = [runner.forward([0], tokens[:9], [9])]
+    for i in range(9, 13):
+        steps.append(runner.forward([0], tokens[i : i + 1], [1]))
+    runner.pool.manager.append(0, 4)  # slots for the device-fed steps
+    graphs.begin([0], [13])
+    steps += [graphs.advance(tokens[i : i + 1]).clone() for i in range(13, 17)]
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama4", "qwen3_5_moe"])
+def test_one_sequence_padded_on_experts_is_mirrored_by_its_padding_row(name):
+    """Where a model's code specialises a compiled step of one sequence, that step runs padded to two; on a mixture of
+    experts (Llama 4, Qwen3.5-MoE) the padding row repeats the sequence — its keys and state read, nothing written —
+    so it routes to the sequence's experts (its logits are the sequence's) instead of reading other experts'
+    weights. The sequence's logits equal the eager steps', host-fed and device-fed, K/V and state intact."""
+    from tests.models import family_model
+
+    model = family_model(name)
+    with hfaccel_attention(model, "torch"), torch.inference_mode():
+        expected = _steps_of_one(model, compile=False)
+        replays: list[torch.Tensor] = []
+        got = _steps_of_one(model, compile=True, replays=replays)
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+    decode = [out for out in replays if out.shape[0] == 2]
+    assert len(decode) == 8, [out.shape for out in replays]  # every decode step ran at size 2
+    for out in decode:
+        torch.testing.assert_close(out[1], out[0], atol=1e-6, rtol=1e-6)
+
+
+def test_padding_rows_mirror_only_on_a_mixture_of_experts():
+    """Which models' padded steps of one sequence mirror it: those whose text config routes tokens to experts (a
+    mirror row reads the sequence's K/V again, which only saves where it spares other experts' weights)."""
+    from hfaccel.runner.graphs import experts_per_token
+    from tests.hf.tiny_configs import tiny_config
+    from tests.models import FAMILIES, gemma4_config
+
+    moe = {name for name, (model_type, _) in FAMILIES.items() if experts_per_token(tiny_config(model_type))}
+    assert moe == {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "gpt_oss", "llama4"}
+    assert experts_per_token(gemma4_config()) == experts_per_token(tiny_config("llama")) == 0
+    gemma4_moe = tiny_config("gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=3)
+    assert experts_per_token(tiny_config("mixtral", num_experts_per_tok=2)) == 2
+    assert experts_per_token(gemma4_moe) == 3

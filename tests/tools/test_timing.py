@@ -39,3 +39,27 @@ def test_cold_graph_timing_off_cuda_times_the_first_call(monkeypatch):
     first, second = (lambda: None), (lambda: None)
     assert timing.cold_graph_time_ms([first, second], torch.device("cpu"), reps=3) == 1.5
     assert timed == [(first, 3)]
+
+
+def test_a_steps_weight_read_counts_the_experts_its_tokens_reach():
+    """The roofline's bytes: a dense model's weights once whatever the batch (the input embedding table left out);
+    of a mixture of experts' banks (4 experts, 2 per token), the share ``tokens`` uniformly routed tokens reach —
+    half for one token, three quarters for two — and the routers whole."""
+    import transformers
+
+    from tests.hf.tiny_configs import tiny_config
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    dense = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=96))
+    whole = nbytes([*dense.parameters(), *dense.buffers()]) - nbytes([dense.get_input_embeddings().weight])
+    assert timing.weight_read_bytes(dense) == timing.weight_read_bytes(dense, 16) == whole
+
+    moe = transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral", vocab_size=96, num_experts_per_tok=2))
+    banks = [module for name, module in moe.named_modules() if name.endswith(".experts")]
+    assert banks and all(bank.num_experts == 4 for bank in banks)
+    experts = nbytes(p for bank in banks for p in bank.parameters())
+    rest = nbytes([*moe.parameters(), *moe.buffers()]) - nbytes([moe.get_input_embeddings().weight]) - experts
+    assert timing.weight_read_bytes(moe) == rest + experts / 2
+    assert timing.weight_read_bytes(moe, 2) == rest + experts * 3 / 4

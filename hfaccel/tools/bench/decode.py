@@ -18,8 +18,8 @@ The ratio column divides by the fastest of transformers' paths that ran the mode
 that cannot run it, say static cache + compile on a model it does not compile, is listed in ``decode_failures``).
 Each path is warmed up on the exact call it is then timed on (compiles and captures happen there). A decode
 step's time is ``(t(N new tokens) - t(1 new token)) / (N - 1)``: the prompt's prefill cancels out. The roofline of
-a decode step is one read of the weights it touches (:func:`timing.weight_read_bytes`) at the bandwidth a
-read-only kernel reaches (:func:`timing.read_bandwidth`).
+a decode step is one read of the weights it touches (:func:`timing.weight_read_bytes`: of a mixture of experts, the
+experts its batch reaches) at the bandwidth a read-only kernel reaches (:func:`timing.read_bandwidth`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class DecodeRow:
     new_tokens: int
     tokens_per_s: float  # decode tokens per second: batch / step
     ms_per_step: float
-    vs_baseline: float  # tokens_per_s / that of the fastest transformers path that ran (``baseline``)
-    baseline: str
+    vs_baseline: float | None  # tokens_per_s / that of the fastest transformers path that ran (``baseline``)
+    baseline: str | None  # None: no transformers path ran the model (``decode_failures`` says why)
     pct_roofline: float  # one weight read at the read bandwidth / the step
     vocab_size: int
 
@@ -215,7 +215,7 @@ def bench_decode(
     if profile and device.type == "cuda":
         _set_up_tracer(device)
     model = build_model(spec, device, dtype, layers)
-    weight_ms = read_ms(weight_read_bytes(model), read_bandwidth(device))
+    bandwidth = read_bandwidth(device)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     rows, kernels = [], []
     for batch in batches:
@@ -233,8 +233,9 @@ def bench_decode(
             if profile and path == "hfaccel":
                 kernels += kernel_rows(spec, model, input_ids, new_tokens, kwargs)
         restore(model)
+        weight_ms = read_ms(weight_read_bytes(model, batch), bandwidth)
         theirs = {path: ms for path, ms in measured.items() if path.startswith("transformers")}
-        baseline = min(theirs, key=theirs.get)
+        baseline = min(theirs, key=theirs.get) if theirs else None
         rows += [
             DecodeRow(
                 spec,
@@ -245,7 +246,7 @@ def bench_decode(
                 new_tokens,
                 batch / ms * 1e3,
                 ms,
-                theirs[baseline] / ms,
+                theirs[baseline] / ms if baseline else None,
                 baseline,
                 weight_ms / ms * 100,
                 vocab,
@@ -329,8 +330,8 @@ def dense_then_quantized(
     for quantized in (False, True):
         weights = quantize_model(model) if quantized else str(dtype).removeprefix("torch.")
         accelerate(model)
-        step_bytes = weight_read_bytes(model)
         for batch in batches:
+            step_bytes = weight_read_bytes(model, batch)
             ms = step_ms(model, inputs[batch], new_tokens, {})
             dense = next((r.ms_per_step for r in rows if r.batch == batch), None)
             rows.append(

@@ -249,7 +249,7 @@ def _decode_step(engine: Engine, batch: int, context: int, device: torch.device)
     step_ms = (time.perf_counter() - start) / reps * 1e3
     for seq_id in ids:
         runner.free(seq_id)
-    weight_ms = read_ms(weight_read_bytes(engine.model), read_bandwidth(device))
+    weight_ms = read_ms(weight_read_bytes(engine.model, batch), read_bandwidth(device))
     return DecodeStepRow(path, batch, context, step_ms, weight_ms, step_ms / weight_ms)
 
 
