@@ -102,9 +102,11 @@ gpu-smoke: gpu-install
 
 # The figures a lent GPU still owes, in order of value, one device call per round (each under 10 minutes; a 15-minute
 # lease fits one round and its rerun): every step under its own timeout, printing as it goes, its JSON and log under
-# $(OUT). Round 1: structured throughput (never measured), fp8 (issue 50), a mixture of experts at batch 1 (issue 47's
-# mirror row: batch 1 against batch 2, the roofline counting the experts reached). Round 2: vision-language (issue
-# 49), the fp8 KV cache in the engine, the fp8 tune for decode. Round 3: int4 and paged decode again after tuning.
+# $(OUT). Round 1: the families' tokens through captured steps on CUDA (hybrid state and device-fed positions move on
+# once when a size is first captured), structured throughput (never measured), fp8 (issue 50), a mixture of experts
+# at batch 1 (issue 47's mirror row: batch 1 against batch 2, the roofline counting the experts reached). Round 2:
+# vision-language (issue 49), the fp8 KV cache in the engine, the fp8 tune for decode. Round 3: int4 and paged
+# decode again after tuning.
 # Copy each table into docs/benchmarks.md (date, device, commit, command) and commit the JSON and tuned tables.
 OUT ?= bench-results
 ROUND ?= 1
@@ -117,10 +119,12 @@ gpu-round: gpu-install
 	$(MAKE) --no-print-directory gpu-round-$(ROUND)
 
 gpu-round-1:
-	-$(CLI) 150 $(BENCH) structured --model llama-3.2-1b --tokenizer wheels/smollm2-tokenizer \
+	-HFACCEL_TEST_DEVICE=cuda $(CLI) 100 $(PYTHON) -m pytest -q -n 4 -ra --tb=short tests/runner/test_graphs.py \
+		tests/hf/test_families.py::test_triton_kernels_give_transformers_tokens 2>&1 | tee $(OUT)/families.log
+	-$(CLI) 140 $(BENCH) structured --model llama-3.2-1b --tokenizer wheels/smollm2-tokenizer \
 		--output $(OUT)/structured.json 2>&1 | tee $(OUT)/structured.log
-	-$(CLI) 220 $(BENCH) fp8 --dtype bfloat16 --output $(OUT)/fp8.json 2>&1 | tee $(OUT)/fp8.log
-	-$(CLI) 150 $(BENCH) decode --model qwen3.5-35b-a3b --layers 4 --dtype bfloat16 --batch 1 --batch 2 \
+	-$(CLI) 200 $(BENCH) fp8 --dtype bfloat16 --output $(OUT)/fp8.json 2>&1 | tee $(OUT)/fp8.log
+	-$(CLI) 120 $(BENCH) decode --model qwen3.5-35b-a3b --layers 4 --dtype bfloat16 --batch 1 --batch 2 \
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-qwen35-moe.json 2>&1 | tee $(OUT)/decode-moe.log
 
 gpu-round-2:

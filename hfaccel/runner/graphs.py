@@ -4,7 +4,7 @@ shapes, compiled, and replayed from CUDA graphs per padded batch size, so that a
 A step of ``B`` sequences runs at the smallest ladder size ``>= B`` on static buffers sized for the largest; its
 padding rows write nowhere (slot ``-1``) and see no keys (length 0), their logits dropped — except the one row that
 pads a step of one sequence on a model that routes tokens to experts: it repeats that sequence, reading its keys
-and state and writing nowhere, so that it activates no other expert (:func:`experts_per_token`). The host feeds a step
+and state and writing nowhere, so that it activates no other expert (:func:`routed_expert_banks`). The host feeds a step
 (:meth:`DecodeGraphs.run`, one non-blocking copy), or the device does (:meth:`DecodeGraphs.begin` then
 :meth:`DecodeGraphs.advance`: ``generate``'s rows move on one token a step). Only the batch and the pool's block
 count are dynamic (:func:`mark_step_dynamic`), so one compiled graph serves every size; a size that cannot be
@@ -45,13 +45,27 @@ DEFAULT_LADDER = BATCH_LADDER  # the padded batch sizes of decode steps (hfaccel
 MIN_CONTEXT_BUCKET = 64  # uncompiled, uncaptured steps are built for contexts of powers of two from here
 
 
+# the attributes transformers' ``use_experts_implementation`` gives the expert banks it dispatches
+_EXPERTS_INTERFACE = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
 def experts_per_token(config) -> int:
-    """How many experts a model's layers route each token to, by its text config ``config`` (0: a dense model). On
-    a mixture of experts a padding row would read the weights of experts no sequence needs."""
+    """How many experts a model routes each token to, by its text config ``config`` (0: none said)."""
     text = config.get_text_config(decoder=True)
-    return next(
-        (k for name in ("num_experts_per_tok", "top_k_experts", "moe_topk") if (k := getattr(text, name, 0))), 0
-    )
+    names = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
+    return next((k for k in (getattr(text, name, None) for name in names) if k), 0)
+
+
+def routed_expert_banks(model) -> list[torch.nn.Module]:
+    """The model's expert banks (``num_experts`` and ``[num_experts, ...]`` weights) that read only the experts their
+    tokens are routed to: those transformers runs through its experts interface (grouped_mm, batched_mm and eager
+    all index the routed experts). A bank of another kind — Llama 4's runs every expert on every token — reads all."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "num_experts", None), int)
+        and all(hasattr(module, name) for name in _EXPERTS_INTERFACE)
+    ]
 
 
 def compiles(setting: bool | str, device: torch.device) -> bool:
@@ -121,7 +135,7 @@ class DecodeGraphs:
         self._traced: set[tuple[bool, bool]] = set()
         self._size_one: dict[tuple[bool, bool], str | None] = {}
         # a step of one sequence padded to the next size (see _size_for) fills its padding row as a mirror of it
-        self.mirror_padding = experts_per_token(runner.model.config) > 0
+        self.mirror_padding = bool(routed_expert_banks(runner.model))
         self.draw_compile_failure: str | None = None  # why the draw runs uncompiled, when compiling it failed
         # (size, advance, lora, draw) -> why it runs uncaptured
         self.capture_failures: dict[tuple[int, bool, bool, bool], str] = {}
@@ -225,11 +239,9 @@ class DecodeGraphs:
         if not self.compiled:  # compiling failed: every size runs eagerly
             return None
         self._pad_rows()
-        rows = self.buffers.rows(1)
-        mark_step_dynamic(rows, self.runner.pool)
-        return recompile_reason(
-            self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
-        )
+        args = self._step_args(1, advance, lora)
+        mark_step_dynamic(args[1], self.runner.pool)
+        return recompile_reason(self._step_fn, *args)
 
     # ---------------------------------------------------------------------------------- host-fed steps
     def run(
@@ -322,12 +334,14 @@ class DecodeGraphs:
     def _step(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
         """One static step of ``size`` sequences (:func:`static_step` on the buffers' leading rows; ``lora``: with
         the LoRA index buffer), then with ``draw`` the rows' tokens (:func:`draw_step` on the draw columns)."""
-        rows = self.buffers.rows(size)
-        logits = self._compiled(
-            self._step_fn, self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora
-        )
+        logits = self._compiled(self._step_fn, *self._step_args(size, advance, lora))
         self._traced.add((advance, lora))
         return self._compiled(self._draw_fn, logits, self.buffers.draw_columns[:, :size]) if draw else logits
+
+    def _step_args(self, size: int, advance: bool, lora: bool) -> tuple:
+        """:func:`static_step`'s arguments for a step of ``size`` sequences."""
+        rows = self.buffers.rows(size)
+        return self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora, self.mirror_padding
 
     def _compiled(self, function, *args) -> torch.Tensor:
         """``function`` (the step or the draw, compiled or not) on ``args``, the dimensions that vary marked
@@ -360,31 +374,27 @@ class DecodeGraphs:
         key = (size, advance, lora, draw)
         if not self.capture or key in self.capture_failures:
             return self._step(size, advance, lora, draw)
-        if key not in self._graphs:
-            logits = self._capture(size, advance, lora, draw)
-            if key not in self._graphs:  # capture failed: eager from now on (this step already ran)
-                return logits
+        if key not in self._graphs and not self._capture(size, advance, lora, draw):
+            return self._step(size, advance, lora, draw)  # uncaptured: eager from now on
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
 
-    def _capture(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> torch.Tensor:
-        """Run the step once (Triton and inductor compile there), then capture it; returns this step's logits.
-        The capture records the step without running it; the replay after it runs it again — the same slots, the
-        same values — so a device-fed step's counters are put back to where the first run found them. A failed
-        capture leaves this size uncaptured (eager), with its reason, and the other sizes as they are."""
+    def _capture(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> bool:
+        """Capture the step of ``size`` rows as a CUDA graph; whether it was captured. Triton and inductor compile in
+        a first run before the capture, made on padding rows (they read and write nothing): the capture records
+        without running, so the rows' step then runs once, by the replay — their recurrent state and a device-fed
+        step's counters move on once. A failed capture leaves this size uncaptured, with its reason."""
         self.buffers.rows(size)  # views made on the current stream, before the side stream
-        before = self.buffers.counters() if advance else None
+        filled = self.buffers.snapshot()
+        self.buffers.pad()
         current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            logits = self._step(size, advance, lora, draw)
+            self._step(size, advance, lora, draw)
         current.wait_stream(stream)
-        logits.record_stream(current)  # allocated on the side stream, used on this one
-        after = self.buffers.counters() if advance else None
-        if advance:
-            self.buffers.restore(before)
+        self.buffers.restore(filled)
         graph, reason = torch.cuda.CUDAGraph(), None
         try:
             with torch.cuda.graph(graph, pool=self._memory_pool):
@@ -402,10 +412,7 @@ class DecodeGraphs:
                 reason,
             )
             torch.cuda.synchronize(self.device)
-            if advance:
-                self.buffers.restore(after)
-            return logits
+            return False
         self._memory_pool = graph.pool()
         self._graphs[(size, advance, lora, draw)] = (graph, captured)
-        graph.replay()
-        return captured
+        return True

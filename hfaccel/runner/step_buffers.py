@@ -52,13 +52,14 @@ class StepBuffers:
 
     def pad(self) -> None:
         """Make every row a padding row: it reads and writes nothing."""
-        self.positions.zero_()
-        self.seq_lens.zero_()
-        self.slot_mapping.fill_(-1)
-        self.lora_index.fill_(-1)
-        self.draw_columns.zero_()
-        self.state_slots.fill_(self.scratch_slot())
-        self.position_offsets.zero_()
+        positions, seq_lens, slot_mapping, lora_index, draw_columns, state_slots, offsets = self._padded()
+        positions.zero_()
+        seq_lens.zero_()
+        slot_mapping.fill_(-1)
+        lora_index.fill_(-1)
+        draw_columns.zero_()
+        state_slots.fill_(self.scratch_slot())
+        offsets.zero_()
 
     def pool_changed(self) -> None:
         """The runner's pool was replaced: block tables of its blocks from now on."""
@@ -66,14 +67,25 @@ class StepBuffers:
             self.runner.pool.manager, self._tables.width, self.device, rows=len(self._tables.table)
         )
 
-    def counters(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a device-fed step moves on: positions and lengths (copies)."""
-        return self.positions.clone(), self.seq_lens.clone()
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of what :meth:`pad` overwrites, for :meth:`restore`."""
+        return [buffer.clone() for buffer in self._padded()]
 
-    def restore(self, counters: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Put back what :meth:`counters` copied."""
-        self.positions.copy_(counters[0])
-        self.seq_lens.copy_(counters[1])
+    def restore(self, snapshot: list[torch.Tensor]) -> None:
+        """Put back what :meth:`snapshot` copied."""
+        for buffer, saved in zip(self._padded(), snapshot):
+            buffer.copy_(saved)
+
+    def _padded(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.positions,
+            self.seq_lens,
+            self.slot_mapping,
+            self.lora_index,
+            self.draw_columns,
+            self.state_slots,
+            self.position_offsets,
+        )
 
     def set_tokens(self, input_ids: torch.Tensor, mirror: bool) -> None:
         """A step's tokens, one per sequence (``input_ids [B]``), into the leading rows — with ``mirror``, row 0's

@@ -29,18 +29,22 @@ def static_step(
     max_model_len: int,
     tokens_per_seq: int = 1,
     lora: bool = False,
+    mirror: bool = False,
 ) -> torch.Tensor:
-    """One static step over the static buffers' leading rows ``rows`` (``DecodeGraphs._rows``): with ``advance``
+    """One static step over the static buffers' leading rows ``rows`` (``StepBuffers.rows``): with ``advance``
     (one token per sequence), this step's slots from positions and block tables first (device-fed), and positions
-    and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer. Returns the logits
-    of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each sequence's last)."""
+    and lengths moved on after the forward; with ``lora``, each token's LoRA slot from its buffer; with ``mirror``
+    (steps that may hold a mirror row), a row that writes no K/V stores its recurrent state to the scratch slot.
+    Returns the logits of the ``keep`` tokens: ``[size * tokens_per_seq, V]`` (every token) or ``[size, V]`` (each
+    sequence's last)."""
     input_ids, positions, seq_lens, slots, tables, cu_seqlens, keep, index, lora_index, state_slots, offsets = rows
     writes = slots[0] >= 0  # [T]: the tokens that write (not a padding row's, nor a mirror row's: DecodeGraphs)
     if advance:  # a fresh tensor, not written into the slot buffer: the kernels read this step's slots
         slots = torch.where(writes, slot_mapping(tables, index, positions, runner.pool.block_size), -1)[None]
     state = None
-    if runner.pool.states is not None:  # a row that writes no K/V writes its state to the scratch slot
-        stores = torch.where(writes.view(-1, tokens_per_seq)[:, 0], state_slots, runner.pool.states.scratch)
+    if runner.pool.states is not None:
+        scratch = runner.pool.states.scratch
+        stores = torch.where(writes.view(-1, tokens_per_seq)[:, 0], state_slots, scratch) if mirror else None
         state = StateStep(state_slots, stores=stores)
     step = PackedStep(
         slot_mapping=slots,

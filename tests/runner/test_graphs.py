@@ -1,8 +1,13 @@
 """The runner's decode mode compiled with torch.compile (inductor on the CPU): equal to the eager static step at
 every batch size, with one graph for all sizes."""
 
+import contextlib
+from collections.abc import Callable
+from types import SimpleNamespace
+
 import pytest
 import torch
+import transformers
 
 from hfaccel.attention import hfaccel_attention
 from hfaccel.kv import KVPool
@@ -134,16 +139,27 @@ def _steps_of_one(model, compile: bool, replays: list[torch.Tensor] | None = Non
     return steps
 
 
+def _family(name: str):
+    """A family's tiny model; ``gemma4_moe``: Gemma 4's text model with its mixture-of-experts block on."""
+    from tests.models import family_model, gemma4_config
+
+    if name != "gemma4_moe":
+        return family_model(name)
+    config = gemma4_config()
+    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 32
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama4", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["gemma4_moe", "qwen3_5_moe"])
 def test_one_sequence_padded_on_experts_is_mirrored_by_its_padding_row(name):
     """Where a model's code specialises a compiled step of one sequence, that step runs padded to two; on a mixture of
-    experts (Llama 4, Qwen3.5-MoE) the padding row repeats the sequence — its keys and state read, nothing written —
-    so it routes to the sequence's experts (its logits are the sequence's) instead of reading other experts'
-    weights. The sequence's logits equal the eager steps', host-fed and device-fed, K/V and state intact."""
-    from tests.models import family_model
-
-    model = family_model(name)
+    experts (Gemma 4's MoE block, Qwen3.5-MoE's beside recurrent layers) the padding row repeats the sequence — its
+    keys and state read, nothing written — so it routes to the sequence's experts (its logits are the sequence's)
+    instead of reading other experts' weights. The sequence's logits equal the eager steps', host-fed and device-fed,
+    K/V and state intact."""
+    model = _family(name)
     with hfaccel_attention(model, "torch"), torch.inference_mode():
         expected = _steps_of_one(model, compile=False)
         replays: list[torch.Tensor] = []
@@ -156,16 +172,112 @@ def test_one_sequence_padded_on_experts_is_mirrored_by_its_padding_row(name):
         torch.testing.assert_close(out[1], out[0], atol=1e-6, rtol=1e-6)
 
 
-def test_padding_rows_mirror_only_on_a_mixture_of_experts():
-    """Which models' padded steps of one sequence mirror it: those whose text config routes tokens to experts (a
-    mirror row reads the sequence's K/V again, which only saves where it spares other experts' weights)."""
-    from hfaccel.runner.graphs import experts_per_token
+def test_padding_rows_mirror_only_where_experts_are_routed():
+    """Which models' padded steps of one sequence mirror it: those whose expert banks read only the experts their
+    tokens are routed to (transformers' experts interface). A mirror row reads the sequence's K/V again, which only
+    pays where it spares other experts' weights: not on a dense model, nor on Llama 4, whose experts all run on
+    every token."""
+    from hfaccel.runner.graphs import experts_per_token, routed_expert_banks
     from tests.hf.tiny_configs import tiny_config
     from tests.models import FAMILIES, gemma4_config
 
-    moe = {name for name, (model_type, _) in FAMILIES.items() if experts_per_token(tiny_config(model_type))}
-    assert moe == {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "gpt_oss", "llama4"}
-    assert experts_per_token(gemma4_config()) == experts_per_token(tiny_config("llama")) == 0
-    gemma4_moe = tiny_config("gemma4_text", enable_moe_block=True, num_experts=4, top_k_experts=3)
+    def routed(config) -> bool:
+        return bool(routed_expert_banks(transformers.AutoModelForCausalLM.from_config(config)))
+
+    moe = {name for name, (model_type, _) in FAMILIES.items() if routed(tiny_config(model_type))}
+    assert moe == {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "gpt_oss"}
+    assert routed(_family("gemma4_moe").config) and not routed(gemma4_config()) and not routed(tiny_config("llama"))
+    assert not routed(tiny_config("granitemoehybrid", num_local_experts=0))
     assert experts_per_token(tiny_config("mixtral", num_experts_per_tok=2)) == 2
-    assert experts_per_token(gemma4_moe) == 3
+    assert experts_per_token(_family("gemma4_moe").config) == 2 and experts_per_token(tiny_config("llama")) == 0
+
+
+class _RecordedGraph:
+    """``torch.cuda.CUDAGraph`` as capturing behaves, on the CPU: a capture records the step without its effects
+    (whatever it wrote is put back), and each replay runs the recorded step again into the captured output."""
+
+    recording: "_RecordedGraph | None" = None
+
+    def __init__(self):
+        self.step, self.out = None, None
+
+    def replay(self) -> None:
+        self.out.copy_(self.step())
+
+    def pool(self) -> None:
+        return None
+
+
+def _capture_on_the_cpu(monkeypatch, graphs, state: Callable[[], list[torch.Tensor]]) -> None:
+    """Make ``graphs`` capture its steps as :class:`_RecordedGraph` records them; ``state``: every tensor a step
+    writes (what a capture leaves as it found)."""
+    step = graphs._step
+
+    def recorded(*args):
+        out = step(*args)
+        if _RecordedGraph.recording is not None:
+            _RecordedGraph.recording.step, _RecordedGraph.recording.out = (lambda: step(*args)), out
+        return out
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        saved = [tensor.clone() for tensor in state()]
+        _RecordedGraph.recording = graph
+        try:
+            yield
+        finally:
+            _RecordedGraph.recording = None
+            for tensor, before in zip(state(), saved):
+                tensor.copy_(before)
+
+    no_stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(graphs, "_step", recorded)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: no_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: no_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+def _decode_steps(model, monkeypatch=None) -> list[torch.Tensor]:
+    """Three sequences' prompts, then decode steps of the three (size 4) and of one (size 1 or 2), host-fed and
+    device-fed; with ``monkeypatch``, every size captured (:func:`_capture_on_the_cpu`) the first time it runs."""
+    runner = ModelRunner(model, KVPool.for_model(model, num_blocks=48, block_size=4, max_num_seqs=4))
+    graphs = runner.enable_decode_graphs(4, 64, capture=monkeypatch is not None, ladder=[1, 2, 4])
+    if monkeypatch is not None:
+        pool = runner.pool
+        buffers = graphs.buffers
+
+        def state() -> list[torch.Tensor]:
+            states = pool.states.tensors() if pool.states is not None else []
+            return [*pool.tensors, *states, buffers.input_ids, *buffers._padded()]
+
+        _capture_on_the_cpu(monkeypatch, graphs, state)
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(3, 96, (24,), generator=gen).to(DEVICE)
+    steps = [runner.forward([0, 1, 2], prompts, [9, 8, 7])]
+    for _ in range(3):  # a captured step's logits are its graph's output, which the next replay overwrites: cloned
+        steps.append(runner.forward([0, 1, 2], torch.randint(3, 96, (3,), generator=gen).to(DEVICE), [1, 1, 1]).clone())
+    for _ in range(3):
+        steps.append(runner.forward([1], torch.randint(3, 96, (1,), generator=gen).to(DEVICE), [1]).clone())
+    for seq in (0, 1, 2):
+        runner.pool.manager.append(seq, 3)  # slots for the device-fed steps
+    graphs.begin([0, 1, 2], [12, 14, 10])
+    steps += [graphs.advance(torch.randint(3, 96, (3,), generator=gen).to(DEVICE)).clone() for _ in range(3)]
+    return steps
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "llama4"])
+def test_a_captured_step_runs_its_rows_once(name, monkeypatch):
+    """Capturing a size compiles it in a first run, then records it, then replays it: that first run is made on
+    padding rows, so the rows' step runs once — a recurrent state (Qwen3-Next's) and a device-fed step's positions
+    move on by one step, not two — and every step equals the uncaptured one (CUDA graphs as they behave, on the
+    CPU: :class:`_RecordedGraph`)."""
+    from tests.models import family_model
+
+    model = family_model(name)
+    with hfaccel_attention(model, "torch"), torch.inference_mode():
+        expected = _decode_steps(model)
+        got = _decode_steps(model, monkeypatch)
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 from rich.table import Table
 
-from hfaccel.runner.graphs import experts_per_token
+from hfaccel.runner.graphs import experts_per_token, routed_expert_banks
 
 Run = TypeVar("Run")
 
@@ -118,30 +118,20 @@ def weight_read_bytes(model: torch.nn.Module, tokens: int = 1) -> float:
     """Bytes a decode step of ``tokens`` tokens reads from the model's weights: every parameter and buffer once
     (tied or shared tensors once; int4 layers count their packed weights, scales and zeros), except the input
     embedding table when it is not also the output projection — a decode step reads only its batch's rows of it.
-    Of a mixture of experts' banks, the share of experts the tokens reach when each picks its ``k`` of ``E``
-    uniformly (``1 - (1 - k / E) ** tokens``: what random-weight routers do; real ones may gather on fewer)."""
+    Of the expert banks that read only routed experts (:func:`~hfaccel.runner.graphs.routed_expert_banks`), the
+    share the tokens reach when each picks its ``k`` of ``E`` uniformly, ``1 - (1 - k / E) ** tokens`` (what
+    random-weight routers do; real ones may gather on fewer; a padded batch's padding rows not counted)."""
     tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     embed, output = model.get_input_embeddings(), model.get_output_embeddings()
     if output is None or output.weight.data_ptr() != embed.weight.data_ptr():
         tensors.pop(embed.weight.data_ptr(), None)
     k = experts_per_token(model.config)
-    for bank in _expert_banks(model) if k else ():
+    for bank in routed_expert_banks(model) if k else ():
         reached = 1 - (1 - min(k, bank.num_experts) / bank.num_experts) ** tokens
         for tensor in bank.parameters(recurse=False):
             if tensor.data_ptr() in tensors and tensor.shape[0] == bank.num_experts:
                 tensors[tensor.data_ptr()] *= reached
     return sum(tensors.values())
-
-
-def _expert_banks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules holding every expert's weights of a layer (transformers' ``*Experts``: ``num_experts`` and
-    ``[num_experts, ...]`` matrices; a router's ``[num_experts, hidden]`` weight is read whole)."""
-    return [
-        module
-        for module in model.modules()
-        if isinstance(getattr(module, "num_experts", None), int)
-        and any(p.dim() == 3 and p.shape[0] == module.num_experts for p in module.parameters(recurse=False))
-    ]
 
 
 def read_ms(nbytes: int, gb_per_s: float) -> float:
