@@ -382,9 +382,10 @@ class DecodeGraphs:
 
     def _capture(self, size: int, advance: bool, lora: bool = False, draw: bool = False) -> bool:
         """Capture the step of ``size`` rows as a CUDA graph; whether it was captured. Triton and inductor compile in
-        a first run before the capture, made on padding rows (they read and write nothing): the capture records
-        without running, so the rows' step then runs once, by the replay — their recurrent state and a device-fed
-        step's counters move on once. A failed capture leaves this size uncaptured, with its reason."""
+        a first run before the capture, made on padding rows (they read no sequence's K/V or state and write only
+        scratch): the capture records without running, so the rows' step then runs once, by the replay — their
+        recurrent state and a device-fed step's counters move on once. A failed capture leaves this size
+        uncaptured, with its reason."""
         self.buffers.rows(size)  # views made on the current stream, before the side stream
         filled = self.buffers.snapshot()
         self.buffers.pad()

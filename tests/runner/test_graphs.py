@@ -19,9 +19,10 @@ SIZES = list(range(1, 12))  # more batch sizes than dynamo's recompile limit (8)
 
 
 def _decode_logits(model, compile: bool) -> list[torch.Tensor]:
-    """Prefill 11 sequences, then host-fed decode steps of 1, 2, ..., 11 of them; the logits of each step."""
+    """Prefill 11 sequences, then host-fed decode steps of 1, 2, ..., 11 of them; the logits of each step (the
+    eager steps never captured: the reference)."""
     runner = ModelRunner(model, KVPool.for_model(model, num_blocks=64, block_size=4))
-    runner.enable_decode_graphs(len(SIZES), 64, compile=compile, ladder=SIZES)
+    runner.enable_decode_graphs(len(SIZES), 64, compile=compile, ladder=SIZES, capture=None if compile else False)
     gen = torch.Generator().manual_seed(3)
     lengths = [3 + (5 * i) % 9 for i in SIZES]
     prompt = torch.randint(3, 96, (sum(lengths),), generator=gen)
@@ -124,7 +125,7 @@ def _steps_of_one(model, compile: bool, replays: list[torch.Tensor] | None = Non
     """One sequence's prompt, then four host-fed decode steps on the static steps (ladder 1, 2, 4) and four device-fed
     ones; the logits of each. ``replays`` collects each replay's whole output, padding rows included."""
     runner = ModelRunner(model, KVPool.for_model(model, num_blocks=32, block_size=4, max_num_seqs=2))
-    graphs = runner.enable_decode_graphs(4, 64, compile=compile, ladder=[1, 2, 4])
+    graphs = runner.enable_decode_graphs(4, 64, compile=compile, ladder=[1, 2, 4], capture=None if compile else False)
     if replays is not None:
         replay = graphs._replay
         graphs._replay = lambda *args, **kwargs: replays.append(out := replay(*args, **kwargs)) or out
@@ -239,12 +240,13 @@ def _capture_on_the_cpu(monkeypatch, graphs, state: Callable[[], list[torch.Tens
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
 
 
-def _decode_steps(model, monkeypatch=None) -> list[torch.Tensor]:
+def _decode_steps(model, capture: bool, monkeypatch=None) -> list[torch.Tensor]:
     """Three sequences' prompts, then decode steps of the three (size 4) and of one (size 1 or 2), host-fed and
-    device-fed; with ``monkeypatch``, every size captured (:func:`_capture_on_the_cpu`) the first time it runs."""
+    device-fed; with ``capture``, every size captured the first time it runs (on the CPU as
+    :func:`_capture_on_the_cpu` stands in for CUDA graphs)."""
     runner = ModelRunner(model, KVPool.for_model(model, num_blocks=48, block_size=4, max_num_seqs=4))
-    graphs = runner.enable_decode_graphs(4, 64, capture=monkeypatch is not None, ladder=[1, 2, 4])
-    if monkeypatch is not None:
+    graphs = runner.enable_decode_graphs(4, 64, capture=capture, ladder=[1, 2, 4])
+    if capture and DEVICE.type != "cuda":
         pool = runner.pool
         buffers = graphs.buffers
 
@@ -271,13 +273,13 @@ def _decode_steps(model, monkeypatch=None) -> list[torch.Tensor]:
 def test_a_captured_step_runs_its_rows_once(name, monkeypatch):
     """Capturing a size compiles it in a first run, then records it, then replays it: that first run is made on
     padding rows, so the rows' step runs once — a recurrent state (Qwen3-Next's) and a device-fed step's positions
-    move on by one step, not two — and every step equals the uncaptured one (CUDA graphs as they behave, on the
-    CPU: :class:`_RecordedGraph`)."""
+    move on by one step, not two — and every step equals the uncaptured one (real CUDA graphs on a GPU; on the CPU
+    :class:`_RecordedGraph` records and replays as they do)."""
     from tests.models import family_model
 
     model = family_model(name)
     with hfaccel_attention(model, "torch"), torch.inference_mode():
-        expected = _decode_steps(model)
-        got = _decode_steps(model, monkeypatch)
+        expected = _decode_steps(model, capture=False)
+        got = _decode_steps(model, capture=True, monkeypatch=monkeypatch)
     for want, have in zip(expected, got):
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
