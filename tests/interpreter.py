@@ -1,4 +1,5 @@
-"""The Triton interpreter, for the test processes: triton.language patched once per launch, not once per call.
+"""The Triton interpreter, for the test processes: triton.language patched once per launch, not once per call, and no
+integer overflow sanitizer whose findings are thrown away.
 
 The interpreter maps ``triton.language``'s builtins onto numpy when a launch starts, and maps them again at every
 call of a nested ``@triton.jit`` function, though the launch's mapping is still in force (the nested mapping is
@@ -11,12 +12,18 @@ A function that sees no language module is still passed to the interpreter's own
 would. The bookkeeping is per thread; the mapping itself, as in the interpreter, is global (kernels launched from
 two threads at once race there either way).
 
+Every 32-bit integer add, sub and mul a kernel makes is also recomputed in 64 bits and compared with the 32-bit range
+(``sanitize_overflow``) — half of an attention kernel's interpreted time — for a ``device_assert`` that does nothing
+unless the options' ``debug`` is on, which in the interpreter it never is. :func:`skip_discarded_overflow_checks`
+turns that recomputation off where ``debug`` is off: the same values, and the same (no) assertions.
+
 Test processes only: hfaccel itself never changes Triton. Where the interpreter's internals differ from what this
 expects (another Triton release), nothing is changed and kernels run at the interpreter's own speed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import threading
@@ -64,4 +71,34 @@ def patch_language_once_per_launch() -> bool:
     patch_lang.once_per_launch = True
     interpreter._patch_lang = patch_lang
     executor.__call__ = run_launch
+    return True
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Make the interpreter's builders skip ``sanitize_overflow`` while their ``debug`` is off (module docstring);
+    False where the interpreter's internals are not the expected ones (nothing is changed then)."""
+    from triton.runtime import interpreter
+
+    builder_class = getattr(interpreter, "InterpreterBuilder", None)
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if builder_class is None or not dataclasses.is_dataclass(options):
+        return False
+    if not {"debug", "sanitize_overflow"} <= {f.name for f in dataclasses.fields(options)}:
+        return False
+    init = builder_class.__init__
+    if getattr(init, "skips_discarded_checks", False):
+        return False
+
+    def unchecked(options):
+        return options if options.debug else dataclasses.replace(options, sanitize_overflow=False)
+
+    @functools.wraps(init)
+    def build(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.options = unchecked(self.options)
+
+    build.skips_discarded_checks = True
+    builder_class.__init__ = build
+    builder.options = unchecked(builder.options)
     return True

@@ -80,3 +80,26 @@ def test_a_function_that_cannot_see_the_language_is_still_refused(tmp_path, monk
     monkeypatch.setitem(globals(), "no_language_helper", importlib.import_module("no_language_helper"))
     with pytest.raises(InterpreterError, match="triton.language must be visible"):
         _calls_a_helper_without_language[(1,)](torch.zeros(1))
+
+
+@triton.jit
+def _affine_int32_kernel(X, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, tl.load(X + offs) * 3 + 7 - offs)
+
+
+def test_overflow_checks_whose_findings_are_dropped_are_skipped():
+    """The interpreter's builders skip ``sanitize_overflow`` (it only feeds a ``device_assert`` their ``debug`` option
+    turns off), and 32-bit integers still wrap as compiled kernels wrap them."""
+    from triton.runtime import interpreter
+
+    for builder in (interpreter.interpreter_builder, interpreter.InterpreterBuilder()):
+        assert not builder.options.debug, "with debug on the sanitizer's findings count: they must be kept"
+        assert not builder.options.sanitize_overflow, (
+            f"tests/interpreter.py did not apply to triton {triton.__version__}: interpreted kernels run ~1.5x slower"
+        )
+    x = torch.tensor([1, -5, 2**30, 2**31 - 1, -(2**31), 12345, 0, 7], dtype=torch.int32)
+    got = torch.empty_like(x)
+    _affine_int32_kernel[(1,)](x, got, N=8)
+    wrapped = (x.long() * 3 + 7 - torch.arange(8)).to(torch.int32)  # int64 math, then two's complement wrap
+    assert torch.equal(got, wrapped)

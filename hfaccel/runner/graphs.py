@@ -49,13 +49,6 @@ MIN_CONTEXT_BUCKET = 64  # uncompiled, uncaptured steps are built for contexts o
 _EXPERTS_INTERFACE = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 
-def experts_per_token(config) -> int:
-    """How many experts a model routes each token to, by its text config ``config`` (0: none said)."""
-    text = config.get_text_config(decoder=True)
-    names = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
-    return next((k for k in (getattr(text, name, None) for name in names) if k), 0)
-
-
 def routed_expert_banks(model) -> list[torch.nn.Module]:
     """The model's expert banks (``num_experts`` and ``[num_experts, ...]`` weights) that read only the experts their
     tokens are routed to: those transformers runs through its experts interface (grouped_mm, batched_mm and eager
@@ -279,8 +272,7 @@ class DecodeGraphs:
             return out.clone() if draw is not None else out  # tokens outlive the next replay (async scheduling)
         q = self.tokens_per_seq
         where = to_device([i * q + j for i, n in enumerate(num_new) for j in range(n)], torch.long, self.device)
-        self.buffers.input_ids[: size * q].zero_().index_copy_(0, where, input_ids)  # [size * q]: padding tokens 0
-        self.buffers.mirror_tokens(mirror)
+        self.buffers.set_tokens(input_ids, mirror, where, size)
         logits = self._replay(size, advance=False, lora=lora)  # [size, V] (last_only) or [size * q, V]
         return logits[:batch] if self.last_only else logits[where]
 

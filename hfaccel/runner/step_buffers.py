@@ -87,14 +87,16 @@ class StepBuffers:
             self.position_offsets,
         )
 
-    def set_tokens(self, input_ids: torch.Tensor, mirror: bool) -> None:
-        """A step's tokens, one per sequence (``input_ids [B]``), into the leading rows — with ``mirror``, row 0's
-        into row 1 too, in the same copy."""
-        rows = input_ids.shape[0] + mirror
-        self.input_ids[:rows].copy_(input_ids.expand(rows))
-
-    def mirror_tokens(self, mirror: bool) -> None:
-        """Give the mirror row (row 1) the tokens of row 0 (steps of several tokens per sequence)."""
+    def set_tokens(
+        self, input_ids: torch.Tensor, mirror: bool, where: torch.Tensor | None = None, size: int = 0
+    ) -> None:
+        """A step's tokens into the leading rows: one per sequence (``input_ids [B]``), or for steps of several per
+        sequence the packed ``input_ids [T]`` at the token indices ``where [T]`` of ``size`` rows (the rest 0). With
+        ``mirror``, row 1 then takes row 0's tokens."""
+        if where is None:
+            self.input_ids[: input_ids.shape[0]].copy_(input_ids)
+        else:
+            self.input_ids[: size * self.tokens_per_seq].zero_().index_copy_(0, where, input_ids)
         if mirror:
             q = self.tokens_per_seq
             self.input_ids[q : 2 * q].copy_(self.input_ids[:q])

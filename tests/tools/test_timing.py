@@ -63,3 +63,15 @@ def test_a_steps_weight_read_counts_the_experts_its_tokens_reach():
     rest = nbytes([*moe.parameters(), *moe.buffers()]) - nbytes([moe.get_input_embeddings().weight]) - experts
     assert timing.weight_read_bytes(moe) == rest + experts / 2
     assert timing.weight_read_bytes(moe, 2) == rest + experts * 3 / 4
+
+
+def test_experts_per_token_reads_each_familys_name_for_it():
+    """The ``k`` of the roofline's routed share, by the names families give it (0 on a dense model)."""
+    from tests.hf.tiny_configs import tiny_config
+    from tests.models import gemma4_config
+
+    assert timing.experts_per_token(tiny_config("mixtral", num_experts_per_tok=2)) == 2
+    gemma4 = gemma4_config()
+    gemma4.enable_moe_block, gemma4.num_experts, gemma4.top_k_experts = True, 4, 3
+    assert timing.experts_per_token(gemma4) == 3
+    assert timing.experts_per_token(tiny_config("llama")) == 0

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 from rich.table import Table
 
-from hfaccel.runner.graphs import experts_per_token, routed_expert_banks
+from hfaccel.runner.graphs import routed_expert_banks
 
 Run = TypeVar("Run")
 
@@ -112,6 +112,13 @@ def read_bandwidth(device: torch.device) -> float:
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the elements of ``tensors``, each counted as given."""
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def experts_per_token(config) -> int:
+    """How many experts a model routes each token to, by its text config ``config`` (0: none said)."""
+    text = config.get_text_config(decoder=True)
+    names = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
+    return next((k for k in (getattr(text, name, None) for name in names) if k), 0)
 
 
 def weight_read_bytes(model: torch.nn.Module, tokens: int = 1) -> float:
