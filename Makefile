@@ -26,10 +26,14 @@ LOWEST_CPU_PINS ?= triton==3.6.0 "numpy<2.4"
 # arguments, the model forwards the runner, speculative decoding and LoRA layers drive, the engine's exactness
 # against generate), and that the test processes' interpreter speed-up applies to triton's floor too; the rest of the
 # engine, the server and the kernels do not depend on the transformers release — except Llama 4's images through the
-# engine, which only the floor can check (transformers 5.24's own Llama 4 image-text forward raises).
+# engine, which only the floor can check (transformers 5.24's own Llama 4 image-text forward raises), and images under
+# tensor parallelism, whose pixels the floor's ranks each encode in their forward (5.24's leader encodes them ahead).
 MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py tests/engine/test_families_engine.py tests/speculative \
 	tests/lora tests/test_interpreter.py "tests/engine/test_images.py::test_one_steps_images_are_encoded_together[llama4]" \
-	"tests/engine/test_images.py::test_prompts_repeating_images_take_prefix_hits_past_them[llama4]"
+	"tests/engine/test_images.py::test_prompts_repeating_images_take_prefix_hits_past_them[llama4]" \
+	"tests/tp/test_tp_images.py::test_image_requests_under_tp_equal_single_process[eager steps-qwen2_5_vl]" \
+	"tests/tp/test_tp_images.py::test_image_requests_under_tp_equal_single_process[static steps-qwen2_5_vl]" \
+	tests/tp/test_tp_images.py::test_generate_with_images_under_tp_equals_single_process
 MODEL_TESTS_SKIP ?= --deselect tests/hf/test_compile_cache.py
 PYTEST_WORKERS ?= 2
 

@@ -5,7 +5,7 @@ it with."""
 
 from hfaccel.distributed.agreement import agree_on_static_steps, agreed_budget
 from hfaccel.distributed.launch import RankFailed, launched, supervise
-from hfaccel.distributed.model import TensorParallel, check_sharding, tensor_parallel
+from hfaccel.distributed.model import TensorParallel, check_sharding, shards_beyond_language_model, tensor_parallel
 from hfaccel.distributed.role import TPRole
 from hfaccel.distributed.steps import LeaderRunner, StepChannel, follow, tp_runner
 
@@ -20,6 +20,7 @@ __all__ = [
     "check_sharding",
     "follow",
     "launched",
+    "shards_beyond_language_model",
     "supervise",
     "tensor_parallel",
     "tp_runner",

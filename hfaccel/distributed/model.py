@@ -8,9 +8,11 @@ local KV heads (:func:`hfaccel.kv.local_kv_heads`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from hfaccel import compat
 from hfaccel.device import model_device
@@ -20,6 +22,13 @@ SUPPORTED = (
     "hfaccel serves a model on one device, or sharded by transformers' tensor parallelism "
     '(from_pretrained(path, tp_plan="auto") under torchrun: one device per rank)'
 )
+
+
+class _Shape(NamedTuple):
+    """A tensor's place in a :meth:`TensorParallel.broadcast_tree` layout."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,23 @@ class TensorParallel:
         dist.broadcast(tensor, src=self.leader, group=self.group)
         return tensor
 
+    def broadcast_tree(self, tree=None):
+        """``tree`` (nested dicts, lists and tuples of tensors and plain values) as the leader holds it, on every rank
+        (followers pass nothing): its layout, each tensor stood in for by its shape and dtype, in one object
+        broadcast, then each tensor broadcast on the rank's device (where the followers' copies are made)."""
+        leaves, spec = pytree.tree_flatten(tree) if self.is_leader else ([], None)
+        layout = [(spec, [_Shape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves])]
+        dist.broadcast_object_list(layout, src=self.leader, group=self.group, device=self.device)
+        spec, shapes = layout[0]
+        if not self.is_leader:
+            leaves = [
+                torch.empty(s.shape, dtype=s.dtype, device=self.device) if isinstance(s, _Shape) else s for s in shapes
+            ]
+        for i, shape in enumerate(shapes):
+            if isinstance(shape, _Shape):
+                leaves[i] = self.broadcast(leaves[i].to(self.device).contiguous())
+        return tree if self.is_leader else pytree.tree_unflatten(leaves, spec)
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (every rank calls it)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -56,6 +82,14 @@ def tensor_parallel(model) -> TensorParallel | None:
     return TensorParallel(
         group, dist.get_world_size(group), dist.get_rank(group), dist.get_global_rank(group, 0), model_device(model)
     )
+
+
+def shards_beyond_language_model(model) -> bool:
+    """Whether transformers' TP plan shards modules of ``model`` besides its language model and output projection
+    (Gemma 4's and Llama 4's vision towers): what runs those must run on every rank together, as a forward does."""
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    return any(not (key.startswith(f"{prefix}.") or key.startswith("lm_head")) for key in compat.tp_plan(model))
 
 
 def _checkpoint_fp8_layer(model) -> str | None:

@@ -12,6 +12,11 @@ marked static: the leader builds its metadata on the host (not on the device fro
 does), and every rank runs it through its own static steps
 (:meth:`~hfaccel.runner.graphs.DecodeGraphs.run_packed`) — the same padded size on every rank, so the collectives
 inside the captured graphs pair up; the engine builds (and warms up) the same steps on every rank.
+
+A prompt with images is prefilled through transformers' own forward (the vision encoder, the merge of its features),
+so its message carries that forward's inputs: its tokens, its block table and the model's multimodal inputs (pixels,
+or the leader's encoded images), in a broadcast of their own (:meth:`TensorParallel.broadcast_tree`). Where images
+move the positions of the text after them (Qwen's M-RoPE), each later step carries its tokens' position offsets.
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ from hfaccel.kv.block_manager import BlockCopy
 from hfaccel.kv.fp8 import KVScales
 from hfaccel.runner import ModelRunner
 from hfaccel.runner.graphs import DecodeGraphs
+from hfaccel.runner.multimodal import prefill_on_blocks
 
-# message kinds (the header's first value): an eager forward, block copies alone, the end, a static decode step
-FORWARD, COPIES, STOP, STATIC = 0, 1, 2, 3
-# header: kind, tokens T, sequences S, table width W, kept logits K (-1: every row), copies C, max_seq_len, max_q_len
-_HEADER = 8
+# message kinds (the header's first value): an eager forward, block copies alone, the end, a static decode step, a
+# prompt's multimodal prefill (its inputs follow in a broadcast of their own: StepChannel.send_prefill)
+FORWARD, COPIES, STOP, STATIC, PREFILL = 0, 1, 2, 3, 4
+# header: kind, tokens T, sequences S, table width W, kept logits K (-1: every row), copies C, max_seq_len, max_q_len,
+# whether position offsets follow the positions (a multimodal model's text after images)
+_HEADER = 9
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class StepLimits:
         """int64 values of one message."""
         return (
             _HEADER
-            + 3 * self.max_tokens
+            + 4 * self.max_tokens
             + self.max_seqs * self.max_blocks
             + 2 * self.max_seqs
             + 1
@@ -69,6 +77,7 @@ class Message:
     input_ids: torch.Tensor | None = None  # [T]
     step: PackedStep | None = None
     keep: torch.Tensor | int = 0  # [K] logits rows, or 0: every row
+    prefill: dict | None = None  # a PREFILL's: its prompt's input_ids [L], block_table [W], keep and inputs
 
 
 class StepChannel:
@@ -113,6 +122,7 @@ class StepChannel:
             len(copies),
             step.max_seq_len,
             step.max_q_len,
+            int(step.offsets is not None),
         ]
         parts = [
             input_ids,
@@ -122,14 +132,35 @@ class StepChannel:
             step.seq_lens,
             step.cu_seqlens_q,
         ] + ([] if isinstance(keep, int) else [keep])
-        self._send_parts(header, parts, copies)
+        self._send_parts(header, parts + ([] if step.offsets is None else [step.offsets]), copies)
+
+    def send_prefill(
+        self,
+        input_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        keep: Sequence[int],
+        inputs: dict,
+        copies: Sequence[BlockCopy],
+    ) -> None:
+        """Broadcast one prompt's multimodal prefill (leader only): its tokens ``input_ids [L]`` (any length: they
+        travel with the inputs, not in the step buffer), its blocks ``block_table [W]``, the prompt rows whose
+        logits it keeps, the model's multimodal ``inputs`` (pixels or encoded images, image sizes, token types...),
+        and the block copies to make first."""
+        copies = list(copies)
+        while len(copies) > self.limits.max_copies:
+            self._send(COPIES, [], copies[: self.limits.max_copies])
+            copies = copies[self.limits.max_copies :]
+        self._send(PREFILL, [], copies)
+        self.tp.broadcast_tree(
+            {"input_ids": input_ids, "block_table": block_table, "keep": list(keep), "inputs": inputs}
+        )
 
     def send_stop(self) -> None:
         """Tell the followers the leader is done (leader only): their :func:`follow` returns."""
         self._send(STOP, [], [])
 
     def _send(self, kind: int, parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
-        self._send_parts([kind, 0, 0, 0, -1, len(copies), 0, 0], parts, copies)
+        self._send_parts([kind, 0, 0, 0, -1, len(copies), 0, 0, 0], parts, copies)
 
     def _send_parts(self, header: list[int], parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
         values = [c.src for c in copies] + [c.dst for c in copies]
@@ -141,13 +172,16 @@ class StepChannel:
     def receive(self) -> Message:
         """The leader's next message (followers only; waits for it)."""
         self.tp.broadcast(self.buffer)
-        kind, tokens, seqs, width, kept, copies, max_seq_len, max_q_len = self.buffer[:_HEADER].tolist()
+        kind, tokens, seqs, width, kept, copies, max_seq_len, max_q_len, offset = self.buffer[:_HEADER].tolist()
         forward = kind in (FORWARD, STATIC)
-        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1 if forward else 0, max(kept, 0), copies, copies]
-        (input_ids, positions, slots, tables, seq_lens, cu, keep, src, dst) = torch.split(
+        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1 if forward else 0, max(kept, 0)]
+        sizes += [tokens * offset, copies, copies]
+        (input_ids, positions, slots, tables, seq_lens, cu, keep, offsets, src, dst) = torch.split(
             self.buffer[_HEADER : _HEADER + sum(sizes)], sizes
         )
         moves = [BlockCopy(s, d) for s, d in zip(src.tolist(), dst.tolist())]
+        if kind == PREFILL:
+            return Message(kind, moves, prefill=self.tp.broadcast_tree())
         if not forward:
             return Message(kind, moves)
         step = PackedStep(
@@ -158,6 +192,7 @@ class StepChannel:
             positions=positions,
             max_seq_len=max_seq_len,
             max_q_len=max_q_len,
+            offsets=offsets if offset else None,
         )
         return Message(kind, moves, input_ids, step, keep if kept >= 0 else 0)
 
@@ -213,9 +248,20 @@ class LeaderRunner(ModelRunner):
                 "under tensor parallelism the static steps serve plain decode steps only (no "
                 f"LoRA, in-step draw or catch-up steps); got {sorted(extra) or 'catch-up'}"
             )
-        step = self.pool.packed_step(seq_ids, starts, num_new).to(self.device)
+        step = self._with_offsets(self.pool.packed_step(seq_ids, starts, num_new), seq_ids, num_new).to(self.device)
         self.channel.send_forward(input_ids, step, 0, self.pool.take_queued(), static=True)
         return graphs.run_packed(input_ids, step)
+
+    def prefill_images(
+        self, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = (), lora_slot: int = -1
+    ) -> torch.Tensor:
+        """A prompt's multimodal prefill: its tokens, blocks and inputs broadcast, then run as every follower runs
+        it (:func:`~hfaccel.runner.multimodal.prefill_on_blocks`)."""
+        if lora_slot >= 0:
+            raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
+        table = self.pool.block_tables([seq_id])[0].to(self.device)  # [W]
+        self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued())
+        return super().prefill_images(seq_id, input_ids, inputs, keep)
 
 
 def tp_runner(
@@ -264,4 +310,10 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
             forwards += 1
         if message.kind == STATIC:  # the engine checked at start that every rank has the same static steps
             runner.graphs.run_packed(message.input_ids, message.step)
+            forwards += 1
+        if message.kind == PREFILL:
+            prefill = message.prefill
+            prefill_on_blocks(
+                runner.model, runner, prefill["block_table"], prefill["input_ids"], prefill["inputs"], prefill["keep"]
+            )
             forwards += 1

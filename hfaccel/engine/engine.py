@@ -42,6 +42,7 @@ from hfaccel.distributed import (
     agree_on_static_steps,
     agreed_budget,
     check_sharding,
+    shards_beyond_language_model,
     tensor_parallel,
     tp_runner,
 )
@@ -185,13 +186,13 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 max_model_len=self.max_model_len,
                 max_num_seqs=max_num_seqs,
                 eos_token_ids=self.eos_token_ids,
-                tp=self.tp,
                 loras=self.loras,
             )
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
             self.host_times = HostTimes(self.runner)
-            self.encoder_cache = EncoderCache()  # the vision encoder's outputs of recent requests' images
+            # the vision encoder's outputs of recent requests' images (encoded on the leader alone, unless sharded)
+            self.encoder_cache = EncoderCache(ahead=self.tp is None or not shards_beyond_language_model(model))
             self.executor = StepExecutor(
                 model,
                 self.runner,

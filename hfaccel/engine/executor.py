@@ -25,7 +25,7 @@ from hfaccel.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
 from hfaccel.engine.scheduler import Request, ScheduledChunk, Scheduler, SchedulerOutput, Sequence, Status, StepOutput
 from hfaccel.lora import LoRAManager
 from hfaccel.runner import ModelRunner
-from hfaccel.runner.multimodal import EncoderCache, MediaOffsets, prefill_sequence
+from hfaccel.runner.multimodal import EncoderCache, MediaOffsets
 from hfaccel.sampling import SampledTokens, SampleRow, TokenCounts, draws_in_step, sample
 from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, apply_masks
 
@@ -268,9 +268,7 @@ class StepExecutor:
             media, end = chunk.seq.request.media, offset + chunk.length
             keep = [row - offset for row in prompt if offset <= row < end]
             slot = -1 if self.loras is None else self.loras.slot_of(chunk.seq.request.lora)
-            out = prefill_sequence(
-                self.model, self.runner, chunk.seq.seq_id, input_ids[offset:end], inputs, keep, lora_slot=slot
-            )
+            out = self.runner.prefill_images(chunk.seq.seq_id, input_ids[offset:end], inputs, keep, lora_slot=slot)
             rows.append(out[:1])  # [1, V]: its last token's
             prompt_logits.append(out[1:])  # [len(keep), V]
             self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from hfaccel.attention import is_image_text_to_text
-from hfaccel.distributed import TensorParallel
 from hfaccel.engine.media import MediaInputs, media_token_ids, process, processed_media
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.engine.prompt_logprobs import empty_prompt_logprobs
@@ -57,8 +56,8 @@ class Intake:
     """Prompts and parameters checked against one engine's model and limits, and the requests made of them.
 
     ``processor``: an image-text-to-text model's processor (None: prompts without images only); ``pool``: the
-    engine's KV pool (a prompt must fit it); ``tp``: the tensor-parallel ranks, if any (no images there yet);
-    ``loras``: the engine's LoRA adapters, if any (an image request's adapter must leave the vision tower alone).
+    engine's KV pool (a prompt must fit it); ``loras``: the engine's LoRA adapters, if any (an image request's
+    adapter must leave the vision tower alone).
     """
 
     def __init__(
@@ -72,12 +71,11 @@ class Intake:
         max_model_len: int,
         max_num_seqs: int,
         eos_token_ids: set[int],
-        tp: TensorParallel | None,
         loras: LoRAManager | None,
     ):
         self.model, self.processor, self.tokenizer, self.pool = model, processor, tokenizer, pool
         self.vocab_size, self.max_model_len, self.max_num_seqs = vocab_size, max_model_len, max_num_seqs
-        self.eos_token_ids, self.tp, self.loras = eos_token_ids, tp, loras
+        self.eos_token_ids, self.loras = eos_token_ids, loras
         self._seq_ids = itertools.count()
         self._grammars: Grammars | None = None  # structured outputs' compiled grammars (on first use)
         self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
@@ -197,8 +195,6 @@ class Intake:
         """ValueError for what a request with images cannot have yet (a no-op without images)."""
         if media is None:
             return
-        if self.tp is not None:
-            raise ValueError("requests with images are not supported with tensor parallelism yet")
         outside = [] if adapter is None else self.loras.beyond_language_model(adapter)
         if outside:
             raise ValueError(

@@ -179,13 +179,29 @@ class PromptCache(PoolCache):
     """One prefill forward over a left-padded batch ``[B, L]``, its rows' real tokens written into sequences of a
     pool (module docstring): row ``b`` has ``padding[b]`` tokens of padding, which take no slot, and its token at
     cache position ``c`` goes to position ``c - padding[b]`` of sequence ``seq_ids[b]``, which must hold those slots
-    already (``KVPool.reserve``, or the engine's scheduler)."""
+    already (``KVPool.reserve``, or the engine's scheduler). ``block_tables [B, W]``: the sequences' blocks as given
+    (a tensor-parallel follower's, whose pool holds no sequences: the leader's tables come with its steps), instead
+    of those the pool's block manager holds for ``seq_ids``."""
 
-    def __init__(self, config, pool: KVPool, seq_ids: Sequence[Hashable], padding: Sequence[int]):
+    def __init__(
+        self,
+        config,
+        pool: KVPool,
+        seq_ids: Sequence[Hashable],
+        padding: Sequence[int],
+        block_tables: torch.Tensor | None = None,
+    ):
         super().__init__(config, pool)
         if len(seq_ids) != len(padding):
             raise ValueError(f"one padding per sequence; got {len(padding)} for {len(seq_ids)} sequences")
+        if block_tables is not None and (block_tables.dim() != 2 or block_tables.shape[0] != len(seq_ids)):
+            raise ValueError(
+                f"block_tables must be [B, W] with B = {len(seq_ids)} sequences; got {tuple(block_tables.shape)}"
+            )
+        if block_tables is not None and pool.states is not None:
+            raise ValueError("given block tables carry no state slots: a model with recurrent state needs its pool's")
         self.seq_ids, self.padding = list(seq_ids), [int(pad) for pad in padding]
+        self.block_tables = block_tables
         self.seq_len = 0  # cache positions filled (padding included); one forward fills them
         self._view: tuple[PagedKV, torch.Tensor] | None = None  # the forward's view and slots, shared by its layers
         # a hybrid model's recurrent layers: each row's state starts here and goes to its sequence's slot
@@ -210,19 +226,24 @@ class PromptCache(PoolCache):
         paged, slots = self._view
         return replace(paged, **self.pool.layer_view(layer_idx), dense=(key_states, value_states)), slots
 
+    def _slots_held(self) -> list[int]:
+        """The slots each sequence holds: its block manager's count, or its given table's whole blocks."""
+        if self.block_tables is None:
+            return [self.manager.seq_len(seq_id) for seq_id in self.seq_ids]
+        return [self.block_tables.shape[1] * self.block_size] * len(self.seq_ids)
+
     def _prefill_view(self, batch: int, width: int, device: torch.device) -> tuple[PagedKV, torch.Tensor]:
         if batch != len(self.seq_ids) or self.seq_len:
             raise ValueError(
                 f"PromptCache takes one prefill of its {len(self.seq_ids)} sequences; got a forward of "
                 f"{batch} rows" + (" after its prefill" if self.seq_len else "")
             )
-        for seq_id, pad in zip(self.seq_ids, self.padding):
-            if self.manager.seq_len(seq_id) < width - pad:
-                raise ValueError(
-                    f"sequence {seq_id!r} holds {self.manager.seq_len(seq_id)} slots; its prompt has "
-                    f"{width - pad} tokens"
-                )
-        tables = self.pool.block_tables(self.seq_ids).to(device)  # [B, W]
+        for seq_id, pad, held in zip(self.seq_ids, self.padding, self._slots_held()):
+            if held < width - pad:
+                raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {width - pad} tokens")
+        tables = (self.block_tables if self.block_tables is not None else self.pool.block_tables(self.seq_ids)).to(
+            device
+        )  # [B, W]
         pads = torch.tensor(self.padding, dtype=torch.int64).to(device)  # [B]
         held = torch.arange(width, device=device)[None] - pads[:, None]  # [B, L]: position in the sequence
         rows = torch.arange(batch, device=device)[:, None]

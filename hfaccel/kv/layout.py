@@ -118,21 +118,37 @@ def kv_dims(config) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
+def kv_heads_per_layer(config) -> list[int]:
+    """Each layer's KV heads by a model config (one entry where every layer has the same: most configs say one
+    number; Gemma 4's says each layer's, its global layers having fewer)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "per_layer_config", None)
+    if not layers:
+        return [kv_dims(config)[1]]
+    return [layer.num_key_value_heads or layer.num_attention_heads for layer in layers]
+
+
 def local_kv_heads(model) -> int:
-    """The KV heads this process holds of each layer: the config's, or on a tensor-parallel rank (a model
-    transformers loaded with ``tp_plan``) its share, ``num_key_value_heads / tp_size``. A ``ValueError`` when the
-    TP size does not divide the KV heads (no rank can hold whole heads)."""
-    _, heads, _ = kv_dims(model.config)
+    """The KV heads this process holds of each layer (of its first where they differ): the config's, or on a
+    tensor-parallel rank (a model transformers loaded with ``tp_plan``) its share, ``num_key_value_heads /
+    tp_size``. A ``ValueError`` when the TP size does not divide every layer's KV heads (no rank can hold whole
+    heads)."""
+    heads = kv_heads_per_layer(model.config)
     size = compat.tp_size(model)
     if size == 1 or not compat.tp_splits_kv_heads(model):
-        return heads
-    if heads % size:
-        raise ValueError(
-            f"hfaccel needs the tensor-parallel size to divide the model's KV heads, so that each rank "
-            f"holds whole heads: num_key_value_heads={heads}, tp_size={size} (use a tp_size that "
-            f"divides {heads})"
+        return heads[0]
+    uneven = sorted({count for count in heads if count % size})
+    if uneven:
+        which = (
+            "the model's KV heads"
+            if len(set(heads)) == 1
+            else f"every layer's KV heads (layers have {sorted(set(heads))})"
         )
-    return heads // size
+        raise ValueError(
+            f"hfaccel needs the tensor-parallel size to divide {which}, so that each rank holds whole heads: "
+            f"num_key_value_heads={uneven[0]}, tp_size={size} (use a tp_size that divides {uneven[0]})"
+        )
+    return heads[0] // size
 
 
 class LayoutError(ValueError):

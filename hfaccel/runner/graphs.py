@@ -295,6 +295,9 @@ class DecodeGraphs:
         self.buffers.seq_lens[:size].zero_()[:batch].copy_(step.seq_lens)
         self.buffers.slot_mapping[0, :size].fill_(-1)[:batch].copy_(step.slot_mapping.reshape(-1))
         self.buffers.block_tables[:batch, :width].copy_(step.block_tables)
+        offsets = self.buffers.position_offsets[:size].zero_()
+        if step.offsets is not None:
+            offsets[:batch].copy_(step.offsets)
         self._size = None
         return self._replay(size, advance=False)[:batch]
 

@@ -67,8 +67,29 @@ def prefill_sequence(
     every token through LoRA slot ``lora_slot`` (-1: none; only the language model has LoRA layers); its position
     offset set. Returns the logits of its last token, then those of the positions ``keep`` (its prompt logprobs'):
     ``[1 + len(keep), V]``."""
-    length = input_ids.shape[0]
     cache = PromptCache(model.config, runner.pool, [seq_id], [0])
+    logits, end = _prefill_one(model, runner, cache, input_ids, inputs, keep, lora_slot)
+    _set_offsets(runner, [seq_id], [input_ids.shape[0]], [end])
+    return logits
+
+
+@torch.inference_mode()
+def prefill_on_blocks(
+    model, runner, block_table: torch.Tensor, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = ()
+) -> torch.Tensor:
+    """:func:`prefill_sequence` of a sequence given by its blocks (``block_table [W]``) rather than by an id of the
+    runner's pool: what a tensor-parallel follower runs of its leader's multimodal prefill (its position offset
+    comes with the leader's later steps)."""
+    cache = PromptCache(model.config, runner.pool, [None], [0], block_tables=block_table[None])
+    return _prefill_one(model, runner, cache, input_ids, inputs, keep, -1)[0]
+
+
+def _prefill_one(
+    model, runner, cache: PromptCache, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int], lora_slot: int
+) -> tuple[torch.Tensor, int]:
+    """The model's forward on one prompt ``input_ids [L]`` into ``cache``: the logits of its last token then of
+    ``keep`` (``[1 + len(keep), V]``), and the position its next token takes."""
+    length = input_ids.shape[0]
     rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
     with _positions_given(model) as seen, _adapter(runner, runner.lora_index([lora_slot], [length])):
         out = model(
@@ -79,8 +100,7 @@ def prefill_sequence(
             **{compat.cache_argument(model): cache},
             **inputs,
         )
-    _set_offsets(runner, [seq_id], [length], _next_positions(seen, 1, length, [0]))
-    return out.logits[0]
+    return out.logits[0], _next_positions(seen, 1, length, [0])[0]
 
 
 @contextmanager
@@ -163,10 +183,12 @@ class EncoderCache:
     """The vision encoder's outputs of recent prompts' images, keyed by their content hash, at most ``size`` of them
     (least recently used dropped first): a request whose images were encoded before skips the encoder, and the images
     of one step's prompts are encoded in one call where their inputs stack. Where the installed transformers cannot
-    take encoded images (5.17), every request encodes its own in its forward."""
+    take encoded images (5.17), or not ``ahead`` (a vision tower tensor parallelism shards, whose collectives every
+    rank runs together: :func:`hfaccel.distributed.model.shards_beyond_language_model`), every request encodes its
+    own in its forward."""
 
-    def __init__(self, size: int = 64):
-        self.size = size
+    def __init__(self, size: int = 64, ahead: bool = True):
+        self.size, self.ahead = size, ahead
         self.hits = self.misses = self.batches = 0  # batches: encoder calls that served several prompts
         self._outputs: OrderedDict[str, dict] = OrderedDict()
 
@@ -174,7 +196,7 @@ class EncoderCache:
         """Each prompt's inputs — given as (its images' content hash, the processor's inputs, the token ids its
         forward runs) — with their pixels replaced by the encoder's outputs: cached ones taken, the others encoded
         (:meth:`_encode`) and kept."""
-        if not compat.takes_encoded_media(model):
+        if not self.ahead or not compat.takes_encoded_media(model):
             return [inputs for _, inputs, _ in prompts]
         found, fresh = {}, {}
         for digest, inputs, ids in prompts:

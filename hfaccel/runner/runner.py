@@ -38,6 +38,7 @@ from hfaccel.kv.hf_cache import paged_reader_backend, sequence_cache
 from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
+from hfaccel.runner.multimodal import prefill_sequence
 from hfaccel.sampling.sampler import SampleRow
 
 
@@ -309,6 +310,14 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.index = None
         return out.logits[0]
+
+    def prefill_images(
+        self, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = (), lora_slot: int = -1
+    ) -> torch.Tensor:
+        """The multimodal prefill of one prompt with images (:func:`hfaccel.runner.multimodal.prefill_sequence`:
+        ``input_ids [L]`` of sequence ``seq_id``, its slots held, the model's ``inputs`` for its images); the logits
+        of its last token then of the rows ``keep``, ``[1 + len(keep), V]``."""
+        return prefill_sequence(self.model, self, seq_id, input_ids, inputs, keep, lora_slot=lora_slot)
 
     def lora_index(self, lora_slots: Sequence[int] | None, num_new: Sequence[int]) -> torch.Tensor | None:
         """The LoRA slot of each packed token, ``[T]`` on the device, or None when no sequence has an adapter; the

@@ -64,7 +64,7 @@ def _serve_rank(args: argparse.Namespace) -> None:
     """One tensor-parallel rank of ``hfaccel serve`` (the launcher's environment set): the model sharded with
     ``tp_plan="auto"``; rank 0 serves HTTP and schedules, the other ranks follow its steps until it stops."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+    from transformers import AutoTokenizer, DistributedConfig
 
     import hfaccel
     from hfaccel.distributed.launch import backend_for, init_ranks
@@ -79,14 +79,11 @@ def _serve_rank(args: argparse.Namespace) -> None:
         )
     _check_tp_quantization(args)
     init_ranks(backend_for(device))
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model,
-        distributed_config=DistributedConfig(tp_plan="auto"),
-        dtype=pick_dtype(args.dtype, device),
-        attn_implementation="sdpa",
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model, tokenizer = _load_model(
+        args.model, pick_dtype(args.dtype, device), tokenizer, distributed_config=DistributedConfig(tp_plan="auto")
     )
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     hfaccel.accelerate(model, attention=args.attention, paged=False, quantize=args.quantize, group_size=args.group_size)
     engine = _engine(args, model, tokenizer)
     if not engine.is_leader:
@@ -107,13 +104,7 @@ def _serve_rank(args: argparse.Namespace) -> None:
 
 
 def _check_tp_quantization(args: argparse.Namespace) -> None:
-    import json
-    from pathlib import Path
-
-    config = Path(args.model) / "config.json"
-    method = (
-        json.loads(config.read_text()).get("quantization_config", {}).get("quant_method") if config.exists() else None
-    )
+    method = _settings(args.model).get("quantization_config", {}).get("quant_method")
     if method is not None:
         raise SystemExit(
             f"hfaccel serve: a {method} checkpoint cannot be served with --tensor-parallel-size (int4 "
@@ -206,23 +197,17 @@ def load_for_serving(args: argparse.Namespace, device, dtype):
     """(model, tokenizer) of ``args.model``: an int4 checkpoint through hfaccel.load_quantized; an image-text-to-text
     model with its processor (in the tokenizer's place: the engine takes prompts with images through it); else a
     causal LM; quantized with ``--quantize`` if asked."""
-    import json
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import hfaccel
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config = Path(args.model) / "config.json"
-    settings = json.loads(config.read_text()) if config.exists() else {}
-    method = settings.get("quantization_config", {}).get("quant_method")
+    method = _settings(args.model).get("quantization_config", {}).get("quant_method")
     if method in ("awq", "gptq"):
         return hfaccel.load_quantized(args.model, dtype=dtype, device=device), tokenizer
-    if settings.get("model_type") in _image_text_to_text_types():
-        model, tokenizer = _load_image_text_to_text(args.model, dtype, tokenizer)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    model, tokenizer = _load_model(args.model, dtype, tokenizer)
     model = model.to(device)
     if args.quantize:
         calib = None
@@ -235,20 +220,40 @@ def load_for_serving(args: argparse.Namespace, device, dtype):
     return model.eval(), tokenizer
 
 
+def _settings(path: str) -> dict:
+    """The checkpoint's config.json (empty where there is none: a hub name)."""
+    import json
+    from pathlib import Path
+
+    config = Path(path) / "config.json"
+    return json.loads(config.read_text()) if config.exists() else {}
+
+
+def _load_model(path: str, dtype, tokenizer, **options):
+    """(model, tokenizer) of a checkpoint: an image-text-to-text model with its processor in the tokenizer's place
+    (:func:`_load_image_text_to_text`), else a causal LM; ``options`` go to ``from_pretrained`` (a TP rank's
+    ``distributed_config``)."""
+    from transformers import AutoModelForCausalLM
+
+    if _settings(path).get("model_type") in _image_text_to_text_types():
+        return _load_image_text_to_text(path, dtype, tokenizer, **options)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **options), tokenizer
+
+
 def _image_text_to_text_types() -> set[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-def _load_image_text_to_text(path: str, dtype, tokenizer):
+def _load_image_text_to_text(path: str, dtype, tokenizer, **options):
     """(model, its processor) of an image-text-to-text checkpoint; the tokenizer alone, and a warning, when the
     processor cannot be loaded (the server then takes text only)."""
     import logging
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **options)
     try:
         return model, AutoProcessor.from_pretrained(path)
     except Exception as error:  # a processor that needs what is not installed (torchvision, ...)

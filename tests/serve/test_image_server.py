@@ -1,6 +1,7 @@
 """``hfaccel serve`` on an image-text-to-text model (a tiny LLaVA over SmolLM2's tokenizer, its real processor): chat
 requests with OpenAI ``image_url`` parts (``data:`` URLs) through the ``openai`` client, streamed and not, give the
-Engine's tokens for the same prompt; bad images are 400s naming the part, and the server keeps serving."""
+Engine's tokens for the same prompt — on one process and over two tensor-parallel ranks; bad images are 400s naming
+the part, and the server keeps serving."""
 
 import base64
 import io
@@ -32,11 +33,17 @@ def user(text: str, *urls: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("llava")
     model, processor = llava_with_processor()
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="module")
+def served(saved):
+    path, model, processor = saved
     server = Server(path, "--allowed-media-domains", "images.example.com")
     yield server, model, processor
     server.stop()
@@ -68,6 +75,22 @@ def engine_text(model, processor, messages: list[dict]) -> str:
 
 def test_chat_with_images_streamed_and_not(served):
     server, model, processor = served
+    _answers_like_the_engine(server, model, processor)
+
+
+@pytest.mark.slow
+def test_chat_with_images_over_two_tensor_parallel_ranks(saved):
+    """``--tensor-parallel-size 2``: the ranks load the model with its processor; rank 0 broadcasts each image
+    prompt's prefill, and the replies are the single-process Engine's."""
+    path, model, processor = saved
+    server = Server(path, "--tensor-parallel-size", "2")
+    try:
+        _answers_like_the_engine(server, model, processor)
+    finally:
+        assert server.stop() == 0
+
+
+def _answers_like_the_engine(server: Server, model, processor) -> None:
     client = server.client()
     messages = user("What is in these?", data_url(image(40, 50)), data_url(image(30, 20, 1), "JPEG"))
     expected = engine_text(model, processor, messages)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+import transformers
 
 import hfaccel
 from hfaccel import compat
@@ -32,9 +35,10 @@ def _step():
     return pool.packed_step(["a", "b"], [0, 1], [7, 1])
 
 
+@pytest.mark.parametrize("offsets", [None, torch.tensor([0] * 7 + [-5])], ids=["no offsets", "offsets"])
 @pytest.mark.parametrize("keep", [0, torch.tensor([6, 7])], ids=["all", "rows"])
-def test_step_message_round_trips(keep):
-    step, input_ids = _step(), torch.arange(10, 18)  # [T = 8]
+def test_step_message_round_trips(keep, offsets):
+    step, input_ids = replace(_step(), offsets=offsets), torch.arange(10, 18)  # [T = 8]
     channel = StepChannel(_OneRank(), StepLimits(max_tokens=8, max_seqs=2, max_blocks=4), torch.device("cpu"))
     channel.send_forward(input_ids, step, keep, [BlockCopy(3, 5)])
     message = channel.receive()
@@ -43,9 +47,54 @@ def test_step_message_round_trips(keep):
         got, want = getattr(message.step, name), getattr(step, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert (message.step.max_seq_len, message.step.max_q_len) == (step.max_seq_len, step.max_q_len)
+    assert (message.step.offsets is None) == (offsets is None)
+    assert offsets is None or torch.equal(message.step.offsets, offsets)
     assert torch.equal(torch.as_tensor(message.keep), torch.as_tensor(keep))
     channel.send_stop()
     assert channel.receive().kind == STOP
+
+
+def _tree_rank() -> dict:
+    """What the leader's tree (every kind of leaf a prefill's inputs hold) is on this rank, after its prefill
+    message."""
+    import torch.distributed as dist
+
+    from hfaccel.distributed.model import TensorParallel
+    from hfaccel.distributed.steps import PREFILL
+
+    tp = TensorParallel(dist.group.WORLD, 2, dist.get_rank(), 0, torch.device("cpu"))
+    channel = StepChannel(tp, StepLimits(max_tokens=4, max_seqs=2, max_blocks=4), torch.device("cpu"))
+    if not tp.is_leader:
+        message = channel.receive()
+        assert message.kind == PREFILL
+        return {"copies": message.copies, **message.prefill}
+    torch.manual_seed(0)
+    inputs = {
+        "pixel_values": torch.randn(3, 5, dtype=torch.bfloat16),
+        "image_grid_thw": torch.tensor([[1, 4, 6]]),
+        "encoded": {"image": [torch.randn(7, 3), (torch.ones(2, dtype=torch.bool), None)]},
+        "note": "text",
+    }
+    sent = {"input_ids": torch.arange(9), "block_table": torch.tensor([3, 1], dtype=torch.int32), "keep": [2, 5]}
+    channel.send_prefill(sent["input_ids"], sent["block_table"], sent["keep"], inputs, [BlockCopy(1, 2)])
+    return {"copies": [BlockCopy(1, 2)], **sent, "inputs": inputs}
+
+
+def test_a_prefills_inputs_reach_the_followers_whole(tmp_path):
+    """A prompt's multimodal prefill message: its tokens (more than the step buffer holds), its block table, its kept
+    rows and its inputs — nested dicts, lists and tuples of tensors of any dtype and plain values — and the block
+    copies before it, on the follower as the leader sent them."""
+    from tests.tp.ranks import run_ranks
+
+    sent, received = run_ranks(_tree_rank, workdir=tmp_path, timeout=60)
+    assert received["copies"] == sent["copies"] and received["keep"] == sent["keep"]
+    assert received["inputs"]["note"] == "text" and received["inputs"]["encoded"]["image"][1][1] is None
+    pairs = [(received["input_ids"], sent["input_ids"]), (received["block_table"], sent["block_table"])]
+    pairs += [(received["inputs"][k], sent["inputs"][k]) for k in ("pixel_values", "image_grid_thw")]
+    pairs += [(r, s) for r, s in zip(received["inputs"]["encoded"]["image"][:1], sent["inputs"]["encoded"]["image"])]
+    pairs += [(received["inputs"]["encoded"]["image"][1][0], sent["inputs"]["encoded"]["image"][1][0])]
+    for got, want in pairs:
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_step_larger_than_the_buffer_is_a_clear_error():
@@ -67,6 +116,37 @@ def test_tp_size_that_does_not_divide_the_kv_heads(monkeypatch):
     with pytest.raises(ValueError, match=r"divide the model's KV heads.*num_key_value_heads=2, tp_size=4"):
         hfaccel.accelerate(model, attention="torch")
     assert not hasattr(model, "hfaccel")
+
+
+def test_tp_size_that_does_not_divide_a_layers_kv_heads(monkeypatch):
+    """Gemma 4's layers differ: its global layers have fewer KV heads (1 here) than its sliding ones (2)."""
+    from tests.models import gemma4_config
+
+    model = transformers.AutoModelForCausalLM.from_config(gemma4_config())
+    _fake_tp(monkeypatch, 2)
+    with pytest.raises(
+        ValueError, match=r"every layer's KV heads \(layers have \[1, 2\]\).*num_key_value_heads=1, tp_size=2"
+    ):
+        hfaccel.accelerate(model, attention="torch")
+    assert not hasattr(model, "hfaccel")
+
+
+def test_images_are_encoded_ahead_only_where_tp_leaves_the_vision_tower_whole(monkeypatch):
+    """The leader encodes a step's images alone, ahead of their prefills, unless the TP plan splits the vision tower
+    (Gemma 4's): its collectives need every rank, so each rank's prefill forward encodes them."""
+    from hfaccel.distributed import shards_beyond_language_model
+    from hfaccel.runner.multimodal import EncoderCache
+    from tests.hf.vlm_models import CASES
+
+    qwen, gemma4 = CASES["qwen2_5_vl"].model(), CASES["gemma4"].model()
+    assert not shards_beyond_language_model(qwen)  # not sharded: no plan in force
+    monkeypatch.setattr(transformers_compat, "tp_size", lambda model: 2)  # the models' own plans in force
+    assert not shards_beyond_language_model(qwen) and not shards_beyond_language_model(CASES["gemma3"].model())
+    assert shards_beyond_language_model(gemma4)
+    inputs = {"pixel_values": torch.ones(1, 3, 8, 8)}
+    cache = EncoderCache(ahead=False)
+    assert cache.inputs(gemma4, [("digest", inputs, [1, 2])]) == [inputs]
+    assert (cache.hits, cache.misses) == (0, 0)
 
 
 def test_calibrated_int4_under_tp_is_a_clear_error(monkeypatch):
