@@ -76,7 +76,8 @@ def patch_language_once_per_launch() -> bool:
 
 def skip_discarded_overflow_checks() -> bool:
     """Make the interpreter's builders skip ``sanitize_overflow`` while their ``debug`` is off (module docstring);
-    False where the interpreter's internals are not the expected ones (nothing is changed then)."""
+    False where the interpreter's internals are not the expected ones, or it was done already (nothing is changed
+    then)."""
     from triton.runtime import interpreter
 
     builder_class = getattr(interpreter, "InterpreterBuilder", None)

@@ -24,6 +24,9 @@ SUPPORTED = (
 )
 
 
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype)  # what broadcast_tree sends as it is
+
+
 class _Shape(NamedTuple):
     """A tensor's place in a :meth:`TensorParallel.broadcast_tree` layout."""
 
@@ -51,10 +54,14 @@ class TensorParallel:
         return tensor
 
     def broadcast_tree(self, tree=None):
-        """``tree`` (nested dicts, lists and tuples of tensors and plain values) as the leader holds it, on every rank
-        (followers pass nothing): its layout, each tensor stood in for by its shape and dtype, in one object
-        broadcast, then each tensor broadcast on the rank's device (where the followers' copies are made)."""
+        """``tree`` (nested dicts, lists, tuples and model outputs of tensors and plain values) as the leader holds
+        it, on every rank (followers pass nothing), its tensors on the rank's device: its layout, each tensor stood
+        in for by its shape and dtype, in one object broadcast, then each tensor broadcast. A leaf of another kind
+        (whose tensors would travel pickled, on the leader's device) is a ``TypeError`` before anything is sent."""
         leaves, spec = pytree.tree_flatten(tree) if self.is_leader else ([], None)
+        odd = [type(leaf).__name__ for leaf in leaves if not isinstance(leaf, (torch.Tensor, *_PLAIN))]
+        if odd:
+            raise TypeError(f"broadcast_tree takes tensors and plain values in dicts, lists and tuples; got {odd[0]}")
         layout = [(spec, [_Shape(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves])]
         dist.broadcast_object_list(layout, src=self.leader, group=self.group, device=self.device)
         spec, shapes = layout[0]
@@ -65,7 +72,7 @@ class TensorParallel:
         for i, shape in enumerate(shapes):
             if isinstance(shape, _Shape):
                 leaves[i] = self.broadcast(leaves[i].to(self.device).contiguous())
-        return tree if self.is_leader else pytree.tree_unflatten(leaves, spec)
+        return pytree.tree_unflatten(leaves, spec)
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (every rank calls it)."""
@@ -87,8 +94,10 @@ def tensor_parallel(model) -> TensorParallel | None:
 def shards_beyond_language_model(model) -> bool:
     """Whether transformers' TP plan shards modules of ``model`` besides its language model and output projection
     (Gemma 4's and Llama 4's vision towers): what runs those must run on every rank together, as a forward does."""
-    decoder = model.get_decoder()
-    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefix = next((name for name, module in model.named_modules() if module is decoder), "")
+    if not prefix:  # the model is its language model
+        return False
     return any(not (key.startswith(f"{prefix}.") or key.startswith("lm_head")) for key in compat.tp_plan(model))
 
 

@@ -1,7 +1,7 @@
 """The engine under tensor parallelism: the leader (TP rank 0) schedules, samples and owns every request; each of its
-forwards goes to the other ranks as ONE broadcast of one packed int64 tensor — token ids, positions, slot mapping,
-block tables, sequence lengths, the logits rows to keep, and the copy-on-write block copies queued since the last
-forward — and the followers run the same forward on their shard of the model (transformers' hooks all-reduce
+packed forwards goes to the other ranks as ONE broadcast of one packed int64 tensor — token ids, positions, slot
+mapping, block tables, sequence lengths, the logits rows to keep, and the copy-on-write block copies queued since the
+last forward — and the followers run the same forward on their shard of the model (transformers' hooks all-reduce
 between the ranks inside it) and their pool of their local KV heads. The followers never sample: a token the
 leader sampled reaches them as an input id of the next step, so every rank computes on the same tokens.
 
@@ -21,6 +21,7 @@ move the positions of the text after them (Qwen's M-RoPE), each later step carri
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from hfaccel.kv.fp8 import KVScales
 from hfaccel.runner import ModelRunner
 from hfaccel.runner.graphs import DecodeGraphs
 from hfaccel.runner.multimodal import prefill_on_blocks
+
+_log = logging.getLogger("hfaccel")
 
 # message kinds (the header's first value): an eager forward, block copies alone, the end, a static decode step, a
 # prompt's multimodal prefill (its inputs follow in a broadcast of their own: StepChannel.send_prefill)
@@ -64,13 +67,15 @@ class StepLimits:
             + 2 * self.max_seqs
             + 1
             + self.max_seqs
+            + self.max_tokens  # kept rows: each sequence's last, then its prompt logprobs' rows
             + 2 * self.max_copies
         )
 
 
 @dataclass
 class Message:
-    """One received message: block copies to make, then (``kind == FORWARD``) a forward to run."""
+    """One received message: block copies to make, then (``FORWARD``, ``STATIC``) a forward to run or (``PREFILL``)
+    a prompt's multimodal prefill."""
 
     kind: int
     copies: list[BlockCopy]
@@ -82,7 +87,8 @@ class Message:
 
 class StepChannel:
     """The leader's broadcast of each step's inputs to the TP ranks, and the followers' receipt of them: one
-    preallocated buffer of :attr:`StepLimits.size` int64 values on the model's device, one broadcast per message."""
+    preallocated buffer of :attr:`StepLimits.size` int64 values on the model's device, one broadcast per message (a
+    multimodal prefill's inputs follow its message in broadcasts of their own)."""
 
     def __init__(self, tp: TensorParallel, limits: StepLimits, device: torch.device):
         self.tp, self.limits, self.device = tp, limits, device
@@ -141,17 +147,18 @@ class StepChannel:
         keep: Sequence[int],
         inputs: dict,
         copies: Sequence[BlockCopy],
-    ) -> None:
+    ) -> dict:
         """Broadcast one prompt's multimodal prefill (leader only): its tokens ``input_ids [L]`` (any length: they
         travel with the inputs, not in the step buffer), its blocks ``block_table [W]``, the prompt rows whose
         logits it keeps, the model's multimodal ``inputs`` (pixels or encoded images, image sizes, token types...),
-        and the block copies to make first."""
+        and the block copies to make first. Returns what every rank received (the tensors on the device): the
+        leader prefills on the same."""
         copies = list(copies)
         while len(copies) > self.limits.max_copies:
             self._send(COPIES, [], copies[: self.limits.max_copies])
             copies = copies[self.limits.max_copies :]
         self._send(PREFILL, [], copies)
-        self.tp.broadcast_tree(
+        return self.tp.broadcast_tree(
             {"input_ids": input_ids, "block_table": block_table, "keep": list(keep), "inputs": inputs}
         )
 
@@ -259,9 +266,12 @@ class LeaderRunner(ModelRunner):
         it (:func:`~hfaccel.runner.multimodal.prefill_on_blocks`)."""
         if lora_slot >= 0:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
-        table = self.pool.block_tables([seq_id])[0].to(self.device)  # [W]
-        self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued())
-        return super().prefill_images(seq_id, input_ids, inputs, keep)
+        held = self.pool.manager.seq_len(seq_id)
+        if held < input_ids.shape[0]:  # what PromptCache would raise, raised before any rank starts
+            raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {input_ids.shape[0]} tokens")
+        table = self.pool.block_tables([seq_id])[0, : -(-held // self.pool.block_size)].to(self.device)  # [W]
+        sent = self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued())
+        return super().prefill_images(seq_id, input_ids, sent["inputs"], keep)
 
 
 def tp_runner(
@@ -313,7 +323,15 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
             forwards += 1
         if message.kind == PREFILL:
             prefill = message.prefill
-            prefill_on_blocks(
-                runner.model, runner, prefill["block_table"], prefill["input_ids"], prefill["inputs"], prefill["keep"]
-            )
+            try:
+                prefill_on_blocks(
+                    runner.model,
+                    runner,
+                    prefill["block_table"],
+                    prefill["input_ids"],
+                    prefill["inputs"],
+                    prefill["keep"],
+                )
+            except Exception as error:  # its inputs' error, raised on every rank: the leader fails that request alone
+                _log.warning("hfaccel: a multimodal prefill raised on this rank as on the leader: %s", error)
             forwards += 1

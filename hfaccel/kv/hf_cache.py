@@ -240,7 +240,8 @@ class PromptCache(PoolCache):
             )
         for seq_id, pad, held in zip(self.seq_ids, self.padding, self._slots_held()):
             if held < width - pad:
-                raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {width - pad} tokens")
+                holder = f"sequence {seq_id!r}" if self.block_tables is None else "the given block table"
+                raise ValueError(f"{holder} holds {held} slots; its prompt has {width - pad} tokens")
         tables = (self.block_tables if self.block_tables is not None else self.pool.block_tables(self.seq_ids)).to(
             device
         )  # [B, W]

@@ -97,6 +97,15 @@ def test_a_prefills_inputs_reach_the_followers_whole(tmp_path):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_a_tree_with_leaves_of_another_kind_is_refused_before_anything_is_sent():
+    """An object pytree does not open (a BatchFeature, a PIL image) would travel pickled, its tensors on the leader's
+    device: refused, naming its type."""
+    from PIL import Image
+
+    with pytest.raises(TypeError, match="tensors and plain values in dicts, lists and tuples; got Image"):
+        _OneRank().broadcast_tree({"pixel_values": torch.ones(2), "images": [Image.new("RGB", (2, 2))]})
+
+
 def test_step_larger_than_the_buffer_is_a_clear_error():
     channel = StepChannel(_OneRank(), StepLimits(max_tokens=4, max_seqs=2, max_blocks=4), torch.device("cpu"))
     with pytest.raises(ValueError, match="a forward of 8 tokens, 2 sequences .* exceeds the TP step buffer"):

@@ -18,39 +18,45 @@ from tests.tp.ranks import run_ranks
 
 ENGINE = {"max_num_seqs": 4, "num_blocks": 64, "block_size": 8}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+# two completions (forks: copy-on-write block copies go out with the steps) and the prompt's logprobs (kept rows)
+FORKED = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0, n=2, prompt_logprobs=1)
 
 
-def _processed(case, prompt: list) -> dict:
-    """A prompt the family's processor made: ``{"prompt_token_ids", "multimodal_inputs"}``."""
+def _processed(case, prompt: list, images_of: list | None = None) -> dict:
+    """A prompt the family's processor made: ``{"prompt_token_ids", "multimodal_inputs"}`` (those of ``images_of``'s
+    images with ``images_of``: inputs that do not match the prompt's placeholders)."""
     inputs = case.inputs([prompt])
-    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    media = case.inputs([images_of]) if images_of is not None else inputs
+    media = {k: v for k, v in media.items() if k not in ("input_ids", "attention_mask")}
     return {"prompt_token_ids": inputs["input_ids"][0].tolist(), "multimodal_inputs": media}
 
 
 def _rounds(name: str) -> list[list]:
-    """Two rounds of requests: a mixed batch (one image, text alone, two images), then a follow-up repeating the
-    two-image prompt past its images and the one-image prompt again."""
+    """Three rounds of requests: a mixed batch (one image, with two completions and its prompt's logprobs: FORKED;
+    text alone; two images); a follow-up repeating the two-image prompt past its images and the one-image prompt again;
+    a prompt whose images do not match its placeholders (the model's forward raises on every rank) with a text one."""
     case = CASES[name]
     pictures = [image(40, 40, 1), image(60, 30, 2)]
     head = [9, pictures[0], 10, pictures[1], *range(50, 62)]  # past its last image, more than a block of text
-    first = [
-        _processed(case, [5, 6, image(120, 90), 7, 8]),
-        [20, 21, 22, 23],
-        _processed(case, [*head, 7]),
-    ]
-    return [first, [_processed(case, [*head, 5]), first[0]]]
+    one_image = [5, 6, image(120, 90), 7, 8]
+    first = [_processed(case, one_image), [20, 21, 22, 23], _processed(case, [*head, 7])]
+    mismatched = _processed(case, one_image, images_of=[5, *pictures, 7])  # two images for one placeholder
+    return [first, [_processed(case, [*head, 5]), first[0]], [mismatched, [30, 31]]]
 
 
-def _outputs(engine, rounds: list[list]) -> tuple[list, list, list]:
-    """Each round's token ids, their log-probabilities, and the prompt tokens each request took from the prefix
-    cache."""
-    tokens, logprobs, cached = [], [], []
+def _outputs(engine, rounds: list[list]) -> dict:
+    """Per round and request: its completions' token ids and their log-probabilities, its prompt's logprobs, the
+    prompt tokens it took from the prefix cache, its error."""
+    seen = {"tokens": [], "logprobs": [], "prompt": [], "cached": [], "errors": []}
     for requests in rounds:
-        outputs = engine.generate(requests, GREEDY)
-        tokens.append([out.outputs[0].token_ids for out in outputs])
-        logprobs.append([[entry.logprob for entry in out.outputs[0].logprobs] for out in outputs])
-        cached.append([out.metrics.num_cached_tokens for out in outputs])
-    return tokens, logprobs, cached
+        params = [FORKED if request is requests[0] and requests is rounds[0] else GREEDY for request in requests]
+        outputs = engine.generate(requests, params)
+        seen["tokens"].append([[c.token_ids for c in out.outputs] for out in outputs])
+        seen["logprobs"].append([[[e.logprob for e in c.logprobs or []] for c in out.outputs] for out in outputs])
+        seen["prompt"].append([[e.logprob for e in out.prompt_logprobs or [] if e is not None] for out in outputs])
+        seen["cached"].append([out.metrics.num_cached_tokens for out in outputs])
+        seen["errors"].append([out.error for out in outputs])
+    return seen
 
 
 def _engine_rank(path: str, name: str, cuda_graphs: bool) -> dict:
@@ -62,7 +68,8 @@ def _engine_rank(path: str, name: str, cuda_graphs: bool) -> dict:
     if not engine.is_leader:
         return {**result, "forwards": engine.follow()}
     try:
-        result["tokens"], result["logprobs"], result["cached"] = _outputs(engine, _rounds(name))
+        result.update(_outputs(engine, _rounds(name)))
+        result["copies"] = engine.runner.pool.copies_made
         result["stats"], result["hits"] = engine.stats(), engine.encoder_cache.hits
         result["ahead"] = engine.encoder_cache.ahead
     finally:
@@ -79,20 +86,22 @@ def test_image_requests_under_tp_equal_single_process(name, cuda_graphs, tmp_pat
     model = CASES[name].model()
     model.save_pretrained(tmp_path / "model")
     single = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), cuda_graphs=cuda_graphs, **ENGINE)
-    expected, logprobs, expected_cached = _outputs(single, _rounds(name))
+    expected = _outputs(single, _rounds(name))
 
     leader, follower = run_ranks(
         _engine_rank, str(tmp_path / "model"), name, cuda_graphs, workdir=tmp_path, timeout=240
     )
 
-    assert leader["tokens"] == expected
+    assert leader["tokens"] == expected["tokens"] and leader["errors"] == expected["errors"]
+    assert expected["errors"][2][0] is not None and expected["errors"][2][1] is None  # failed alone
     # the ranks' partial sums add up in another order than one process's: equal up to fp32 rounding
-    torch.testing.assert_close(leader["logprobs"], logprobs, rtol=0, atol=1e-5)
-    assert leader["cached"] == expected_cached and leader["cached"][1][0] > 0  # the follow-up's prefix hit
+    for part in ("logprobs", "prompt"):
+        torch.testing.assert_close(leader[part], expected[part], rtol=0, atol=1e-5)
+    assert leader["cached"] == expected["cached"] and leader["cached"][1][0] > 0  # the follow-up's prefix hit
     assert leader["ahead"] and leader["hits"] == single.encoder_cache.hits  # the vision tower is whole on each rank
     assert leader["stats"]["blocks_used"] == 0
     assert leader["kv_heads"] == follower["kv_heads"] == single.runner.pool.group_shapes[0][0] // 2
-    assert follower["forwards"] > 0
+    assert follower["forwards"] > 0 and leader["copies"] > 0  # the forks' copies reached the follower too
 
 
 def _generate_rank(path: str, batch: dict) -> dict:
