@@ -242,9 +242,8 @@ class PromptCache(PoolCache):
             if held < width - pad:
                 holder = f"sequence {seq_id!r}" if self.block_tables is None else "the given block table"
                 raise ValueError(f"{holder} holds {held} slots; its prompt has {width - pad} tokens")
-        tables = (self.block_tables if self.block_tables is not None else self.pool.block_tables(self.seq_ids)).to(
-            device
-        )  # [B, W]
+        tables = self.block_tables if self.block_tables is not None else self.pool.block_tables(self.seq_ids)
+        tables = tables.to(device)  # [B, W]
         pads = torch.tensor(self.padding, dtype=torch.int64).to(device)  # [B]
         held = torch.arange(width, device=device)[None] - pads[:, None]  # [B, L]: position in the sequence
         rows = torch.arange(batch, device=device)[:, None]
