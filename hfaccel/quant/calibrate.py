@@ -8,14 +8,16 @@ and produces the next layer's inputs.
 - AWQ (Lin et al. 2024): per group of Linears sharing an input, a per-input-channel scale ``s = mean|x|^α``
   (α searched on a grid) multiplies the weights before rounding and is divided out of the preceding RMSNorm
   or Linear, so the model computes the same function before rounding; α minimises the group's output error.
-- GPTQ (Frantar et al. 2023): per Linear, the Hessian ``H = 2 XᵀX / n`` of its inputs, dampened; columns are
-  rounded in blocks with the rounding error spread over the not-yet-rounded columns through the Cholesky factor
-  of ``H⁻¹`` (lazy block updates); optional activation order (columns by decreasing ``H`` diagonal).
+- GPTQ (Frantar et al. 2023): per set of Linears sharing an input, the Hessian ``H = 2 XᵀX / n`` of that input,
+  dampened; columns are rounded in blocks with the rounding error spread over the not-yet-rounded columns through
+  the Cholesky factor of ``H⁻¹`` (lazy block updates); optional activation order (columns by decreasing ``H``
+  diagonal).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +40,7 @@ class _Stop(Exception):
 
 @dataclass
 class _Recorder:
-    """Inputs a Linear received during one layer's calibration pass."""
+    """Inputs one or more Linears received during one layer's calibration pass."""
 
     samples: list[torch.Tensor] = field(default_factory=list)
     hessian: torch.Tensor | None = None
@@ -60,6 +62,16 @@ class _Recorder:
         if x.shape[0] > MAX_SAMPLE_TOKENS:
             x = x[torch.linspace(0, x.shape[0] - 1, MAX_SAMPLE_TOKENS).long()]
         return x
+
+    @classmethod
+    def merged(cls, recorders: list[_Recorder]) -> _Recorder:
+        """One recorder holding what all of ``recorders`` saw (a Linear called more than once in a pass)."""
+        if len(recorders) == 1:
+            return recorders[0]
+        out = cls(samples=[x for r in recorders for x in r.samples], count=sum(r.count for r in recorders))
+        if out.count:
+            out.hessian = sum(r.hessian * (r.count / out.count) for r in recorders if r.count)
+        return out
 
 
 def calibrate(
@@ -90,11 +102,7 @@ def calibrate(
             if method == "awq":
                 _apply_awq(layer, linears, records, group_size)
             else:
-                for name, linear in linears.items():
-                    weight = gptq_quantize(
-                        linear.weight, records[name].hessian, group_size, act_order=act_order, damp=damp
-                    )
-                    _replace(layer, name, Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype))
+                _apply_gptq(layer, linears, records, group_size, act_order=act_order, damp=damp)
             with torch.no_grad():
                 hidden = _output(layer(hidden, **kwargs))
             layer.to(home)
@@ -151,11 +159,22 @@ def _quantizable(layer: nn.Module, group_size: int, skip) -> dict[str, nn.Linear
 
 
 def _record(layer, linears, hidden, kwargs, *, keep_samples: bool, keep_hessian: bool) -> dict[str, _Recorder]:
-    records = {name: _Recorder() for name in linears}
+    """What each of ``linears`` receives in one pass of ``layer``; Linears fed the same input tensors (q/k/v,
+    gate/up) share one recorder, so their Hessian is computed once and GPTQ rounds them as one matrix."""
+    live: dict[int, _Recorder] = {}  # id of a live input tensor -> its recorder (dropped when the tensor dies)
+    received: dict[str, list[_Recorder]] = {name: [] for name in linears}
+    finalizers = []
+
+    def receive(name: str, x: torch.Tensor) -> None:
+        recorder = live.get(id(x))
+        if recorder is None:
+            recorder = live[id(x)] = _Recorder()
+            finalizers.append(weakref.finalize(x, live.pop, id(x), None))
+            recorder.add(x, keep_samples, keep_hessian)
+        received[name].append(recorder)
+
     hooks = [
-        linear.register_forward_hook(
-            lambda _m, args, _out, name=name: records[name].add(args[0], keep_samples, keep_hessian)
-        )
+        linear.register_forward_hook(lambda _m, args, _out, name=name: receive(name, args[0]))
         for name, linear in linears.items()
     ]
     try:
@@ -164,7 +183,14 @@ def _record(layer, linears, hidden, kwargs, *, keep_samples: bool, keep_hessian:
     finally:
         for hook in hooks:
             hook.remove()
-    return records
+        for finalizer in finalizers:
+            finalizer.detach()
+    merged: dict[tuple[int, ...], _Recorder] = {}
+    for recorders in received.values():
+        key = tuple(map(id, recorders))
+        if key not in merged:
+            merged[key] = _Recorder.merged(recorders) if recorders else _Recorder()
+    return {name: merged[tuple(map(id, recorders))] for name, recorders in received.items()}
 
 
 def _output(out):
@@ -252,48 +278,69 @@ def _search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int)
 
 
 # ---------------------------------------------------------------------------------------------- GPTQ
+def _apply_gptq(layer, linears: dict[str, nn.Linear], records: dict[str, _Recorder], group_size: int, **options):
+    shared: dict[int, list[str]] = {}
+    for name in linears:
+        shared.setdefault(id(records[name]), []).append(name)
+    for names in shared.values():
+        hessian = records[names[0]].hessian
+        if hessian is None:
+            warnings.warn(f"hfaccel: {', '.join(names)} saw no calibration tokens: full precision kept", stacklevel=3)
+            continue
+        weights = gptq_quantize([linears[n].weight for n in names], hessian, group_size, **options)
+        for name, weight in zip(names, weights):
+            linear = linears[name]
+            _replace(layer, name, Int4Linear.from_weight(weight, linear.bias, dtype=linear.weight.dtype))
+
+
 def gptq_quantize(
-    weight: torch.Tensor,
+    weights: list[torch.Tensor],
     hessian: torch.Tensor,
     group_size: int,
     *,
     act_order: bool = False,
     damp: float = 0.01,
     block_size: int = 128,
-) -> Int4Weight:
-    """GPTQ rounding of ``weight [N, K]`` given the Hessian ``[K, K]`` of its inputs."""
-    w = weight.detach().float().clone()
+) -> list[Int4Weight]:
+    """GPTQ rounding of each ``weight [N_i, K]`` in ``weights``, Linears whose inputs have the Hessian ``[K, K]``.
+
+    GPTQ rounds every output row on its own, so the weights are rounded as one ``[sum N_i, K]`` matrix: one
+    sequential pass over the ``K`` columns for all of them. The working copy is transposed (``[K, N]``) so that a
+    column is a contiguous row."""
+    w = torch.cat([weight.detach().float() for weight in weights]).t().contiguous()  # [K, N]
     h = hessian.float().clone()
-    n_out, k = w.shape
+    k, n_out = w.shape
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    w[dead] = 0.0
     order = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k, device=w.device)
-    w, h = w[:, order], h[order][:, order]
+    w, h = w[order], h[order][:, order]
     h += damp * torch.diag(h).mean() * torch.eye(k, device=h.device)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    q = torch.zeros_like(w)
-    scales = torch.zeros(k // group_size, n_out, device=w.device)
-    zeros = torch.zeros_like(scales)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)  # [K, K]
+    q = torch.empty_like(w)  # [K, N] codes, in rounding order
+    scales = torch.empty(k // group_size, n_out, device=w.device)  # [G, N]
+    zeros = torch.empty_like(scales)
     block_size = max(block_size // group_size, 1) * group_size  # groups never straddle blocks
     for start in range(0, k, block_size):
         end = min(start + block_size, k)
-        w_block, errors = w[:, start:end].clone(), torch.zeros(n_out, end - start, device=w.device)
+        block, errors = w[start:end].clone(), torch.empty(end - start, n_out, device=w.device)  # [B, N] each
         h_block = hinv[start:end, start:end]
         for i in range(end - start):
             column = start + i
             if column % group_size == 0:
-                g = column // group_size
-                scales[g], zeros[g] = group_params(w_block[:, i : i + group_size].t())
-            g = column // group_size
-            code = quantize_values(w_block[:, i], scales[g], zeros[g])
-            q[:, column] = code
-            error = (w_block[:, i] - (code - zeros[g]) * scales[g]) / h_block[i, i]
-            w_block[:, i:] -= error[:, None] * h_block[i, i:][None, :]
-            errors[:, i] = error
-        w[:, end:] -= errors @ hinv[start:end, end:]
+                scale, zero = group_params(block[i : i + group_size])
+                scales[column // group_size], zeros[column // group_size] = scale, zero
+            code = quantize_values(block[i], scale, zero)
+            q[column] = code
+            torch.div(block[i] - (code - zero) * scale, h_block[i, i], out=errors[i])
+            block[i:].addr_(h_block[i, i:], errors[i], alpha=-1)  # spread the error over the columns left
+        w[end:].addmm_(hinv[start:end, end:].t(), errors, alpha=-1)
     inverse = torch.argsort(order)
-    codes = q[:, inverse].t().to(torch.int32)  # [K, N] in original column order
+    codes = q[inverse].to(torch.int32)  # [K, N] in original column order
     g_idx = (inverse // group_size).to(torch.int32) if act_order else None  # group of original column j
-    dtype = weight.dtype
-    return Int4Weight.from_values(codes, scales.to(dtype), zeros.to(dtype), group_size, g_idx)
+    dtype, sizes = weights[0].dtype, [weight.shape[0] for weight in weights]
+    parts = (t.split(sizes, 1) for t in (codes, scales.to(dtype), zeros.to(dtype)))
+    return [
+        Int4Weight.from_values(c.contiguous(), s.contiguous(), z.contiguous(), group_size, g_idx)
+        for c, s, z in zip(*parts)
+    ]

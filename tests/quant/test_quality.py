@@ -2,9 +2,9 @@
 
 SmolLM2-135M's hidden size is 576 = 4.5 x 128, so group size 128 cannot cover its attention and MLP inputs;
 these tests use group size 64 (576 = 9 x 64, 1536 = 24 x 64), the smallest standard AWQ/GPTQ group size.
-Bound: AWQ and GPTQ each beat RTN, and stay within 1.3x the fp32 perplexity (measured 2026-11-21 on the CPU
+Bound: AWQ and GPTQ each beat RTN, and stay within 1.3x the fp32 perplexity (measured 2026-11-27 on the CPU
 development machine, 4 x 256 evaluation tokens of Hamlet, 8 x 256 calibration tokens of The Tempest:
-fp32 34.4, RTN 42.8, AWQ 38.7, GPTQ 41.6; GPTQ with act-order and 16 samples 38.2).
+fp32 34.4, RTN 42.8, AWQ 39.6, GPTQ 41.7).
 """
 
 import math

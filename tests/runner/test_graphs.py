@@ -140,14 +140,21 @@ def _steps_of_one(model, compile: bool, replays: list[torch.Tensor] | None = Non
     return steps
 
 
-def _family(name: str):
-    """A family's tiny model; ``gemma4_moe``: Gemma 4's text model with its mixture-of-experts block on."""
-    from tests.models import family_model, gemma4_config
+def _moe_model(name: str) -> transformers.PreTrainedModel:
+    """The smallest stack of a mixture-of-experts family with each of its layer kinds, quick to compile: Gemma 4's
+    text model with its MoE block on (sliding and global layers, the last two reading the first two's K/V), or
+    Qwen3.5-MoE (one recurrent, one attention layer)."""
+    from tests.hf.tiny_configs import tiny_config
+    from tests.models import FAMILIES, gemma4_config
 
-    if name != "gemma4_moe":
-        return family_model(name)
-    config = gemma4_config()
-    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 32
+    if name == "gemma4_moe":
+        config = gemma4_config()
+        config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 32
+        config.num_hidden_layers, config.layer_types = 4, ["sliding_attention", "full_attention"] * 2
+    else:
+        model_type, overrides = FAMILIES[name]
+        layers = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+        config = tiny_config(model_type, **{**overrides, **layers})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
 
@@ -160,7 +167,7 @@ def test_one_sequence_padded_on_experts_is_mirrored_by_its_padding_row(name):
     keys and state read, nothing written — so it routes to the sequence's experts (its logits are the sequence's)
     instead of reading other experts' weights. The sequence's logits equal the eager steps', host-fed and device-fed,
     K/V and state intact."""
-    model = _family(name)
+    model = _moe_model(name)
     with hfaccel_attention(model, "torch"), torch.inference_mode():
         expected = _steps_of_one(model, compile=False)
         replays: list[torch.Tensor] = []
@@ -187,7 +194,7 @@ def test_padding_rows_mirror_only_where_experts_are_routed():
 
     moe = {name for name, (model_type, _) in FAMILIES.items() if routed(tiny_config(model_type))}
     assert moe == {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "gpt_oss"}
-    assert routed(_family("gemma4_moe").config) and not routed(gemma4_config()) and not routed(tiny_config("llama"))
+    assert routed(_moe_model("gemma4_moe").config) and not routed(gemma4_config()) and not routed(tiny_config("llama"))
     assert not routed(tiny_config("granitemoehybrid", num_local_experts=0))
 
 
