@@ -26,14 +26,17 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% en
 class Server:
     """A ``hfaccel serve`` subprocess on a free loopback port."""
 
-    def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = ()):
+    def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = (), env: dict[str, str] | None = None):
         """``hfaccel serve model_dir *extra``, run by ``python *launcher -m hfaccel.tools.cli`` (e.g. torchrun's
-        module and options)."""
+        module and options); ``env``: variables added to its environment (``PYTHONPATH`` entries go after the
+        repository's)."""
         self.model_dir = model_dir
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+        extra_env = dict(env or {})
+        path = os.pathsep.join([str(ROOT)] + ([extra_env.pop("PYTHONPATH")] if "PYTHONPATH" in extra_env else []))
+        env = {**os.environ, "TRITON_INTERPRET": "0", **extra_env, "PYTHONPATH": path}
         self.log = open(model_dir / f"server-{self.port}.log", "w")
         self.process = subprocess.Popen(
             [

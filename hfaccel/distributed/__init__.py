@@ -7,7 +7,7 @@ from hfaccel.distributed.agreement import agree_on_static_steps, agreed_budget
 from hfaccel.distributed.launch import RankFailed, launched, supervise
 from hfaccel.distributed.model import TensorParallel, check_sharding, shards_beyond_language_model, tensor_parallel
 from hfaccel.distributed.role import TPRole
-from hfaccel.distributed.steps import LeaderRunner, StepChannel, follow, tp_runner
+from hfaccel.distributed.steps import LeaderRunner, StepChannel, TensorParallelError, follow, tp_runner
 
 __all__ = [
     "LeaderRunner",
@@ -15,6 +15,7 @@ __all__ = [
     "StepChannel",
     "TPRole",
     "TensorParallel",
+    "TensorParallelError",
     "agree_on_static_steps",
     "agreed_budget",
     "check_sharding",

@@ -17,15 +17,22 @@ A prompt with images is prefilled through transformers' own forward (the vision 
 so its message carries that forward's inputs: its tokens, its block table and the model's multimodal inputs (pixels,
 or the leader's encoded images), in a broadcast of their own (:meth:`TensorParallel.broadcast_tree`). Where images
 move the positions of the text after them (Qwen's M-RoPE), each later step carries its tokens' position offsets.
+Such a prefill may raise on every rank alike (inputs that do not match their placeholders: the leader fails that
+request alone and the ranks go on), or on some ranks only (out of memory), which leaves the others inside a collective
+of the forward: so after each one the ranks settle its outcome (:meth:`StepChannel.settle`) in a group of their own
+whose wait is bounded, and a prefill that did not fail everywhere alike ends the ranks (:class:`TensorParallelError`)
+instead of leaving them waiting on each other.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hfaccel.distributed.model import TensorParallel
 from hfaccel.kv import KVPool, PackedStep
@@ -43,6 +50,15 @@ FORWARD, COPIES, STOP, STATIC, PREFILL = 0, 1, 2, 3, 4
 # header: kind, tokens T, sequences S, table width W, kept logits K (-1: every row), copies C, max_seq_len, max_q_len,
 # whether position offsets follow the positions (a multimodal model's text after images)
 _HEADER = 9
+# how long a rank waits for the others' outcome of a multimodal prefill: ranks that ran it alike get there together
+VERDICT_TIMEOUT = datetime.timedelta(minutes=2)
+
+
+class TensorParallelError(BaseException):
+    """The TP ranks no longer run the same forwards (a multimodal prefill failed on some ranks only, or a rank gave no
+    outcome in time): nothing more can run on them, and every rank must be restarted. A ``BaseException``, as
+    ``SystemExit`` is, so that the engine's handlers that fail one request and go on (``except Exception``) let it
+    through: it ends the engine (``AsyncEngine.healthy`` turns False) and the follower ranks' :func:`follow`."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +106,17 @@ class StepChannel:
     preallocated buffer of :attr:`StepLimits.size` int64 values on the model's device, one broadcast per message (a
     multimodal prefill's inputs follow its message in broadcasts of their own)."""
 
-    def __init__(self, tp: TensorParallel, limits: StepLimits, device: torch.device):
-        self.tp, self.limits, self.device = tp, limits, device
+    def __init__(
+        self,
+        tp: TensorParallel,
+        limits: StepLimits,
+        device: torch.device,
+        verdicts: dist.ProcessGroup | None = None,
+    ):
+        """``verdicts``: the group :meth:`settle` waits in, with a bounded timeout (:func:`verdict_group`)."""
+        self.tp, self.limits, self.device, self.verdicts = tp, limits, device, verdicts
         self.buffer = torch.zeros(limits.size, dtype=torch.int64, device=device)  # [N]
+        self.broken: TensorParallelError | None = None  # why the ranks cannot run the same forwards any more
 
     def send_forward(
         self,
@@ -163,13 +187,42 @@ class StepChannel:
         )
 
     def send_stop(self) -> None:
-        """Tell the followers the leader is done (leader only): their :func:`follow` returns."""
-        self._send(STOP, [], [])
+        """Tell the followers the leader is done (leader only): their :func:`follow` returns. Not once the ranks
+        diverged (:attr:`broken`): a follower is gone or inside a collective, and its launcher stops it."""
+        if self.broken is None:
+            self._send(STOP, [], [])
+
+    def settle(self, error: Exception | None) -> None:
+        """After a multimodal prefill, on every rank: the number of ranks where it raised (``error``: this rank's),
+        within :data:`VERDICT_TIMEOUT`. Returns when it raised on none or on every rank (its inputs' error, which the
+        leader raises for that request alone); otherwise, or without every rank's answer in time (a rank is still
+        inside a collective of the forward, or gone), raises :class:`TensorParallelError` and marks the channel
+        :attr:`broken`."""
+        failed = torch.tensor([error is not None], dtype=torch.int64)
+        try:
+            dist.all_reduce(failed, group=self.verdicts)
+        except Exception as lost:  # gloo's timeout, or a peer's closed connection
+            self.broken = TensorParallelError(
+                f"TP rank {self.tp.rank}: no outcome of a multimodal prefill from every rank (a wait bounded by "
+                f"{VERDICT_TIMEOUT}): {lost}; this rank's prefill "
+                + ("succeeded" if error is None else f"raised {error!r}")
+            )
+        else:
+            if int(failed) not in (0, self.tp.size):
+                self.broken = TensorParallelError(
+                    f"a multimodal prefill raised on {int(failed)} of {self.tp.size} TP ranks (on rank "
+                    f"{self.tp.rank}: " + ("it succeeded" if error is None else repr(error)) + "); the ranks "
+                    "no longer run the same forwards"
+                )
+        if self.broken is not None:
+            raise self.broken from error
 
     def _send(self, kind: int, parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
         self._send_parts([kind, 0, 0, 0, -1, len(copies), 0, 0, 0], parts, copies)
 
     def _send_parts(self, header: list[int], parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
+        if self.broken is not None:
+            raise self.broken
         values = [c.src for c in copies] + [c.dst for c in copies]
         head = torch.tensor(header + values, dtype=torch.int64).to(self.device, non_blocking=True)
         packed = torch.cat([head[:_HEADER]] + [p.to(torch.int64) for p in parts] + [head[_HEADER:]])  # [n]
@@ -271,7 +324,13 @@ class LeaderRunner(ModelRunner):
             raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {input_ids.shape[0]} tokens")
         table = self.pool.block_tables([seq_id])[0, : -(-held // self.pool.block_size)].to(self.device)  # [W]
         sent = self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued())
-        return super().prefill_images(seq_id, input_ids, sent["inputs"], keep)
+        try:
+            logits = super().prefill_images(seq_id, input_ids, sent["inputs"], keep)
+        except Exception as error:
+            self.channel.settle(error)  # raised on every rank: the request's own error
+            raise
+        self.channel.settle(None)
+        return logits
 
 
 def tp_runner(
@@ -291,7 +350,7 @@ def tp_runner(
     :class:`LeaderRunner` over a :class:`LeaderPool`; on a follower a plain runner for :func:`follow` (its pool's
     block manager stays unused: the leader's block tables come with each step)."""
     limits = StepLimits(max_num_batched_tokens, max_num_seqs, -(-max_model_len // block_size))
-    channel = StepChannel(tp, limits, tp.device)
+    channel = StepChannel(tp, limits, tp.device, verdict_group(tp))
     pool_class = LeaderPool if tp.is_leader else KVPool
     pool = pool_class.for_model(
         model,
@@ -332,6 +391,16 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
                     prefill["inputs"],
                     prefill["keep"],
                 )
-            except Exception as error:  # its inputs' error, raised on every rank: the leader fails that request alone
-                _log.warning("hfaccel: a multimodal prefill raised on this rank as on the leader: %s", error)
+            except Exception as error:
+                channel.settle(error)  # returns when it raised on every rank: the leader fails that request alone
+                _log.warning("hfaccel: a multimodal prefill raised on every rank: %s", error)
+            else:
+                channel.settle(None)
             forwards += 1
+
+
+def verdict_group(tp: TensorParallel) -> dist.ProcessGroup:
+    """A gloo group over the TP ranks whose collectives give up after :data:`VERDICT_TIMEOUT` (the model's own group
+    waits a year for the next step): where :meth:`StepChannel.settle` waits. Every rank makes it, at the same point."""
+    ranks = dist.get_process_group_ranks(tp.group)
+    return dist.new_group(ranks, timeout=VERDICT_TIMEOUT, backend="gloo", use_local_synchronization=True)

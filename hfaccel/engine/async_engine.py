@@ -10,7 +10,8 @@ worker thread first), between steps.
 
 A request the engine fails alone (its part of a step raised) raises :class:`RequestFailed` in its stream; a
 step that fails as a whole (out of memory) raises its error in the streams of the requests it ran; those
-still waiting go on. Either way the thread goes on serving.
+still waiting go on. Either way the thread goes on serving — but not past an error that is no ``Exception``
+(``TensorParallelError``: the TP ranks diverged), which ends it: every stream gets a RuntimeError naming it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class _Pending:
 class AsyncEngine:
     """Runs an :class:`Engine` in a background thread; ``stream`` and ``generate`` are coroutines."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, on_failure: Callable[[BaseException], None] | None = None):
+        """``on_failure``: called in the engine thread with what ended it (never on a shutdown), after every request
+        in flight has been failed with it — e.g. a tensor-parallel leader ends its process, so that its launcher
+        stops the other ranks, which would wait for its next step forever."""
         self.engine = engine
+        self._on_failure = on_failure
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._adds: list[_Pending] = []
@@ -89,8 +94,10 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await pending.queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, Exception):
                     raise item
+                if isinstance(item, BaseException):  # what ended the engine thread (TensorParallelError): not ours
+                    raise RuntimeError(f"the engine thread failed: {item!r}") from item
                 if item.error is not None:
                     raise RequestFailed(item.error)
                 finished = item.finished
@@ -203,6 +210,8 @@ class AsyncEngine:
                 adds, self._adds = self._adds, []
             for pending in adds:
                 _send(pending, error)
+            if self._on_failure is not None:
+                self._on_failure(error)
         finally:
             with self._lock:
                 calls, self._calls = self._calls, []

@@ -4,6 +4,8 @@ load), the engine and server configured from them, served on one process or over
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 from hfaccel.tools.commands import calibration_ids
 
@@ -89,7 +91,8 @@ def _serve_rank(args: argparse.Namespace) -> None:
     if not engine.is_leader:
         engine.follow()
         return
-    async_engine = hfaccel.AsyncEngine(engine)
+    failures: list[BaseException] = []
+    async_engine = hfaccel.AsyncEngine(engine, on_failure=lambda error: _stop_serving(failures, error))
     try:
         serve(
             async_engine,
@@ -98,9 +101,22 @@ def _serve_rank(args: argparse.Namespace) -> None:
             port=args.port,
             graceful_shutdown_s=args.graceful_shutdown,
         )
+    except SystemExit:
+        if not failures:
+            raise
     finally:  # also on SIGTERM's SystemExit: the engine thread stops first, then the followers
         async_engine.shutdown()
         engine.shutdown()
+    if failures:
+        raise SystemExit(f"hfaccel serve: tensor-parallel rank 0's engine stopped: {failures[0]!r}")
+
+
+def _stop_serving(failures: list[BaseException], error: BaseException) -> None:
+    """Rank 0's engine thread ended (the ranks diverged, a bug): its followers would wait for its next step forever,
+    so the server drains as on SIGTERM and the rank exits with status 1 (its supervisor, or torchrun, then stops
+    every rank)."""
+    failures.append(error)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _check_tp_quantization(args: argparse.Namespace) -> None:

@@ -165,3 +165,40 @@ def test_async_engine_fails_the_request_alone_and_streams_the_others(model, max_
         assert asyncio.run(async_engine.generate("after", greedy(3))).outputs[0].finish_reason == "length"
     finally:
         async_engine.shutdown()
+
+
+def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failure(model):
+    """A ``TensorParallelError`` (the TP ranks diverged) is not a request's error: the step's handlers let it through,
+    the thread ends, every stream in flight gets a RuntimeError naming it, ``healthy`` turns False and
+    ``on_failure`` hears of it once (``hfaccel serve``'s TP leader then exits, and its launcher stops every rank);
+    later requests are refused."""
+    from hfaccel.distributed import TensorParallelError
+
+    ended = []
+    async_engine = AsyncEngine(make_engine(model), on_failure=ended.append)
+    forward = async_engine.engine.runner.forward
+    diverged = TensorParallelError("a multimodal prefill raised on 1 of 2 TP ranks (simulated)")
+
+    def failing(seq_ids, *args, **kwargs):
+        if async_engine.engine.requests.get("third") is not None:
+            raise diverged
+        return forward(seq_ids, *args, **kwargs)
+
+    async_engine.engine.runner.forward = failing
+
+    async def main():
+        first = await async_engine.generate("the cat", greedy(3))
+        streams = [async_engine.generate(p, greedy(3), request_id) for p, request_id in [("x", "third"), ("hi", "4")]]
+        return first, await asyncio.gather(*streams, return_exceptions=True)
+
+    try:
+        first, failed = asyncio.run(main())
+        assert first.outputs[0].finish_reason == "length"
+        for error in failed:
+            assert isinstance(error, RuntimeError) and error.__cause__ is diverged, error
+            assert "the engine thread failed: TensorParallelError" in str(error)
+        assert ended == [diverged] and not async_engine.healthy
+        with pytest.raises(RuntimeError, match="the engine thread failed: TensorParallelError"):
+            asyncio.run(async_engine.generate("after", greedy(3)))
+    finally:
+        async_engine.shutdown()

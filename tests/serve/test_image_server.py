@@ -5,6 +5,7 @@ the part, and the server keeps serving."""
 
 import base64
 import io
+from pathlib import Path
 
 import openai
 import pytest
@@ -88,6 +89,30 @@ def test_chat_with_images_over_two_tensor_parallel_ranks(saved):
         _answers_like_the_engine(server, model, processor)
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_prefill_that_fails_on_rank_0_alone_ends_the_tp_server(saved):
+    """Rank 0's multimodal prefill runs out of memory there alone (tests/serve/one_rank_out_of_memory): the follower
+    is left inside the forward's collectives, so rank 0 gets no outcome from it and its engine stops with
+    TensorParallelError — the request gets a 503 naming it, the server drains and exits with status 1, and the
+    supervisor stops the follower: no rank is left waiting for the other."""
+    path, _, _ = saved
+    sabotage = {"PYTHONPATH": str(Path(__file__).parent / "one_rank_out_of_memory"), "HFACCEL_TEST_OOM_RANK": "0"}
+    server = Server(path, "--tensor-parallel-size", "2", env=sabotage)
+    try:
+        with pytest.raises(openai.InternalServerError, match="TensorParallelError") as caught:
+            server.client().chat.completions.create(
+                model="tiny", messages=user("What is this?", data_url(image(40, 50))), max_tokens=4
+            )
+        assert caught.value.status_code == 503
+        assert server.process.wait(60) == 1
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+        server.log.close()
+    log = (path / f"server-{server.port}.log").read_text()
+    assert "tensor-parallel rank 0 of 2 failed" in log and "no outcome of a multimodal prefill" in log, log[-3000:]
 
 
 def _answers_like_the_engine(server: Server, model, processor) -> None:

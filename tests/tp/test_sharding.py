@@ -97,6 +97,61 @@ def test_a_prefills_inputs_reach_the_followers_whole(tmp_path):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def _settle_rank(cases: list[tuple[str, str]]) -> list[str]:
+    """Each case: what each rank's multimodal prefill did ("ok", "raised", or "absent": this rank never settles, as
+    one inside a collective its peer left), then what this rank's settle gave; a diverged channel's steps too."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from hfaccel.distributed import steps
+
+    steps.VERDICT_TIMEOUT = datetime.timedelta(seconds=2)
+    tp = TensorParallel(dist.group.WORLD, 2, dist.get_rank(), 0, torch.device("cpu"))
+    seen = []
+    for case in cases:
+        channel = StepChannel(tp, StepLimits(4, 2, 4), torch.device("cpu"), steps.verdict_group(tp))
+        mine = case[tp.rank]
+        if mine == "absent":
+            time.sleep(4)
+            seen.append("absent")
+            continue
+        try:
+            channel.settle(None if mine == "ok" else ValueError("image features and image tokens do not match"))
+            seen.append("settled")
+        except steps.TensorParallelError as error:
+            assert channel.broken is error
+            channel.send_stop()  # a no-op: nothing is sent to ranks that diverged
+            with pytest.raises(steps.TensorParallelError):
+                channel.send_forward(torch.arange(2), _step_of(2), 0, [])
+            seen.append(f"broken: {error}")
+    return seen
+
+
+def _step_of(tokens: int):
+    pool = KVPool(tiny_model("llama").config, num_blocks=4, block_size=4)
+    pool.reserve(["a"], [tokens])
+    return pool.packed_step(["a"], [0], [tokens])
+
+
+def test_ranks_settle_a_prefill_that_raised_everywhere_and_stop_on_one_that_did_not(tmp_path):
+    """After a multimodal prefill the TP ranks count where it raised, in a group whose wait is bounded: on no rank or
+    on every rank (its inputs' error), each goes on; on some ranks only, or with a rank that never answers (one left
+    inside a collective of the forward), every rank that answers stops with TensorParallelError and its channel sends
+    nothing more (not even the stop message) — no rank waits forever."""
+    from tests.tp.ranks import run_ranks
+
+    cases = [("ok", "ok"), ("raised", "raised"), ("ok", "raised"), ("raised", "absent")]
+    leader, follower = run_ranks(_settle_rank, cases, workdir=tmp_path, timeout=60)
+    assert leader[:2] == follower[:2] == ["settled", "settled"]
+    for rank in (leader, follower):
+        assert rank[2].startswith("broken: a multimodal prefill raised on 1 of 2 TP ranks"), rank[2]
+    assert "on rank 1: ValueError('image features" in follower[2] and "on rank 0: it succeeded" in leader[2]
+    assert leader[3].startswith("broken: TP rank 0: no outcome of a multimodal prefill from every rank (a wait bounded")
+    assert "this rank's prefill raised ValueError" in leader[3] and follower[3] == "absent"
+
+
 def test_a_tree_with_leaves_of_another_kind_is_refused_before_anything_is_sent():
     """An object pytree does not open (a BatchFeature, a PIL image) would travel pickled, its tensors on the leader's
     device: refused, naming its type."""

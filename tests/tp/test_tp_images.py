@@ -127,3 +127,50 @@ def test_generate_with_images_under_tp_equals_single_process(tmp_path):
     for rank, got in enumerate(ranks):
         assert got["decode"] == "hfaccel", f"rank {rank}: {got['decode']}"
         assert torch.equal(got["tokens"], expected), f"rank {rank}"
+
+
+def _one_rank_short_of_memory_rank(path: str, failing: str) -> dict:
+    """The engine on this rank; the ``failing`` rank's ("leader" or "follower") multimodal prefills run out of
+    memory (there alone: the other rank goes into the forward's collectives). What each rank's engine ended with."""
+    import datetime
+
+    import hfaccel
+    from hfaccel.distributed import TensorParallelError, steps
+    from hfaccel.runner import runner as runner_module
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory in the vision tower (on this rank alone)")
+
+    steps.VERDICT_TIMEOUT = datetime.timedelta(seconds=3)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), cuda_graphs=False, **ENGINE)
+    if failing == ("leader" if engine.is_leader else "follower"):
+        runner_module.prefill_sequence = steps.prefill_on_blocks = out_of_memory  # this process's forwards only
+    try:
+        if not engine.is_leader:
+            return {"followed": engine.follow()}
+        return {"outputs": engine.generate([_processed(CASES["qwen2_5_vl"], [5, 6, image(40, 40), 7])], GREEDY)}
+    except TensorParallelError as error:
+        return {"error": str(error), "cause": repr(error.__cause__)}
+    finally:
+        engine.shutdown()  # sends nothing once the ranks diverged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", ["follower", "leader"])
+def test_a_prefill_failing_on_one_rank_alone_stops_every_rank(failing, tmp_path):
+    """A multimodal prefill that raises on one TP rank alone (out of memory there) leaves the other inside the
+    forward's collectives: the failing rank gets no outcome from it in time and stops with TensorParallelError, and
+    so does the other once its collective fails (its peer gone) — no rank waits forever, the leader's generate()
+    raises instead of answering, and the follower's follow() ends."""
+    CASES["qwen2_5_vl"].model().save_pretrained(tmp_path / "model")
+
+    leader, follower = run_ranks(
+        _one_rank_short_of_memory_rank, str(tmp_path / "model"), failing, workdir=tmp_path, timeout=120
+    )
+
+    ranks = {"leader": leader, "follower": follower}
+    assert "error" in leader and "error" in follower, ranks
+    alone = ranks[failing]
+    assert "no outcome of a multimodal prefill from every rank" in alone["error"], alone
+    assert "OutOfMemoryError" in alone["cause"], alone
