@@ -291,8 +291,18 @@ OVERRIDES: dict[str, dict] = {
     },
     # n_shared_experts defaults to None, which the modeling code multiplies
     "dots1": {"n_shared_experts": 1},
-    # all layers reuse the target's KV: num_kv_shared_layers == num_hidden_layers
-    "gemma4_unified_assistant": {"text_config": {"__layers__": 6, "num_kv_shared_layers": 6}},
+    # widths and depths under names the generic shrinking does not know (a 410M text model; a 600M audio tower)
+    "kosmos-2": {"text_config": {"embed_dim": 64, "layers": 2}},
+    **dict.fromkeys(
+        ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"],
+        {"audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 4, "encoder_ffn_dim": 64}},
+    ),
+    # all layers reuse the target's KV: num_kv_shared_layers == num_hidden_layers; transformers 5.17's default config
+    # has no text config (the model would build a full-size one: 3B parameters)
+    "gemma4_unified_assistant": {
+        "__init__": {"text_config": {"model_type": "gemma4_unified_text"}},
+        "text_config": {"__layers__": 6, "num_kv_shared_layers": 6},
+    },
     # its vision encoder's widths grow from the patch's elements (40 x 40 x 2 x 3: a 614k-wide first layer)
     "inkling_mm_model": {"vision_config": {"patch_size": 4}},
     # M-RoPE's sections split a tiny head's 8 rotary frequencies
