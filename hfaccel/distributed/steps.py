@@ -17,18 +17,19 @@ A prompt with images is prefilled through transformers' own forward (the vision 
 so its message carries that forward's inputs: its tokens, its block table and the model's multimodal inputs (pixels,
 or the leader's encoded images), in a broadcast of their own (:meth:`TensorParallel.broadcast_tree`). Where images
 move the positions of the text after them (Qwen's M-RoPE), each later step carries its tokens' position offsets.
-Such a prefill may raise on every rank alike (inputs that do not match their placeholders: the leader fails that
+A forward may raise on every rank alike (a prompt whose images do not match its placeholders: the leader fails that
 request alone and the ranks go on), or on some ranks only (out of memory), which leaves the others inside a collective
-of the forward: so after each one the ranks settle its outcome (:meth:`StepChannel.settle`) in a group of their own
-whose wait is bounded, and a prefill that did not fail everywhere alike ends the ranks (:class:`TensorParallelError`)
-instead of leaving them waiting on each other.
+of the forward or waiting for the next step. So a rank whose forward raised settles it with the others
+(:meth:`StepChannel.settle`) in a group of their own whose wait is bounded: every rank raised, and each goes on;
+otherwise it ends (:class:`TensorParallelError`) instead of leaving the ranks waiting on each other. A forward that
+succeeds settles nothing: no step pays for this.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +51,13 @@ FORWARD, COPIES, STOP, STATIC, PREFILL = 0, 1, 2, 3, 4
 # header: kind, tokens T, sequences S, table width W, kept logits K (-1: every row), copies C, max_seq_len, max_q_len,
 # whether position offsets follow the positions (a multimodal model's text after images)
 _HEADER = 9
-# how long a rank waits for the others' outcome of a multimodal prefill: ranks that ran it alike get there together
+# how long a rank whose forward raised waits for every other rank's to have raised too (they get there together)
 VERDICT_TIMEOUT = datetime.timedelta(minutes=2)
 
 
 class TensorParallelError(BaseException):
-    """The TP ranks no longer run the same forwards (a multimodal prefill failed on some ranks only, or a rank gave no
-    outcome in time): nothing more can run on them, and every rank must be restarted. A ``BaseException``, as
+    """The TP ranks no longer run the same forwards (a forward raised on some ranks only): nothing more can run on
+    them, and every rank must be restarted. A ``BaseException``, as
     ``SystemExit`` is, so that the engine's handlers that fail one request and go on (``except Exception``) let it
     through: it ends the engine (``AsyncEngine.healthy`` turns False) and the follower ranks' :func:`follow`."""
 
@@ -113,7 +114,8 @@ class StepChannel:
         device: torch.device,
         verdicts: dist.ProcessGroup | None = None,
     ):
-        """``verdicts``: the group :meth:`settle` waits in, with a bounded timeout (:func:`verdict_group`)."""
+        """``verdicts``: the group :meth:`settle` waits in, with a bounded timeout (:func:`verdict_group`; without
+        one, a forward that raises breaks the channel)."""
         self.tp, self.limits, self.device, self.verdicts = tp, limits, device, verdicts
         self.buffer = torch.zeros(limits.size, dtype=torch.int64, device=device)  # [N]
         self.broken: TensorParallelError | None = None  # why the ranks cannot run the same forwards any more
@@ -192,29 +194,24 @@ class StepChannel:
         if self.broken is None:
             self._send(STOP, [], [])
 
-    def settle(self, error: Exception | None) -> None:
-        """After a multimodal prefill, on every rank: the number of ranks where it raised (``error``: this rank's),
-        within :data:`VERDICT_TIMEOUT`. Returns when it raised on none or on every rank (its inputs' error, which the
-        leader raises for that request alone); otherwise, or without every rank's answer in time (a rank is still
-        inside a collective of the forward, or gone), raises :class:`TensorParallelError` and marks the channel
-        :attr:`broken`."""
-        failed = torch.tensor([error is not None], dtype=torch.int64)
+    def settle(self, error: Exception) -> None:
+        """After a forward that raised ``error`` on this rank: returns once every rank's raised too (its inputs'
+        error, which the leader raises for that request alone); raises :class:`TensorParallelError` and marks the
+        channel :attr:`broken` when they do not all say so within :data:`VERDICT_TIMEOUT` (the others are inside a
+        collective of the forward, waiting for the next step, or gone)."""
+        failed = torch.ones(1, dtype=torch.int64)
         try:
-            dist.all_reduce(failed, group=self.verdicts)
+            if self.verdicts is None:
+                raise RuntimeError("the channel has no group to settle in")
+            dist.all_reduce(failed, group=self.verdicts)  # completes only once every rank joined it
         except Exception as lost:  # gloo's timeout, or a peer's closed connection
             self.broken = TensorParallelError(
-                f"TP rank {self.tp.rank}: no outcome of a multimodal prefill from every rank (a wait bounded by "
-                f"{VERDICT_TIMEOUT}): {lost}; this rank's prefill "
-                + ("succeeded" if error is None else f"raised {error!r}")
+                f"TP rank {self.tp.rank}: a forward raised {error!r} here, and not every rank said it raised there "
+                f"too within {VERDICT_TIMEOUT} ({lost}); the ranks no longer run the same forwards"
             )
-        else:
-            if int(failed) not in (0, self.tp.size):
-                self.broken = TensorParallelError(
-                    f"a multimodal prefill raised on {int(failed)} of {self.tp.size} TP ranks (on rank "
-                    f"{self.tp.rank}: " + ("it succeeded" if error is None else repr(error)) + "); the ranks "
-                    "no longer run the same forwards"
-                )
-        if self.broken is not None:
+            raise self.broken from error
+        if int(failed) != self.tp.size:  # a rank joined for another reason: cannot be, the ranks are out of step
+            self.broken = TensorParallelError(f"TP rank {self.tp.rank}: {int(failed)} ranks settled a forward")
             raise self.broken from error
 
     def _send(self, kind: int, parts: list[torch.Tensor], copies: list[BlockCopy]) -> None:
@@ -290,7 +287,7 @@ class LeaderRunner(ModelRunner):
         if lora_index is not None:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
         self.channel.send_forward(input_ids, step, keep, self.pool.take_queued())
-        return self.run_model(input_ids, step, keep)
+        return self._settled(self.run_model, input_ids, step, keep)
 
     def _static_forward(
         self,
@@ -310,7 +307,7 @@ class LeaderRunner(ModelRunner):
             )
         step = self._with_offsets(self.pool.packed_step(seq_ids, starts, num_new), seq_ids, num_new).to(self.device)
         self.channel.send_forward(input_ids, step, 0, self.pool.take_queued(), static=True)
-        return graphs.run_packed(input_ids, step)
+        return self._settled(graphs.run_packed, input_ids, step)
 
     def prefill_images(
         self, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = (), lora_slot: int = -1
@@ -324,13 +321,16 @@ class LeaderRunner(ModelRunner):
             raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {input_ids.shape[0]} tokens")
         table = self.pool.block_tables([seq_id])[0, : -(-held // self.pool.block_size)].to(self.device)  # [W]
         sent = self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued())
+        return self._settled(super().prefill_images, seq_id, input_ids, sent["inputs"], keep)
+
+    def _settled(self, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """``forward(*args)``, the forward every rank runs; if it raises, the error once every rank's raised too
+        (:meth:`StepChannel.settle`)."""
         try:
-            logits = super().prefill_images(seq_id, input_ids, sent["inputs"], keep)
+            return forward(*args)
         except Exception as error:
-            self.channel.settle(error)  # raised on every rank: the request's own error
+            self.channel.settle(error)
             raise
-        self.channel.settle(None)
-        return logits
 
 
 def tp_runner(
@@ -366,7 +366,9 @@ def tp_runner(
 
 @torch.inference_mode()
 def follow(runner: ModelRunner, channel: StepChannel) -> int:
-    """Run the leader's forwards on this rank until it stops (its ``Engine.shutdown()``); returns how many ran."""
+    """Run the leader's forwards on this rank until it stops (its ``Engine.shutdown()``); returns how many ran. A
+    forward that raises here is settled with the other ranks (:meth:`StepChannel.settle`): raised on every rank, the
+    leader fails its request alone and this rank goes on; otherwise :class:`TensorParallelError`."""
     forwards = 0
     while True:
         message = channel.receive()
@@ -374,29 +376,27 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
             runner.pool.copy_blocks(message.copies)
         if message.kind == STOP:
             return forwards
-        if message.kind == FORWARD:
-            runner.run_model(message.input_ids, message.step, message.keep)
-            forwards += 1
-        if message.kind == STATIC:  # the engine checked at start that every rank has the same static steps
-            runner.graphs.run_packed(message.input_ids, message.step)
-            forwards += 1
-        if message.kind == PREFILL:
-            prefill = message.prefill
-            try:
-                prefill_on_blocks(
-                    runner.model,
-                    runner,
-                    prefill["block_table"],
-                    prefill["input_ids"],
-                    prefill["inputs"],
-                    prefill["keep"],
-                )
-            except Exception as error:
-                channel.settle(error)  # returns when it raised on every rank: the leader fails that request alone
-                _log.warning("hfaccel: a multimodal prefill raised on every rank: %s", error)
-            else:
-                channel.settle(None)
-            forwards += 1
+        if message.kind == COPIES:
+            continue
+        try:
+            _run(runner, message)
+        except Exception as error:
+            channel.settle(error)
+            _log.warning("hfaccel: a forward raised on every TP rank (the leader fails its request): %s", error)
+        forwards += 1
+
+
+def _run(runner: ModelRunner, message: Message) -> None:
+    """The forward ``message`` carries, run on this rank."""
+    if message.kind == FORWARD:
+        runner.run_model(message.input_ids, message.step, message.keep)
+    elif message.kind == STATIC:  # the engine checked at start that every rank has the same static steps
+        runner.graphs.run_packed(message.input_ids, message.step)
+    else:
+        prefill = message.prefill
+        prefill_on_blocks(
+            runner.model, runner, prefill["block_table"], prefill["input_ids"], prefill["inputs"], prefill["keep"]
+        )
 
 
 def verdict_group(tp: TensorParallel) -> dist.ProcessGroup:

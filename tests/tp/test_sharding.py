@@ -97,9 +97,10 @@ def test_a_prefills_inputs_reach_the_followers_whole(tmp_path):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-def _settle_rank(cases: list[tuple[str, str]]) -> list[str]:
-    """Each case: what each rank's multimodal prefill did ("ok", "raised", or "absent": this rank never settles, as
-    one inside a collective its peer left), then what this rank's settle gave; a diverged channel's steps too."""
+def _settle_rank(cases: list[tuple[bool, bool]]) -> list[str]:
+    """Each case: whether each rank's forward raised (a rank whose forward succeeded settles nothing: it waits for the
+    next step, or is inside a collective its peer left), then what this rank's settle gave; a diverged channel's steps
+    too."""
     import datetime
     import time
 
@@ -112,13 +113,12 @@ def _settle_rank(cases: list[tuple[str, str]]) -> list[str]:
     seen = []
     for case in cases:
         channel = StepChannel(tp, StepLimits(4, 2, 4), torch.device("cpu"), steps.verdict_group(tp))
-        mine = case[tp.rank]
-        if mine == "absent":
-            time.sleep(4)
-            seen.append("absent")
+        if not case[tp.rank]:
+            time.sleep(3)
+            seen.append("went on")
             continue
         try:
-            channel.settle(None if mine == "ok" else ValueError("image features and image tokens do not match"))
+            channel.settle(ValueError("image features and image tokens do not match"))
             seen.append("settled")
         except steps.TensorParallelError as error:
             assert channel.broken is error
@@ -135,21 +135,21 @@ def _step_of(tokens: int):
     return pool.packed_step(["a"], [0], [tokens])
 
 
-def test_ranks_settle_a_prefill_that_raised_everywhere_and_stop_on_one_that_did_not(tmp_path):
-    """After a multimodal prefill the TP ranks count where it raised, in a group whose wait is bounded: on no rank or
-    on every rank (its inputs' error), each goes on; on some ranks only, or with a rank that never answers (one left
-    inside a collective of the forward), every rank that answers stops with TensorParallelError and its channel sends
+def test_a_forward_that_raised_on_every_rank_is_settled_and_one_that_did_not_stops_its_rank(tmp_path):
+    """A rank whose forward raised waits, in a group whose wait is bounded, for every other rank to say theirs raised
+    too: all did (its inputs' error), and each goes on; one did not (its forward succeeded: it is waiting for the next
+    step, or inside a collective), and the rank stops with TensorParallelError within the bound, its channel sending
     nothing more (not even the stop message) — no rank waits forever."""
     from tests.tp.ranks import run_ranks
 
-    cases = [("ok", "ok"), ("raised", "raised"), ("ok", "raised"), ("raised", "absent")]
+    cases = [(True, True), (True, False), (False, True), (True, True)]
     leader, follower = run_ranks(_settle_rank, cases, workdir=tmp_path, timeout=60)
-    assert leader[:2] == follower[:2] == ["settled", "settled"]
-    for rank in (leader, follower):
-        assert rank[2].startswith("broken: a multimodal prefill raised on 1 of 2 TP ranks"), rank[2]
-    assert "on rank 1: ValueError('image features" in follower[2] and "on rank 0: it succeeded" in leader[2]
-    assert leader[3].startswith("broken: TP rank 0: no outcome of a multimodal prefill from every rank (a wait bounded")
-    assert "this rank's prefill raised ValueError" in leader[3] and follower[3] == "absent"
+    assert leader[0] == follower[0] == leader[3] == follower[3] == "settled"
+    assert leader[2] == follower[1] == "went on"
+    for broken in (leader[1], follower[2]):
+        assert broken.startswith("broken: TP rank ") and "raised ValueError('image features" in broken, broken
+        assert "not every rank said it raised there too within 0:00:02" in broken, broken
+    assert leader[1].startswith("broken: TP rank 0") and follower[2].startswith("broken: TP rank 1")
 
 
 def test_a_tree_with_leaves_of_another_kind_is_refused_before_anything_is_sent():

@@ -130,3 +130,45 @@ def test_engine_under_tp_runs_its_decode_steps_static_on_every_rank(saved_llama,
 def test_ranks_that_disagree_on_static_steps_all_refuse_to_start(saved_llama, tmp_path):
     leader, follower = run_ranks(_mismatched_rank, str(saved_llama), workdir=tmp_path, timeout=60)
     assert leader == follower and "the ranks' decode steps differ" in leader
+
+
+def _follower_short_of_memory_rank(path: str, prompts: list[list[int]]) -> dict:
+    """The engine on this rank; the follower's third forward runs out of memory, there alone (the leader goes into the
+    forward's collectives). What each rank's engine ended with."""
+    import datetime
+
+    import hfaccel
+    from hfaccel.distributed import TensorParallelError, steps
+
+    steps.VERDICT_TIMEOUT = datetime.timedelta(seconds=3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), **ENGINE)
+    if not engine.is_leader:
+        run_model, calls = engine.runner.run_model, []
+
+        def out_of_memory(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated, on this rank alone)")
+            return run_model(*args, **kwargs)
+
+        engine.runner.run_model = out_of_memory
+    try:
+        if not engine.is_leader:
+            return {"followed": engine.follow()}
+        return {"outputs": engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))}
+    except TensorParallelError as error:
+        return {"error": str(error), "cause": repr(error.__cause__)}
+    finally:
+        engine.shutdown()  # sends nothing once the ranks diverged
+
+
+def test_a_forward_failing_on_one_rank_alone_stops_every_rank(saved_llama, tmp_path):
+    """A decode step that raises on the follower alone (out of memory there) leaves the leader inside the forward's
+    collectives: the follower gets no word from it in time and stops with TensorParallelError, and so does the leader
+    once its collective fails (its peer gone): its generate() raises instead of answering — no rank waits forever."""
+    prompts, _ = mixed_prompts(4)
+    leader, follower = run_ranks(_follower_short_of_memory_rank, str(saved_llama), prompts, workdir=tmp_path)
+    assert "not every rank said it raised there too" in follower["error"], follower
+    assert "OutOfMemoryError" in follower["cause"], follower
+    assert leader["error"].startswith("TP rank 0: a forward raised"), leader

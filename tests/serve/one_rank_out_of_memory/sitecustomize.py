@@ -1,6 +1,6 @@
 """Put on the ``PYTHONPATH`` of a ``hfaccel serve`` test process (Python imports ``sitecustomize`` at start-up, in
 the spawned TP ranks too): on the rank ``HFACCEL_TEST_OOM_RANK`` names, every multimodal prefill runs out of memory,
-as one GPU's can alone; the ranks wait 3 s, not minutes, for each other's outcome of a prefill."""
+as one GPU's can alone; a rank whose forward raised waits 3 s, not minutes, for the others to say theirs did."""
 
 import os
 
