@@ -57,9 +57,9 @@ VERDICT_TIMEOUT = datetime.timedelta(minutes=2)
 
 class TensorParallelError(BaseException):
     """The TP ranks no longer run the same forwards (a forward raised on some ranks only): nothing more can run on
-    them, and every rank must be restarted. A ``BaseException``, as
-    ``SystemExit`` is, so that the engine's handlers that fail one request and go on (``except Exception``) let it
-    through: it ends the engine (``AsyncEngine.healthy`` turns False) and the follower ranks' :func:`follow`."""
+    them, and every rank must be restarted. A ``BaseException``, as ``SystemExit`` is, so that the engine's handlers
+    that fail one request and go on (``except Exception``) let it through: it ends the engine (``AsyncEngine.healthy``
+    turns False) and the follower ranks' :func:`follow`."""
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,7 @@ def _search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int)
 
 # ---------------------------------------------------------------------------------------------- GPTQ
 def _apply_gptq(layer, linears: dict[str, nn.Linear], records: dict[str, _Recorder], group_size: int, **options):
+    """Each set of ``linears`` sharing a recorder rounded together (:func:`gptq_quantize`) and replaced in ``layer``."""
     shared: dict[int, list[str]] = {}
     for name in linears:
         shared.setdefault(id(records[name]), []).append(name)
