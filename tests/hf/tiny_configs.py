@@ -291,8 +291,10 @@ OVERRIDES: dict[str, dict] = {
     },
     # n_shared_experts defaults to None, which the modeling code multiplies
     "dots1": {"n_shared_experts": 1},
-    # widths and depths under names the generic shrinking does not know (a 410M text model; a 600M audio tower)
+    # widths and depths under names the generic shrinking does not know (a 410M text model; a 600M audio tower; 96M
+    # of hashed byte-group embeddings)
     "kosmos-2": {"text_config": {"embed_dim": 64, "layers": 2}},
+    "blt": {"encoder_hash_byte_group_vocab": 1024},
     **dict.fromkeys(
         ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"],
         {"audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 4, "encoder_ffn_dim": 64}},
