@@ -2,7 +2,8 @@
 
 :func:`supervise` starts N ranks as processes of ``torch.multiprocessing`` (spawn) with the environment ``torchrun``
 gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so one rank function
-serves both launchers; the supervising process then only watches its ranks' process sentinels:
+serves both launchers. Like ``torchrun``'s agent, the supervising process hosts the ranks' rendezvous store
+(:func:`rendezvous_store`) and then only watches its ranks' process sentinels:
 
 - a rank that dies (an error, a signal) stops every other rank within seconds (SIGTERM, then SIGKILL after
   :data:`GRACE_S`) and the supervisor raises :class:`RankFailed` naming it, with its traceback;
@@ -24,7 +25,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -77,8 +77,9 @@ def supervise(target: Callable, args: tuple, size: int) -> None:
     importable by the spawned processes (a module-level function)."""
     if size < 1:
         raise ValueError(f"a tensor-parallel size must be at least 1; got {size}")
+    store = rendezvous_store()
     context = torch.multiprocessing.start_processes(
-        _rank_main, (size, _free_port(), target, args), nprocs=size, join=False, start_method="spawn"
+        _rank_main, (size, store.port, target, args), nprocs=size, join=False, start_method="spawn"
     )
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: _stop_leader(context))
     previous_interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0 itself
@@ -117,15 +118,29 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="hfaccel-exit-with-parent", daemon=True).start()
 
 
-def _rank_main(index: int, size: int, port: int, target: Callable, args: tuple) -> None:
-    os.environ.update(
+def rendezvous_store() -> dist.TCPStore:
+    """A ``TCPStore`` server in this process on a loopback port the system picks, for ranks started with
+    :func:`rank_environment` (they all connect to it as clients). The port is bound as it is chosen: a port probed
+    free and handed to rank 0 to bind can be taken in between, e.g. by another group's gloo connection."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def rank_environment(index: int, size: int, port: int) -> dict[str, str]:
+    """The environment of rank ``index`` of ``size`` (``torchrun``'s variables) whose rendezvous store is the
+    supervisor's :func:`rendezvous_store` on ``port``."""
+    return dict(
         RANK=str(index),
         LOCAL_RANK=str(index),
         WORLD_SIZE=str(size),
         LOCAL_WORLD_SIZE=str(size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the store is served by the supervisor, not by rank 0
     )
+
+
+def _rank_main(index: int, size: int, port: int, target: Callable, args: tuple) -> None:
+    os.environ.update(rank_environment(index, size, port))
     exit_with_parent()
     if index > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops the others
@@ -155,9 +170,3 @@ def _failure(error: ProcessException, size: int) -> RankFailed:
         how = f"signal {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
         return RankFailed(error.error_index, size, f"its process exited ({how})")
     return RankFailed(error.error_index, size, "it raised an error", str(error).split("error:\n", 1)[-1].strip())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

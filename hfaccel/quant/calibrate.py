@@ -189,7 +189,7 @@ def _record(layer, linears, hidden, kwargs, *, keep_samples: bool, keep_hessian:
     for recorders in received.values():
         key = tuple(map(id, recorders))
         if key not in merged:
-            merged[key] = _Recorder.merged(recorders) if recorders else _Recorder()
+            merged[key] = _Recorder.merged(recorders)
     return {name: merged[tuple(map(id, recorders))] for name, recorders in received.items()}
 
 

@@ -5,7 +5,6 @@ bounded in time (tests.serve.test_server.Server waits 120 s at most to come up; 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -138,14 +137,10 @@ def test_a_rank_killed_mid_run_stops_the_server_with_an_error(model_dir):
 
 
 def test_under_torchrun_the_ranks_serve_like_one_process_and_sigterm_stops_them(model_dir, expected):
-    """``torchrun --nproc-per-node 2 -m hfaccel.tools.cli serve ...``: the server takes torchrun's two ranks (no
-    --tensor-parallel-size needed), rank 0 answers as one process does, and SIGTERM to torchrun stops both."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        master_port = probe.getsockname()[1]
-    server = Server(
-        model_dir, launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(master_port)]
-    )
+    """``torchrun --standalone --nproc-per-node 2 -m hfaccel.tools.cli serve ...``: the server takes torchrun's two
+    ranks (no --tensor-parallel-size needed), rank 0 answers as one process does, and SIGTERM to torchrun stops
+    both."""
+    server = Server(model_dir, launcher=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
     try:
         workers = [p for p in psutil.Process(server.process.pid).children() if "hfaccel.tools.cli" in p.cmdline()]
         assert len(workers) == 2, [p.cmdline() for p in workers]

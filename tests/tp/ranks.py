@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -13,16 +12,16 @@ from typing import Callable
 
 import torch
 
-from hfaccel.distributed.launch import end_rank
+from hfaccel.distributed.launch import end_rank, rank_environment, rendezvous_store
 
 
 def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.0, workdir: Path) -> list:
     """``target(*args)`` on ``world_size`` ranks (``torch.distributed`` initialized, gloo); each rank's return
     value, in rank order. ``target`` must be a module-level function (spawned processes import it)."""
     context = multiprocessing.get_context("spawn")
-    port = _free_port()
+    store = rendezvous_store()
     processes = [
-        context.Process(target=_rank_main, args=(rank, world_size, port, workdir, target, args), daemon=True)
+        context.Process(target=_rank_main, args=(rank, world_size, store.port, workdir, target, args), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -48,14 +47,7 @@ def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.
 
 
 def _rank_main(rank: int, world_size: int, port: int, workdir: Path, target: Callable, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     import datetime
 
@@ -74,9 +66,3 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: Path, target: Cal
 def _error_of(workdir: Path, rank: int) -> str:
     path = workdir / f"rank{rank}.err"
     return path.read_text() if path.exists() else "(no traceback: the process died)"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
