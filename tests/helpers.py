@@ -4,9 +4,9 @@ references, a word-level tokenizer and a small Llama for quantization tests."""
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from hfaccel.engine import SamplingParams
+from hfaccel.serve.http import listening_url
 from tests.devices import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,20 +25,20 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% en
 
 
 class Server:
-    """A ``hfaccel serve`` subprocess on a free loopback port."""
+    """A ``hfaccel serve`` subprocess on a loopback port the system picks (``--port 0``); its output goes to
+    :attr:`log_path`."""
 
     def __init__(self, model_dir: Path, *extra: str, launcher: Sequence[str] = (), env: dict[str, str] | None = None):
         """``hfaccel serve model_dir *extra``, run by ``python *launcher -m hfaccel.tools.cli`` (e.g. torchrun's
         module and options); ``env``: variables added to its environment (``PYTHONPATH`` entries go after the
         repository's)."""
         self.model_dir = model_dir
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
         extra_env = dict(env or {})
         path = os.pathsep.join([str(ROOT)] + ([extra_env.pop("PYTHONPATH")] if "PYTHONPATH" in extra_env else []))
         env = {**os.environ, "TRITON_INTERPRET": "0", **extra_env, "PYTHONPATH": path}
-        self.log = open(model_dir / f"server-{self.port}.log", "w")
+        descriptor, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=model_dir)
+        self.log_path = Path(name)
+        self.log = os.fdopen(descriptor, "w")
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -47,7 +48,7 @@ class Server:
                 "serve",
                 str(model_dir),
                 "--port",
-                str(self.port),
+                "0",
                 "--served-model-name",
                 "tiny",
                 "--attention",
@@ -65,16 +66,18 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, (model_dir / f"server-{self.port}.log").read_text()
+            assert self.process.poll() is None, self.log_path.read_text()
+            url = listening_url(self.log_path.read_text())
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if url is not None and httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    self.url, self.port = url, int(url.rsplit(":", 1)[1])
                     return
             except httpx.HTTPError:
-                time.sleep(0.2)
-        raise TimeoutError("the server did not come up in 120 s")
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the server did not come up in 120 s:\n{self.log_path.read_text()}")
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)

@@ -9,16 +9,21 @@
 - **A shutdown the app hears about first.** On SIGTERM uvicorn stops accepting connections, waits for the
   requests in flight, cancels those still running when its timeout ends, and only then tells the app (the
   lifespan). :class:`DrainingServer` calls the app's ``on_shutdown`` as shutdown begins, so the app can end
-  each request cleanly itself (a final error event for a stream, a JSON 503 otherwise) before that.
+  each request cleanly itself (a final error event for a stream, a JSON 503 otherwise) before that. Once it
+  listens, it prints the address it bound (:data:`LISTENING`): ``--port 0`` lets the system pick a free port,
+  and whoever started the server reads it back with :func:`listening_url`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+LISTENING = "hfaccel serve: listening on "  # + the URL, one line on stdout once the socket is bound
 
 
 class _HeaderDeadlineH11(H11Protocol):
@@ -74,6 +79,18 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.on_shutdown = on_shutdown
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"{LISTENING}http://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
+
     async def shutdown(self, sockets=None) -> None:
         self.on_shutdown()
         await super().shutdown(sockets)
+
+
+def listening_url(output: str) -> str | None:
+    """The URL a ``hfaccel serve`` process listens on, read from its ``output``; None before it listens."""
+    match = re.search(re.escape(LISTENING) + r"(\S+)", output)
+    return match.group(1) if match else None

@@ -189,7 +189,7 @@ def _serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--calib", help="text file for --quantize awq/gptq (default: Hamlet, from hfaccel.tools.assets)")
     serve.add_argument("--group-size", type=int, default=128, help="--quantize group size")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="0: a free port the system picks (printed)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
     serve.add_argument("--device", default="auto")

@@ -111,7 +111,7 @@ def test_a_prefill_that_fails_on_rank_0_alone_ends_the_tp_server(saved):
         if server.process.poll() is None:
             server.stop()
         server.log.close()
-    log = (path / f"server-{server.port}.log").read_text()
+    log = server.log_path.read_text()
     assert "tensor-parallel rank 0 of 2 failed" in log and "not every rank said it raised there too" in log, log[-3000:]
 
 

@@ -71,10 +71,6 @@ def _ranks(server: Server) -> tuple[psutil.Process, psutil.Process]:
     return leader, next(p for p in spawned if p.pid != leader.pid)
 
 
-def _log(server: Server, model_dir) -> str:
-    return (model_dir / f"server-{server.port}.log").read_text()
-
-
 def _gone(processes, timeout: float) -> bool:
     _, alive = psutil.wait_procs(processes, timeout=timeout)
     return not alive
@@ -90,7 +86,7 @@ def test_tp_server_answers_like_one_process_and_sigterm_stops_both_ranks(model_d
         server.process.kill()
         raise
     started = time.monotonic()
-    assert server.stop() == 0, _log(server, model_dir)
+    assert server.stop() == 0, server.log_path.read_text()
     assert _gone(ranks, timeout=10), "a rank outlived the server"
     assert time.monotonic() - started < 30
     for key, (full, streamed) in got.items():
@@ -129,7 +125,7 @@ def test_a_rank_killed_mid_run_stops_the_server_with_an_error(model_dir):
         if server.process.poll() is None:
             server.process.kill()
         server.log.close()
-    log = _log(server, model_dir)
+    log = server.log_path.read_text()
     assert code != 0, log
     assert "tensor-parallel rank 1 of 2 failed: its process exited (signal SIGKILL)" in log, log
     assert elapsed < 15, f"the server took {elapsed:.1f} s to stop"

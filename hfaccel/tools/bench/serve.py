@@ -1,7 +1,7 @@
 """``hfaccel bench serve``: throughput and latency of the HTTP server at concurrency 1, 8 and 64 (loopback).
 
 Against a running server (``--url http://host:port/v1`` and its model name via ``--model``), or one this
-command starts on a free loopback port from a model folder (``--model``, default SmolLM2-135M-Instruct)
+command starts on a loopback port from a model folder (``--model``, default SmolLM2-135M-Instruct)
 and stops afterwards. Each level sends ``max(16, 2 x concurrency)`` streaming completions of ``--new-tokens``
 tokens through the official ``openai`` client (``hfaccel.tools.bench.loadgen``).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -50,43 +50,43 @@ def bench_serve(
 def _start_server(model: str | None, device: str):
     import httpx
 
+    from hfaccel.serve.http import listening_url
     from hfaccel.tools.assets import smollm2_path
 
     path = model or str(smollm2_path())
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hfaccel.tools.cli",
-            "serve",
-            path,
-            "--port",
-            str(port),
-            "--served-model-name",
-            "bench",
-            "--device",
-            device,
-            "--max-queue",
-            "1024",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return process, f"{base}/v1", "bench"
-        except httpx.HTTPError:
+    with tempfile.NamedTemporaryFile("w", prefix="hfaccel-bench-serve-", suffix=".log") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hfaccel.tools.cli",
+                "serve",
+                path,
+                "--port",
+                "0",
+                "--served-model-name",
+                "bench",
+                "--device",
+                device,
+                "--max-queue",
+                "1024",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            base = listening_url(Path(log.name).read_text())
+            try:
+                if base is not None and httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    return process, f"{base}/v1", "bench"
+            except httpx.HTTPError:
+                pass
             time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"the benchmark server for {path} did not start")
+        process.kill()
+        raise RuntimeError(f"the benchmark server for {path} did not start:\n{Path(log.name).read_text()[-3000:]}")
 
 
 def run(options, console) -> dict:
