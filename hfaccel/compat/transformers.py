@@ -334,6 +334,38 @@ def transformers_prefill(model, input_ids: torch.Tensor, generation_config, mode
     return model._prefill(input_ids, generation_config, model_kwargs)
 
 
+def generation_position_ids(model, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor | None:
+    """The position ids ``generate`` gives the forward for the prompt ``input_ids [1, N]``
+    (``GenerationMixin._prepare_position_ids_for_generation``, private: an M-RoPE model's ``[4, 1, N]``, the text
+    positions then its three axes, computed from the processor's inputs in ``model_kwargs``), or None where the
+    forward takes none."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return None
+    return model._prepare_position_ids_for_generation(input_ids, dict(model_kwargs))
+
+
+def continues_multimodal_prompts(model) -> bool:
+    """Whether the model's forward continues a prompt with images after tokens its cache holds, given the inputs of
+    :func:`prefill_chunk_inputs`: where transformers' own chunked prefill does (5.24 on, which takes pre-encoded
+    images; 5.17 gives Gemma 3 the chunk's token types alone, which its bidirectional mask reads by position)."""
+    return takes_encoded_media(model)
+
+
+def prefill_chunk_inputs(model, input_ids: torch.Tensor, cache, model_kwargs: dict) -> dict:
+    """The forward's inputs for ``input_ids [1, L]``, a prompt's tokens after those ``cache`` holds, as transformers'
+    chunked prefill makes them (``GenerationMixin._prefill``, 5.24 on: the model's ``prepare_inputs_for_generation``
+    of the chunk in the first iteration; ``model_kwargs`` the whole prompt's attention mask and token types, the
+    chunk's position ids, its images' inputs)."""
+    kwargs = dict(model_kwargs)
+    encoded = kwargs.pop("mm_encoder_outputs", None)  # added after, as transformers does: preparing may drop it
+    inputs = model.prepare_inputs_for_generation(
+        input_ids, is_first_iteration=True, **{cache_argument(model): cache}, **kwargs
+    )
+    if encoded is not None:
+        inputs["mm_encoder_outputs"] = encoded
+    return inputs
+
+
 def takes_encoded_media(model) -> bool:
     """Whether the model's forward takes images encoded beforehand (``mm_encoder_outputs``: transformers >= 5.24)."""
     supports = getattr(model, "_supports_mm_encoder_outputs", None)

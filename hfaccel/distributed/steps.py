@@ -307,12 +307,21 @@ class LeaderRunner(ModelRunner):
         return self._settled(graphs.run_packed, input_ids, step)
 
     def prefill_images(
-        self, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = (), lora_slot: int = -1
+        self,
+        seq_id: Hashable,
+        input_ids: torch.Tensor,
+        inputs: dict,
+        keep: Sequence[int] = (),
+        lora_slot: int = -1,
+        past_ids: Sequence[int] = (),
     ) -> torch.Tensor:
         """A prompt's multimodal prefill: its tokens, blocks and inputs broadcast, then run as every follower runs
-        it (:func:`~hfaccel.runner.multimodal.prefill_on_blocks`)."""
+        it (:func:`~hfaccel.runner.multimodal.prefill_on_blocks`), from the prompt's first token (the engine's
+        scheduler gives a prompt with images no prefix-cache hit before them under tensor parallelism)."""
         if lora_slot >= 0:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
+        if past_ids:
+            raise NotImplementedError("under tensor parallelism a prompt's images are prefilled from its first token")
         held = self.pool.manager.seq_len(seq_id)
         if held < input_ids.shape[0]:  # what PromptCache would raise, raised before any rank starts
             raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {input_ids.shape[0]} tokens")

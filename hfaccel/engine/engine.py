@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from hfaccel import compat
 from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
 from hfaccel.device import model_device
 from hfaccel.distributed import (
@@ -174,6 +175,8 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 max_num_batched_tokens=max_num_batched_tokens,
                 loras=self.loras,
                 media_offsets=self.media_offsets,
+                # a follower's prefill of images starts at the first token
+                hits_before_images=self.tp is None and compat.continues_multimodal_prompts(model),
                 release=token_counts.release,
             )
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)

@@ -260,7 +260,7 @@ class StepExecutor:
         encoded = self.encoder_cache.inputs(
             self.model,
             [
-                (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.length), c.seq.token_ids[: c.length])
+                (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.end), c.seq.token_ids[: c.end])
                 for c in with_images
             ],
         )
@@ -268,7 +268,10 @@ class StepExecutor:
             media, end = chunk.seq.request.media, offset + chunk.length
             keep = [row - offset for row in prompt if offset <= row < end]
             slot = -1 if self.loras is None else self.loras.slot_of(chunk.seq.request.lora)
-            out = self.runner.prefill_images(chunk.seq.seq_id, input_ids[offset:end], inputs, keep, lora_slot=slot)
+            past = chunk.seq.token_ids[: chunk.start]  # prefix-cache hits before its images
+            out = self.runner.prefill_images(
+                chunk.seq.seq_id, input_ids[offset:end], inputs, keep, lora_slot=slot, past_ids=past
+            )
             rows.append(out[:1])  # [1, V]: its last token's
             prompt_logits.append(out[1:])  # [len(keep), V]
             self.media_offsets.record(media.digest, self.runner.position_offsets.get(chunk.seq.seq_id, 0))
@@ -418,5 +421,6 @@ def _sample_rows(seqs: list[Sequence]) -> list[SampleRow]:
 
 
 def _prefills_images(chunk: ScheduledChunk) -> bool:
-    """Whether a chunk computes a prompt with images (from its first token: the multimodal prefill)."""
-    return chunk.seq.request.media is not None and chunk.start == 0
+    """Whether a chunk computes a prompt's images (the multimodal prefill: from its first token, or from its
+    prefix-cache hits before them)."""
+    return chunk.seq.request.media is not None and chunk.seq.request.media.images_from(chunk.start)

@@ -32,13 +32,20 @@ class MediaInputs:
 
     inputs: dict[str, torch.Tensor]  # pixel values, image sizes, token types... (not input_ids / attention_mask)
     digest: str  # the images' content hash
+    start: int | None = None  # its first image token (None: not located)
     end: int | None = None  # how many prompt tokens run up to its last image token (None: not located)
 
     def located(self, prompt_ids: Sequence[int], media_token_ids: frozenset[int]) -> MediaInputs:
-        """These inputs with :attr:`end` found in the prompt: one past its last token of ``media_token_ids`` (the
-        model's image / video placeholders); None when the prompt has none of them."""
-        last = max((i for i, token in enumerate(prompt_ids) if token in media_token_ids), default=None)
-        return replace(self, end=None if last is None else last + 1)
+        """These inputs with :attr:`start` and :attr:`end` found in the prompt: its first token of
+        ``media_token_ids`` (the model's image / video placeholders) and one past its last; None when the prompt has
+        none of them."""
+        found = [i for i, token in enumerate(prompt_ids) if token in media_token_ids]
+        return replace(self, start=found[0], end=found[-1] + 1) if found else replace(self, start=None, end=None)
+
+    def images_from(self, start: int) -> bool:
+        """Whether computing the prompt from token ``start`` on computes some of its images (the multimodal prefill
+        does): ``start`` is before :attr:`end` (not located: only the prompt's first token)."""
+        return start == 0 if self.end is None else start < self.end
 
     def for_tokens(self, length: int) -> dict[str, torch.Tensor]:
         """The inputs for a forward over the prompt and ``length - prompt length`` tokens after it (a preempted

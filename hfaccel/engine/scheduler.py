@@ -8,16 +8,17 @@ Every step packs, within ``max_num_batched_tokens``:
 2. then waiting sequences, first come first served, while sequences and tokens remain in the budget and the
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
-   images is computed whole in one step (its images' tokens are never split), when the budget left holds it (one
-   longer than the whole budget goes past it) — unless its prefix-cache hits cover its images: the text after them
-   is then computed like any prompt's, at the position offset its images gave (``media_offsets``).
+   images is computed in one step from its prefix-cache hits on (its images' tokens are never split), when the
+   budget left holds it (one longer than the whole budget goes past it); hits end before its first image (the text
+   before it, shared with any prompt) or cover all its images, and then the text after them is computed like any
+   prompt's, at the position offset its images gave (``media_offsets``).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
 base-model sequences behind it may still be admitted, adapter ones wait too (else the adapters running could keep
 their slots forever); a sequence holds a reference on its adapter's slot while it runs.
-Its blocks are shared through the prefix cache only with sequences of the same adapter, and a prompt with images
-only with prompts of the same images (``salt``).
+Its blocks are shared through the prefix cache only with sequences of the same adapter, and a prompt's blocks from
+the one holding its first image token on only with prompts of the same images (``salt_from``).
 
 After a step the scheduler takes its output (:meth:`Scheduler.update`): each sampled token is appended to its
 sequence, stop rules applied, and finished sequences freed at once.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -135,9 +136,13 @@ class ScheduledChunk:
     length: int
 
     @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
     def completes(self) -> bool:
         """Whether this chunk reaches the sequence's last token (its logits give the next token)."""
-        return self.start + self.length == self.seq.num_tokens
+        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -170,11 +175,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         loras: LoRAManager | None = None,
         media_offsets: Container[str] = (),
+        hits_before_images: bool = True,
         release: Callable[[int], None] | None = None,
     ):
         """``media_offsets``: the content hashes of the images whose position offset the engine knows (prompts
-        with them may take prefix-cache hits that cover their images). ``release``: frees what else a finished
-        sequence held, by its id (the engine's: its penalties' token counts, on the device)."""
+        with them may take prefix-cache hits that cover their images). ``hits_before_images``: whether a prompt
+        with images may take hits that end before its first image (its runner computes a prompt's images after a
+        hit). ``release``: frees what else a finished sequence held, by its id (the engine's: its penalties' token
+        counts, on the device)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, {max_num_batched_tokens}"
@@ -184,6 +192,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.loras = loras
         self.media_offsets = media_offsets
+        self.hits_before_images = hits_before_images
         self.release = release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -247,7 +256,7 @@ class Scheduler:
             if not self._admit(seq):
                 break
             self.waiting.popleft()
-            whole = whole and not seq.num_computed  # prefix hits took its images: the rest is text
+            whole = whole and seq.request.media.images_from(seq.num_computed)  # else hits took them: text is left
             length = seq.num_tokens - seq.num_computed if whole else min(seq.num_tokens - seq.num_computed, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
@@ -288,8 +297,9 @@ class Scheduler:
             return False
         free_before = manager.num_free_blocks
         try:
+            salt, salt_from = _cache_salts(seq)
             cached = manager.add_sequence(
-                seq.seq_id, seq.token_ids, computed=False, salt=_cache_salt(seq), least_hit=self._least_hit(seq)
+                seq.seq_id, seq.token_ids, computed=False, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq)
             )
         except CacheFullError:
             return False
@@ -310,16 +320,17 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self._preempt(seq, SchedulerOutput([], [], [], []))
 
-    def _least_hit(self, seq: Sequence) -> int:
-        """The fewest leading tokens ``seq`` may take from the prefix cache (a shorter hit is not taken). A prompt
-        with images takes blocks only past its last image token, where the rest of it is text, and only when the
-        position offset its images give is known; a prompt without takes any hit."""
+    def _unsplit(self, seq: Sequence) -> tuple[int, int] | None:
+        """The tokens ``(start, end)`` a prefix-cache hit of ``seq`` must not end inside (``BlockManager``), None for
+        a prompt without images. A prompt's images are computed together: its hits end before its first image
+        token (where ``hits_before_images``), or past its last one once the position offset its images give is
+        known."""
         media = seq.request.media
         if media is None:
-            return 0
-        if media.end is None or media.digest not in self.media_offsets:
-            return seq.num_tokens  # never (a hit leaves one token at least)
-        return media.end
+            return None
+        start = media.start if self.hits_before_images and media.start is not None else 0
+        known = media.end is not None and media.digest in self.media_offsets
+        return start, media.end if known else seq.num_tokens  # (a hit leaves one token at least)
 
     def _possible_hits(self, seq: Sequence) -> int:
         return seq.num_tokens // self.manager.block_size if self.manager.enable_prefix_caching else 0
@@ -446,13 +457,15 @@ class Scheduler:
             self.loras.release(seq.request.lora)
 
 
-def _cache_salt(seq: Sequence):
-    """What the sequence's K/V depend on besides its tokens: its LoRA adapter (None: the base model) and its images'
-    content. A request that asks for prompt logprobs has a salt of its own: its prompt is computed, not taken from
-    the prefix cache."""
+def _cache_salts(seq: Sequence) -> tuple[Hashable, tuple[int, Hashable] | None]:
+    """What the sequence's K/V depend on besides its tokens, as ``BlockManager`` salts them: its LoRA adapter (None:
+    the base model) from its first token, its images' content from its first image token (from its first token where
+    they are not located). A request that asks for prompt logprobs has a salt of its own: its prompt is computed, not
+    taken from the prefix cache."""
     adapter = None if seq.request.lora is None else seq.request.lora.cache_key
+    media = seq.request.media
     if seq.request.params.prompt_logprobs is not None:
-        return adapter, "prompt logprobs", seq.request.request_id
-    if seq.request.media is not None:
-        return adapter, "images", seq.request.media.digest
-    return adapter
+        return (adapter, "prompt logprobs", seq.request.request_id), None
+    if media is None:
+        return adapter, None
+    return adapter, (media.start or 0, ("images", media.digest))

@@ -14,7 +14,9 @@ Invariants (checked by ``check_invariants`` and property-tested):
 - with prefix caching, each full block whose tokens are known and whose K/V have been computed is registered
   under the hash of (the hash of the block before it, its own tokens) — the first block's "hash before it" is the
   sequence's ``salt`` (None, or e.g. the LoRA adapter that computes it: the same tokens under another adapter have
-  other K/V); a sequence whose prompt starts with the same full blocks under the same salt reuses them
+  other K/V), and a ``salt_from`` mixes a further salt in from the block holding a given token on (a prompt's
+  images: the text before them is shared with any prompt); a sequence whose prompt starts with the same full blocks
+  under the same salts reuses them
   (ref-count + 1) instead of allocating. Freed blocks keep their content and
   registration until the pool reuses them, so a later request can still hit them. A registered block never
   changes under its hash: a sequence cropped into a registered block keeps the registration until it writes
@@ -61,6 +63,7 @@ class _Sequence:
     computed: int = 0  # leading tokens whose K/V are in the pool (only those blocks may be registered)
     epoch: int = 0  # changes whenever an entry of ``blocks`` is replaced or removed (not when blocks are appended)
     salt: Hashable = None  # what the first block's hash is chained to (prefix caching): None, or a LoRA adapter's key
+    salt_from: tuple[int, Hashable] | None = None  # (token, salt): mixed into the key of the block holding that token
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,8 @@ class BlockManager:
         num_tokens: int | None = None,
         computed: bool = True,
         salt: Hashable = None,
-        least_hit: int = 0,
+        salt_from: tuple[int, Hashable] | None = None,
+        unsplit: tuple[int, int] | None = None,
     ) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
@@ -205,8 +209,10 @@ class BlockManager:
         allocated (reused where a prefix hit). ``computed=False``: the prompt's K/V (past the prefix hit) are
         not written yet (see ``mark_computed``). Raises ``CacheFullError`` with nothing changed if the pool
         cannot hold it. ``salt``: what else the K/V depend on besides the tokens (a LoRA adapter's
-        ``cache_key``): only blocks registered under the same salt are shared. ``least_hit``: a hit of fewer
-        tokens is not taken (the prompt is computed from its start).
+        ``cache_key``): only blocks registered under the same salt are shared. ``salt_from``: ``(token, salt)``,
+        what else the K/V from ``token`` on depend on (a prompt's images): the blocks before the one holding it are
+        keyed without it. ``unsplit``: tokens ``(start, end)`` a hit must not end inside (a prompt's images, which
+        are computed together): a hit that would is cut back to the block boundary at or before ``start``.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
@@ -214,9 +220,10 @@ class BlockManager:
         if length is None or length < 0:
             raise ValueError("add_sequence needs token_ids or a num_tokens >= 0")
         tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
-        hits, hashes = self._prefix_hits(tokens, salt)
-        if len(hits) * self.block_size < least_hit:
-            hits, hashes = [], []
+        hits, hashes = self._prefix_hits(tokens, salt, salt_from)
+        if unsplit is not None and unsplit[0] < len(hits) * self.block_size < unsplit[1]:
+            kept = unsplit[0] // self.block_size
+            hits, hashes = hits[:kept], hashes[:kept]
         needed = self.blocks_needed(length) - len(hits)
         reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         if needed > self.num_free_blocks - reusable_free:
@@ -226,7 +233,9 @@ class BlockManager:
                 f"(of {self.num_blocks})"
             )
         self._check_state_slot()
-        seq = _Sequence(tokens=[] if tokens is not None else None, epoch=next(self._epochs), salt=salt)
+        seq = _Sequence(
+            tokens=[] if tokens is not None else None, epoch=next(self._epochs), salt=salt, salt_from=salt_from
+        )
         for block in hits:
             self._ref(block)
         seq.blocks, seq.hashes = list(hits), hashes
@@ -294,6 +303,7 @@ class BlockManager:
             parent.computed,
             next(self._epochs),
             parent.salt,
+            parent.salt_from,
         )
         if self._take_state_slot(child_id) is not None:
             self._state_copies.append(BlockCopy(self._state_of[parent_id], self._state_of[child_id]))
@@ -408,8 +418,11 @@ class BlockManager:
         seq.epoch = next(self._epochs)
         return BlockCopy(shared, fresh)
 
-    def _prefix_hits(self, tokens: list[int] | None, salt: Hashable = None) -> tuple[list[int], list[int]]:
-        """Blocks already holding the leading full blocks of ``tokens`` under ``salt``, and their hashes.
+    def _prefix_hits(
+        self, tokens: list[int] | None, salt: Hashable, salt_from: tuple[int, Hashable] | None
+    ) -> tuple[list[int], list[int]]:
+        """Blocks already holding the leading full blocks of ``tokens`` under ``salt`` and ``salt_from``, and their
+        hashes.
 
         A hit never covers the last token: the caller must run at least one token to get its logits.
         """
@@ -417,7 +430,7 @@ class BlockManager:
         if tokens is None:
             return hits, hashes
         for start in range(0, len(tokens) - self.block_size, self.block_size):
-            key = (parent, tuple(tokens[start : start + self.block_size]))
+            key = (self._salted(parent, start, salt_from), tuple(tokens[start : start + self.block_size]))
             block = self._hash_to_block.get(hash(key))
             if block is None or self._block_key.get(block) != key:
                 break
@@ -430,12 +443,20 @@ class BlockManager:
         size = self.block_size
         while len(seq.hashes) < min(len(seq.tokens), seq.length, seq.computed) // size:
             index = len(seq.hashes)
-            key = (seq.hashes[-1] if seq.hashes else seq.salt, tuple(seq.tokens[index * size : (index + 1) * size]))
+            parent = self._salted(seq.hashes[-1] if seq.hashes else seq.salt, index * size, seq.salt_from)
+            key = (parent, tuple(seq.tokens[index * size : (index + 1) * size]))
             block, digest = seq.blocks[index], hash(key)
             if digest not in self._hash_to_block and block not in self._block_key:
                 self._hash_to_block[digest] = block
                 self._block_key[block] = key
             seq.hashes.append(digest)
+
+    def _salted(self, parent: Hashable, start: int, salt_from: tuple[int, Hashable] | None) -> Hashable:
+        """What the key of the block starting at token ``start`` chains to: ``parent`` (the hash of the block before,
+        or the sequence's salt), with ``salt_from``'s salt mixed in where the block holds its token."""
+        if salt_from is not None and start // self.block_size == salt_from[0] // self.block_size:
+            return parent, salt_from[1]
+        return parent
 
     def _unregister(self, block: int) -> None:
         key = self._block_key.pop(block, None)

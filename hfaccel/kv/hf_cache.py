@@ -4,7 +4,8 @@
   sequence of the pool, blocks allocated as tokens arrive.
 - :class:`PromptCache`, for a prompt's prefill through the model's own forward (a multimodal one's: its images
   encoded and merged as transformers does it) into sequences of a pool whose slots are reserved: a left-padded batch,
-  row ``b``'s real tokens written to sequence ``seq_ids[b]`` from position 0.
+  row ``b``'s real tokens written to sequence ``seq_ids[b]`` from position 0, or after the ``past`` tokens its
+  sequences hold already (prefix-cache hits).
 - :class:`SequenceKVCache`, for hfaccel's :class:`~hfaccel.runner.ModelRunner`: any number of independent
   sequences packed into one ``[1, T]`` row; the runner sets each forward's metadata (``step``).
 
@@ -181,7 +182,8 @@ class PromptCache(PoolCache):
     cache position ``c`` goes to position ``c - padding[b]`` of sequence ``seq_ids[b]``, which must hold those slots
     already (``KVPool.reserve``, or the engine's scheduler). ``block_tables [B, W]``: the sequences' blocks as given
     (a tensor-parallel follower's, whose pool holds no sequences: the leader's tables come with its steps), instead
-    of those the pool's block manager holds for ``seq_ids``."""
+    of those the pool's block manager holds for ``seq_ids``. ``past``: the tokens each sequence holds already (no
+    padding then): the forward's tokens continue after them, and attend to them."""
 
     def __init__(
         self,
@@ -190,10 +192,16 @@ class PromptCache(PoolCache):
         seq_ids: Sequence[Hashable],
         padding: Sequence[int],
         block_tables: torch.Tensor | None = None,
+        past: int = 0,
     ):
         super().__init__(config, pool)
         if len(seq_ids) != len(padding):
             raise ValueError(f"one padding per sequence; got {len(padding)} for {len(seq_ids)} sequences")
+        if past < 0 or past and (any(padding) or pool.states is not None):
+            raise ValueError(
+                f"a prefill after {past} tokens held takes rows without padding, of a model without recurrent state; "
+                f"got padding {list(padding)}" + (" and recurrent state" if pool.states is not None else "")
+            )
         if block_tables is not None and (block_tables.dim() != 2 or block_tables.shape[0] != len(seq_ids)):
             raise ValueError(
                 f"block_tables must be [B, W] with B = {len(seq_ids)} sequences; got {tuple(block_tables.shape)}"
@@ -202,7 +210,8 @@ class PromptCache(PoolCache):
             raise ValueError("given block tables carry no state slots: a model with recurrent state needs its pool's")
         self.seq_ids, self.padding = list(seq_ids), [int(pad) for pad in padding]
         self.block_tables = block_tables
-        self.seq_len = 0  # cache positions filled (padding included); one forward fills them
+        self.past = past
+        self.seq_len = past  # cache positions filled (padding included); one forward fills the rest
         self._view: tuple[PagedKV, torch.Tensor] | None = None  # the forward's view and slots, shared by its layers
         # a hybrid model's recurrent layers: each row's state starts here and goes to its sequence's slot
         self.state_view = StateView(pool.num_layers) if pool.states is not None else None
@@ -224,7 +233,8 @@ class PromptCache(PoolCache):
         if self._view is None:
             self._view = self._prefill_view(batch, width, key_states.device)
         paged, slots = self._view
-        return replace(paged, **self.pool.layer_view(layer_idx), dense=(key_states, value_states)), slots
+        dense = None if self.past else (key_states, value_states)  # the new K/V are all the keys without a past
+        return replace(paged, **self.pool.layer_view(layer_idx), dense=dense), slots
 
     def _slots_held(self) -> list[int]:
         """The slots each sequence holds: its block manager's count, or its given table's whole blocks."""
@@ -233,27 +243,27 @@ class PromptCache(PoolCache):
         return [self.block_tables.shape[1] * self.block_size] * len(self.seq_ids)
 
     def _prefill_view(self, batch: int, width: int, device: torch.device) -> tuple[PagedKV, torch.Tensor]:
-        if batch != len(self.seq_ids) or self.seq_len:
+        if batch != len(self.seq_ids):
             raise ValueError(
-                f"PromptCache takes one prefill of its {len(self.seq_ids)} sequences; got a forward of "
-                f"{batch} rows" + (" after its prefill" if self.seq_len else "")
+                f"PromptCache takes one prefill of its {len(self.seq_ids)} sequences; got a forward of {batch} rows"
             )
+        past = self.past
         for seq_id, pad, held in zip(self.seq_ids, self.padding, self._slots_held()):
-            if held < width - pad:
+            if held < past + width - pad:
                 holder = f"sequence {seq_id!r}" if self.block_tables is None else "the given block table"
-                raise ValueError(f"{holder} holds {held} slots; its prompt has {width - pad} tokens")
+                raise ValueError(f"{holder} holds {held} slots; its prompt has {past + width - pad} tokens")
         tables = self.block_tables if self.block_tables is not None else self.pool.block_tables(self.seq_ids)
         tables = tables.to(device)  # [B, W]
         pads = torch.tensor(self.padding, dtype=torch.int64).to(device)  # [B]
-        held = torch.arange(width, device=device)[None] - pads[:, None]  # [B, L]: position in the sequence
+        held = torch.arange(past, past + width, device=device)[None] - pads[:, None]  # [B, L]: position in the sequence
         rows = torch.arange(batch, device=device)[:, None]
         slots = torch.where(held >= 0, slot_mapping(tables, rows, held.clamp(min=0), self.block_size), -1)
-        self.seq_len = width
+        self.seq_len = past + width
         paged = PagedKV(
             **self.pool.layer_view(min(self.pool.place)),  # a template: each layer's view replaces its own fields
             block_tables=tables,
-            seq_lens=(width - pads).to(torch.int32),
-            max_seq_len=width - min(self.padding),
+            seq_lens=(past + width - pads).to(torch.int32),
+            max_seq_len=past + width - min(self.padding),
             padding=pads if any(self.padding) else None,
             padded_len=width,
         )
@@ -267,7 +277,7 @@ class PromptCache(PoolCache):
         return (self.seq_len + query_length if self._view is None else self.seq_len), 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0
+        return self.past  # the forward's queries follow the tokens held before it
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

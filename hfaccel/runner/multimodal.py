@@ -61,15 +61,26 @@ def prefill_sequence(
     inputs: dict,
     keep: Sequence[int] = (),
     lora_slot: int = -1,
+    past_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """The Engine's prefill of one sequence's tokens ``input_ids [L]`` (its slots held) with its multimodal
     ``inputs`` (the processor's pixel values, image sizes, token types... of its prompt) through the model's forward,
     every token through LoRA slot ``lora_slot`` (-1: none; only the language model has LoRA layers); its position
-    offset set. Returns the logits of its last token, then those of the positions ``keep`` (its prompt logprobs'):
+    offset set. ``past_ids``: the tokens the sequence holds before ``input_ids`` (prefix-cache hits that end before
+    its images), which it continues as transformers' chunked prefill does (5.24 on). Returns the logits of its last
+    token, then those of the positions ``keep`` (its prompt logprobs', counted in ``input_ids``):
     ``[1 + len(keep), V]``."""
-    cache = PromptCache(model.config, runner.pool, [seq_id], [0])
-    logits, end = _prefill_one(model, runner, cache, input_ids, inputs, keep, lora_slot)
-    _set_offsets(runner, [seq_id], [input_ids.shape[0]], [end])
+    if past_ids and not compat.continues_multimodal_prompts(model):
+        raise ValueError(
+            f"{type(model).__name__} under the installed transformers prefills a prompt with images from its first "
+            f"token; got {len(past_ids)} tokens held before it (transformers >= 5.24 continues one)"
+        )
+    cache = PromptCache(model.config, runner.pool, [seq_id], [0], past=len(past_ids))
+    if past_ids:
+        logits, end = _prefill_after(model, runner, cache, past_ids, input_ids, inputs, keep, lora_slot)
+    else:
+        logits, end = _prefill_one(model, runner, cache, input_ids, inputs, keep, lora_slot)
+    _set_offsets(runner, [seq_id], [len(past_ids) + input_ids.shape[0]], [end])
     return logits
 
 
@@ -101,6 +112,33 @@ def _prefill_one(
             **inputs,
         )
     return out.logits[0], _next_positions(seen, 1, length, [0])[0]
+
+
+def _prefill_after(
+    model,
+    runner,
+    cache: PromptCache,
+    past_ids: Sequence[int],
+    input_ids: torch.Tensor,
+    inputs: dict,
+    keep: Sequence[int],
+    lora_slot: int,
+) -> tuple[torch.Tensor, int]:
+    """:func:`_prefill_one` of ``input_ids [L]`` after the ``past_ids [P]`` that ``cache`` holds, with the inputs
+    transformers' chunked prefill gives such a chunk: the whole prompt's attention mask and token types, the chunk's
+    rows of the position ids ``generate`` makes for the whole prompt (an M-RoPE model's from its images' grids)."""
+    past, length = len(past_ids), input_ids.shape[0]
+    prompt = torch.cat([torch.tensor(list(past_ids), dtype=input_ids.dtype).to(input_ids.device), input_ids])
+    kwargs = {name: value[..., : past + length] if per_token(name) else value for name, value in inputs.items()}
+    kwargs["attention_mask"] = torch.ones_like(prompt)[None]  # [1, P + L]
+    positions = compat.generation_position_ids(model, prompt[None], kwargs)
+    if positions is not None:
+        kwargs["position_ids"] = positions[..., past:]
+    forward_inputs = compat.prefill_chunk_inputs(model, input_ids[None], cache, kwargs)
+    rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
+    with _positions_given(model) as seen, _adapter(runner, runner.lora_index([lora_slot], [length])):
+        out = model(**{**forward_inputs, "use_cache": True, "logits_to_keep": rows})
+    return out.logits[0], _next_positions(seen, 1, past + length, [0])[0]
 
 
 @contextmanager

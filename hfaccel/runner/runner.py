@@ -312,12 +312,20 @@ class ModelRunner:
         return out.logits[0]
 
     def prefill_images(
-        self, seq_id: Hashable, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = (), lora_slot: int = -1
+        self,
+        seq_id: Hashable,
+        input_ids: torch.Tensor,
+        inputs: dict,
+        keep: Sequence[int] = (),
+        lora_slot: int = -1,
+        past_ids: Sequence[int] = (),
     ) -> torch.Tensor:
         """The multimodal prefill of one prompt with images (:func:`hfaccel.runner.multimodal.prefill_sequence`:
-        ``input_ids [L]`` of sequence ``seq_id``, its slots held, the model's ``inputs`` for its images); the logits
-        of its last token then of the rows ``keep``, ``[1 + len(keep), V]``."""
-        return prefill_sequence(self.model, self, seq_id, input_ids, inputs, keep, lora_slot=lora_slot)
+        ``input_ids [L]`` of sequence ``seq_id``, its slots held, after the ``past_ids`` it holds, the model's
+        ``inputs`` for its images); the logits of its last token then of the rows ``keep``, ``[1 + len(keep), V]``."""
+        return prefill_sequence(
+            self.model, self, seq_id, input_ids, inputs, keep, lora_slot=lora_slot, past_ids=past_ids
+        )
 
     def lora_index(self, lora_slots: Sequence[int] | None, num_new: Sequence[int]) -> torch.Tensor | None:
         """The LoRA slot of each packed token, ``[T]`` on the device, or None when no sequence has an adapter; the

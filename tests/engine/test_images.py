@@ -239,7 +239,9 @@ def _processed(case, prompt: list) -> tuple[dict, list[int]]:
     """A prompt the family's processor made (``{"prompt_token_ids", "multimodal_inputs"}``) and transformers' 10
     greedy tokens for it alone."""
     inputs = case.inputs([prompt])
-    expected = case_model(case).generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist()
+    out = case_model(case).generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)  # as ignore_eos
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(expected) == 10
     media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     return {"prompt_token_ids": inputs["input_ids"][0].tolist(), "multimodal_inputs": media}, expected
 
@@ -304,6 +306,39 @@ def test_prompts_repeating_images_take_prefix_hits_past_them(name):
     image_end = engine.prepare_prompt(follow_up, GREEDY).media.end
     assert image_end <= outputs[0].metrics.num_cached_tokens < len(follow_up["prompt_token_ids"])
     assert outputs[1].metrics.num_cached_tokens == 0
+    assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl", "gemma3", "llama4"])
+def test_prompts_sharing_text_before_their_images_take_it_from_the_prefix_cache(name):
+    """Prompts that share the text before their first image (a system prompt) take its blocks from the prefix cache
+    whatever their images, and the multimodal prefill computes the rest — the images after the hit, at M-RoPE
+    positions counted from the prompt's start (Qwen2.5-VL), with bidirectional attention over each image (Gemma 3):
+    transformers' tokens on each alone. A hit that would end inside the images (the same images, then other text) is
+    cut back to before them; a text prompt shares the same blocks. transformers 5.17, which cannot continue a prompt
+    with images: the image prompts are computed from their first token."""
+    from tests.hf.vlm_models import served_case
+
+    case = served_case(name)
+    system = list(range(60, 88))  # three blocks of 8 and more before the first image, which ends inside a block
+    prompts = [
+        [*system, image(40, 40, 1), 10, 11],
+        [*system, image(30, 50, 2), 12, image(60, 30, 3), 13],
+        [*system, image(40, 40, 1), 14],  # its blocks match the first's up to the one its image ends in
+        [*system, 15, 16],
+    ]
+    requests, expected = map(list, zip(*(_processed(case, prompt) for prompt in prompts)))
+    requests[3] = requests[3]["prompt_token_ids"]  # text alone
+    engine = hfaccel.Engine(case_model(case), max_num_seqs=4, num_blocks=64, block_size=8)
+    first = engine.generate([requests[0]], GREEDY)[0]
+    outputs = [first, *engine.generate(requests[1:], GREEDY)]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    starts = [engine.prepare_prompt(request, GREEDY).media.start for request in requests[:3]]
+    assert all(start >= 24 for start in starts)
+    continues = compat.continues_multimodal_prompts(case_model(case))  # else (5.17) computed from the first token
+    hits = [start // 8 * 8 if continues else 0 for start in starts[1:]]
+    assert [o.metrics.num_cached_tokens for o in outputs[:3]] == [0, *hits]
+    assert outputs[3].metrics.num_cached_tokens >= 24  # the system prompt's blocks, computed with images after them
     assert engine.stats()["blocks_used"] == 0
 
 

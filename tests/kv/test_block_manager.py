@@ -297,17 +297,37 @@ def test_a_cropped_sequence_copies_a_registered_block_it_shares():
     manager.check_invariants()
 
 
-def test_a_hit_shorter_than_least_hit_is_not_taken():
-    """``least_hit``: a prompt takes its prefix hits only if they cover that many tokens; otherwise it is allocated
-    whole, its blocks registered next to the cached ones, and nothing held twice."""
+def test_a_hit_ending_inside_an_unsplit_span_is_cut_back_before_it():
+    """``unsplit=(start, end)``: a hit that would end inside those tokens is cut back to the block boundary at or
+    before ``start``; a hit ending before ``start`` or at ``end`` and past it is taken whole. The blocks not taken
+    are allocated, registered next to the cached ones, and nothing is held twice."""
     manager = BlockManager(16, 4)
     prompt = list(range(14))
-    manager.add_sequence("a", prompt)
-    assert manager.add_sequence("b", prompt, least_hit=12) == 12  # three full blocks: 12 tokens
-    assert manager.add_sequence("c", prompt, least_hit=13) == 0
-    assert manager.num_free_blocks == 16 - 4 - 1 - 4  # b shares a's three full blocks; c holds four of its own
+    manager.add_sequence("a", prompt)  # three full blocks cached: a hit covers 12 tokens
+    assert manager.add_sequence("b", prompt, unsplit=(5, 12)) == 12  # ends at the span's end
+    assert manager.add_sequence("c", prompt, unsplit=(6, 13)) == 4  # would end inside: cut to the boundary at 4
+    assert manager.add_sequence("d", prompt, unsplit=(0, 14)) == 0
+    assert manager.add_sequence("e", prompt, unsplit=(12, 14)) == 12  # ends before the span
+    assert manager.num_free_blocks == 16 - 4 - 1 - 3 - 4 - 1
     manager.check_invariants()
-    for seq_id in ("a", "b", "c"):
+    for seq_id in ("a", "b", "c", "d", "e"):
         manager.free(seq_id)
-    assert manager.add_sequence("d", prompt) == 12
+    assert manager.add_sequence("f", prompt) == 12
+
+
+def test_salt_from_keys_the_blocks_from_its_token_on():
+    """``salt_from=(token, salt)``: the blocks before the one holding ``token`` are shared with any prompt of those
+    tokens; that block and those after it only with prompts under the same salt from the same block (a prompt's
+    images: the text before them is shared, not what follows)."""
+    manager = BlockManager(32, 4)
+    prompt = list(range(18))
+    manager.add_sequence("images-1", prompt, salt_from=(9, "image 1"))
+    assert manager.add_sequence("images-2", prompt, salt_from=(9, "image 2")) == 8  # the two blocks before token 9
+    assert manager.add_sequence("text", prompt) == 8
+    assert manager.add_sequence("images-1 again", prompt, salt_from=(10, "image 1")) == 16  # the same block
+    assert manager.add_sequence("images-1 earlier", prompt, salt_from=(7, "image 1")) == 4
+    manager.fork("images-1", "fork")
+    manager.append("fork", 3, [18, 19, 20])
+    assert manager.add_sequence("longer", [*prompt, 18, 19, 20, 21], salt_from=(9, "image 1")) == 20
+    manager.check_invariants()
     manager.check_invariants()
