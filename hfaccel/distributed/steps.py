@@ -99,7 +99,7 @@ class Message:
     input_ids: torch.Tensor | None = None  # [T]
     step: PackedStep | None = None
     keep: torch.Tensor | int = 0  # [K] logits rows, or 0: every row
-    prefill: dict | None = None  # a PREFILL's: its prompt's input_ids [L], block_table [W], keep and inputs
+    prefill: dict | None = None  # a PREFILL's: its prompt's input_ids [L], block_table [W], keep, inputs, past_ids [P]
 
 
 class StepChannel:
@@ -173,19 +173,26 @@ class StepChannel:
         keep: Sequence[int],
         inputs: dict,
         copies: Sequence[BlockCopy],
+        past_ids: Sequence[int] = (),
     ) -> dict:
         """Broadcast one prompt's multimodal prefill (leader only): its tokens ``input_ids [L]`` (any length: they
         travel with the inputs, not in the step buffer), its blocks ``block_table [W]``, the prompt rows whose
         logits it keeps, the model's multimodal ``inputs`` (pixels or encoded images, image sizes, token types...),
-        and the block copies to make first. Returns what every rank received (the tensors on the device): the
-        leader prefills on the same."""
+        the block copies to make first, and the tokens its blocks hold before ``input_ids`` (prefix-cache hits).
+        Returns what every rank received (the tensors on the device): the leader prefills on the same."""
         copies = list(copies)
         while len(copies) > self.limits.max_copies:
             self._send(COPIES, [], copies[: self.limits.max_copies])
             copies = copies[self.limits.max_copies :]
         self._send(PREFILL, [], copies)
         return self.tp.broadcast_tree(
-            {"input_ids": input_ids, "block_table": block_table, "keep": list(keep), "inputs": inputs}
+            {
+                "input_ids": input_ids,
+                "block_table": block_table,
+                "keep": list(keep),
+                "inputs": inputs,
+                "past_ids": torch.tensor(list(past_ids), dtype=torch.int64),  # [P]
+            }
         )
 
     def send_stop(self) -> None:
@@ -315,19 +322,16 @@ class LeaderRunner(ModelRunner):
         lora_slot: int = -1,
         past_ids: Sequence[int] = (),
     ) -> torch.Tensor:
-        """A prompt's multimodal prefill: its tokens, blocks and inputs broadcast, then run as every follower runs
-        it (:func:`~hfaccel.runner.multimodal.prefill_on_blocks`), from the prompt's first token (the engine's
-        scheduler gives a prompt with images no prefix-cache hit before them under tensor parallelism)."""
+        """A prompt's multimodal prefill: its tokens, blocks, inputs and the tokens held before them broadcast, then
+        run as every follower runs it (:func:`~hfaccel.runner.multimodal.prefill_on_blocks`)."""
         if lora_slot >= 0:
             raise NotImplementedError("LoRA adapters are not supported under tensor parallelism yet")
-        if past_ids:
-            raise NotImplementedError("under tensor parallelism a prompt's images are prefilled from its first token")
-        held = self.pool.manager.seq_len(seq_id)
-        if held < input_ids.shape[0]:  # what PromptCache would raise, raised before any rank starts
-            raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {input_ids.shape[0]} tokens")
+        held, length = self.pool.manager.seq_len(seq_id), len(past_ids) + input_ids.shape[0]
+        if held < length:  # what PromptCache would raise, raised before any rank starts
+            raise ValueError(f"sequence {seq_id!r} holds {held} slots; its prompt has {length} tokens")
         table = self.pool.block_tables([seq_id])[0, : -(-held // self.pool.block_size)].to(self.device)  # [W]
-        sent = self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued())
-        return self._settled(super().prefill_images, seq_id, input_ids, sent["inputs"], keep)
+        sent = self.channel.send_prefill(input_ids, table, keep, inputs, self.pool.take_queued(), past_ids)
+        return self._settled(super().prefill_images, seq_id, input_ids, sent["inputs"], keep, -1, past_ids)
 
     def _settled(self, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor:
         """``forward(*args)``, the forward every rank runs; if it raises, the error once every rank's raised too
@@ -401,7 +405,13 @@ def _run(runner: ModelRunner, message: Message) -> None:
     else:
         prefill = message.prefill
         prefill_on_blocks(
-            runner.model, runner, prefill["block_table"], prefill["input_ids"], prefill["inputs"], prefill["keep"]
+            runner.model,
+            runner,
+            prefill["block_table"],
+            prefill["input_ids"],
+            prefill["inputs"],
+            prefill["keep"],
+            prefill["past_ids"].tolist(),
         )
 
 

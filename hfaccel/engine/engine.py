@@ -175,8 +175,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 max_num_batched_tokens=max_num_batched_tokens,
                 loras=self.loras,
                 media_offsets=self.media_offsets,
-                # a follower's prefill of images starts at the first token
-                hits_before_images=self.tp is None and compat.continues_multimodal_prompts(model),
+                hits_before_images=compat.continues_multimodal_prompts(model),
                 release=token_counts.release,
             )
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)

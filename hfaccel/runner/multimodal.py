@@ -70,29 +70,50 @@ def prefill_sequence(
     its images), which it continues as transformers' chunked prefill does (5.24 on). Returns the logits of its last
     token, then those of the positions ``keep`` (its prompt logprobs', counted in ``input_ids``):
     ``[1 + len(keep), V]``."""
-    if past_ids and not compat.continues_multimodal_prompts(model):
-        raise ValueError(
-            f"{type(model).__name__} under the installed transformers prefills a prompt with images from its first "
-            f"token; got {len(past_ids)} tokens held before it (transformers >= 5.24 continues one)"
-        )
     cache = PromptCache(model.config, runner.pool, [seq_id], [0], past=len(past_ids))
-    if past_ids:
-        logits, end = _prefill_after(model, runner, cache, past_ids, input_ids, inputs, keep, lora_slot)
-    else:
-        logits, end = _prefill_one(model, runner, cache, input_ids, inputs, keep, lora_slot)
+    logits, end = _prefill(model, runner, cache, past_ids, input_ids, inputs, keep, lora_slot)
     _set_offsets(runner, [seq_id], [len(past_ids) + input_ids.shape[0]], [end])
     return logits
 
 
 @torch.inference_mode()
 def prefill_on_blocks(
-    model, runner, block_table: torch.Tensor, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int] = ()
+    model,
+    runner,
+    block_table: torch.Tensor,
+    input_ids: torch.Tensor,
+    inputs: dict,
+    keep: Sequence[int] = (),
+    past_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """:func:`prefill_sequence` of a sequence given by its blocks (``block_table [W]``) rather than by an id of the
     runner's pool: what a tensor-parallel follower runs of its leader's multimodal prefill (its position offset
     comes with the leader's later steps)."""
-    cache = PromptCache(model.config, runner.pool, [None], [0], block_tables=block_table[None])
-    return _prefill_one(model, runner, cache, input_ids, inputs, keep, -1)[0]
+    cache = PromptCache(model.config, runner.pool, [None], [0], block_tables=block_table[None], past=len(past_ids))
+    return _prefill(model, runner, cache, past_ids, input_ids, inputs, keep, -1)[0]
+
+
+def _prefill(
+    model,
+    runner,
+    cache: PromptCache,
+    past_ids: Sequence[int],
+    input_ids: torch.Tensor,
+    inputs: dict,
+    keep: Sequence[int],
+    lora_slot: int,
+) -> tuple[torch.Tensor, int]:
+    """The model's forward on one prompt's ``input_ids [L]`` after the ``past_ids`` its sequence holds, into
+    ``cache``: the logits of its last token then of ``keep`` (``[1 + len(keep), V]``), and the position its next
+    token takes."""
+    if not past_ids:
+        return _prefill_one(model, runner, cache, input_ids, inputs, keep, lora_slot)
+    if not compat.continues_multimodal_prompts(model):
+        raise ValueError(
+            f"{type(model).__name__} under the installed transformers prefills a prompt with images from its first "
+            f"token; got {len(past_ids)} tokens held before it (transformers >= 5.24 continues one)"
+        )
+    return _prefill_after(model, runner, cache, past_ids, input_ids, inputs, keep, lora_slot)
 
 
 def _prefill_one(

@@ -4,7 +4,8 @@ images ahead, alone (transformers 5.17: each rank's forward encodes them). Each 
 every rank through the model's own forward (the leader broadcasts its tokens, blocks and inputs), and the text after
 its images continues at their position offset on every rank — in eager and in static decode steps: the outputs
 (tokens and their log-probabilities) equal the single-process engine's, for a mixed batch, a prompt repeating
-another's images past them (a prefix hit), and an image again."""
+another's images past them (a prefix hit), an image again, and a prompt sharing another's text before its images (a
+prefix hit before them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from hfaccel import compat
 from hfaccel.engine import SamplingParams
 from tests.hf.vlm_models import CASES, image
 from tests.tp.ranks import run_ranks
@@ -32,16 +34,24 @@ def _processed(case, prompt: list, images_of: list | None = None) -> dict:
 
 
 def _rounds(name: str) -> list[list]:
-    """Three rounds of requests: a mixed batch (one image, with two completions and its prompt's logprobs: FORKED;
+    """Four rounds of requests: a mixed batch (one image, with two completions and its prompt's logprobs: FORKED;
     text alone; two images); a follow-up repeating the two-image prompt past its images and the one-image prompt again;
-    a prompt whose images do not match its placeholders (the model's forward raises on every rank) with a text one."""
+    a prompt whose images do not match its placeholders (the model's forward raises on every rank) with a text one;
+    a prompt sharing a system prompt of two blocks with the first round's last, before other images (a prefix hit
+    before its images: the multimodal prefill continues after it on every rank)."""
     case = CASES[name]
     pictures = [image(40, 40, 1), image(60, 30, 2)]
-    head = [9, pictures[0], 10, pictures[1], *range(50, 62)]  # past its last image, more than a block of text
+    system = list(range(60, 80))
+    head = [*system, pictures[0], 10, pictures[1], *range(50, 62)]  # past its last image, more than a block of text
     one_image = [5, 6, image(120, 90), 7, 8]
     first = [_processed(case, one_image), [20, 21, 22, 23], _processed(case, [*head, 7])]
     mismatched = _processed(case, one_image, images_of=[5, *pictures, 7])  # two images for one placeholder
-    return [first, [_processed(case, [*head, 5]), first[0]], [mismatched, [30, 31]]]
+    return [
+        first,
+        [_processed(case, [*head, 5]), first[0]],
+        [mismatched, [30, 31]],
+        [_processed(case, [*system, image(50, 30, 3), 11])],
+    ]
 
 
 def _outputs(engine, rounds: list[list]) -> dict:
@@ -98,6 +108,7 @@ def test_image_requests_under_tp_equal_single_process(name, cuda_graphs, tmp_pat
     for part in ("logprobs", "prompt"):
         torch.testing.assert_close(leader[part], expected[part], rtol=0, atol=1e-5)
     assert leader["cached"] == expected["cached"] and leader["cached"][1][0] > 0  # the follow-up's prefix hit
+    assert leader["cached"][3][0] == (16 if compat.continues_multimodal_prompts(model) else 0)  # before its image
     assert leader["ahead"] and leader["hits"] == single.encoder_cache.hits  # the vision tower is whole on each rank
     assert leader["stats"]["blocks_used"] == 0
     assert leader["kv_heads"] == follower["kv_heads"] == single.runner.pool.group_shapes[0][0] // 2
