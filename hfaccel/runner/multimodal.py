@@ -103,51 +103,36 @@ def _prefill(
     keep: Sequence[int],
     lora_slot: int,
 ) -> tuple[torch.Tensor, int]:
-    """The model's forward on one prompt's ``input_ids [L]`` after the ``past_ids`` its sequence holds, into
-    ``cache``: the logits of its last token then of ``keep`` (``[1 + len(keep), V]``), and the position its next
-    token takes."""
-    if not past_ids:
-        return _prefill_one(model, runner, cache, input_ids, inputs, keep, lora_slot)
+    """The model's forward on one prompt's ``input_ids [L]`` after the ``past_ids`` its sequence holds (none: the
+    whole prompt), into ``cache``: the logits of its last token then of ``keep`` (``[1 + len(keep), V]``), and the
+    position its next token takes."""
+    past, length = len(past_ids), input_ids.shape[0]
+    if past:
+        forward_inputs = _continuation_inputs(model, cache, past_ids, input_ids, inputs)
+    else:
+        forward_inputs = {
+            "input_ids": input_ids[None],
+            "attention_mask": torch.ones_like(input_ids)[None],
+            compat.cache_argument(model): cache,
+            **inputs,
+        }
+    rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
+    with _positions_given(model) as seen, _adapter(runner, runner.lora_index([lora_slot], [length])):
+        out = model(**{**forward_inputs, "use_cache": True, "logits_to_keep": rows})
+    return out.logits[0], _next_positions(seen, 1, past + length, [0])[0]
+
+
+def _continuation_inputs(
+    model, cache: PromptCache, past_ids: Sequence[int], input_ids: torch.Tensor, inputs: dict
+) -> dict:
+    """The forward's inputs for ``input_ids [L]`` after the ``past_ids [P]`` that ``cache`` holds, as transformers'
+    chunked prefill gives such a chunk: the whole prompt's attention mask and token types, the chunk's rows of the
+    position ids ``generate`` makes for the whole prompt (an M-RoPE model's from its images' grids)."""
     if not compat.continues_multimodal_prompts(model):
         raise ValueError(
             f"{type(model).__name__} under the installed transformers prefills a prompt with images from its first "
             f"token; got {len(past_ids)} tokens held before it (transformers >= 5.24 continues one)"
         )
-    return _prefill_after(model, runner, cache, past_ids, input_ids, inputs, keep, lora_slot)
-
-
-def _prefill_one(
-    model, runner, cache: PromptCache, input_ids: torch.Tensor, inputs: dict, keep: Sequence[int], lora_slot: int
-) -> tuple[torch.Tensor, int]:
-    """The model's forward on one prompt ``input_ids [L]`` into ``cache``: the logits of its last token then of
-    ``keep`` (``[1 + len(keep), V]``), and the position its next token takes."""
-    length = input_ids.shape[0]
-    rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
-    with _positions_given(model) as seen, _adapter(runner, runner.lora_index([lora_slot], [length])):
-        out = model(
-            input_ids=input_ids[None],
-            attention_mask=torch.ones_like(input_ids)[None],
-            use_cache=True,
-            logits_to_keep=rows,
-            **{compat.cache_argument(model): cache},
-            **inputs,
-        )
-    return out.logits[0], _next_positions(seen, 1, length, [0])[0]
-
-
-def _prefill_after(
-    model,
-    runner,
-    cache: PromptCache,
-    past_ids: Sequence[int],
-    input_ids: torch.Tensor,
-    inputs: dict,
-    keep: Sequence[int],
-    lora_slot: int,
-) -> tuple[torch.Tensor, int]:
-    """:func:`_prefill_one` of ``input_ids [L]`` after the ``past_ids [P]`` that ``cache`` holds, with the inputs
-    transformers' chunked prefill gives such a chunk: the whole prompt's attention mask and token types, the chunk's
-    rows of the position ids ``generate`` makes for the whole prompt (an M-RoPE model's from its images' grids)."""
     past, length = len(past_ids), input_ids.shape[0]
     prompt = torch.cat([torch.tensor(list(past_ids), dtype=input_ids.dtype).to(input_ids.device), input_ids])
     kwargs = {name: value[..., : past + length] if per_token(name) else value for name, value in inputs.items()}
@@ -155,11 +140,7 @@ def _prefill_after(
     positions = compat.generation_position_ids(model, prompt[None], kwargs)
     if positions is not None:
         kwargs["position_ids"] = positions[..., past:]
-    forward_inputs = compat.prefill_chunk_inputs(model, input_ids[None], cache, kwargs)
-    rows = torch.tensor([length - 1, *keep], device=input_ids.device) if keep else 1  # logits_to_keep: indices
-    with _positions_given(model) as seen, _adapter(runner, runner.lora_index([lora_slot], [length])):
-        out = model(**{**forward_inputs, "use_cache": True, "logits_to_keep": rows})
-    return out.logits[0], _next_positions(seen, 1, past + length, [0])[0]
+    return compat.prefill_chunk_inputs(model, input_ids[None], cache, kwargs)
 
 
 @contextmanager
