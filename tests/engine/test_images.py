@@ -235,13 +235,14 @@ def test_processed_prompts_continue_their_mrope_positions(cuda_graphs):
     assert engine.stats()["decode_steps"].startswith("uncompiled") == cuda_graphs
 
 
-def _processed(case, prompt: list) -> tuple[dict, list[int]]:
-    """A prompt the family's processor made (``{"prompt_token_ids", "multimodal_inputs"}``) and transformers' 10
-    greedy tokens for it alone."""
+def _processed(case, prompt: list, max_new_tokens: int = 10) -> tuple[dict, list[int]]:
+    """A prompt the family's processor made (``{"prompt_token_ids", "multimodal_inputs"}``) and transformers' greedy
+    tokens for it alone."""
     inputs = case.inputs([prompt])
-    out = case_model(case).generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)  # as ignore_eos
+    model = case_model(case)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)  # ignore_eos
     expected = out[0, inputs["input_ids"].shape[1] :].tolist()
-    assert len(expected) == 10
+    assert len(expected) == max_new_tokens
     media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     return {"prompt_token_ids": inputs["input_ids"][0].tolist(), "multimodal_inputs": media}, expected
 
@@ -339,6 +340,25 @@ def test_prompts_sharing_text_before_their_images_take_it_from_the_prefix_cache(
     hits = [start // 8 * 8 if continues else 0 for start in starts[1:]]
     assert [o.metrics.num_cached_tokens for o in outputs[:3]] == [0, *hits]
     assert outputs[3].metrics.num_cached_tokens >= 24  # the system prompt's blocks, computed with images after them
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_preempted_prompts_sharing_text_before_their_images_are_computed_again_after_it():
+    """Qwen2.5-VL prompts sharing a system prompt before their images, in a pool too small for all of them: preempted,
+    each is computed again from the prefix cache's blocks of that text on (its images and M-RoPE positions after it;
+    transformers 5.17: from its first token) — transformers' tokens on each alone, every block given back."""
+    from tests.hf.vlm_models import served_case
+
+    case = served_case("qwen2_5_vl")
+    system = list(range(60, 88))
+    prompts = [[*system, image(40, 40, 1), 10, 11], [*system, image(30, 50, 2), 12], [*system, image(60, 30, 3), 13]]
+    requests, expected = map(list, zip(*(_processed(case, prompt, max_new_tokens=24) for prompt in prompts)))
+    engine = hfaccel.Engine(case_model(case), max_num_seqs=3, num_blocks=14, block_size=8)  # 112 slots for 3 x 60
+    params = hfaccel.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(requests, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert outputs[-1].metrics.num_cached_tokens == (24 if compat.continues_multimodal_prompts(case_model(case)) else 0)
     assert engine.stats()["blocks_used"] == 0
 
 
