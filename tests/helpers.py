@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from hfaccel.engine import SamplingParams
-from hfaccel.serve.http import listening_url
+from hfaccel.serve.http import wait_until_serving
 from tests.devices import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,18 +66,13 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log_path.read_text()
-            url = listening_url(self.log_path.read_text())
-            try:
-                if url is not None and httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    self.url, self.port = url, int(url.rsplit(":", 1)[1])
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server did not come up in 120 s:\n{self.log_path.read_text()}")
+        try:
+            self.url = wait_until_serving(self.process, self.log_path, timeout=120)
+        except RuntimeError:
+            self.process.kill()
+            self.log.close()
+            raise
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)

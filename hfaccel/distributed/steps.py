@@ -99,7 +99,7 @@ class Message:
     input_ids: torch.Tensor | None = None  # [T]
     step: PackedStep | None = None
     keep: torch.Tensor | int = 0  # [K] logits rows, or 0: every row
-    prefill: dict | None = None  # a PREFILL's: its prompt's input_ids [L], block_table [W], keep, inputs, past_ids [P]
+    prefill: dict | None = None  # a PREFILL's: its prompt's input_ids [L], block_table [W], keep, inputs, past_ids
 
 
 class StepChannel:
@@ -191,7 +191,7 @@ class StepChannel:
                 "block_table": block_table,
                 "keep": list(keep),
                 "inputs": inputs,
-                "past_ids": torch.tensor(list(past_ids), dtype=torch.int64),  # [P]
+                "past_ids": list(past_ids),  # plain ints, with the layout (no collective of its own)
             }
         )
 
@@ -411,7 +411,7 @@ def _run(runner: ModelRunner, message: Message) -> None:
             prefill["input_ids"],
             prefill["inputs"],
             prefill["keep"],
-            prefill["past_ids"].tolist(),
+            prefill["past_ids"],
         )
 
 

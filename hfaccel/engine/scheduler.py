@@ -29,6 +29,7 @@ Plain Python over the engine's :class:`~hfaccel.kv.BlockManager`; nothing here t
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Container, Hashable
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 
 PENDING = -1  # a sampled token the host does not know yet (asynchronous scheduling)
+_SERIALS = itertools.count()  # each Request's number, never reused in the process (a request id may be)
 
 
 class Status(enum.Enum):
@@ -117,6 +119,7 @@ class Request:
     # each prompt token's logprob given those before it (None: not asked for; an entry None: not computed yet, and
     # always for the first token)
     prompt_logprobs: list | None = None
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -250,7 +253,7 @@ class Scheduler:
             if seq.request.lora is not None and (passed or not self._lora_slot_ready(seq)):
                 passed.append(self.waiting.popleft())
                 continue
-            whole = seq.request.media is not None  # computed in one chunk, from its first token
+            whole = seq.request.media is not None  # computed in one chunk, from its prefix-cache hits on
             if whole and budget < seq.num_tokens <= self.max_num_batched_tokens:
                 break  # when the budget left holds it (FCFS: the requests behind it wait)
             if not self._admit(seq):
@@ -465,7 +468,7 @@ def _cache_salts(seq: Sequence) -> tuple[Hashable, tuple[int, Hashable] | None]:
     adapter = None if seq.request.lora is None else seq.request.lora.cache_key
     media = seq.request.media
     if seq.request.params.prompt_logprobs is not None:
-        return (adapter, "prompt logprobs", seq.request.request_id), None
+        return (adapter, "prompt logprobs", seq.request.serial), None
     if media is None:
         return adapter, None
     return adapter, (media.start or 0, ("images", media.digest))

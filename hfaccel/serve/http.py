@@ -11,14 +11,17 @@
   lifespan). :class:`DrainingServer` calls the app's ``on_shutdown`` as shutdown begins, so the app can end
   each request cleanly itself (a final error event for a stream, a JSON 503 otherwise) before that. Once it
   listens, it prints the address it bound (:data:`LISTENING`): ``--port 0`` lets the system pick a free port,
-  and whoever started the server reads it back with :func:`listening_url`.
+  and whoever started the server reads it back (:func:`wait_until_serving`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -94,3 +97,23 @@ def listening_url(output: str) -> str | None:
     """The URL a ``hfaccel serve`` process listens on, read from its ``output``; None before it listens."""
     match = re.search(re.escape(LISTENING) + r"(\S+)", output)
     return match.group(1) if match else None
+
+
+def wait_until_serving(process: subprocess.Popen, output: Path, timeout: float) -> str:
+    """The base URL of the ``hfaccel serve`` ``process`` (whose output goes to the file ``output``: ``--port 0``
+    prints the port it took) once it answers ``/health``; a RuntimeError with the end of its output when it exits or
+    ``timeout`` seconds pass first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"hfaccel serve exited with status {process.returncode}:\n{output.read_text()[-4000:]}")
+        url = listening_url(output.read_text())
+        try:
+            if url is not None and httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"hfaccel serve did not answer in {timeout:.0f} s:\n{output.read_text()[-4000:]}")

@@ -351,6 +351,22 @@ def test_a_one_token_prompt_chunk_beside_sampled_decodes_is_not_drawn_in_the_ste
     assert outputs[True] == outputs[False] and len(outputs[True]) == 4
 
 
+def test_a_request_id_used_again_computes_its_prompt_logprobs_again():
+    """A request asking for prompt logprobs computes its prompt (its blocks are keyed by that request alone): one
+    given the same id after the first was released computes each prompt logprob again, from no prefix-cache hit."""
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    engine = Engine(model, max_num_seqs=2, num_blocks=32, block_size=4)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outputs = []
+    for _ in range(2):
+        engine.add_request(list(range(3, 20)), params, request_id="again")
+        while engine.has_unfinished_requests():
+            outputs += [out for out in engine.step() if out.finished]
+        engine.release("again")
+    first, second = ([entry.logprob for entry in out.prompt_logprobs[1:]] for out in outputs)
+    assert second == first and len(first) == 16 and outputs[1].metrics.num_cached_tokens == 0
+
+
 @pytest.mark.slow
 def test_the_engine_compiles_its_decode_steps_when_it_is_built():
     """Engine(compile=True) compiles (and on a GPU captures) every ladder size while it is built, so the first

@@ -11,7 +11,7 @@ from hfaccel.kv import KVPool, PromptCache
 from hfaccel.kv.hf_cache import PagedKV
 from hfaccel.runner import ModelRunner
 from hfaccel.runner.multimodal import prefill_sequence
-from tests.hf.vlm_models import CASES, image
+from tests.hf.vlm_models import CASES, image, served_case
 
 NEW_TOKENS = 10
 PROMPTS = [[5, 6, image(120, 90), 7, 8], [20, 21, 22, 23], [9, image(40, 40, 1), 10, image(60, 30, 2), 11]]
@@ -55,19 +55,21 @@ def _media(inputs: dict) -> dict:
     return {name: value for name, value in inputs.items() if name not in ("input_ids", "attention_mask")}
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize(
+    "name", ["qwen2_5_vl", "qwen3_vl", "gemma3", "gemma4", "llava", "mistral3", "smolvlm", "llama4"]
+)
 def test_a_prefill_after_held_tokens_gives_the_whole_prompts_logits_and_offset(name):
     """A prompt's text before its images prefilled first, then the rest with its images after those tokens
     (``past_ids``: prefix-cache hits): the last token's logits and the position offset (Qwen2.5-VL's M-RoPE) of the
     prompt prefilled whole, and the pool holds the same K/V. transformers 5.17 cannot continue such a prompt: a
     ValueError says so."""
-    case = CASES[name]
+    case = served_case(name)
     model = case.model()
     inputs = case.inputs([[*range(60, 80), image(40, 40, 1), 10, image(60, 30, 2), 11]])
     ids, media = inputs["input_ids"][0], _media(inputs)
     held = 16  # two blocks of 8, all text
     assert (ids[:held] < 200).all()  # before the images' tokens
-    runner = ModelRunner(model, KVPool.for_model(model, num_blocks=32, block_size=8))
+    runner = ModelRunner(model, KVPool.for_model(model, num_blocks=-(-ids.shape[0] // 8) * 2, block_size=8))
     runner.pool.reserve(["whole", "split"], [ids.shape[0]] * 2)
     with hfaccel_attention(model, "torch"):
         whole = prefill_sequence(model, runner, "whole", ids, media)
@@ -79,9 +81,9 @@ def test_a_prefill_after_held_tokens_gives_the_whole_prompts_logits_and_offset(n
         split = prefill_sequence(model, runner, "split", ids[held:], media, past_ids=ids[:held].tolist())
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     assert runner.position_offsets.get("split") == runner.position_offsets.get("whole")
-    assert (name == "qwen2_5_vl") == ("whole" in runner.position_offsets)  # Qwen's images span fewer positions
+    assert name.startswith("qwen") == ("whole" in runner.position_offsets)  # Qwen's images span fewer positions
     pool = runner.pool
-    for layer in range(pool.num_layers):
+    for layer in pool.place:  # the layers that keep K/V (Gemma 4 shares some)
         keys = [
             PagedKV(
                 **pool.layer_view(layer), block_tables=pool.block_tables([seq]), seq_lens=None, max_seq_len=ids.shape[0]

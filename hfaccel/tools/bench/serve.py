@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,9 +47,7 @@ def bench_serve(
 
 
 def _start_server(model: str | None, device: str):
-    import httpx
-
-    from hfaccel.serve.http import listening_url
+    from hfaccel.serve.http import wait_until_serving
     from hfaccel.tools.assets import smollm2_path
 
     path = model or str(smollm2_path())
@@ -76,17 +73,11 @@ def _start_server(model: str | None, device: str):
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and process.poll() is None:
-            base = listening_url(Path(log.name).read_text())
-            try:
-                if base is not None and httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    return process, f"{base}/v1", "bench"
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        process.kill()
-        raise RuntimeError(f"the benchmark server for {path} did not start:\n{Path(log.name).read_text()[-3000:]}")
+        try:
+            return process, f"{wait_until_serving(process, Path(log.name), timeout=600)}/v1", "bench"
+        except RuntimeError as error:
+            process.kill()
+            raise RuntimeError(f"the benchmark server for {path} did not start: {error}") from None
 
 
 def run(options, console) -> dict:
