@@ -9,9 +9,9 @@ Every step packs, within ``max_num_batched_tokens``:
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
    images is computed in one step from its prefix-cache hits on (its images' tokens are never split), when the
-   budget left holds it (one longer than the whole budget goes past it); hits end before its first image (the text
-   before it, shared with any prompt) or cover all its images, and then the text after them is computed like any
-   prompt's, at the position offset its images gave (``media_offsets``).
+   budget left holds what its hits leave (more than the whole budget goes past it); hits end before its first image
+   (the text before it, shared with any prompt) or cover all its images, and then the text after them is computed
+   like any prompt's, at the position offset its images gave (``media_offsets``).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
@@ -92,6 +92,13 @@ class Sequence:
     def detokenizer(self) -> IncrementalDetokenizer | None:
         """The output's text (None without a tokenizer)."""
         return None if self.stopper is None else self.stopper.detokenizer
+
+    @property
+    def computes_images(self) -> bool:
+        """Whether its next chunk computes its prompt's images: the multimodal prefill, which computes the rest of
+        the prompt in one chunk (never split: its images' tokens attend to each other)."""
+        media = self.request.media
+        return media is not None and media.images_from(self.num_computed)
 
     def add_pending(self) -> None:
         """Hold the slot of a token sampled on the device (:meth:`Scheduler.update` fills it in); when that token is
@@ -234,11 +241,12 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.finishing:  # preempted in this loop / nothing left to do
                 continue
-            length = min(seq.num_tokens - seq.num_computed, budget)
+            rest = seq.num_tokens - seq.num_computed
+            length = rest if seq.computes_images else min(rest, budget)  # (admitted before a step that raised)
             if not self._grow(seq, out):
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
-            budget -= length
+            budget = max(0, budget - length)
         passed: list[Sequence] = []  # waiting for a LoRA slot: back at their places after this step's admissions
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
@@ -253,16 +261,13 @@ class Scheduler:
             if seq.request.lora is not None and (passed or not self._lora_slot_ready(seq)):
                 passed.append(self.waiting.popleft())
                 continue
-            whole = seq.request.media is not None  # computed in one chunk, from its prefix-cache hits on
-            if whole and budget < seq.num_tokens <= self.max_num_batched_tokens:
-                break  # when the budget left holds it (FCFS: the requests behind it wait)
-            if not self._admit(seq):
-                break
+            if self._images_wait(seq, budget) or not self._admit(seq):
+                break  # (FCFS: the requests behind it wait)
             self.waiting.popleft()
-            whole = whole and seq.request.media.images_from(seq.num_computed)  # else hits took them: text is left
-            length = seq.num_tokens - seq.num_computed if whole else min(seq.num_tokens - seq.num_computed, budget)
+            rest = seq.num_tokens - seq.num_computed
+            length = rest if seq.computes_images else min(rest, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
-            budget -= length
+            budget = max(0, budget - length)
         self.waiting.extendleft(reversed(passed))
         return out
 
@@ -291,6 +296,16 @@ class Scheduler:
 
     def _never_fits(self, seq: Sequence) -> bool:
         return self.manager.blocks_needed(seq.num_tokens) > self.manager.num_blocks
+
+    def _images_wait(self, seq: Sequence, budget: int) -> bool:
+        """Whether a waiting prompt whose images are computed in one chunk, from its prefix-cache hits on, waits for
+        a step whose budget left holds that chunk (one longer than the whole budget goes past it)."""
+        media = seq.request.media
+        if media is None:
+            return False
+        salt, salt_from = _cache_salts(seq)
+        cached = self.manager.cached_tokens(seq.token_ids, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq))
+        return media.images_from(cached) and budget < seq.num_tokens - cached <= self.max_num_batched_tokens
 
     def _admit(self, seq: Sequence) -> bool:
         """Allocate blocks for a waiting sequence's tokens (prefix hits reused); False if the pool is short."""

@@ -191,6 +191,21 @@ class BlockManager:
         holders = Counter(seq.blocks[-1] for seq in seqs if seq.length % self.block_size)
         return total - sum(1 for block, count in holders.items() if count > 1 and self.ref_counts[block] == count)
 
+    def cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        salt: Hashable = None,
+        salt_from: tuple[int, Hashable] | None = None,
+        unsplit: tuple[int, int] | None = None,
+    ) -> int:
+        """How many leading tokens of a prompt ``add_sequence`` would find in the prefix cache now (same arguments),
+        changing nothing: no block is taken or evicted."""
+        if not self.enable_prefix_caching:
+            return 0
+        hits, _ = self._prefix_hits(list(token_ids), salt, salt_from, unsplit)
+        return len(hits) * self.block_size
+
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(
         self,
@@ -220,10 +235,7 @@ class BlockManager:
         if length is None or length < 0:
             raise ValueError("add_sequence needs token_ids or a num_tokens >= 0")
         tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
-        hits, hashes = self._prefix_hits(tokens, salt, salt_from)
-        if unsplit is not None and unsplit[0] < len(hits) * self.block_size < unsplit[1]:
-            kept = unsplit[0] // self.block_size
-            hits, hashes = hits[:kept], hashes[:kept]
+        hits, hashes = self._prefix_hits(tokens, salt, salt_from, unsplit)
         needed = self.blocks_needed(length) - len(hits)
         reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         if needed > self.num_free_blocks - reusable_free:
@@ -419,10 +431,14 @@ class BlockManager:
         return BlockCopy(shared, fresh)
 
     def _prefix_hits(
-        self, tokens: list[int] | None, salt: Hashable, salt_from: tuple[int, Hashable] | None
+        self,
+        tokens: list[int] | None,
+        salt: Hashable,
+        salt_from: tuple[int, Hashable] | None,
+        unsplit: tuple[int, int] | None,
     ) -> tuple[list[int], list[int]]:
         """Blocks already holding the leading full blocks of ``tokens`` under ``salt`` and ``salt_from``, and their
-        hashes.
+        hashes; a hit that would end inside ``unsplit`` is cut back to the block boundary at or before its start.
 
         A hit never covers the last token: the caller must run at least one token to get its logits.
         """
@@ -437,6 +453,9 @@ class BlockManager:
             hits.append(block)
             parent = hash(key)
             hashes.append(parent)
+        if unsplit is not None and unsplit[0] < len(hits) * self.block_size < unsplit[1]:
+            kept = unsplit[0] // self.block_size
+            hits, hashes = hits[:kept], hashes[:kept]
         return hits, hashes
 
     def _register_full_blocks(self, seq: _Sequence) -> None:

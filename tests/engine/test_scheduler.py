@@ -1,13 +1,18 @@
 """Scheduler edge cases driven directly (the engine's tests cover the common paths end to end)."""
 
-from hfaccel.kv import BlockManager
+import pytest
+
+from hfaccel.engine.media import MediaInputs
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
+from hfaccel.kv import BlockManager
 from hfaccel.sampling import SamplingParams
 from hfaccel.engine.scheduler import Request, Scheduler, Sequence, Status
 
 
-def sequence(seq_id: int, tokens: list[int]) -> Sequence:
-    request = Request(str(seq_id), None, list(tokens), SamplingParams(max_tokens=100), RequestMetrics(0.0), forked=True)
+def sequence(seq_id: int, tokens: list[int], media: MediaInputs | None = None) -> Sequence:
+    request = Request(
+        str(seq_id), None, list(tokens), SamplingParams(max_tokens=100), RequestMetrics(0.0), forked=True, media=media
+    )
     seq = Sequence(seq_id, request, 0, list(tokens), CompletionOutput(0), None, None)
     request.seqs.append(seq)
     return seq
@@ -28,3 +33,74 @@ def test_a_sequence_the_whole_pool_cannot_hold_ends_instead_of_waiting_forever()
     fits.token_ids += list(range(20, 30))  # grown to 13 tokens while running
     plan = scheduler.schedule()
     assert plan.out_of_blocks == [fits] and plan.chunks == [] and plan.preempted == []
+
+
+SYSTEM = list(range(100, 112))  # three blocks of 4
+IMAGE = MediaInputs({}, "image digest", start=12, end=20)  # image tokens 12..19 after SYSTEM
+
+
+def image_prompt(seq_id: int) -> Sequence:
+    return sequence(seq_id, [*SYSTEM, *[7] * 8, 30, 31], IMAGE)  # 22 tokens
+
+
+def chunks(plan) -> list[tuple[int, int, int]]:
+    return [(chunk.seq.seq_id, chunk.start, chunk.length) for chunk in plan.chunks]
+
+
+def running(scheduler: Scheduler, prompts: list[list[int]], first_id: int = 0) -> list[Sequence]:
+    """Sequences admitted and their prompts computed: one sampled token each to decode."""
+    seqs = [sequence(first_id + i, prompt) for i, prompt in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert len(scheduler.schedule().chunks) == len(seqs)
+    for seq in seqs:
+        seq.num_computed = seq.num_tokens
+        seq.token_ids.append(9)
+    return seqs
+
+
+@pytest.mark.parametrize("system_prompt_cached", [True, False])
+def test_a_prompt_with_images_waits_for_a_budget_that_holds_what_its_prefix_hits_leave(system_prompt_cached):
+    """A prompt with images is computed in one chunk from its prefix-cache hits on: beside three decodes (21 of the
+    budget of 24 left) it is admitted when its cached system prompt leaves 10 of its 22 tokens, and waits when
+    nothing is cached — and so do the prompts behind it (first come, first served)."""
+    manager = BlockManager(32, 4)
+    if system_prompt_cached:
+        manager.add_sequence("system prompt", [*SYSTEM, 1])
+        manager.free("system prompt")  # its three full blocks stay in the prefix cache
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=24)
+    running(scheduler, [[1, 2, 3]] * 3)
+    scheduler.add(image_prompt(3))
+    scheduler.add(sequence(4, [5, 6]))
+    decodes = [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+    if system_prompt_cached:
+        assert chunks(scheduler.schedule()) == [*decodes, (3, 12, 10), (4, 0, 2)]
+    else:
+        assert chunks(scheduler.schedule()) == decodes and [seq.seq_id for seq in scheduler.waiting] == [3, 4]
+
+
+def test_a_prompt_with_images_waits_when_the_budget_left_is_short_of_what_its_hits_leave():
+    """A prompt with images after a long text prefill (6 of the budget left): its 10 tokens after the cached system
+    prompt wait for the next step, which computes them in one chunk."""
+    manager = BlockManager(32, 4)
+    manager.add_sequence("system prompt", [*SYSTEM, 1])
+    manager.free("system prompt")
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=24)
+    scheduler.add(sequence(0, list(range(40, 58))))
+    scheduler.add(image_prompt(1))
+    assert chunks(scheduler.schedule()) == [(0, 0, 18)]
+    scheduler.running[0].num_computed = 18
+    scheduler.running[0].token_ids.append(9)
+    assert chunks(scheduler.schedule()) == [(0, 18, 1), (1, 12, 10)]
+
+
+def test_a_prompt_with_images_admitted_in_a_step_that_did_not_count_is_computed_whole_in_the_next():
+    """A step that raised (the engine's caller may go on stepping) leaves the prompts it admitted running with
+    nothing computed: in a later step an image prompt's chunk is still all its tokens after its hits (its images'
+    tokens are never split), past the budget when the sequences running before it take more of it than they did."""
+    scheduler = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=24)
+    (older,) = running(scheduler, [[1, 2, 3]])
+    scheduler.add(image_prompt(1))
+    assert chunks(scheduler.schedule()) == [(0, 3, 1), (1, 0, 22)]  # the step raises: nothing computed
+    older.token_ids += [9] * 5  # (tokens appended while it runs: 6 to compute)
+    assert chunks(scheduler.schedule()) == [(0, 3, 6), (1, 0, 22)]

@@ -54,17 +54,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _computed(self):
         return sorted(s for s in self.tokens if s not in self.uncomputed)
 
-    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(1, 9), max_size=9), computed=st.booleans())
-    def add(self, stem, tail, computed):
-        """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before."""
+    @rule(
+        stem=st.sampled_from(STEMS),
+        tail=st.lists(st.integers(1, 9), max_size=9),
+        computed=st.booleans(),
+        unsplit=st.none() | st.tuples(st.integers(0, 8), st.integers(1, 10)).map(lambda s: (s[0], s[0] + s[1])),
+    )
+    def add(self, stem, tail, computed, unsplit):
+        """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before. The
+        hit ``cached_tokens`` finds first is the one taken, and finding it changes nothing."""
         tokens, seq_id = stem + tail, self.next_id
+        before = (list(self.manager._free), dict(self.manager._hash_to_block), list(self.manager.ref_counts))
+        probed = self.manager.cached_tokens(tokens, unsplit=unsplit)
+        assert (list(self.manager._free), self.manager._hash_to_block, self.manager.ref_counts) == before
         free_before = self.manager.num_free_blocks
         try:
-            cached = self.manager.add_sequence(seq_id, tokens, computed=computed)
+            cached = self.manager.add_sequence(seq_id, tokens, computed=computed, unsplit=unsplit)
         except CacheFullError:
             assert self.manager.num_free_blocks == free_before and seq_id not in self.manager
             return
+        assert cached == probed
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
+        assert unsplit is None or not unsplit[0] < cached < unsplit[1]
         for slot, token in zip(self.manager.slots(seq_id, 0, cached), tokens):
             assert self.pool.get(slot) == token, "prefix hit returned a block holding other tokens"
         if computed:
