@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
-from hfaccel.kv import BlockCopy, BlockManager, CacheFullError
+from hfaccel.kv import BlockCopy, BlockManager, CacheFullError, PrefixHit
 from hfaccel.sampling import IncrementalDetokenizer, SamplingParams, StopChecker, TokenLogprob
 from hfaccel.sampling.structured import AfterReasoning, Constraint
 
@@ -261,7 +261,8 @@ class Scheduler:
             if seq.request.lora is not None and (passed or not self._lora_slot_ready(seq)):
                 passed.append(self.waiting.popleft())
                 continue
-            if self._images_wait(seq, budget) or not self._admit(seq):
+            hit = self._prefix_hit(seq)
+            if self._images_wait(seq, budget, hit) or not self._admit(seq, hit):
                 break  # (FCFS: the requests behind it wait)
             self.waiting.popleft()
             rest = seq.num_tokens - seq.num_computed
@@ -297,32 +298,32 @@ class Scheduler:
     def _never_fits(self, seq: Sequence) -> bool:
         return self.manager.blocks_needed(seq.num_tokens) > self.manager.num_blocks
 
-    def _images_wait(self, seq: Sequence, budget: int) -> bool:
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        salt, salt_from = _cache_salts(seq)
+        return self.manager.prefix_hit(seq.token_ids, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq))
+
+    def _images_wait(self, seq: Sequence, budget: int, hit: PrefixHit) -> bool:
         """Whether a waiting prompt whose images are computed in one chunk, from its prefix-cache hits on, waits for
         a step whose budget left holds that chunk (one longer than the whole budget goes past it)."""
         media = seq.request.media
-        if media is None:
+        return (
+            media is not None
+            and media.images_from(hit.tokens)
+            and budget < seq.num_tokens - hit.tokens <= self.max_num_batched_tokens
+        )
+
+    def _admit(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """Allocate blocks for a waiting sequence's tokens (its prefix-cache ``hit`` reused); False if the pool is
+        short of them, or would be left with no room for the running sequences to grow."""
+        watermark = max(1, self.manager.num_blocks // 100) if self.running else 0
+        if hit.free_blocks + watermark > self.manager.num_free_blocks:
             return False
         salt, salt_from = _cache_salts(seq)
-        cached = self.manager.cached_tokens(seq.token_ids, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq))
-        return media.images_from(cached) and budget < seq.num_tokens - cached <= self.max_num_batched_tokens
-
-    def _admit(self, seq: Sequence) -> bool:
-        """Allocate blocks for a waiting sequence's tokens (prefix hits reused); False if the pool is short."""
-        manager = self.manager
-        watermark = max(1, manager.num_blocks // 100) if self.running else 0  # room for running sequences to grow
-        if manager.blocks_needed(seq.num_tokens) + watermark > manager.num_free_blocks + self._possible_hits(seq):
-            return False
-        free_before = manager.num_free_blocks
         try:
-            salt, salt_from = _cache_salts(seq)
-            cached = manager.add_sequence(
+            cached = self.manager.add_sequence(
                 seq.seq_id, seq.token_ids, computed=False, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq)
             )
-        except CacheFullError:
-            return False
-        if manager.num_free_blocks < watermark and free_before >= watermark:
-            manager.free(seq.seq_id)  # fewer prefix hits than hoped: it would leave running sequences no room
+        except CacheFullError:  # no state slot free (a model whose layers keep recurrent state)
             return False
         seq.num_computed = cached
         if seq.request.metrics.first_scheduled_time is None:
@@ -349,9 +350,6 @@ class Scheduler:
         start = media.start if self.hits_before_images and media.start is not None else 0
         known = media.end is not None and media.digest in self.media_offsets
         return start, media.end if known else seq.num_tokens  # (a hit leaves one token at least)
-
-    def _possible_hits(self, seq: Sequence) -> int:
-        return seq.num_tokens // self.manager.block_size if self.manager.enable_prefix_caching else 0
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's blocks; it goes back to the front of the queue and is recomputed."""

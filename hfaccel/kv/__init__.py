@@ -1,7 +1,7 @@
 """The paged KV memory: block bookkeeping, the pool of K/V tensors (and hybrid models' recurrent state), what each
 layer of a model keeps, and transformers ``Cache`` views over the pool."""
 
-from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
+from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, PrefixHit, slot_mapping
 from hfaccel.kv.device_tables import DeviceBlockTables
 from hfaccel.kv.hf_cache import PagedKV, PoolCache, PromptCache, SequenceKVCache, paged_reader_backend
 from hfaccel.kv.layout import ModelLayout, kv_dims, local_kv_heads, model_layout
@@ -19,6 +19,7 @@ __all__ = [
     "PagedCache",
     "PagedKV",
     "PoolCache",
+    "PrefixHit",
     "PromptCache",
     "SequenceKVCache",
     "kv_dims",

@@ -67,6 +67,16 @@ class _Sequence:
 
 
 @dataclass(frozen=True)
+class PrefixHit:
+    """What :meth:`BlockManager.add_sequence` would find for a prompt now: its first ``tokens`` tokens in the prefix
+    cache, and the ``free_blocks`` it would take (new blocks after the hit, and the hit's cached blocks that no
+    sequence holds)."""
+
+    tokens: int
+    free_blocks: int
+
+
+@dataclass(frozen=True)
 class BlockCopy:
     """Copy block ``src`` into block ``dst`` (every layer, K and V) before writing to ``dst``."""
 
@@ -191,20 +201,19 @@ class BlockManager:
         holders = Counter(seq.blocks[-1] for seq in seqs if seq.length % self.block_size)
         return total - sum(1 for block, count in holders.items() if count > 1 and self.ref_counts[block] == count)
 
-    def cached_tokens(
+    def prefix_hit(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | None = None,
         *,
+        num_tokens: int | None = None,
         salt: Hashable = None,
         salt_from: tuple[int, Hashable] | None = None,
         unsplit: tuple[int, int] | None = None,
-    ) -> int:
-        """How many leading tokens of a prompt ``add_sequence`` would find in the prefix cache now (same arguments),
-        changing nothing: no block is taken or evicted."""
-        if not self.enable_prefix_caching:
-            return 0
-        hits, _ = self._prefix_hits(list(token_ids), salt, salt_from, unsplit)
-        return len(hits) * self.block_size
+    ) -> PrefixHit:
+        """What ``add_sequence`` with the same arguments would find and take now, changing nothing: no block is taken
+        or evicted."""
+        _, _, hit = self._lookup(token_ids, num_tokens, salt, salt_from, unsplit)
+        return hit
 
     # ----------------------------------------------------------------------------------------- changes
     def add_sequence(
@@ -231,31 +240,24 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        length = len(token_ids) if token_ids is not None else num_tokens
-        if length is None or length < 0:
-            raise ValueError("add_sequence needs token_ids or a num_tokens >= 0")
-        tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
-        hits, hashes = self._prefix_hits(tokens, salt, salt_from, unsplit)
-        needed = self.blocks_needed(length) - len(hits)
-        reusable_free = sum(1 for block in hits if self.ref_counts[block] == 0)
-        if needed > self.num_free_blocks - reusable_free:
+        hits, hashes, hit = self._lookup(token_ids, num_tokens, salt, salt_from, unsplit)
+        length = _length(token_ids, num_tokens)
+        if hit.free_blocks > self.num_free_blocks:
             raise CacheFullError(
-                f"sequence of {length} tokens needs {needed} free blocks of {self.block_size} "
-                f"slots; the pool has {self.num_free_blocks - reusable_free} "
+                f"sequence of {length} tokens needs {hit.free_blocks} free blocks of {self.block_size} slots "
+                f"({hit.tokens} tokens found in the prefix cache); the pool has {self.num_free_blocks} "
                 f"(of {self.num_blocks})"
             )
         self._check_state_slot()
-        seq = _Sequence(
-            tokens=[] if tokens is not None else None, epoch=next(self._epochs), salt=salt, salt_from=salt_from
-        )
+        seq = _Sequence(epoch=next(self._epochs), salt=salt, salt_from=salt_from)
         for block in hits:
             self._ref(block)
         seq.blocks, seq.hashes = list(hits), hashes
-        seq.blocks += [self._allocate() for _ in range(needed)]
+        seq.blocks += [self._allocate() for _ in range(self.blocks_needed(length) - len(hits))]
         seq.length = length
         seq.computed = length if computed else len(hits) * self.block_size
-        if tokens is not None:
-            seq.tokens = tokens
+        if token_ids is not None and self.enable_prefix_caching:
+            seq.tokens = list(token_ids)
             self._register_full_blocks(seq)
         self._seqs[seq_id] = seq
         self._take_state_slot(seq_id)
@@ -430,6 +432,21 @@ class BlockManager:
         seq.epoch = next(self._epochs)
         return BlockCopy(shared, fresh)
 
+    def _lookup(
+        self,
+        token_ids: Sequence[int] | None,
+        num_tokens: int | None,
+        salt: Hashable,
+        salt_from: tuple[int, Hashable] | None,
+        unsplit: tuple[int, int] | None,
+    ) -> tuple[list[int], list[int], PrefixHit]:
+        """A prompt's prefix-cache hits (``add_sequence``'s arguments), their hashes, and what adding it takes."""
+        new_blocks = self.blocks_needed(_length(token_ids, num_tokens))
+        tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
+        hits, hashes = self._prefix_hits(tokens, salt, salt_from, unsplit)
+        cached_free = sum(1 for block in hits if self.ref_counts[block] == 0)
+        return hits, hashes, PrefixHit(len(hits) * self.block_size, new_blocks - len(hits) + cached_free)
+
     def _prefix_hits(
         self,
         tokens: list[int] | None,
@@ -497,3 +514,11 @@ class BlockManager:
         assert sorted(held + self._free_states) == list(range(self.state_slots)), "state slots lost or held twice"
         for digest, block in self._hash_to_block.items():
             assert hash(self._block_key[block]) == digest, "registration points at a block with other content"
+
+
+def _length(token_ids: Sequence[int] | None, num_tokens: int | None) -> int:
+    """A prompt's length from ``add_sequence``'s ``token_ids`` or ``num_tokens``."""
+    length = len(token_ids) if token_ids is not None else num_tokens
+    if length is None or length < 0:
+        raise ValueError(f"add_sequence needs token_ids or a num_tokens >= 0; got num_tokens={num_tokens}")
+    return length

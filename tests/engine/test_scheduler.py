@@ -104,3 +104,16 @@ def test_a_prompt_with_images_admitted_in_a_step_that_did_not_count_is_computed_
     assert chunks(scheduler.schedule()) == [(0, 3, 1), (1, 0, 22)]  # the step raises: nothing computed
     older.token_ids += [9] * 5  # (tokens appended while it runs: 6 to compute)
     assert chunks(scheduler.schedule()) == [(0, 3, 6), (1, 0, 22)]
+
+
+def test_a_prompt_that_would_leave_no_room_to_grow_waits_and_evicts_nothing():
+    """A waiting prompt that would take the last free blocks (none left for the running sequences to grow into)
+    waits — and takes no block meanwhile, so the prefix cache keeps the system prompt it held in them."""
+    manager = BlockManager(10, 4)
+    manager.add_sequence("system prompt", [*SYSTEM, 1])
+    manager.free("system prompt")  # its three full blocks stay in the prefix cache, among the free ones
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    running(scheduler, [list(range(40, 55))])  # 4 blocks held, 6 free
+    scheduler.add(sequence(1, list(range(60, 84))))  # 24 tokens: 6 blocks
+    assert chunks(scheduler.schedule()) == [(0, 15, 1)] and [seq.seq_id for seq in scheduler.waiting] == [1]
+    assert manager.prefix_hit([*SYSTEM, 2]).tokens == 12

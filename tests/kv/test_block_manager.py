@@ -62,18 +62,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     )
     def add(self, stem, tail, computed, unsplit):
         """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before. The
-        hit ``cached_tokens`` finds first is the one taken, and finding it changes nothing."""
+        hit ``prefix_hit`` finds first is the one taken, with the free blocks it says, and finding it changes
+        nothing."""
         tokens, seq_id = stem + tail, self.next_id
         before = (list(self.manager._free), dict(self.manager._hash_to_block), list(self.manager.ref_counts))
-        probed = self.manager.cached_tokens(tokens, unsplit=unsplit)
+        hit = self.manager.prefix_hit(tokens, unsplit=unsplit)
         assert (list(self.manager._free), self.manager._hash_to_block, self.manager.ref_counts) == before
         free_before = self.manager.num_free_blocks
         try:
             cached = self.manager.add_sequence(seq_id, tokens, computed=computed, unsplit=unsplit)
         except CacheFullError:
             assert self.manager.num_free_blocks == free_before and seq_id not in self.manager
+            assert hit.free_blocks > free_before
             return
-        assert cached == probed
+        assert (cached, free_before - self.manager.num_free_blocks) == (hit.tokens, hit.free_blocks)
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
         assert unsplit is None or not unsplit[0] < cached < unsplit[1]
         for slot, token in zip(self.manager.slots(seq_id, 0, cached), tokens):
