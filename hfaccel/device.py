@@ -1,5 +1,5 @@
-"""Where a model lives, what was worked out about it there, and host values as device tensors without waiting for
-the device."""
+"""Where a model lives, what was worked out about it there, host values as device tensors without waiting for the
+device, and whether a device that raised still runs anything."""
 
 from __future__ import annotations
 
@@ -39,3 +39,32 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch
     else:
         host = torch.tensor(values, dtype=dtype, pin_memory=pin)
     return host.to(device, non_blocking=True)
+
+
+class DeviceLostError(BaseException):
+    """The device raised an error it keeps (a CUDA error that sticks to its context: an illegal memory access, a
+    device-side assert): every later call on it fails alike, so nothing more runs in this process, which must be
+    restarted. A ``BaseException``, as ``SystemExit`` is, so that the engine's handlers that fail one step's requests
+    and go on serving (``except Exception``) let it through: it ends ``AsyncEngine``'s thread (``healthy`` turns
+    False) and ``hfaccel serve`` exits with status 1."""
+
+
+def raise_if_lost(error: BaseException, device: torch.device) -> None:
+    """Raise :class:`DeviceLostError` from ``error`` when it is a device's error and ``device`` no longer runs
+    anything; return otherwise (an error the device recovers from: out of memory, a bad launch)."""
+    if isinstance(error, torch.AcceleratorError) and not device_works(device):
+        raise DeviceLostError(
+            f"{device} raised {error} and fails every call since (the error stays with its context); nothing more "
+            "can run in this process: restart it"
+        ) from error
+
+
+def device_works(device: torch.device) -> bool:
+    """Whether ``device`` runs work now: waiting for it raises nothing (a CUDA error that sticks is raised again)."""
+    if device.type == "cpu":
+        return True
+    try:
+        torch.accelerator.synchronize(device)
+    except Exception:
+        return False
+    return True

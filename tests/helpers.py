@@ -8,11 +8,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import torch
 import transformers
 
@@ -95,6 +96,22 @@ class Server:
             return self.process.wait(30)
         finally:
             self.log.close()
+
+    def ended_by(self, request: Callable[[], object], error: str, timeout: float = 60.0) -> str:
+        """``request()`` ends the server's engine: it gets a 503 naming ``error``, and the server exits by itself
+        with status 1 within ``timeout`` seconds (else it is stopped). Returns the server's log."""
+        try:
+            with pytest.raises(openai.InternalServerError, match=error) as caught:
+                request()
+            assert caught.value.status_code == 503
+        finally:
+            try:
+                status = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                status = self.stop()
+            self.log.close()
+        assert status == 1
+        return self.log_path.read_text()
 
 
 SHARED = list(range(30, 50))  # a 20-token prefix several prompts share (one full block of 16)

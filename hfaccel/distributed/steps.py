@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hfaccel.device import raise_if_lost
 from hfaccel.distributed.model import TensorParallel
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.block_manager import BlockCopy
@@ -339,6 +340,7 @@ class LeaderRunner(ModelRunner):
         try:
             return forward(*args)
         except Exception as error:
+            raise_if_lost(error, self.device)  # (the device fails every call: no verdict to wait for)
             self.channel.settle(error)
             raise
 
@@ -378,7 +380,8 @@ def tp_runner(
 def follow(runner: ModelRunner, channel: StepChannel) -> int:
     """Run the leader's forwards on this rank until it stops (its ``Engine.shutdown()``); returns how many ran. A
     forward that raises here is settled with the other ranks (:meth:`StepChannel.settle`): raised on every rank, the
-    leader fails its request alone and this rank goes on; otherwise :class:`TensorParallelError`."""
+    leader fails its request alone and this rank goes on; otherwise :class:`TensorParallelError`. An error the device
+    keeps raises :class:`~hfaccel.device.DeviceLostError` at once."""
     forwards = 0
     while True:
         message = channel.receive()
@@ -391,6 +394,7 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
         try:
             _run(runner, message)
         except Exception as error:
+            raise_if_lost(error, runner.device)  # (the device fails every call: no verdict to wait for)
             channel.settle(error)
             _log.warning("hfaccel: a forward raised on every TP rank (the leader fails its request): %s", error)
         forwards += 1

@@ -11,7 +11,8 @@ worker thread first), between steps.
 A request the engine fails alone (its part of a step raised) raises :class:`RequestFailed` in its stream; a
 step that fails as a whole (out of memory) raises its error in the streams of the requests it ran; those
 still waiting go on. Either way the thread goes on serving — but not past an error that is no ``Exception``
-(``TensorParallelError``: the TP ranks diverged), which ends it: every stream gets a RuntimeError naming it.
+(``DeviceLostError``: the device keeps an error, nothing more runs on it; ``TensorParallelError``: the TP ranks
+diverged), which ends it: every stream gets a RuntimeError naming it.
 """
 
 from __future__ import annotations

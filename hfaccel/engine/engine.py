@@ -35,7 +35,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.attention import set_hfaccel_attention, uses_hfaccel_attention
-from hfaccel.device import model_device
+from hfaccel.device import model_device, raise_if_lost
 from hfaccel.distributed import (
     StepChannel,
     TensorParallel,
@@ -324,8 +324,16 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
     def step_requests(self) -> list[Request]:
         """Run one step — schedule, run, update — and return the live requests it changed, copying nothing
         (``DeltaTracker`` reads the new part of each: what ``generate``, ``stream`` and ``AsyncEngine`` use, so a
-        step costs the same however long the outputs already are)."""
+        step costs the same however long the outputs already are). A step that raises an error the device keeps
+        raises :class:`~hfaccel.device.DeviceLostError`: nothing more can run in this process."""
         self._need_leader("step")
+        try:
+            return self._step()
+        except torch.AcceleratorError as error:
+            raise_if_lost(error, self.runner.device)
+            raise
+
+    def _step(self) -> list[Request]:
         touched: dict[str, Request] = {}
         overlap = self._overlaps()
         self._collect_all_but(1 if overlap else 0, touched)  # a step with prefill work sees the last one's tokens

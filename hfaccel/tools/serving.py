@@ -47,19 +47,12 @@ def serve_command(args: argparse.Namespace) -> None:
 def _serve_one(args: argparse.Namespace) -> None:
     """The server on one process, one device."""
     import hfaccel
-    from hfaccel.serve.server import serve
     from hfaccel.tools.models import pick_device, pick_dtype
 
     device = pick_device(args.device)
     model, tokenizer = load_for_serving(args, device, pick_dtype(args.dtype, device))
     hfaccel.accelerate(model, attention=args.attention, paged=False)
-    serve(
-        hfaccel.AsyncEngine(_engine(args, model, tokenizer)),
-        _server_config(args),
-        host=args.host,
-        port=args.port,
-        graceful_shutdown_s=args.graceful_shutdown,
-    )
+    _serve_engine(args, _engine(args, model, tokenizer))
 
 
 def _serve_rank(args: argparse.Namespace) -> None:
@@ -70,7 +63,6 @@ def _serve_rank(args: argparse.Namespace) -> None:
 
     import hfaccel
     from hfaccel.distributed.launch import backend_for, init_ranks
-    from hfaccel.serve.server import serve
     from hfaccel.tools.models import pick_device, pick_dtype
 
     device = pick_device(args.device)
@@ -88,11 +80,27 @@ def _serve_rank(args: argparse.Namespace) -> None:
     model.eval()
     hfaccel.accelerate(model, attention=args.attention, paged=False, quantize=args.quantize, group_size=args.group_size)
     engine = _engine(args, model, tokenizer)
-    if not engine.is_leader:
+    if engine.is_leader:
+        _serve_engine(args, engine)
+    else:
         engine.follow()
-        return
+
+
+def _serve_engine(args: argparse.Namespace, engine) -> None:
+    """Serve ``engine`` over HTTP until SIGTERM / SIGINT. When its engine thread ends (the device lost, the TP ranks
+    diverged, a bug), the server drains as on SIGTERM and the process exits with status 1 — not a server that
+    answers every request with an error — so its supervisor restarts it (under tensor parallelism rank 0's
+    followers would wait for its next step forever: its launcher, or torchrun, then stops every rank)."""
+    import hfaccel
+    from hfaccel.serve.server import serve
+
     failures: list[BaseException] = []
-    async_engine = hfaccel.AsyncEngine(engine, on_failure=lambda error: _stop_serving(failures, error))
+
+    def stop_serving(error: BaseException) -> None:
+        failures.append(error)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async_engine = hfaccel.AsyncEngine(engine, on_failure=stop_serving)
     try:
         serve(
             async_engine,
@@ -108,15 +116,7 @@ def _serve_rank(args: argparse.Namespace) -> None:
         async_engine.shutdown()
         engine.shutdown()
     if failures:
-        raise SystemExit(f"hfaccel serve: tensor-parallel rank 0's engine stopped: {failures[0]!r}")
-
-
-def _stop_serving(failures: list[BaseException], error: BaseException) -> None:
-    """Rank 0's engine thread ended (the ranks diverged, a bug): its followers would wait for its next step forever,
-    so the server drains as on SIGTERM and the rank exits with status 1 (its supervisor, or torchrun, then stops
-    every rank)."""
-    failures.append(error)
-    os.kill(os.getpid(), signal.SIGTERM)
+        raise SystemExit(f"hfaccel serve: the engine stopped: {failures[0]!r}")
 
 
 def _check_tp_quantization(args: argparse.Namespace) -> None:

@@ -5,9 +5,10 @@ detokenization) is failed alone while the others go on, token for token as if it
 import asyncio
 
 import pytest
+import torch
 
 import hfaccel
-from hfaccel.engine import AsyncEngine, Engine, InvalidSamplingParams, SamplingParams
+from hfaccel.engine import AsyncEngine, DeviceLostError, Engine, InvalidSamplingParams, SamplingParams
 from tests.models import char_tokenizer, tiny_model
 
 PROMPTS = ["the cat", "hello there", "x", "a longer prompt than the others"]
@@ -79,7 +80,7 @@ def _poison_forward(engine: Engine, request_id: str) -> None:
     def failing(seq_ids, *args, **kwargs):
         request = engine.requests.get(request_id)
         if request is not None and {s.seq_id for s in request.seqs} & set(seq_ids):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+            raise RuntimeError("a kernel refused this request's rows (simulated)")
         return forward(seq_ids, *args, **kwargs)
 
     engine.runner.forward = failing
@@ -95,7 +96,7 @@ def _poison(engine: Engine, where: str, request_id: str) -> str:
     request = engine.requests[request_id]
     if where == "forward":
         _poison_forward(engine, request_id)
-        return "illegal memory access"
+        return "refused this request's rows"
     if where == "sampling":  # changed after it was checked: more top logprobs than the vocabulary has
         request.params.logprobs = 1000
         return "RuntimeError"
@@ -159,7 +160,7 @@ def test_async_engine_fails_the_request_alone_and_streams_the_others(model, max_
     try:
         failed, *streams = asyncio.run(main())
         # failed alone: RequestFailed; or, stepped before the others arrived, with its step's own error
-        assert isinstance(failed, RuntimeError) and "illegal memory access" in str(failed)
+        assert isinstance(failed, RuntimeError) and "refused this request's rows" in str(failed)
         assert streams == expected
         assert async_engine.healthy and async_engine.stats()["blocks_used"] == 0
         assert asyncio.run(async_engine.generate("after", greedy(3))).outputs[0].finish_reason == "length"
@@ -167,21 +168,51 @@ def test_async_engine_fails_the_request_alone_and_streams_the_others(model, max_
         async_engine.shutdown()
 
 
-def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failure(model):
-    """A ``TensorParallelError`` (the TP ranks diverged) is not a request's error: the step's handlers let it through,
-    the thread ends, every stream in flight gets a RuntimeError naming it, ``healthy`` turns False and
-    ``on_failure`` hears of it once (``hfaccel serve``'s TP leader then exits, and its launcher stops every rank);
-    later requests are refused."""
+def test_a_device_error_ends_the_engine_only_when_the_device_keeps_it(model, monkeypatch):
+    """A step raises a device error (``torch.AcceleratorError``) for every request. While the device still runs work
+    (out of memory, a bad launch), the step's error is raised and the engine serves the next call; once it fails
+    every call (a CUDA error that sticks to its context), :class:`DeviceLostError` is raised from it: nothing more
+    can run in the process. Either way ``generate()`` takes its requests out."""
+    import hfaccel.device as device_module
+
+    engine = make_engine(model)
+    expected = tokens(engine.generate(PROMPTS, greedy()))
+    forward = engine.runner.forward
+    error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
+    engine.runner.forward = lambda *args, **kwargs: (_ for _ in ()).throw(error)
+    with pytest.raises(torch.AcceleratorError) as recovered:
+        engine.generate(PROMPTS, greedy())
+    assert recovered.value is error and engine.requests == {} and engine.stats()["blocks_used"] == 0
+    monkeypatch.setattr(device_module, "device_works", lambda device: False)
+    with pytest.raises(DeviceLostError, match="restart it") as lost:
+        engine.generate(PROMPTS, greedy())
+    assert lost.value.__cause__ is error and engine.requests == {} and engine.stats()["blocks_used"] == 0
+    monkeypatch.undo()
+    engine.runner.forward = forward
+    assert tokens(engine.generate(PROMPTS, greedy())) == expected
+
+
+@pytest.mark.parametrize("ending", ["TensorParallelError", "DeviceLostError"])
+def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failure(model, monkeypatch, ending):
+    """A ``TensorParallelError`` (the TP ranks diverged) or a ``DeviceLostError`` (a device error the device keeps) is
+    not a request's error: the step's handlers let it through, the thread ends, every stream in flight gets a
+    RuntimeError naming it, ``healthy`` turns False and ``on_failure`` hears of it once (``hfaccel serve`` then
+    exits, and a TP leader's launcher stops every rank); later requests are refused."""
+    import hfaccel.device as device_module
     from hfaccel.distributed import TensorParallelError
 
     ended = []
     async_engine = AsyncEngine(make_engine(model), on_failure=ended.append)
     forward = async_engine.engine.runner.forward
-    diverged = TensorParallelError("a multimodal prefill raised on 1 of 2 TP ranks (simulated)")
+    if ending == "TensorParallelError":
+        error = TensorParallelError("a multimodal prefill raised on 1 of 2 TP ranks (simulated)")
+    else:
+        error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
+        monkeypatch.setattr(device_module, "device_works", lambda device: False)
 
     def failing(seq_ids, *args, **kwargs):
         if async_engine.engine.requests.get("third") is not None:
-            raise diverged
+            raise error
         return forward(seq_ids, *args, **kwargs)
 
     async_engine.engine.runner.forward = failing
@@ -194,11 +225,13 @@ def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failur
     try:
         first, failed = asyncio.run(main())
         assert first.outputs[0].finish_reason == "length"
-        for error in failed:
-            assert isinstance(error, RuntimeError) and error.__cause__ is diverged, error
-            assert "the engine thread failed: TensorParallelError" in str(error)
-        assert ended == [diverged] and not async_engine.healthy
-        with pytest.raises(RuntimeError, match="the engine thread failed: TensorParallelError"):
+        (end,) = ended
+        assert type(end).__name__ == ending and (end is error or end.__cause__ is error)
+        for stream_error in failed:
+            assert isinstance(stream_error, RuntimeError) and stream_error.__cause__ is end, stream_error
+            assert f"the engine thread failed: {ending}" in str(stream_error)
+        assert not async_engine.healthy
+        with pytest.raises(RuntimeError, match=f"the engine thread failed: {ending}"):
             asyncio.run(async_engine.generate("after", greedy(3)))
     finally:
         async_engine.shutdown()

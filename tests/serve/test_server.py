@@ -425,6 +425,22 @@ def test_sigterm_shuts_down_cleanly_with_a_request_in_flight(model_dir):
     assert all(line.startswith("data: ") or not line for line in rest)
 
 
+def test_a_lost_device_ends_the_server(model_dir):
+    """The device raises an error it keeps (tests/serve/device_lost: a CUDA illegal memory access, simulated): the
+    request gets a 503 naming DeviceLostError, and the server drains and exits with status 1 — for its supervisor
+    to restart it — rather than fail every request from then on."""
+    from pathlib import Path
+
+    lose = {"PYTHONPATH": str(Path(__file__).parent / "device_lost"), "HFACCEL_TEST_LOSE_DEVICE": "20"}
+    running = Server(model_dir, env=lose)
+    assert running.client().completions.create(**_greedy(prompt="short", max_tokens=3)).choices
+    log = running.ended_by(
+        lambda: running.client().completions.create(**_greedy(prompt="more than twenty tokens long", max_tokens=3)),
+        "DeviceLostError",
+    )
+    assert "hfaccel serve: the engine stopped: DeviceLostError" in log and "illegal memory access" in log, log[-3000:]
+
+
 def test_sigterm_ends_each_request_cleanly_after_the_grace_period(model_dir):
     """Requests still running when the grace period ends: streams get an error event and [DONE], the others a
     JSON 503 (--max-num-seqs 4 runs one n=4 request at a time, so most of them are still running)."""

@@ -4,6 +4,7 @@ equal the single-process engine's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -132,43 +133,60 @@ def test_ranks_that_disagree_on_static_steps_all_refuse_to_start(saved_llama, tm
     assert leader == follower and "the ranks' decode steps differ" in leader
 
 
-def _follower_short_of_memory_rank(path: str, prompts: list[list[int]]) -> dict:
-    """The engine on this rank; the follower's third forward runs out of memory, there alone (the leader goes into the
-    forward's collectives). What each rank's engine ended with."""
+def _follower_failing_rank(path: str, prompts: list[list[int]], error: str) -> dict:
+    """The engine on this rank; the follower's third forward raises ``error`` there alone (the leader goes into the
+    forward's collectives): out of memory, or a CUDA error its device keeps (every later call fails). What each rank's
+    engine ended with, and how long the follower took to end once its forward raised."""
     import datetime
+    import time
 
     import hfaccel
+    import hfaccel.device
     from hfaccel.distributed import TensorParallelError, steps
 
     steps.VERDICT_TIMEOUT = datetime.timedelta(seconds=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     engine = hfaccel.Engine(hfaccel.accelerate(model, attention="torch"), **ENGINE)
+    raised = []
     if not engine.is_leader:
         run_model, calls = engine.runner.run_model, []
 
-        def out_of_memory(*args, **kwargs):
+        def failing(*args, **kwargs):
             calls.append(None)
             if len(calls) == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated, on this rank alone)")
+                raised.append(time.monotonic())
+                if error == "out of memory":
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated, on this rank alone)")
+                hfaccel.device.device_works = lambda device: False
+                raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
             return run_model(*args, **kwargs)
 
-        engine.runner.run_model = out_of_memory
+        engine.runner.run_model = failing
     try:
         if not engine.is_leader:
             return {"followed": engine.follow()}
         return {"outputs": engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))}
-    except TensorParallelError as error:
-        return {"error": str(error), "cause": repr(error.__cause__)}
+    except (TensorParallelError, hfaccel.device.DeviceLostError) as ended:
+        waited = time.monotonic() - raised[0] if raised else None
+        return {"error": f"{type(ended).__name__}: {ended}", "cause": repr(ended.__cause__), "waited": waited}
     finally:
         engine.shutdown()  # sends nothing once the ranks diverged
 
 
-def test_a_forward_failing_on_one_rank_alone_stops_every_rank(saved_llama, tmp_path):
-    """A decode step that raises on the follower alone (out of memory there) leaves the leader inside the forward's
-    collectives: the follower gets no word from it in time and stops with TensorParallelError, and so does the leader
-    once its collective fails (its peer gone): its generate() raises instead of answering — no rank waits forever."""
+@pytest.mark.parametrize("error", ["out of memory", "device lost"])
+def test_a_forward_failing_on_one_rank_alone_stops_every_rank(saved_llama, tmp_path, error):
+    """A decode step that raises on the follower alone leaves the leader inside the forward's collectives. Out of
+    memory there: the follower gets no word from the leader in time and stops with TensorParallelError. An error its
+    device keeps: it stops at once with DeviceLostError (no word to wait for: nothing can run there any more). The
+    leader stops too once its collective fails (its peer gone): its generate() raises instead of answering — no rank
+    waits forever."""
     prompts, _ = mixed_prompts(4)
-    leader, follower = run_ranks(_follower_short_of_memory_rank, str(saved_llama), prompts, workdir=tmp_path)
-    assert "not every rank said it raised there too" in follower["error"], follower
-    assert "OutOfMemoryError" in follower["cause"], follower
-    assert leader["error"].startswith("TP rank 0: a forward raised"), leader
+    leader, follower = run_ranks(_follower_failing_rank, str(saved_llama), prompts, error, workdir=tmp_path)
+    if error == "out of memory":
+        assert "TensorParallelError: TP rank 1: a forward raised" in follower["error"], follower
+        assert "not every rank said it raised there too" in follower["error"], follower
+        assert "OutOfMemoryError" in follower["cause"] and follower["waited"] >= 3, follower
+    else:
+        assert follower["error"].startswith("DeviceLostError:") and "illegal memory access" in follower["cause"]
+        assert follower["waited"] < 3, follower
+    assert leader["error"].startswith("TensorParallelError: TP rank 0: a forward raised"), leader
