@@ -124,7 +124,9 @@ gpu-round: gpu-install
 
 gpu-round-1:
 	-HFACCEL_TEST_DEVICE=cuda $(CLI) 100 $(PYTHON) -m pytest -q -n 4 -ra --tb=short tests/runner/test_graphs.py \
-		tests/hf/test_families.py::test_triton_kernels_give_transformers_tokens 2>&1 | tee $(OUT)/families.log
+		tests/hf/test_families.py::test_triton_kernels_give_transformers_tokens \
+		tests/engine/test_failures.py::test_a_device_side_assert_loses_the_cuda_device_and_out_of_memory_does_not \
+		2>&1 | tee $(OUT)/families.log
 	-$(CLI) 140 $(BENCH) structured --model llama-3.2-1b --tokenizer wheels/smollm2-tokenizer \
 		--output $(OUT)/structured.json 2>&1 | tee $(OUT)/structured.log
 	-$(CLI) 200 $(BENCH) fp8 --dtype bfloat16 --output $(OUT)/fp8.json 2>&1 | tee $(OUT)/fp8.log

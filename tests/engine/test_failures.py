@@ -235,3 +235,32 @@ def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failur
             asyncio.run(async_engine.generate("after", greedy(3)))
     finally:
         async_engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA context that keeps an error needs a GPU")
+def test_a_device_side_assert_loses_the_cuda_device_and_out_of_memory_does_not():
+    """On a GPU, in a process of its own (its CUDA context is lost for good): out of memory leaves the device working;
+    an out-of-bounds index (a device-side assert) makes every later call fail, which ``raise_if_lost`` tells."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from hfaccel.device import DeviceLostError, device_works, raise_if_lost
+x = torch.zeros(3, device="cuda")
+try:
+    torch.empty(1 << 50, device="cuda")
+except torch.OutOfMemoryError as error:
+    raise_if_lost(error, x.device)
+assert device_works(x.device)
+try:
+    x[torch.tensor([7], device="cuda")] = 1.0
+    torch.cuda.synchronize()
+except torch.AcceleratorError as error:
+    try:
+        raise_if_lost(error, x.device)
+    except DeviceLostError:
+        print("lost")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "lost", done.stderr[-3000:]
