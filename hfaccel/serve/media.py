@@ -6,35 +6,70 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image larger than this is refused
-FETCH_TIMEOUT = 10.0  # seconds to fetch one image URL
+FETCH_TIMEOUT = 10.0  # seconds to fetch one image URL, redirects and all
+_CHUNK = 1 << 16
 
 
 def image_bytes(url: str, allowed_domains: Sequence[str], what: str) -> bytes:
     """The encoded image an ``image_url`` points at (blocking: fetching waits on the network); a ValueError naming
-    ``what`` when it cannot be had. ``allowed_domains``: the hosts (and their subdomains) URLs may be fetched from;
-    empty: any."""
+    ``what`` when it cannot be had. ``allowed_domains``: the hosts (and their subdomains) URLs may be fetched from —
+    the URL's and every redirect's; empty: any."""
     if url.startswith("data:"):
         return _data_url(url, what)
+    _check_url(url, allowed_domains, what)
+    opener = urllib.request.build_opener(_CheckedRedirects(allowed_domains, what))
+    deadline = time.monotonic() + FETCH_TIMEOUT
+    try:
+        with opener.open(url, timeout=FETCH_TIMEOUT) as response:
+            return _read_until(response, deadline, what)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+        raise ValueError(f"{what}: fetching {url[:80]!r} failed ({error})") from None
+
+
+def _check_url(url: str, allowed_domains: Sequence[str], what: str) -> None:
+    """A ValueError unless ``url`` is http(s) on one of ``allowed_domains`` (any where empty)."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https"):
         raise ValueError(f"{what}: an image URL is a data: URL or an http(s) URL; got {url[:40]!r}")
     host = (parsed.hostname or "").lower()
+    if not host:
+        raise ValueError(f"{what}: the image URL {url[:40]!r} names no host")
     if allowed_domains and not any(host == d or host.endswith("." + d) for d in allowed_domains):
         raise ValueError(
             f"{what}: {host!r} is not among the domains this server fetches images from (--allowed-media-domains)"
         )
-    try:
-        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response:
-            data = response.read(MAX_IMAGE_BYTES + 1)
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        raise ValueError(f"{what}: fetching {url[:80]!r} failed ({error})") from None
-    return _within_limit(data, what)
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a URL the server would fetch itself (``_check_url``)."""
+
+    def __init__(self, allowed_domains: Sequence[str], what: str):
+        self.allowed_domains, self.what = allowed_domains, what
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_url(newurl, self.allowed_domains, f"{self.what} (redirected)")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _read_until(response, deadline: float, what: str) -> bytes:
+    """The response's body, refused once it passes ``MAX_IMAGE_BYTES`` or ``deadline`` (a server that sends slowly
+    holds a worker thread no longer than the fetch's timeout and one read's)."""
+    data = bytearray()
+    while chunk := response.read(_CHUNK):
+        data += chunk
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ValueError(f"{what}: the image is larger than {MAX_IMAGE_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise ValueError(f"{what}: fetching the image took more than {FETCH_TIMEOUT:g} s")
+    return bytes(data)
 
 
 def _data_url(url: str, what: str) -> bytes:
