@@ -492,6 +492,15 @@ def table_key(head_dim: int, group: int, batch: int, max_seqlen_k: int, dtype: t
     return tuning.bucket_key(**bucket_fields(head_dim, group, batch, max_seqlen_k, dtype))
 
 
+def tuned_entry(
+    num_seqs: int, group: int, max_q: int, max_k: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> dict | None:
+    """The GPU's tuned table's entry a launch takes (16-bit decode: one query per sequence), or None: heuristics."""
+    if max_q != 1 or dtype == torch.float32:
+        return None
+    return tuning.lookup_nearest(OP, device, NEAREST, **bucket_fields(head_dim, group, num_seqs, max_k, dtype))
+
+
 def plan_launch(
     num_seqs: int,
     heads_kv: int,
@@ -510,9 +519,7 @@ def plan_launch(
     rows = max_q * group
     if config is None:
         config = default_paged_config(head_dim, dtype, rows)
-        entry = None
-        if max_q == 1 and dtype != torch.float32:
-            entry = tuning.lookup_nearest(OP, device, NEAREST, **bucket_fields(head_dim, group, num_seqs, max_k, dtype))
+        entry = tuned_entry(num_seqs, group, max_q, max_k, head_dim, dtype, device)
         if entry is not None:
             config = PagedConfig(
                 config.block_m, entry["block_n"], entry["num_warps"], entry["num_stages"], entry["num_splits"]

@@ -103,6 +103,8 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
         row["kv_gb_per_s"] > 0 and row["copy_gb_per_s"] > 0 and row["read_gb_per_s"] > 0 and row["num_splits"] >= 1
         for row in results["paged"]
     )
+    assert {row["config_from"] for row in results["paged"]} == {"heuristics"}  # fp32: never the tuned tables'
+    assert all(row["fraction_of_read"] > 0 and row["read_gb_per_s"] > 0 for row in results["attention"])
     memory = {row["cache"]: row["bytes"] for row in results["memory"]}
     assert memory["real tokens (no padding)"] <= memory["hfaccel pool held at most"] <= memory["hfaccel pool allocated"]
     assert memory["real tokens (no padding)"] < memory["transformers DynamicCache"]

@@ -1,6 +1,8 @@
 """``hfaccel bench attention``: causal prefill attention — hfaccel's flash kernel, torch SDPA (cuDNN / flash on
 CUDA), and the path hfaccel's ``auto`` attention routes the call to (SDPA or the kernel, from the GPU's tuned
-table) — in TFLOP/s, with the kernel configuration the call picked."""
+table) — in TFLOP/s, with the kernel configuration the call picked, and the kernel's bytes (Q, K, V read once, the
+output written) over its time as a fraction of a read-only kernel's bandwidth (prefill is bound by compute at long
+sequences; the fraction says how far from the memory bound a short one runs)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hfaccel.attention import KernelMask, prefill_route
 from hfaccel.attention.functions import auto_attention
 from hfaccel.kernels import flash_attention, resolve_backend
 from hfaccel.kernels.flash_attention import attention_flops, pick_config
-from hfaccel.tools.bench.timing import table, time_ms
+from hfaccel.tools.bench.timing import read_bandwidth, table, tensor_bytes, time_ms
 
 # (batch, heads, kv_heads, seq, head_dim): Llama-3.1-8B and 3.2-1B heads (32 over 8, d 128 / 64), Gemma-2-2B's
 # (8 over 4, d 256), a d-80 MHA model; S 1k-8k.
@@ -50,15 +52,25 @@ class AttentionRow:
     routed_path: str  # what hfaccel's "auto" attention runs for this call
     routed_ms: float
     routed_vs_sdpa: float  # sdpa time / routed time
+    fraction_of_read: float  # the kernel's bytes (Q, K, V, output) / hfaccel_ms, over read_gb_per_s
+    read_gb_per_s: float  # a read-only kernel's bandwidth
 
 
 def bench_attention(grid, dtypes, device: torch.device) -> list[AttentionRow]:
     """Causal prefill attention on random inputs of each grid shape and dtype, in transformers' layout."""
-    return [_row(*shape, dtype, device) for shape in grid for dtype in dtypes]
+    bandwidth = read_bandwidth(device)
+    return [_row(*shape, dtype, device, bandwidth) for shape in grid for dtype in dtypes]
 
 
 def _row(
-    batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    bandwidth: float,
 ) -> AttentionRow:
     def states(h):  # [B, H, S, D] views of [B, S, H, D] projections, as transformers passes them
         return torch.randn(batch, seq, h, head_dim, device=device, dtype=dtype).transpose(1, 2)
@@ -71,6 +83,7 @@ def _row(
     )
     routed = time_ms(lambda: auto_attention(module, q, k, v, PLAIN_CAUSAL), device)
     flops = attention_flops(batch, heads, seq, seq, head_dim, causal=True)
+    moved = tensor_bytes([q, k, v]) + tensor_bytes([q])  # its output is the size of q
     cfg = pick_config(head_dim, dtype, seq, heads // kv_heads, device)
     return AttentionRow(
         batch,
@@ -89,6 +102,8 @@ def _row(
         prefill_route("auto", q, k, PLAIN_CAUSAL, None),
         routed,
         theirs / routed,
+        moved / ours / 1e6 / bandwidth,
+        bandwidth,
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels.paged_attention import paged_attention, plan_launch
+from hfaccel.kernels.paged_attention import paged_attention, plan_launch, tuned_entry
 from hfaccel.tools.bench.timing import copy_bandwidth, graph_time_ms, read_bandwidth, row_line, table, time_ms
 
 # (batch, context) of the paged decode grid; heads 32 over 8 KV heads, head_dim 128 (Llama-3-8B shapes).
@@ -35,6 +35,7 @@ class PagedRow:
     speedup: float  # sdpa_graph_ms / hfaccel_graph_ms
     num_splits: int
     block_n: int
+    config_from: str  # where the launch's configuration came from: the GPU's tuned table or the heuristics
 
 
 def bench_paged(
@@ -82,6 +83,7 @@ def _row(
     ours_graph, theirs_graph = graph_time_ms(ours, device), graph_time_ms(theirs, device)
     gb_per_s = 2 * batch * context * kv_heads * head_dim * q.element_size() / ours_graph / 1e6
     plan = plan_launch(batch, kv_heads, heads // kv_heads, 1, context, head_dim, dtype, device)
+    tuned = tuned_entry(batch, heads // kv_heads, 1, context, head_dim, dtype, device) is not None
     return PagedRow(
         batch,
         context,
@@ -96,6 +98,7 @@ def _row(
         theirs_graph / ours_graph,
         plan.num_splits,
         plan.block_n,
+        "tuned table" if tuned else "heuristics",
     )
 
 
