@@ -387,3 +387,28 @@ def test_one_steps_images_are_encoded_together(name):
         assert (cache.batches, cache.misses, cache.hits) == (1, 3, 1)
     else:
         assert cache.batches == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "mistral3", "smolvlm"])
+def test_image_and_text_requests_equal_each_alone_after_preemption(name):
+    """Qwen3-VL, Mistral 3 and SmolVLM: two image prompts and a text prompt in one batch, in a pool that holds one of
+    them whole and not all three (preempted, each is computed again, with its images): transformers' tokens on each
+    alone, every block given back."""
+    from tests.hf.vlm_models import served_case
+
+    case = served_case(name)
+    model = case_model(case)
+    requests, expected = map(
+        list, zip(*(_processed(case, p, 24) for p in [[9, image(40, 40, 1), 10], [image(30, 50, 2)]]))
+    )
+    text = [20, 21, 22, 23, 24]
+    alone = model.generate(torch.tensor([text]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    requests.append(text)
+    expected.append(alone[0, len(text) :].tolist())
+    blocks = [-(-(len(r["prompt_token_ids"]) + 24) // 8) for r in requests[:2]] + [-(-(len(text) + 24) // 8)]
+    engine = hfaccel.Engine(model, max_num_seqs=3, num_blocks=max(blocks) + 1, block_size=8)
+    assert sum(blocks) > max(blocks) + 1
+    outputs = engine.generate(requests, hfaccel.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert engine.stats()["blocks_used"] == 0
