@@ -10,7 +10,7 @@ from tests.models import HYBRID_FAMILIES, family_model
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "lfm2", "minimax", "gpt_oss", "gemma4", "llama4"])
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "lfm2", "jamba", "minimax", "gpt_oss", "gemma4", "llama4"])
 def test_exactness_with_preemption_and_chunked_prefill(name, async_scheduling):
     model = family_model(name)
     prompts, budgets = mixed_prompts(12, seed=1)

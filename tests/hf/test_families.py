@@ -48,7 +48,9 @@ def test_transformers_loop_keeps_working(name):
 SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4")
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss", "minimax", "jamba", *SPECIALISE_BATCH_ONE])
+@pytest.mark.parametrize(
+    "name", ["qwen3_next", "falcon_h1", "lfm2", "gpt_oss", "minimax", "jamba", *SPECIALISE_BATCH_ONE]
+)
 def test_compiled_decode_step_keeps_one_graph(name):
     """The decode step compiled (torch.compile, fullgraph), the recurrent layers' state written in place inside it:
     the eager tokens, and one graph for every batch size — batch 1 on it too, at size 1 or, where the model's code
