@@ -220,7 +220,13 @@ def test_processed_prompts_continue_their_mrope_positions(cuda_graphs):
     model = case.model()
     prompts = [[5, 6, image(120, 90), 7, 8], [20, 21, 22, 23], [9, image(40, 40, 1), 10, image(60, 30, 2), 11]]
     singles = [case.inputs([prompt]) for prompt in prompts]
-    expected = [model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist() for inputs in singles]
+    expected = [
+        model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)[
+            0, inputs["input_ids"].shape[1] :
+        ]
+        for inputs in singles
+    ]
+    expected = [tokens.tolist() for tokens in expected]
     engine = hfaccel.Engine(model, max_num_seqs=4, num_blocks=32, cuda_graphs=cuda_graphs)
     requests = [
         {

@@ -1,5 +1,5 @@
 """A seeded request's tokens are the same whatever runs beside it: alone, in a batch of 16 with greedy and other
-sampled neighbours, under preemption and with prefix reuse — on flat distributions (temperature >= 1.3 on a
+sampled neighbours, under preemption, with prefix reuse and drawn inside static decode steps — on flat distributions (temperature >= 1.3 on a
 tiny random model; top-p, top-k, min-p), where a batch's float rounding would move an inverse-CDF draw.
 
 A GPU's kernels round a row's logits differently in different batches; the CPU's tiny forwards happen not to, so
@@ -20,6 +20,7 @@ import torch
 import hfaccel
 from hfaccel.engine import Engine, SamplingParams
 from hfaccel.sampling import sample
+from hfaccel.sampling.sampler import draw_step
 from tests.models import tiny_model
 
 ROUNDING = 1e-4  # how much a batch moves the logits here (reduced-precision GPU kernels move them as much or more)
@@ -59,21 +60,34 @@ CONFIGS = {
     "prefix-reuse": dict(
         max_num_seqs=17, num_blocks=200, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=40
     ),
+    # decode steps that draw their tokens inside the step (draw_step), as on CUDA
+    "static-steps": dict(max_num_seqs=17, num_blocks=200, block_size=4, enable_prefix_caching=False, cuda_graphs=True),
 }
 
 
 @contextlib.contextmanager
-def _rounding() -> Iterator[None]:
-    """The engine samples from logits plus ``ROUNDING`` times Gaussian noise, new at every step."""
-    steps = itertools.count()
+def _rounding() -> Iterator[list[str]]:
+    """The engine samples from logits plus ``ROUNDING`` times Gaussian noise, new at every step — in the executor's
+    sampling and in the draw inside static decode steps alike. Yields which of the two drew, step by step."""
+    steps, drew = itertools.count(), []
 
-    def perturbed(logits: torch.Tensor, *args, **kwargs):
+    def rounded(logits: torch.Tensor) -> torch.Tensor:
         gen = torch.Generator(logits.device).manual_seed(next(steps))
-        noise = torch.randn(logits.shape, generator=gen, device=logits.device)  # [R, V]
-        return sample(logits + ROUNDING * noise, *args, **kwargs)
+        return logits + ROUNDING * torch.randn(logits.shape, generator=gen, device=logits.device)  # [R, V]
 
-    with mock.patch("hfaccel.engine.executor.sample", perturbed):
-        yield
+    def perturbed_sample(logits: torch.Tensor, *args, **kwargs):
+        drew.append("sample")
+        return sample(rounded(logits), *args, **kwargs)
+
+    def perturbed_draw(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        drew.append("in step")
+        return draw_step(rounded(logits), columns)
+
+    with (
+        mock.patch("hfaccel.engine.executor.sample", perturbed_sample),
+        mock.patch("hfaccel.runner.graphs.draw_step", perturbed_draw),
+    ):
+        yield drew
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +111,9 @@ def test_seeded_requests_give_the_same_tokens_in_any_batch(model, alone, config)
     batch = [(prompts[i], _seeded(i)) for i in range(SEEDED)]
     for j, params in enumerate(NEIGHBOURS):  # neighbours between the seeded requests
         batch.insert(3 * j + 1, (others[j], params))
-    with _rounding():
+    with _rounding() as drew:
         outputs = Engine(model, **CONFIGS[config]).generate([p for p, _ in batch], [params for _, params in batch])
+    assert ("in step" in drew) == (config == "static-steps")
     seeded = [[o.token_ids for o in out.outputs] for out, (_, params) in zip(outputs, batch) if params.seed]
     assert seeded == alone
     if config == "preemption":
