@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
-import threading
 import time
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from hfaccel.engine.scheduler import Request, Sequence
 from hfaccel.kv import KVPool
 from hfaccel.lora import LoRAAdapter, LoRAManager
 from hfaccel.sampling import IncrementalDetokenizer, InvalidSamplingParams, SamplingParams, StopChecker
-from hfaccel.sampling.structured import Grammars
+from hfaccel.sampling.structured import Grammars, shared_grammars
 
 # a text prompt, token ids, chat messages, or (image-text-to-text models) {"prompt": text or messages, "images": [...]}
 Prompt = str | collections.abc.Sequence[int] | collections.abc.Sequence[dict] | dict
@@ -77,8 +76,6 @@ class Intake:
         self.vocab_size, self.max_model_len, self.max_num_seqs = vocab_size, max_model_len, max_num_seqs
         self.eos_token_ids, self.loras = eos_token_ids, loras
         self._seq_ids = itertools.count()
-        self._grammars: Grammars | None = None  # structured outputs' compiled grammars (on first use)
-        self._grammar_lock = threading.Lock()  # the server checks specs in worker threads
 
     # -------------------------------------------------------------------------------------------- prompts
     def prepare_prompt(self, prompt: Prompt, params: SamplingParams, adapter: LoRAAdapter | None) -> PreparedPrompt:
@@ -226,11 +223,8 @@ class Intake:
             raise ValueError(f"{what} need the engine's tokenizer (Engine(model, tokenizer)); give token ids instead")
 
     def grammars(self) -> Grammars:
-        """The compiled grammars of the tokenizer (made on the first structured request)."""
-        with self._grammar_lock:  # one vocabulary index, however many threads ask first
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.vocab_size)
-        return self._grammars
+        """The compiled grammars of the tokenizer, shared process-wide (indexed on the first structured request)."""
+        return shared_grammars(self.tokenizer, self.vocab_size)
 
     # ------------------------------------------------------------------------------------ requests, sequences
     def request(self, request_id: str, prepared: PreparedPrompt, arrival_time: float | None) -> Request:

@@ -9,17 +9,18 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
-from hfaccel.sampling.structured import AfterReasoning, Constraint, Grammars, StructuredOutputs, apply_masks
+from hfaccel.sampling.structured import AfterReasoning, Constraint, StructuredOutputs, apply_masks, shared_grammars
 
 
 class StructuredLogitsProcessor(LogitsProcessor):
     """Masks each row's logits to the tokens its grammar allows next (EOS only where the grammar may end). It follows
     each row through the tokens ``generate`` appends, and starts over when a new ``generate`` call begins, so one
-    processor serves any number of calls (one at a time)."""
+    processor serves any number of calls (one at a time). Its grammars are the process's (:func:`shared_grammars`):
+    a new processor of the same tokenizer and spec compiles nothing."""
 
     def __init__(self, tokenizer, spec: StructuredOutputs):
         self.tokenizer, self.spec = tokenizer, spec
-        self._grammars = Grammars(tokenizer, len(tokenizer))
+        self._grammars = shared_grammars(tokenizer, len(tokenizer))
         self._grammars.compile(spec)  # a spec that does not compile raises now
         self._rows: list[Constraint | AfterReasoning] = []
         self._seen: torch.Tensor | None = None  # the last call's input_ids: a call not one token past them starts over
@@ -28,7 +29,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
         # input_ids: [B, L], scores: [B, V]
         batch, length = input_ids.shape
         if self._grammars.vocab_size != scores.shape[-1]:  # the model's vocabulary is padded past the tokenizer's
-            self._grammars = Grammars(self.tokenizer, scores.shape[-1])
+            self._grammars = shared_grammars(self.tokenizer, scores.shape[-1])
         if self._continues(input_ids):
             for row, token in zip(self._rows, input_ids[:, -1].tolist()):  # one read of the last tokens
                 if not row.finished:

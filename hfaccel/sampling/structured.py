@@ -3,10 +3,12 @@ grammar — one more constraint on what the sampler may draw.
 
 The grammar library is xgrammar (vLLM's, SGLang's and TensorRT-LLM's default), imported only when a request asks
 for a constraint (``pip install 'hfaccel[structured]'``). :class:`Grammars` compiles each spec once per tokenizer
-(cached); a sequence holds a :class:`Constraint` — xgrammar's matcher of its grammar — that fills the row of a
-token bitmask before each draw and accepts each token drawn. The mask is applied to the logits on the device
-(:func:`apply_masks`) before penalties, warping and the race, so a masked token can never be drawn, greedy or
-seeded; EOS is allowed only where the grammar may end.
+and vocabulary, and :func:`shared_grammars` shares them process-wide (the Engine's requests and every
+``structured_logits_processor`` of one tokenizer index its vocabulary once); a sequence holds a
+:class:`Constraint` — xgrammar's matcher of its grammar — that fills the row of a token bitmask before each draw and
+accepts each token drawn. The mask is applied to the logits on the device (:func:`apply_masks`) before penalties,
+warping and the race, so a masked token can never be drawn, greedy or seeded; EOS is allowed only where the grammar
+may end.
 
 A reasoning model's output may first think, unconstrained, between two tags (``reasoning``: ``"open"`` when its
 prompt ended inside the opening tag, ``"optional"`` when the output may open it with its first token); the
@@ -17,6 +19,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +31,7 @@ import torch
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 REASONING = (None, "open", "optional")
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[10:53:16] /project/cpp/regex_converter.cc:83: "
+COMPILED_BYTES = 256 << 20  # the compiled grammars one Grammars keeps (vLLM keeps 512 MiB in xgrammar's cache)
 
 
 @dataclass(frozen=True)
@@ -118,25 +124,48 @@ def _xgrammar():
 
 
 class Grammars:
-    """Compiled grammars of one tokenizer and vocabulary, each spec compiled once (a bad spec: ``ValueError`` with
-    the compiler's message)."""
+    """Compiled grammars of one tokenizer and vocabulary, each spec compiled once and kept while they fit in
+    ``max_bytes`` (the least recently used go first); a bad spec: ``ValueError`` with the compiler's message. The
+    tokenizer is held weakly, so that the process-wide cache (:func:`shared_grammars`) does not keep it alive:
+    whoever compiles or makes constraints keeps it."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        if tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer (give the Engine a tokenizer)")
+    def __init__(self, tokenizer, vocab_size: int, max_bytes: int = COMPILED_BYTES):
         xgr = _xgrammar()
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._tokenizer = weakref.ref(tokenizer)
+        self.vocab_size, self.max_bytes = vocab_size, max_bytes
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._compiled: dict[tuple, Any] = {}
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the cache is ours: bounded
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # the server compiles in worker threads while the engine thread reads
+
+    @property
+    def tokenizer(self):
+        """The tokenizer (None once nothing else holds it)."""
+        return self._tokenizer()
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar of ``spec`` (its reasoning tags checked)."""
         if spec.reasoning is not None:
             tag_ids(self.tokenizer, spec.reasoning_tags, self.vocab_size)
-        if spec._key not in self._compiled:
-            self._compiled[spec._key] = self._compile(spec)
-        return self._compiled[spec._key]
+        with self._lock:
+            compiled = self._compiled.get(spec._key)
+            if compiled is not None:
+                self._compiled.move_to_end(spec._key)
+                return compiled
+        compiled = self._compile(spec)  # outside the lock: a long compile holds up no engine step
+        with self._lock:
+            self._keep(spec._key, compiled)
+        return compiled
+
+    def _keep(self, key: tuple, compiled) -> None:
+        """Cache ``compiled``, then drop the least recently used grammars past ``max_bytes`` (the newest stays)."""
+        if key in self._compiled:  # another thread compiled it meanwhile
+            return
+        self._compiled[key] = compiled
+        self._bytes += compiled.memory_size_bytes
+        while self._bytes > self.max_bytes and len(self._compiled) > 1:
+            self._bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
 
     def constraint(self, spec: StructuredOutputs) -> Constraint | AfterReasoning:
         """A fresh matcher of ``spec``'s grammar, at the start of the output."""
@@ -167,6 +196,25 @@ class Grammars:
             lines = str(error).strip().splitlines()
             message = _SOURCE_PREFIX.sub("", lines[0]) if lines else type(error).__name__
             raise ValueError(f"structured_outputs: the {kind} does not compile: {message}") from error
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(len, vocab size): Grammars}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_grammars(tokenizer, vocab_size: int) -> Grammars:
+    """The process's :class:`Grammars` of ``tokenizer`` (its identity and length: tokens added later make new
+    ones) over a vocabulary of ``vocab_size`` (the model's, which may pad the tokenizer's): indexing a vocabulary
+    takes ~0.2 s, so the Engine and every ``structured_logits_processor`` share them. An entry lives as long as its
+    tokenizer."""
+    if tokenizer is None:
+        raise ValueError("structured outputs need the model's tokenizer (give the Engine a tokenizer)")
+    key = (len(tokenizer), vocab_size)
+    with _SHARED_LOCK:  # one vocabulary index, however many threads ask first
+        grammars = _SHARED.setdefault(tokenizer, {})
+        if key not in grammars:
+            grammars[key] = Grammars(tokenizer, vocab_size)
+        return grammars[key]
 
 
 def tag_ids(tokenizer, tags: Sequence[str], vocab_size: int) -> tuple[int, ...]:

@@ -1,15 +1,19 @@
 """``hfaccel.structured_logits_processor`` in ``generate()``: the same constrained tokens from a plain model and from
 the same model accelerated (hfaccel's decode loop serving), greedy and sampled, a left-padded batch; one processor
-serves several calls; a model vocabulary padded past the tokenizer's."""
+serves several calls; a model vocabulary padded past the tokenizer's; a new processor of the same tokenizer and
+spec compiles nothing."""
 
 import copy
 import re
+from collections import Counter
 
 import pytest
 import torch
 import transformers
+import xgrammar
 
 import hfaccel
+from hfaccel.sampling.structured import Grammars, shared_grammars
 from tests.assets import smollm2_or_skip
 
 
@@ -78,3 +82,34 @@ def test_assisted_generation_is_refused_clearly(tokenizer):
             pad_token_id=0,
             prompt_lookup_num_tokens=3,
         )
+
+
+def test_a_new_processor_of_the_same_tokenizer_and_spec_compiles_nothing(tokenizer, monkeypatch):
+    """A ``generate`` call with a new processor (the usual way to call it) pays no vocabulary index and no compile
+    after the first one in the process, and draws the same tokens."""
+    calls = Counter()
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(Grammars, "_compile", counted("compile", Grammars._compile))
+    index = staticmethod(counted("index", xgrammar.TokenizerInfo.from_huggingface))
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", index)
+    model = _model(tokenizer)
+    batch = tokenizer(["Your city:"], return_tensors="pt")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+
+    def generate() -> torch.Tensor:
+        processor = hfaccel.structured_logits_processor(tokenizer, json=schema)
+        out = model.generate(**batch, max_new_tokens=16, do_sample=False, logits_processor=[processor], pad_token_id=0)
+        assert processor._grammars is shared_grammars(tokenizer, model.config.vocab_size)  # the Engine's too
+        return out
+
+    first = generate()
+    assert calls["compile"] == 2  # checked at once on the tokenizer's vocabulary, then on the model's padded one
+    calls.clear()
+    assert torch.equal(generate(), first) and not calls
