@@ -4,6 +4,7 @@ load), the engine and server configured from them, served on one process or over
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 
@@ -49,6 +50,7 @@ def _serve_one(args: argparse.Namespace) -> None:
     import hfaccel
     from hfaccel.tools.models import pick_device, pick_dtype
 
+    _show_engine_log()
     device = pick_device(args.device)
     model, tokenizer = load_for_serving(args, device, pick_dtype(args.dtype, device))
     hfaccel.accelerate(model, attention=args.attention, paged=False)
@@ -65,6 +67,8 @@ def _serve_rank(args: argparse.Namespace) -> None:
     from hfaccel.distributed.launch import backend_for, init_ranks
     from hfaccel.tools.models import pick_device, pick_dtype
 
+    if os.environ["RANK"] == "0":  # the others' lines would repeat it (the KV budget is agreed)
+        _show_engine_log()
     device = pick_device(args.device)
     if device.type == "cpu" and torch.cuda.is_available():
         raise SystemExit(
@@ -84,6 +88,21 @@ def _serve_rank(args: argparse.Namespace) -> None:
         _serve_engine(args, engine)
     else:
         engine.follow()
+
+
+def _show_engine_log() -> None:
+    """hfaccel's INFO lines on stderr, as uvicorn writes its own: a server says at start-up what KV memory its engine
+    reserved and how its decode steps run. Only the ``hfaccel`` logger is set (not the root logger, nor
+    transformers' or torch's): the library itself adds no handler, and ``Engine`` stays quiet unless its user
+    configures logging."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    log = logging.getLogger("hfaccel")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # a root handler someone adds would print each line twice
 
 
 def _serve_engine(args: argparse.Namespace, engine) -> None:

@@ -1,4 +1,7 @@
-"""The engine's default KV pool: what it is configured to serve, capped so that another engine still fits."""
+"""The engine's default KV pool: what it is configured to serve, capped so that another engine still fits; what it
+reserved is said in ``stats()`` and logged."""
+
+import logging
 
 import pytest
 import torch
@@ -27,6 +30,18 @@ def test_two_default_engines_in_one_process_both_serve():
         stats = engine.stats()
         assert stats["kv_cache_tokens"] == 64 * 256  # max_num_seqs x max_model_len (max_position_embeddings)
         assert stats["kv_cache_bytes"] == stats["blocks_total"] * engine.runner.pool.block_bytes()
+
+
+def test_the_reservation_is_logged_but_printed_only_where_logging_is_configured(capfd, caplog):
+    """A library adds no handler to its logger: ``Engine`` prints nothing by itself; what it reserved is an INFO
+    record of the ``hfaccel`` logger (``hfaccel serve`` shows it) and in ``stats()``."""
+    model = hfaccel.accelerate(tiny_model("llama"), attention="torch")
+    engine = Engine(model, num_blocks=32)
+    assert "hfaccel Engine" not in capfd.readouterr().err and not logging.getLogger("hfaccel").handlers
+    with caplog.at_level(logging.INFO, logger="hfaccel"):
+        engine = Engine(model, num_blocks=32)
+    assert f"hfaccel Engine: {engine.kv_budget}" in caplog.messages
+    assert engine.stats()["kv_cache_tokens"] == engine.kv_budget.tokens == 32 * 16
 
 
 def test_the_pool_holds_what_the_engine_serves_and_is_capped_on_the_cpu():

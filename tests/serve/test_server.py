@@ -44,6 +44,14 @@ def _greedy(**kwargs):
     return {"model": "tiny", "temperature": 0, **kwargs}
 
 
+def test_the_server_says_at_start_up_what_kv_memory_it_reserved(server):
+    """``hfaccel serve`` shows hfaccel's INFO lines as uvicorn shows its own: the KV pool its engine reserved, as
+    ``/health`` (``engine.stats()``) reports it."""
+    health = server.health()
+    line = f"INFO:     hfaccel Engine: KV cache of {health['kv_cache_tokens']:,} tokens"
+    assert line in server.log_path.read_text(), server.log_path.read_text()[-3000:]
+
+
 def test_completions_streamed_equal_non_streamed(server):
     client = server.client()
     full = client.completions.create(prompt="the cat", max_tokens=12, **_greedy())
