@@ -21,7 +21,6 @@ import json
 import re
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,20 +123,17 @@ def _xgrammar():
 
 
 class Grammars:
-    """Compiled grammars of one tokenizer and vocabulary, each spec compiled once and kept while they fit in
-    ``max_bytes`` (the least recently used go first); a bad spec: ``ValueError`` with the compiler's message. The
-    tokenizer is held weakly, so that the process-wide cache (:func:`shared_grammars`) does not keep it alive:
-    whoever compiles or makes constraints keeps it."""
+    """Compiled grammars of one tokenizer and vocabulary, each spec compiled once and kept by xgrammar's cache while
+    they fit in ``max_bytes`` (the least recently used go first); a bad spec: ``ValueError`` with the compiler's
+    message. The tokenizer is held weakly, so that the process-wide cache (:func:`shared_grammars`) does not keep it
+    alive: whoever compiles or makes constraints keeps it."""
 
     def __init__(self, tokenizer, vocab_size: int, max_bytes: int = COMPILED_BYTES):
         xgr = _xgrammar()
         self._tokenizer = weakref.ref(tokenizer)
-        self.vocab_size, self.max_bytes = vocab_size, max_bytes
+        self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the cache is ours: bounded
-        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()  # the server compiles in worker threads while the engine thread reads
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=max_bytes)  # thread-safe
 
     @property
     def tokenizer(self):
@@ -148,24 +144,7 @@ class Grammars:
         """The compiled grammar of ``spec`` (its reasoning tags checked)."""
         if spec.reasoning is not None:
             tag_ids(self.tokenizer, spec.reasoning_tags, self.vocab_size)
-        with self._lock:
-            compiled = self._compiled.get(spec._key)
-            if compiled is not None:
-                self._compiled.move_to_end(spec._key)
-                return compiled
-        compiled = self._compile(spec)  # outside the lock: a long compile holds up no engine step
-        with self._lock:
-            self._keep(spec._key, compiled)
-        return compiled
-
-    def _keep(self, key: tuple, compiled) -> None:
-        """Cache ``compiled``, then drop the least recently used grammars past ``max_bytes`` (the newest stays)."""
-        if key in self._compiled:  # another thread compiled it meanwhile
-            return
-        self._compiled[key] = compiled
-        self._bytes += compiled.memory_size_bytes
-        while self._bytes > self.max_bytes and len(self._compiled) > 1:
-            self._bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
+        return self._compile(spec)
 
     def constraint(self, spec: StructuredOutputs) -> Constraint | AfterReasoning:
         """A fresh matcher of ``spec``'s grammar, at the start of the output."""

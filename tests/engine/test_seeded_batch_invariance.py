@@ -1,6 +1,7 @@
 """A seeded request's tokens are the same whatever runs beside it: alone, in a batch of 16 with greedy and other
-sampled neighbours, under preemption, with prefix reuse and drawn inside static decode steps — on flat distributions (temperature >= 1.3 on a
-tiny random model; top-p, top-k, min-p), where a batch's float rounding would move an inverse-CDF draw.
+sampled neighbours, under preemption, with prefix reuse and drawn inside static decode steps — on flat
+distributions (temperature >= 1.3 on a tiny random model; top-p, top-k, min-p), where a batch's float rounding
+would move an inverse-CDF draw.
 
 A GPU's kernels round a row's logits differently in different batches; the CPU's tiny forwards happen not to, so
 every step's logits get a perturbation (:func:`_rounding`) that differs from step to step. With it, the

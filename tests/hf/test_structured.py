@@ -5,7 +5,6 @@ spec compiles nothing."""
 
 import copy
 import re
-from collections import Counter
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import transformers
 import xgrammar
 
 import hfaccel
-from hfaccel.sampling.structured import Grammars, shared_grammars
+from hfaccel.sampling.structured import shared_grammars
 from tests.assets import smollm2_or_skip
 
 
@@ -86,30 +85,25 @@ def test_assisted_generation_is_refused_clearly(tokenizer):
 
 def test_a_new_processor_of_the_same_tokenizer_and_spec_compiles_nothing(tokenizer, monkeypatch):
     """A ``generate`` call with a new processor (the usual way to call it) pays no vocabulary index and no compile
-    after the first one in the process, and draws the same tokens."""
-    calls = Counter()
-
-    def counted(name, function):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return function(*args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(Grammars, "_compile", counted("compile", Grammars._compile))
-    index = staticmethod(counted("index", xgrammar.TokenizerInfo.from_huggingface))
-    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", index)
+    after the first one in the process (the compiled grammars held do not grow), and draws the same tokens."""
+    indexed = []
+    index = xgrammar.TokenizerInfo.from_huggingface
+    monkeypatch.setattr(
+        xgrammar.TokenizerInfo, "from_huggingface", staticmethod(lambda *a, **k: indexed.append(1) or index(*a, **k))
+    )
     model = _model(tokenizer)
     batch = tokenizer(["Your city:"], return_tensors="pt")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
 
-    def generate() -> torch.Tensor:
+    def generate() -> tuple[torch.Tensor, int]:
         processor = hfaccel.structured_logits_processor(tokenizer, json=schema)
         out = model.generate(**batch, max_new_tokens=16, do_sample=False, logits_processor=[processor], pad_token_id=0)
-        assert processor._grammars is shared_grammars(tokenizer, model.config.vocab_size)  # the Engine's too
-        return out
+        grammars = shared_grammars(tokenizer, model.config.vocab_size)
+        assert processor._grammars is grammars  # the Engine's too
+        return out, grammars._compiler.get_cache_size_bytes()
 
-    first = generate()
-    assert calls["compile"] == 2  # checked at once on the tokenizer's vocabulary, then on the model's padded one
-    calls.clear()
-    assert torch.equal(generate(), first) and not calls
+    first, held = generate()
+    assert held > 0
+    indexed.clear()
+    again, held_again = generate()
+    assert torch.equal(again, first) and held_again == held and not indexed
