@@ -212,6 +212,25 @@ def test_bad_arguments_raise():
         flash_attention(q.to(torch.float64), k.double(), v.double())
 
 
+def test_custom_op_agrees_with_its_schema_and_fake():
+    """torch.ops.hfaccel.flash_attention (what an accelerated model's prefill calls): schema, fake implementation and
+    autograd registration agree (opcheck) on odd sizes — GQA 3:1, head_dim 40, a key mask, sinks, a window, an
+    offset — and it returns the launcher's ``[B, Sq, Hq, D]`` values."""
+    from hfaccel.kernels.ops import flash_attention_op
+
+    q, k, v = (t.to(DEVICE) for t in _inputs((2, 3, 1, 5, 9, 40, 4), torch.float32))
+    key_mask = _left_padding(2, 9, (0, 2)).to(DEVICE)
+    sinks = _sinks(3, torch.float32).to(DEVICE)
+    args = (q, k, v, key_mask, 0.3, True, 4, 0, 6, None, None, sinks, "auto")
+    torch.library.opcheck(flash_attention_op, args)
+    expected = flash_attention_reference(
+        q, k, v, scale=0.3, q_offset=4, key_mask=key_mask, sliding_window=6, sinks=sinks
+    )
+    out = flash_attention_op(*args)
+    assert out.shape == (2, 5, 3, 40) and out.is_contiguous()
+    assert_close(out.cpu(), expected.cpu())
+
+
 def test_triton_backend_without_gpu_or_interpreter_raises(monkeypatch):
     q, k, v = _inputs((1, 2, 2, 3, 3, 64, 0), torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

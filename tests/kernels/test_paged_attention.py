@@ -556,6 +556,32 @@ def test_custom_op_takes_the_models_query_layout():
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float-pool", "fp8-pool"])
+def test_write_kv_custom_op_declares_its_write_into_the_pool(fp8):
+    """torch.ops.hfaccel.write_kv: schema (the pool is mutated in place, nothing returned), fake implementation and
+    autograd registration agree (opcheck) on odd sizes (Hkv 3, D 40, skipped slots), for a float pool and an fp8 one
+    with per-head scales; the op writes what the launcher writes, into the layer it names."""
+    from hfaccel.kernels.ops import write_kv_op
+
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    k_pool, v_pool = (pool.to(dtype) for pool in _pool(3, 3, 40, torch.float32))
+    kv_cache = torch.stack([torch.stack([k_pool, v_pool])] * 2).to(DEVICE)  # [L=2, 2, blocks, block_size, Hkv, D]
+    scales = torch.tensor([[0.5, 1.0, 3.0], [2.0, 0.25, 1.0]], device=DEVICE)
+    kv_scales = scales.expand(2, 2, 3).contiguous() if fp8 else None  # [L, 2, Hkv]
+    new_k, new_v = torch.randn(2, 3, 3, 40, device=DEVICE), torch.randn(2, 3, 3, 40, device=DEVICE)
+    slots = torch.tensor([[0, 17, -1], [46, -1, 5]], device=DEVICE)
+    expected = kv_cache.clone()
+    layer_scales = {"k_scale": scales[0], "v_scale": scales[1]} if fp8 else {}
+    write_kv(new_k, new_v, expected[1, 0], expected[1, 1], slots, backend="auto", **layer_scales)
+    # opcheck's schema test (which catches an undeclared write: the pool it gets is unwritten) compares the inputs
+    # before and after with arithmetic torch has no fp8 CPU kernel for: the float pool runs it
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    args = (new_k, new_v, kv_cache.clone(), 1, slots, "auto", kv_scales)
+    torch.library.opcheck(write_kv_op, args, test_utils=utils if fp8 else ("test_schema", *utils))
+    assert write_kv_op(new_k, new_v, kv_cache, *args[3:]) is None
+    assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_write_kv_matches_reference(dtype):
     k_pool, v_pool = _pool(8, 3, 80, dtype)

@@ -254,6 +254,19 @@ def test_the_in_step_draw_compiles_whole_and_reads_nothing_on_the_host(monkeypat
     assert ("hfaccel.cumsum.default" in targets) == split_scan_fails
 
 
+def test_the_opaque_cumsum_op_agrees_with_its_schema_and_fake():
+    """torch.ops.hfaccel.cumsum (the top-p cumsum torch < 2.13 compiles through): schema, fake implementation and
+    autograd registration agree (opcheck) on odd sizes along either dimension, a transposed input too, and it is
+    torch.cumsum's values, contiguous."""
+    from hfaccel.compat.torch import opaque_cumsum
+
+    x = torch.randn(5, 37, generator=torch.Generator().manual_seed(7))
+    for tensor, dim in ((x, 1), (x, 0), (x.T, 1)):
+        torch.library.opcheck(opaque_cumsum, (tensor, dim))
+        out = opaque_cumsum(tensor, dim)
+        assert out.is_contiguous() and torch.equal(out, torch.cumsum(tensor, dim))
+
+
 def test_unseeded_in_step_draws_follow_the_warped_distribution():
     torch.manual_seed(1)
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
