@@ -5,6 +5,8 @@ Models run the torch reference kernels (the loop is what is under test; the kern
 where a test says otherwise.
 """
 
+import contextlib
+from collections.abc import Iterator
 import warnings
 
 import pytest
@@ -211,14 +213,56 @@ def test_left_padding_takes_no_kv_memory():
 
 
 class _FailOnHostReads(TorchDispatchMode):
-    """Fails on any op that makes the host wait for a tensor's value."""
+    """Fails on any op that makes the host wait for a tensor's value, and on the Tensor methods that read one
+    without an op the mode sees (``tolist``, ``numpy``: on a CPU tensor they read its memory directly, so a step
+    calling them would pass on the CPU and wait for the device on CUDA). ``item()``, ``bool()``, ``int()`` reach
+    the mode as ``aten._local_scalar_dense``."""
 
     READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.equal", "aten.is_nonzero")
+    METHODS = ("tolist", "numpy")
+
+    def __enter__(self) -> "_FailOnHostReads":
+        self._methods = _failing_tensor_methods(self.METHODS)
+        self._methods.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            self._methods.__exit__(*exc_info)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).startswith(self.READS):
             raise AssertionError(f"the decode step reads a tensor's value on the host: {func}")
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _failing_tensor_methods(names: tuple[str, ...]) -> Iterator[None]:
+    """``torch.Tensor``'s methods ``names`` raise while the context runs (patched on the class, restored after)."""
+
+    def failing(name: str):
+        def method(tensor: torch.Tensor, *args, **kwargs):
+            raise AssertionError(f"the decode step reads a tensor's value on the host: Tensor.{name}")
+
+        return method
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in names:
+            patch.setattr(torch.Tensor, name, failing(name))
+        yield
+
+
+def test_the_host_read_guard_catches_what_the_dispatcher_never_sees():
+    """_FailOnHostReads fails on ``tolist``/``numpy`` of a CPU tensor (no op reaches a dispatch mode) as on
+    ``item``/``bool``/``nonzero``, and leaves the methods as they were after it."""
+    x = torch.tensor([1.0, 2.0])
+    reads = (lambda: x.tolist(), lambda: x.numpy(), lambda: x[0].item(), lambda: bool(x[0]), lambda: x.nonzero())
+    for read in reads:
+        with pytest.raises(AssertionError, match="reads a tensor's value on the host"), _FailOnHostReads():
+            read()
+    assert x.tolist() == [1.0, 2.0] and x.numpy().tolist() == [1.0, 2.0]
 
 
 class _Count(TorchDispatchMode):
