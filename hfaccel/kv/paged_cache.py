@@ -171,11 +171,12 @@ class PagedCache(PoolCache):
         self._reselect([row for row in range(len(self.rows)) for _ in range(repeats)])
 
     # ------------------------------------------------------------------------------------------ memory
-    def memory_stats(self) -> dict[str, float]:
-        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding real tokens, waste.
-        Padding a row holds (the cache was told the rows' left padding, see ``left_padding``, but the attention
-        reads transformers' padded layout) counts as waste; padding the cache was never told of cannot be told
-        from tokens and counts as tokens."""
+    def memory_stats(self) -> dict[str, float | str | None]:
+        """Blocks total/used/free, bytes of the pool, bytes allocated to rows, bytes holding real tokens, waste, and
+        the dtype K/V are stored in (``kv_cache_dtype``, as ``Engine.stats()`` says it: ``"torch.float8_e4m3fn"`` for
+        an fp8 pool; None while a pool taking the first keys' dtype has none yet). Padding a row holds (the cache was
+        told the rows' left padding, see ``left_padding``, but the attention reads transformers' padded layout)
+        counts as waste; padding the cache was never told of cannot be told from tokens and counts as tokens."""
         per_block = self.block_bytes()
         used_tokens = self.manager.num_tokens() - self._held_padding()
         allocated = self.manager.num_used_blocks * per_block
@@ -188,6 +189,7 @@ class PagedCache(PoolCache):
             "bytes_allocated": allocated,
             "bytes_holding_tokens": holding,
             "waste_fraction": (allocated - holding) / allocated if allocated else 0.0,
+            "kv_cache_dtype": None if self.pool.cache_dtype is None else str(self.pool.cache_dtype),
         }
 
     def _held_padding(self) -> int:

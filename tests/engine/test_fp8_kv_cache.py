@@ -86,6 +86,25 @@ def test_serve_takes_kv_cache_dtype():
     assert args.kv_cache_dtype == "fp8"
 
 
+@pytest.mark.parametrize("flag", [[], ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"]], ids=str)
+def test_serve_builds_its_engine_on_the_kv_cache_dtype_it_is_given(flag):
+    """The engine ``hfaccel serve`` builds from its arguments (serving._engine, in-process) stores K/V in fp8 when
+    told to, a quarter of the fp32 model's bytes per block, and its stats say so; without the flag, the model's
+    dtype."""
+    from hfaccel.tools import serving
+
+    args = build_parser().parse_args(["serve", "some/model", "--num-blocks", "8", "--max-num-seqs", "2", *flag])
+    engine = serving._engine(args, tiny_model("llama"), None)
+    try:
+        dtype = torch.float8_e4m3fn if flag else torch.float32
+        assert engine.runner.pool.tensors[0].dtype == dtype
+        stats = engine.stats()
+        assert stats["kv_cache_dtype"] == str(dtype) and stats["blocks_total"] == 8
+        assert stats["kv_cache_bytes"] == 8 * engine.runner.pool.block_bytes(torch.float32) // (4 if flag else 1)
+    finally:
+        engine.close()
+
+
 def test_paged_cache_in_fp8_under_plain_transformers():
     """``PagedCache(dtype=torch.float8_e4m3fn)`` passed to a plain model's generate: K/V stored in fp8 (the pool's
     compute dtype taken from the first keys), read back dequantized — transformers' tokens for this model."""
@@ -96,6 +115,20 @@ def test_paged_cache_in_fp8_under_plain_transformers():
     cache = hfaccel.PagedCache(model.config, max_batch_size=1, max_cache_len=16, dtype=torch.float8_e4m3fn)
     assert torch.equal(model.generate(**batch, **generate_cache(cache), **kwargs), expected)
     assert cache.pool.tensors[0].dtype == torch.float8_e4m3fn and cache.pool.dtype == torch.float32
+    assert cache.memory_stats()["kv_cache_dtype"] == "torch.float8_e4m3fn"
+
+
+def test_paged_cache_memory_stats_say_the_kv_dtype():
+    """``memory_stats()`` says the pool's K/V dtype (as ``Engine.stats()`` does): an fp8 cache's pool takes half the
+    bytes of a bf16 one for the same tokens; a cache taking the first keys' dtype has none until they come."""
+    config = tiny_model("llama").config
+    fp8 = hfaccel.PagedCache(config, max_batch_size=2, max_cache_len=40, dtype=torch.float8_e4m3fn)
+    bf16 = hfaccel.PagedCache(config, max_batch_size=2, max_cache_len=40, device="cpu", dtype=torch.bfloat16)
+    lazy = hfaccel.PagedCache(config, max_batch_size=2, max_cache_len=40)
+    assert fp8.memory_stats()["kv_cache_dtype"] == "torch.float8_e4m3fn"
+    assert bf16.memory_stats()["kv_cache_dtype"] == "torch.bfloat16"
+    assert fp8.memory_stats()["bytes_pool"] * 2 == bf16.memory_stats()["bytes_pool"] > 0
+    assert lazy.memory_stats()["kv_cache_dtype"] is None
 
 
 def _prompt_kv_scales(model, prompt: list[int]) -> dict[int, torch.Tensor]:
