@@ -202,6 +202,48 @@ def test_accelerate_adopts_transformers_fp8_layers_and_restore_puts_them_back():
     assert all(model.get_submodule(name) is layer for name, layer in originals.items())
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_accelerate_adopts_fbgemm_fp8_layers_and_restore_puts_them_back(arch):
+    """An FBGEMM fp8 model as transformers loads it on a GPU (``FbgemmFp8Linear``: e4m3 ``weight [N, K]``,
+    ``weight_scale [N, 1]``; on a CPU transformers dequantizes such checkpoints, so the test builds the layers from a
+    per-channel quantization, as the checkpoint test writes them): accelerate() serves them by Fp8Linear — the
+    same weights and scales, the dequantized model's tokens — and restore() puts the same layer objects back."""
+    from transformers.integrations.fbgemm_fp8 import FbgemmFp8Linear
+
+    quantized = hfaccel.quantize(tiny_model(arch), "fp8")
+    reference = dequantized_copy(quantized)
+    model, originals = _with_fbgemm_layers(quantized, FbgemmFp8Linear)
+    batch, greedy = padded_batch(), dict(GREEDY, max_new_tokens=3)  # the interpreted fp8 kernel: few steps
+    expected = reference.generate(**batch, **greedy)
+    hfaccel.accelerate(model, attention="torch")
+    adopted = [model.get_submodule(name) for name in originals]
+    assert {type(layer) for layer in adopted} == {Fp8Linear} and {m.granularity for m in adopted} == {"per channel"}
+    assert f"{len(originals)} × fp8 e4m3 per channel" in str(model.hfaccel)
+    for name, layer in zip(originals, adopted):  # exact: greedy tiny-model tokens barely move with a scale
+        assert torch.equal(layer.dequantized(torch.float32), reference.get_submodule(name).weight), name
+    assert torch.equal(model.generate(**batch, **greedy), expected)
+    hfaccel.restore(model)
+    assert all(model.get_submodule(name) is layer for name, layer in originals.items())
+
+
+def _with_fbgemm_layers(model: torch.nn.Module, layer_type: type) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
+    """``model`` (its Fp8Linear layers per channel) with each Fp8Linear replaced by transformers' FBGEMM layer holding
+    the same weight and scales in FBGEMM's layout; returns it and ``{name: the FBGEMM layer}``."""
+    originals = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Fp8Linear):
+            layer = layer_type(module.in_features, module.out_features, bias=module.bias is not None)
+            layer.weight.data = module.weight.t().contiguous()  # [N, K] e4m3
+            layer.weight_scale.data = module.weight_scale.t().contiguous()  # [N, 1]
+            layer.input_scale_ub.fill_(1200.0)
+            if module.bias is not None:
+                layer.bias.data = module.bias.data.float()
+            replace_module(model, name, layer)
+            originals[name] = layer
+    assert originals, "the model holds no Fp8Linear to replace"
+    return model, originals
+
+
 def test_without_fp8_kernels_the_weights_run_dequantized_once(monkeypatch):
     """A GPU where the fp8 kernels do not run (below sm_89; here the CPU, told it is one): attention='triton'
     refuses with the reason before anything changes; otherwise accelerate() serves each fp8 layer by one dense matmul
