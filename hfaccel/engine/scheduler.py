@@ -299,6 +299,7 @@ class Scheduler:
         return self.manager.blocks_needed(seq.num_tokens) > self.manager.num_blocks
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """What admitting ``seq`` now would find in the prefix cache and take from the pool (nothing allocated)."""
         salt, salt_from = _cache_salts(seq)
         return self.manager.prefix_hit(seq.token_ids, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq))
 

@@ -11,18 +11,14 @@ Invariants (checked by ``check_invariants`` and property-tested):
 - a sequence writes only into the last block of its table, and only when it holds that block alone: a
   shared last block is first copied (copy-on-write; the copy is returned to the caller to perform on the
   device), so two live sequences never write the same block;
-- with prefix caching, each full block whose tokens are known and whose K/V have been computed is registered
-  under the hash of (the hash of the block before it, its own tokens) — the first block's "hash before it" is the
-  sequence's ``salt`` (None, or e.g. the LoRA adapter that computes it: the same tokens under another adapter have
-  other K/V), and a ``salt_from`` mixes a further salt in from the block holding a given token on (a prompt's
-  images: the text before them is shared with any prompt); a sequence whose prompt starts with the same full blocks
-  under the same salts reuses them
-  (ref-count + 1) instead of allocating. Freed blocks keep their content and
-  registration until the pool reuses them, so a later request can still hit them. A registered block never
-  changes under its hash: a sequence cropped into a registered block keeps the registration until it writes
-  there, and then either unregisters the block (held alone) or copies it first (shared). A caller that computes a
-  sequence's K/V later than it allocates them (the engine's chunked prefill) passes ``computed=False`` and
-  reports progress with ``mark_computed``, so no other sequence can hit a block before its K/V are written.
+- with prefix caching (:mod:`hfaccel.kv.prefix_cache`), each full block whose tokens are known and whose K/V have
+  been computed is registered under its key; a sequence whose prompt starts with registered full blocks under the
+  same salts reuses them (ref-count + 1) instead of allocating. Freed blocks keep their content and registration
+  until the pool reuses them, so a later request can still hit them. A registered block never changes under its
+  key: a sequence cropped into a registered block keeps the registration until it writes there, and then either
+  unregisters the block (held alone) or copies it first (shared). A caller that computes a sequence's K/V later than
+  it allocates them (the engine's chunked prefill) passes ``computed=False`` and reports progress with
+  ``mark_computed``, so no other sequence can hit a block before its K/V are written.
 - with ``state_slots`` (a model whose layers keep recurrent state beside K/V), every live sequence also holds one
   state slot of its own: taken with its first blocks, given back when it is freed; a fork takes a new slot whose
   state is copied from the parent's (:meth:`BlockManager.take_state_copies`, performed by the pool before the next
@@ -37,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
+
+from hfaccel.kv.prefix_cache import PrefixCache
 
 
 def slot_mapping(
@@ -102,8 +100,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self._seqs: dict[Hashable, _Sequence] = {}
-        self._hash_to_block: dict[int, int] = {}
-        self._block_key: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # block -> (parent hash or salt, tokens)
+        self.prefix_cache = PrefixCache(block_size)
         self.peak_used_blocks = 0  # the most blocks in use at once (set back with ``peak_used_blocks = 0``)
         self._epochs = itertools.count(1)  # table epochs, never reused: a sequence id used again gets a new one
         self.state_slots = state_slots
@@ -287,7 +284,7 @@ class BlockManager:
             if self.ref_counts[seq.blocks[-1]] > 1:
                 copies.append(self._copy_on_write(seq))
             else:
-                self._unregister(seq.blocks[-1])  # a registered block never changes under its hash
+                self.prefix_cache.unregister(seq.blocks[-1])  # a registered block never changes under its key
         new_length = seq.length + num_tokens
         seq.blocks += [self._allocate() for _ in range(self.blocks_needed(new_length) - len(seq.blocks))]
         seq.length = new_length
@@ -406,7 +403,7 @@ class BlockManager:
 
     def _allocate(self) -> int:
         block, _ = self._free.popitem(last=False)
-        self._unregister(block)  # its old content is about to be overwritten
+        self.prefix_cache.unregister(block)  # its old content is about to be overwritten
         self.ref_counts[block] = 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block
@@ -442,62 +439,19 @@ class BlockManager:
     ) -> tuple[list[int], list[int], PrefixHit]:
         """A prompt's prefix-cache hits (``add_sequence``'s arguments), their hashes, and what adding it takes."""
         new_blocks = self.blocks_needed(_length(token_ids, num_tokens))
-        tokens = list(token_ids) if token_ids is not None and self.enable_prefix_caching else None
-        hits, hashes = self._prefix_hits(tokens, salt, salt_from, unsplit)
+        caching = token_ids is not None and self.enable_prefix_caching
+        hits, hashes = self.prefix_cache.hits(token_ids, salt, salt_from, unsplit) if caching else ([], [])
         cached_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         return hits, hashes, PrefixHit(len(hits) * self.block_size, new_blocks - len(hits) + cached_free)
-
-    def _prefix_hits(
-        self,
-        tokens: list[int] | None,
-        salt: Hashable,
-        salt_from: tuple[int, Hashable] | None,
-        unsplit: tuple[int, int] | None,
-    ) -> tuple[list[int], list[int]]:
-        """Blocks already holding the leading full blocks of ``tokens`` under ``salt`` and ``salt_from``, and their
-        hashes; a hit that would end inside ``unsplit`` is cut back to the block boundary at or before its start.
-
-        A hit never covers the last token: the caller must run at least one token to get its logits.
-        """
-        hits, hashes, parent = [], [], salt
-        if tokens is None:
-            return hits, hashes
-        for start in range(0, len(tokens) - self.block_size, self.block_size):
-            key = (self._salted(parent, start, salt_from), tuple(tokens[start : start + self.block_size]))
-            block = self._hash_to_block.get(hash(key))
-            if block is None or self._block_key.get(block) != key:
-                break
-            hits.append(block)
-            parent = hash(key)
-            hashes.append(parent)
-        if unsplit is not None and unsplit[0] < len(hits) * self.block_size < unsplit[1]:
-            kept = unsplit[0] // self.block_size
-            hits, hashes = hits[:kept], hashes[:kept]
-        return hits, hashes
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         size = self.block_size
         while len(seq.hashes) < min(len(seq.tokens), seq.length, seq.computed) // size:
             index = len(seq.hashes)
-            parent = self._salted(seq.hashes[-1] if seq.hashes else seq.salt, index * size, seq.salt_from)
-            key = (parent, tuple(seq.tokens[index * size : (index + 1) * size]))
-            block, digest = seq.blocks[index], hash(key)
-            if digest not in self._hash_to_block and block not in self._block_key:
-                self._hash_to_block[digest] = block
-                self._block_key[block] = key
+            before = seq.hashes[-1] if seq.hashes else seq.salt
+            tokens = seq.tokens[index * size : (index + 1) * size]
+            digest = self.prefix_cache.register(seq.blocks[index], before, index * size, seq.salt_from, tokens)
             seq.hashes.append(digest)
-
-    def _salted(self, parent: Hashable, start: int, salt_from: tuple[int, Hashable] | None) -> Hashable:
-        """What the key of the block starting at token ``start`` chains to: ``parent`` (the hash of the block before,
-        or the sequence's salt), with ``salt_from``'s salt mixed in where the block holds its token."""
-        if salt_from is not None and start // self.block_size == salt_from[0] // self.block_size:
-            return parent, salt_from[1]
-        return parent
-
-    def _unregister(self, block: int) -> None:
-        key = self._block_key.pop(block, None)
-        if key is not None and self._hash_to_block.get(hash(key)) == block:
-            del self._hash_to_block[hash(key)]
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the ref-counts, free pool or registrations are inconsistent."""
@@ -512,8 +466,7 @@ class BlockManager:
         assert set(self._state_of) == (set(self._seqs) if self.state_slots else set()), "a sequence lacks a state slot"
         held = list(self._state_of.values())
         assert sorted(held + self._free_states) == list(range(self.state_slots)), "state slots lost or held twice"
-        for digest, block in self._hash_to_block.items():
-            assert hash(self._block_key[block]) == digest, "registration points at a block with other content"
+        self.prefix_cache.check_invariants()
 
 
 def _length(token_ids: Sequence[int] | None, num_tokens: int | None) -> int:

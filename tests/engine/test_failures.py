@@ -225,6 +225,7 @@ def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failur
     try:
         first, failed = asyncio.run(main())
         assert first.outputs[0].finish_reason == "length"
+        async_engine._thread.join(30)  # on_failure is called once the streams have their error
         (end,) = ended
         assert type(end).__name__ == ending and (end is error or end.__cause__ is error)
         for stream_error in failed:

@@ -51,6 +51,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 if src in self.pool:
                     self.pool[copy.dst * BLOCK_SIZE + offset] = self.pool[src]
 
+    def _state(self) -> tuple:
+        """The free pool in its order, the prefix cache's registrations and the ref-counts."""
+        manager = self.manager
+        return list(manager._free), dict(manager.prefix_cache._blocks), list(manager.ref_counts)
+
     def _computed(self):
         return sorted(s for s in self.tokens if s not in self.uncomputed)
 
@@ -65,9 +70,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         hit ``prefix_hit`` finds first is the one taken, with the free blocks it says, and finding it changes
         nothing."""
         tokens, seq_id = stem + tail, self.next_id
-        before = (list(self.manager._free), dict(self.manager._hash_to_block), list(self.manager.ref_counts))
+        before = self._state()
         hit = self.manager.prefix_hit(tokens, unsplit=unsplit)
-        assert (list(self.manager._free), self.manager._hash_to_block, self.manager.ref_counts) == before
+        assert self._state() == before
         free_before = self.manager.num_free_blocks
         try:
             cached = self.manager.add_sequence(seq_id, tokens, computed=computed, unsplit=unsplit)
