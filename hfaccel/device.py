@@ -50,9 +50,10 @@ class DeviceLostError(BaseException):
 
 
 def raise_if_lost(error: BaseException, device: torch.device) -> None:
-    """Raise :class:`DeviceLostError` from ``error`` when it is a device's error and ``device`` no longer runs
-    anything; return otherwise (an error the device recovers from: out of memory, a bad launch)."""
-    if isinstance(error, torch.AcceleratorError) and not device_works(device):
+    """Raise :class:`DeviceLostError` from ``error`` when ``device`` no longer runs anything; return otherwise (an
+    error the device recovers from: out of memory, a bad launch, a bad input). Any error is asked about: torch
+    raises ``torch.AcceleratorError``, Triton's launcher a plain ``RuntimeError``."""
+    if not device_works(device):
         raise DeviceLostError(
             f"{device} raised {error} and fails every call since (the error stays with its context); nothing more "
             "can run in this process: restart it"
@@ -60,11 +61,13 @@ def raise_if_lost(error: BaseException, device: torch.device) -> None:
 
 
 def device_works(device: torch.device) -> bool:
-    """Whether ``device`` runs work now: waiting for it raises nothing (a CUDA error that sticks is raised again)."""
-    if device.type == "cpu":
+    """Whether ``device`` still runs work: a CUDA context that kept an error returns it from every call, so asking
+    whether its stream is done raises it. Waits for nothing (a tensor-parallel rank may have a collective in flight
+    that waits for a peer). Other devices have no such context here: True."""
+    if device.type != "cuda":
         return True
     try:
-        torch.accelerator.synchronize(device)
+        torch.cuda.current_stream(device).query()
     except Exception:
         return False
     return True

@@ -18,6 +18,7 @@ diverged), which ends it: every stream gets a RuntimeError naming it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -206,7 +207,8 @@ class AsyncEngine:
                     self._deliver(request, trackers)
         except BaseException as error:  # the thread itself is going down: nobody may wait forever
             self._error = error
-            self._fail_in_flight(error, trackers)
+            with contextlib.suppress(Exception):  # its streams told first; a lost device fails the aborts too
+                self._fail_in_flight(error, trackers)
             with self._lock:
                 adds, self._adds = self._adds, []
             for pending in adds:
@@ -224,17 +226,19 @@ class AsyncEngine:
         self, error: BaseException, trackers: dict[str, DeltaTracker], running_only: bool = False
     ) -> None:
         """Abort every request in flight (``running_only``: those the failed step ran — the requests with a
-        running sequence — or all if none has); each stream gets ``error``."""
+        running sequence — or all if none has); each stream gets ``error`` first, so that an abort that raises leaves
+        no stream waiting."""
         failing = list(self._streams.items())
         if running_only:
             running = {seq.request.request_id for seq in self.engine.scheduler.running}
             failing = [(request_id, pending) for request_id, pending in failing if request_id in running] or failing
         for request_id, pending in failing:
-            self.engine.abort(request_id)
-            self.engine.release(request_id)
             _send(pending, error)
             del self._streams[request_id]
             trackers.pop(request_id, None)
+        for request_id, _ in failing:
+            self.engine.abort(request_id)
+            self.engine.release(request_id)
 
     def _apply_queued(self, trackers: dict[str, DeltaTracker]) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ request's deltas after each step). ``AsyncEngine`` drives the same steps from a 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 from hfaccel.engine.deltas import DeltaTracker, error_output
@@ -36,7 +37,7 @@ class BlockingCalls:
         for name in {name for _, _, name in batch}:
             self.lora_adapter(name)  # an unknown name: nothing admitted
         ids: list[str | RequestOutput] = []
-        try:
+        with self._taken_out(ids):
             for prompt, param, name in batch:
                 try:
                     ids.append(self.add_request(prompt, param, lora=name))
@@ -45,11 +46,6 @@ class BlockingCalls:
             while self.has_unfinished_requests():
                 self.step_requests()
             return [self.snapshot(self.requests[i]) if isinstance(i, str) else i for i in ids]
-        finally:  # also when a step raised: this call's requests leave the engine, which goes on serving
-            for i in ids:
-                if isinstance(i, str):
-                    self.abort(i)
-                    self.release(i)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, lora: str | None = None
@@ -61,7 +57,7 @@ class BlockingCalls:
         """
         request_id = self.add_request(prompt, params, lora=lora)
         seen = DeltaTracker()
-        try:
+        with self._taken_out([request_id]):
             while True:
                 request = self.requests[request_id]
                 if not request.finished:
@@ -71,6 +67,22 @@ class BlockingCalls:
                     yield delta
                 if request.finished:
                     return
-        finally:
-            self.abort(request_id)
-            self.release(request_id)
+
+    @contextlib.contextmanager
+    def _taken_out(self, ids: list[str | RequestOutput]) -> Iterator[None]:
+        """Abort and release the requests of ``ids`` (the ids among them, as they are when the block ends) however the
+        block ends (a step that raised included: the engine goes on serving). When the block raised, what it raised
+        is what the caller sees, even if the clean-up fails too (a lost device fails the aborts)."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._take_out(ids)
+            raise
+        self._take_out(ids)
+
+    def _take_out(self, ids: list[str | RequestOutput]) -> None:
+        for request_id in ids:
+            if isinstance(request_id, str):
+                self.abort(request_id)
+                self.release(request_id)

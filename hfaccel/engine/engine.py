@@ -329,7 +329,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
         self._need_leader("step")
         try:
             return self._step()
-        except torch.AcceleratorError as error:
+        except Exception as error:
             raise_if_lost(error, self.runner.device)
             raise
 

@@ -9,9 +9,10 @@ Every step packs, within ``max_num_batched_tokens``:
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
    images is computed in one step from its prefix-cache hits on (its images' tokens are never split), when the
-   budget left holds what its hits leave (more than the whole budget goes past it); hits end before its first image
-   (the text before it, shared with any prompt) or cover all its images, and then the text after them is computed
-   like any prompt's, at the position offset its images gave (``media_offsets``).
+   budget left holds what its hits leave (more than the whole budget goes past it, and so does one admitted in a
+   step that raised, when the caller steps on and the sequences before it take more of the budget); hits end before
+   its first image (the text before it, shared with any prompt) or cover all its images, and then the text after
+   them is computed like any prompt's, at the position offset its images gave (``media_offsets``).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
@@ -315,7 +316,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Allocate blocks for a waiting sequence's tokens (its prefix-cache ``hit`` reused); False if the pool is
-        short of them, or would be left with no room for the running sequences to grow."""
+        short of them, would be left with no room for the running sequences to grow, or has no state slot free."""
         watermark = max(1, self.manager.num_blocks // 100) if self.running else 0
         if hit.free_blocks + watermark > self.manager.num_free_blocks:
             return False

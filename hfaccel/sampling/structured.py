@@ -137,8 +137,11 @@ class Grammars:
 
     @property
     def tokenizer(self):
-        """The tokenizer (None once nothing else holds it)."""
-        return self._tokenizer()
+        """The tokenizer, while something else holds it (the Engine, a processor)."""
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            raise RuntimeError("these Grammars' tokenizer is gone: get them from shared_grammars(tokenizer, ...)")
+        return tokenizer
 
     def compile(self, spec: StructuredOutputs):
         """The compiled grammar of ``spec`` (its reasoning tags checked)."""

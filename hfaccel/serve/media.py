@@ -25,8 +25,8 @@ def image_bytes(url: str, allowed_domains: Sequence[str], what: str) -> bytes:
     if url.startswith("data:"):
         return _data_url(url, what)
     _check_url(url, allowed_domains, what)
-    opener = urllib.request.build_opener(_CheckedRedirects(allowed_domains, what))
     deadline = time.monotonic() + FETCH_TIMEOUT
+    opener = urllib.request.build_opener(_CheckedRedirects(allowed_domains, what, deadline))
     try:
         with opener.open(url, timeout=FETCH_TIMEOUT) as response:
             return _read_until(response, deadline, what)
@@ -49,21 +49,29 @@ def _check_url(url: str, allowed_domains: Sequence[str], what: str) -> None:
 
 
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to a URL the server would fetch itself (``_check_url``)."""
+    """Follows a redirect only to a URL the server would fetch itself (``_check_url``), and only before the fetch's
+    ``deadline``."""
 
-    def __init__(self, allowed_domains: Sequence[str], what: str):
-        self.allowed_domains, self.what = allowed_domains, what
+    def __init__(self, allowed_domains: Sequence[str], what: str, deadline: float):
+        self.allowed_domains, self.what, self.deadline = allowed_domains, what, deadline
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
-        _check_url(newurl, self.allowed_domains, f"{self.what} (redirected)")
+        try:
+            _check_url(newurl, self.allowed_domains, f"{self.what} (redirected)")
+            if time.monotonic() > self.deadline:
+                raise ValueError(f"{self.what}: fetching the image took more than {FETCH_TIMEOUT:g} s")
+        except ValueError:
+            fp.close()  # the redirect's own response: its connection is not followed
+            raise
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _read_until(response, deadline: float, what: str) -> bytes:
-    """The response's body, refused once it passes ``MAX_IMAGE_BYTES`` or ``deadline`` (a server that sends slowly
-    holds a worker thread no longer than the fetch's timeout and one read's)."""
+    """The response's body, refused once it passes ``MAX_IMAGE_BYTES`` or ``deadline``. Each read returns what has
+    arrived (``read1``), so a server that sends slowly holds a worker thread past the deadline by one network wait at
+    most (the socket's timeout)."""
     data = bytearray()
-    while chunk := response.read(_CHUNK):
+    while chunk := response.read1(_CHUNK):
         data += chunk
         if len(data) > MAX_IMAGE_BYTES:
             raise ValueError(f"{what}: the image is larger than {MAX_IMAGE_BYTES} bytes")

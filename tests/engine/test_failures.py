@@ -179,7 +179,7 @@ def test_a_device_error_ends_the_engine_only_when_the_device_keeps_it(model, mon
     expected = tokens(engine.generate(PROMPTS, greedy()))
     forward = engine.runner.forward
     error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
-    engine.runner.forward = lambda *args, **kwargs: (_ for _ in ()).throw(error)
+    engine.runner.forward = _forward_raising(error)
     with pytest.raises(torch.AcceleratorError) as recovered:
         engine.generate(PROMPTS, greedy())
     assert recovered.value is error and engine.requests == {} and engine.stats()["blocks_used"] == 0
@@ -190,6 +190,12 @@ def test_a_device_error_ends_the_engine_only_when_the_device_keeps_it(model, mon
     monkeypatch.undo()
     engine.runner.forward = forward
     assert tokens(engine.generate(PROMPTS, greedy())) == expected
+    lost_engine = make_engine(model)  # a lost device fails generate()'s clean-up too: its error is still the one seen
+    lost_engine.runner.forward = _forward_raising(error)
+    monkeypatch.setattr(device_module, "device_works", lambda device: False)
+    monkeypatch.setattr(lost_engine, "abort", _failing_clean_up)
+    with pytest.raises(DeviceLostError):
+        lost_engine.generate(PROMPTS, greedy())
 
 
 @pytest.mark.parametrize("ending", ["TensorParallelError", "DeviceLostError"])
@@ -206,9 +212,10 @@ def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failur
     forward = async_engine.engine.runner.forward
     if ending == "TensorParallelError":
         error = TensorParallelError("a multimodal prefill raised on 1 of 2 TP ranks (simulated)")
-    else:
-        error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
+    else:  # as Triton's launcher raises it; the lost device then fails the aborts of the clean-up too
+        error = RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered (simulated)")
         monkeypatch.setattr(device_module, "device_works", lambda device: False)
+        monkeypatch.setattr(async_engine.engine, "abort", _failing_clean_up)
 
     def failing(seq_ids, *args, **kwargs):
         if async_engine.engine.requests.get("third") is not None:
@@ -236,6 +243,17 @@ def test_an_error_no_handler_may_take_ends_the_engine_thread_and_tells_on_failur
             asyncio.run(async_engine.generate("after", greedy(3)))
     finally:
         async_engine.shutdown()
+
+
+def _forward_raising(error: Exception):
+    def forward(*args, **kwargs):
+        raise error
+
+    return forward
+
+
+def _failing_clean_up(request_id: str) -> bool:
+    raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated, in an abort)")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA context that keeps an error needs a GPU")

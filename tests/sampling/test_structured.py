@@ -4,6 +4,8 @@ keep its tokenizer alive."""
 import gc
 import weakref
 
+import pytest
+
 from hfaccel.sampling.structured import shared_grammars
 from tests.models import char_tokenizer
 
@@ -19,4 +21,6 @@ def test_one_grammars_per_tokenizer_and_vocabulary_while_the_tokenizer_lives():
     gone = weakref.ref(tokenizer)
     del tokenizer
     gc.collect()
-    assert gone() is None and grammars.tokenizer is None
+    assert gone() is None
+    with pytest.raises(RuntimeError, match="tokenizer is gone"):
+        grammars.tokenizer

@@ -1,13 +1,11 @@
 """Put on the ``PYTHONPATH`` of a ``hfaccel serve`` test process (Python imports ``sitecustomize`` at start-up): the
-first forward of more tokens than ``HFACCEL_TEST_LOSE_DEVICE`` says raises the error a CUDA device raises for an
+first forward of more tokens than ``HFACCEL_TEST_LOSE_DEVICE`` says raises the error Triton's launcher raises for an
 illegal memory access, and the device fails every call from then on, as a CUDA context that keeps its error does (a
 CPU cannot lose its context)."""
 
 import os
 
 if "HFACCEL_TEST_LOSE_DEVICE" in os.environ:
-    import torch
-
     from hfaccel import device
     from hfaccel.runner import runner
 
@@ -18,7 +16,7 @@ if "HFACCEL_TEST_LOSE_DEVICE" in os.environ:
     def losing(self, seq_ids, input_ids, *args, **kwargs):
         if lost or len(input_ids) > int(os.environ["HFACCEL_TEST_LOSE_DEVICE"]):
             lost.append(True)
-            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (simulated)")
+            raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered (simulated)")
         return forward(self, seq_ids, input_ids, *args, **kwargs)
 
     runner.ModelRunner.forward = losing
