@@ -226,9 +226,11 @@ class PagedCache(PoolCache):
 
     # --------------------------------------------------------------------------------------- internals
     def _begin_forward(self, batch: int, new_tokens: int, like: torch.Tensor) -> None:
-        """Reserve slots for this forward's tokens in every row (all or nothing) and build its tensors."""
+        """Reserve slots for this forward's tokens in every row (all or nothing: keys the pool cannot take reserve
+        none) and build its tensors."""
         if not self.pool.allocated:
-            self.pool.allocate(like.device, like.dtype)
+            self.pool.allocate_like(like)
+        self.pool.check_takes(like.dtype)
         if self.rows and batch != len(self.rows):
             raise ValueError(f"PagedCache holds {len(self.rows)} rows but got a batch of {batch}")
         if self.seq_len + new_tokens > self.max_cache_len:

@@ -19,7 +19,7 @@ import torch
 
 from hfaccel.device import model_device, to_device
 from hfaccel.kernels.ops import write_kv_op
-from hfaccel.kernels.write_kv import KV_QUANT_DTYPES
+from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, check_kv_scales as check_pool_takes
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
 from hfaccel.kv.layout import ModelLayout, kv_dims, model_layout, uniform_layout
 from hfaccel.kv.fp8 import KVScales, check_kv_scales, fill_scales, model_kv_scales, prefill_scales
@@ -131,6 +131,7 @@ class KVPool:
         )
         self.tensors: list[torch.Tensor] | None = None  # per group: [L_g, 2, num_blocks, block_size, Hkv_g, D_g]
         self.scales: list[torch.Tensor] | None = None  # per group of a quantized pool: [L_g, 2, Hkv_g] fp32
+        self._given = (None if device is None else torch.device(device), dtype)  # (None: the first keys')
         if device is not None and dtype is not None:
             self.allocate(torch.device(device), dtype)
 
@@ -194,6 +195,17 @@ class KVPool:
     @property
     def quantized(self) -> bool:
         return self.kv_cache_dtype in KV_QUANT_DTYPES
+
+    def allocate_like(self, keys: torch.Tensor) -> None:
+        """Allocate the pool on the device and in the dtype it was given, else those of the first ``keys`` written."""
+        device, dtype = self._given
+        self.allocate(device or keys.device, dtype or keys.dtype)
+
+    def check_takes(self, dtype: torch.dtype) -> None:
+        """A ValueError unless keys and values of ``dtype`` can be written into the (allocated) pool: those of its
+        own dtype, or any float for an fp8 pool."""
+        if not self.quantized:
+            check_pool_takes(self.tensors[0], None, None, dtype)
 
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         self._device, self._dtype = device, dtype

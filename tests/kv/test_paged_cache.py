@@ -274,6 +274,22 @@ def test_constructor_validation():
     assert cache.memory_stats()["blocks_free"] == 6
 
 
+def test_a_dtype_given_alone_is_the_pools_on_the_first_keys_device():
+    """``dtype`` without ``device``: the pool is created on the device of the first keys written, in the dtype given
+    — keys of another dtype are refused as where both are given, before any slot is reserved, and keys of that dtype
+    are then taken."""
+    config = tiny_model("llama").config
+    cache = PagedCache(config, max_batch_size=3, max_cache_len=40, dtype=torch.float16)
+    heads, dim = cache.pool.group_shapes[0]
+    keys = torch.randn(3, heads, 5, dim, device=DEVICE)  # [B, Hkv, S, D] fp32
+    with pytest.raises(ValueError, match="torch.float16 pool holds torch.float16 keys"):
+        cache.update(keys, keys, 0)
+    assert cache.pool.tensors[0].dtype == torch.float16 and cache.pool.device == keys.device
+    assert cache.get_seq_length() == 0 and cache.manager.num_free_blocks == cache.manager.num_blocks
+    got, _ = cache.update(keys.half(), keys.half(), 0)
+    assert torch.equal(got, keys.half())
+
+
 def test_paged_false_keeps_transformers_cache():
     model = hfaccel.accelerate(tiny_model("llama"), paged=False)
     assert not model.hfaccel.paged and "generate" not in vars(model)
