@@ -169,6 +169,8 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
             token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts
             self.media_offsets = MediaOffsets()  # where the text after recent prompts' images continues
+            # the vision encoder's outputs of recent requests' images (encoded on the leader alone, unless sharded)
+            self.encoder_cache = EncoderCache(ahead=self.tp is None or not shards_beyond_language_model(model))
             self.scheduler = Scheduler(
                 self.runner.pool.manager,
                 max_num_seqs=max_num_seqs,
@@ -176,6 +178,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 loras=self.loras,
                 media_offsets=self.media_offsets,
                 hits_before_images=compat.continues_multimodal_prompts(model),
+                hits_between_images=self.encoder_cache.ahead,  # (a chunk takes its own images' encoded rows)
                 release=token_counts.release,
             )
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)
@@ -193,8 +196,6 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
             self.requests: dict[str, Request] = {}
             self._ids = itertools.count()
             self.host_times = HostTimes(self.runner)
-            # the vision encoder's outputs of recent requests' images (encoded on the leader alone, unless sharded)
-            self.encoder_cache = EncoderCache(ahead=self.tp is None or not shards_beyond_language_model(model))
             self.executor = StepExecutor(
                 model,
                 self.runner,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from hfaccel.attention import is_image_text_to_text
-from hfaccel.engine.media import MediaInputs, media_token_ids, process, processed_media
+from hfaccel.engine.media import MediaInputs, process, processed_media
+from hfaccel.runner.multimodal import media_token_ids
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.engine.prompt_logprobs import empty_prompt_logprobs
 from hfaccel.engine.scheduler import Request, Sequence

@@ -32,15 +32,36 @@ class MediaInputs:
 
     inputs: dict[str, torch.Tensor]  # pixel values, image sizes, token types... (not input_ids / attention_mask)
     digest: str  # the images' content hash
+    image_digests: tuple[str, ...] = ()  # each image's content hash, in order (empty: not known one by one)
     start: int | None = None  # its first image token (None: not located)
     end: int | None = None  # how many prompt tokens run up to its last image token (None: not located)
+    spans: tuple[tuple[int, int], ...] = ()  # each image's tokens (start, end), where located one by one
 
     def located(self, prompt_ids: Sequence[int], media_token_ids: frozenset[int]) -> MediaInputs:
         """These inputs with :attr:`start` and :attr:`end` found in the prompt: its first token of
         ``media_token_ids`` (the model's image / video placeholders) and one past its last; None when the prompt has
-        none of them."""
-        found = [i for i, token in enumerate(prompt_ids) if token in media_token_ids]
-        return replace(self, start=found[0], end=found[-1] + 1) if found else replace(self, start=None, end=None)
+        none of them. Each image's :attr:`spans` too, where the placeholders form one run per image (a run of
+        each image's own; an image tiled into several runs, or two images' runs that touch, are not told apart)."""
+        runs: list[tuple[int, int]] = []  # (start, end) of each run of placeholders
+        for i, token in enumerate(prompt_ids):
+            if token not in media_token_ids:
+                continue
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        if not runs:
+            return replace(self, start=None, end=None, spans=())
+        spans = tuple(runs) if len(runs) == len(self.image_digests) else ()  # (each image has one run at least)
+        return replace(self, start=runs[0][0], end=runs[-1][1], spans=spans)
+
+    @property
+    def units(self) -> tuple[tuple[int, int, str], ...]:
+        """The prompt's image tokens as the runs computed whole, ``(start, end, content hash)``: each image's where
+        located one by one, else all of them as one (none where not located)."""
+        if self.spans:
+            return tuple((start, end, digest) for (start, end), digest in zip(self.spans, self.image_digests))
+        return () if self.start is None else ((self.start, self.end, self.digest),)
 
     def images_from(self, start: int) -> bool:
         """Whether computing the prompt from token ``start`` on computes some of its images (the multimodal prefill
@@ -55,12 +76,6 @@ class MediaInputs:
             if per_token(name) and value.shape[-1] < length:
                 inputs[name] = torch.nn.functional.pad(value, (0, length - value.shape[-1]))
         return inputs
-
-
-def media_token_ids(config) -> frozenset[int]:
-    """The placeholder token ids an image-text-to-text model's config names (image, video, audio)."""
-    names = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
-    return frozenset(value for name in names if isinstance(value := getattr(config, name, None), int))
 
 
 def is_processor(tokenizer) -> bool:
@@ -171,19 +186,23 @@ def _token_ids(out) -> list[int]:
 
 
 def _media(out, images: list) -> MediaInputs | None:
-    """The processor's outputs besides the token ids and mask, and the images' hash (None without images)."""
+    """The processor's outputs besides the token ids and mask, and the images' hashes (None without images)."""
     if not images:
         return None
-    digest = hashlib.sha256()
-    for image in images:
-        digest.update(f"{image.size}".encode())
-        digest.update(image.tobytes())
+    digests = tuple(_image_digest(image) for image in images)
     inputs = {
         name: value
         for name, value in out.items()
         if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor)
     }
-    return MediaInputs(inputs, digest.hexdigest())
+    whole = digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
+    return MediaInputs(inputs, whole, digests)
+
+
+def _image_digest(image) -> str:
+    digest = hashlib.sha256(f"{image.size}".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 def processed_media(inputs) -> MediaInputs:

@@ -8,18 +8,19 @@ Every step packs, within ``max_num_batched_tokens``:
 2. then waiting sequences, first come first served, while sequences and tokens remain in the budget and the
    pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
    budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
-   images is computed in one step from its prefix-cache hits on (its images' tokens are never split), when the
+   images is computed in one step from its prefix-cache hits on (an image's tokens are never split), when the
    budget left holds what its hits leave (more than the whole budget goes past it, and so does one admitted in a
    step that raised, when the caller steps on and the sequences before it take more of the budget); hits end before
-   its first image (the text before it, shared with any prompt) or cover all its images, and then the text after
-   them is computed like any prompt's, at the position offset its images gave (``media_offsets``).
+   an image (the text and images before it, shared with any prompt that has them: a chat's next turn adding an
+   image) or cover all its images, and then the text after them is computed like any prompt's, at the position
+   offset its images gave (``media_offsets``).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
 base-model sequences behind it may still be admitted, adapter ones wait too (else the adapters running could keep
 their slots forever); a sequence holds a reference on its adapter's slot while it runs.
 Its blocks are shared through the prefix cache only with sequences of the same adapter, and a prompt's blocks from
-the one holding its first image token on only with prompts of the same images (``salt_from``).
+the one holding an image's first token on only with prompts of the same image there (``salts_from``).
 
 After a step the scheduler takes its output (:meth:`Scheduler.update`): each sampled token is appended to its
 sequence, stop rules applied, and finished sequences freed at once.
@@ -187,12 +188,14 @@ class Scheduler:
         loras: LoRAManager | None = None,
         media_offsets: Container[str] = (),
         hits_before_images: bool = True,
+        hits_between_images: bool = True,
         release: Callable[[int], None] | None = None,
     ):
         """``media_offsets``: the content hashes of the images whose position offset the engine knows (prompts
         with them may take prefix-cache hits that cover their images). ``hits_before_images``: whether a prompt
         with images may take hits that end before its first image (its runner computes a prompt's images after a
-        hit). ``release``: frees what else a finished sequence held, by its id (the engine's: its penalties' token
+        hit); ``hits_between_images``: and between two of its images (its runner computes some of a prompt's images
+        alone). ``release``: frees what else a finished sequence held, by its id (the engine's: its penalties' token
         counts, on the device)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -204,6 +207,7 @@ class Scheduler:
         self.loras = loras
         self.media_offsets = media_offsets
         self.hits_before_images = hits_before_images
+        self.hits_between_images = hits_before_images and hits_between_images
         self.release = release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -301,8 +305,8 @@ class Scheduler:
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """What admitting ``seq`` now would find in the prefix cache and take from the pool (nothing allocated)."""
-        salt, salt_from = _cache_salts(seq)
-        return self.manager.prefix_hit(seq.token_ids, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq))
+        salt, salts_from = _cache_salts(seq)
+        return self.manager.prefix_hit(seq.token_ids, salt=salt, salts_from=salts_from, unsplit=self._unsplit(seq))
 
     def _images_wait(self, seq: Sequence, budget: int, hit: PrefixHit) -> bool:
         """Whether a waiting prompt whose images are computed in one chunk, from its prefix-cache hits on, waits for
@@ -320,10 +324,10 @@ class Scheduler:
         watermark = max(1, self.manager.num_blocks // 100) if self.running else 0
         if hit.free_blocks + watermark > self.manager.num_free_blocks:
             return False
-        salt, salt_from = _cache_salts(seq)
+        salt, salts_from = _cache_salts(seq)
         try:
             cached = self.manager.add_sequence(
-                seq.seq_id, seq.token_ids, computed=False, salt=salt, salt_from=salt_from, unsplit=self._unsplit(seq)
+                seq.seq_id, seq.token_ids, computed=False, salt=salt, salts_from=salts_from, unsplit=self._unsplit(seq)
             )
         except CacheFullError:  # no state slot free (a model whose layers keep recurrent state)
             return False
@@ -341,17 +345,22 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self._preempt(seq, SchedulerOutput([], [], [], []))
 
-    def _unsplit(self, seq: Sequence) -> tuple[int, int] | None:
-        """The tokens ``(start, end)`` a prefix-cache hit of ``seq`` must not end inside (``BlockManager``), None for
-        a prompt without images. A prompt's images are computed together: its hits end before its first image
-        token (where ``hits_before_images``), or past its last one once the position offset its images give is
-        known."""
+    def _unsplit(self, seq: Sequence) -> tuple[tuple[int, int], ...]:
+        """The token spans ``(start, end)`` a prefix-cache hit of ``seq`` must not end inside (``BlockManager``);
+        none for a prompt without images. Each of a prompt's images is computed whole: its hits end before an image
+        (before its first image where not ``hits_between_images``, nowhere before its last where not
+        ``hits_before_images``), or past its last one once the position offset its images give is known."""
         media = seq.request.media
         if media is None:
-            return None
-        start = media.start if self.hits_before_images and media.start is not None else 0
-        known = media.end is not None and media.digest in self.media_offsets
-        return start, media.end if known else seq.num_tokens  # (a hit leaves one token at least)
+            return ()
+        units = media.units
+        known = bool(units) and media.digest in self.media_offsets
+        after = units[-1][1] if known else seq.num_tokens  # (a hit leaves one token at least)
+        if not units or not self.hits_before_images:
+            return ((0, after),)
+        if not self.hits_between_images:
+            return ((units[0][0], after),)
+        return (*((start, end) for start, end, _ in units[:-1]), (units[-1][0], after))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's blocks; it goes back to the front of the queue and is recomputed."""
@@ -475,15 +484,16 @@ class Scheduler:
             self.loras.release(seq.request.lora)
 
 
-def _cache_salts(seq: Sequence) -> tuple[Hashable, tuple[int, Hashable] | None]:
+def _cache_salts(seq: Sequence) -> tuple[Hashable, tuple[tuple[int, Hashable], ...]]:
     """What the sequence's K/V depend on besides its tokens, as ``BlockManager`` salts them: its LoRA adapter (None:
-    the base model) from its first token, its images' content from its first image token (from its first token where
-    they are not located). A request that asks for prompt logprobs has a salt of its own: its prompt is computed, not
-    taken from the prefix cache."""
+    the base model) from its first token, each image's content from its first token (all its images' from its first
+    image token where they are not located one by one, from its first token where not located). A request that asks
+    for prompt logprobs has a salt of its own: its prompt is computed, not taken from the prefix cache."""
     adapter = None if seq.request.lora is None else seq.request.lora.cache_key
     media = seq.request.media
     if seq.request.params.prompt_logprobs is not None:
-        return (adapter, "prompt logprobs", seq.request.serial), None
+        return (adapter, "prompt logprobs", seq.request.serial), ()
     if media is None:
-        return adapter, None
-    return adapter, (media.start or 0, ("images", media.digest))
+        return adapter, ()
+    units = media.units or ((0, None, media.digest),)
+    return adapter, tuple((start, ("images", digest)) for start, _, digest in units)

@@ -34,7 +34,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from hfaccel.kv.prefix_cache import PrefixCache
+from hfaccel.kv.prefix_cache import PrefixCache, Salts, Spans
 
 
 def slot_mapping(
@@ -61,7 +61,7 @@ class _Sequence:
     computed: int = 0  # leading tokens whose K/V are in the pool (only those blocks may be registered)
     epoch: int = 0  # changes whenever an entry of ``blocks`` is replaced or removed (not when blocks are appended)
     salt: Hashable = None  # what the first block's hash is chained to (prefix caching): None, or a LoRA adapter's key
-    salt_from: tuple[int, Hashable] | None = None  # (token, salt): mixed into the key of the block holding that token
+    salts_from: Salts = ()  # (token, salt): mixed into the key of the block holding that token
 
 
 @dataclass(frozen=True)
@@ -204,12 +204,12 @@ class BlockManager:
         *,
         num_tokens: int | None = None,
         salt: Hashable = None,
-        salt_from: tuple[int, Hashable] | None = None,
-        unsplit: tuple[int, int] | None = None,
+        salts_from: Salts = (),
+        unsplit: Spans = (),
     ) -> PrefixHit:
         """What ``add_sequence`` with the same arguments would find and take now, changing nothing: no block is taken
         or evicted."""
-        _, _, hit = self._lookup(token_ids, num_tokens, salt, salt_from, unsplit)
+        _, _, hit = self._lookup(token_ids, num_tokens, salt, salts_from, unsplit)
         return hit
 
     # ----------------------------------------------------------------------------------------- changes
@@ -221,8 +221,8 @@ class BlockManager:
         num_tokens: int | None = None,
         computed: bool = True,
         salt: Hashable = None,
-        salt_from: tuple[int, Hashable] | None = None,
-        unsplit: tuple[int, int] | None = None,
+        salts_from: Salts = (),
+        unsplit: Spans = (),
     ) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
@@ -230,14 +230,14 @@ class BlockManager:
         allocated (reused where a prefix hit). ``computed=False``: the prompt's K/V (past the prefix hit) are
         not written yet (see ``mark_computed``). Raises ``CacheFullError`` with nothing changed if the pool
         cannot hold it. ``salt``: what else the K/V depend on besides the tokens (a LoRA adapter's
-        ``cache_key``): only blocks registered under the same salt are shared. ``salt_from``: ``(token, salt)``,
-        what else the K/V from ``token`` on depend on (a prompt's images): the blocks before the one holding it are
-        keyed without it. ``unsplit``: tokens ``(start, end)`` a hit must not end inside (a prompt's images, which
-        are computed together): a hit that would is cut back to the block boundary at or before ``start``.
+        ``cache_key``): only blocks registered under the same salt are shared. ``salts_from``: ``(token, salt)``
+        pairs, what else the K/V from ``token`` on depend on (a prompt's images): the blocks before the one holding it
+        are keyed without it. ``unsplit``: token spans ``(start, end)`` a hit must not end inside (a prompt's images,
+        each computed whole): a hit that would is cut back to the block boundary at or before the span's start.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        hits, hashes, hit = self._lookup(token_ids, num_tokens, salt, salt_from, unsplit)
+        hits, hashes, hit = self._lookup(token_ids, num_tokens, salt, salts_from, unsplit)
         length = _length(token_ids, num_tokens)
         if hit.free_blocks > self.num_free_blocks:
             raise CacheFullError(
@@ -246,7 +246,7 @@ class BlockManager:
                 f"(of {self.num_blocks})"
             )
         self._check_state_slot()
-        seq = _Sequence(epoch=next(self._epochs), salt=salt, salt_from=salt_from)
+        seq = _Sequence(epoch=next(self._epochs), salt=salt, salts_from=salts_from)
         for block in hits:
             self._ref(block)
         seq.blocks, seq.hashes = list(hits), hashes
@@ -314,7 +314,7 @@ class BlockManager:
             parent.computed,
             next(self._epochs),
             parent.salt,
-            parent.salt_from,
+            parent.salts_from,
         )
         if self._take_state_slot(child_id) is not None:
             self._state_copies.append(BlockCopy(self._state_of[parent_id], self._state_of[child_id]))
@@ -434,13 +434,13 @@ class BlockManager:
         token_ids: Sequence[int] | None,
         num_tokens: int | None,
         salt: Hashable,
-        salt_from: tuple[int, Hashable] | None,
-        unsplit: tuple[int, int] | None,
+        salts_from: Salts,
+        unsplit: Spans,
     ) -> tuple[list[int], list[int], PrefixHit]:
         """A prompt's prefix-cache hits (``add_sequence``'s arguments), their hashes, and what adding it takes."""
         new_blocks = self.blocks_needed(_length(token_ids, num_tokens))
         caching = token_ids is not None and self.enable_prefix_caching
-        hits, hashes = self.prefix_cache.hits(token_ids, salt, salt_from, unsplit) if caching else ([], [])
+        hits, hashes = self.prefix_cache.hits(token_ids, salt, salts_from, unsplit) if caching else ([], [])
         cached_free = sum(1 for block in hits if self.ref_counts[block] == 0)
         return hits, hashes, PrefixHit(len(hits) * self.block_size, new_blocks - len(hits) + cached_free)
 
@@ -450,7 +450,7 @@ class BlockManager:
             index = len(seq.hashes)
             before = seq.hashes[-1] if seq.hashes else seq.salt
             tokens = seq.tokens[index * size : (index + 1) * size]
-            digest = self.prefix_cache.register(seq.blocks[index], before, index * size, seq.salt_from, tokens)
+            digest = self.prefix_cache.register(seq.blocks[index], before, index * size, seq.salts_from, tokens)
             seq.hashes.append(digest)
 
     def check_invariants(self) -> None:

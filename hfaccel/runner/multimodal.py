@@ -127,7 +127,8 @@ def _continuation_inputs(
 ) -> dict:
     """The forward's inputs for ``input_ids [L]`` after the ``past_ids [P]`` that ``cache`` holds, as transformers'
     chunked prefill gives such a chunk: the whole prompt's attention mask and token types, the chunk's rows of the
-    position ids ``generate`` makes for the whole prompt (an M-RoPE model's from its images' grids)."""
+    position ids ``generate`` makes for the whole prompt (an M-RoPE model's from its images' grids), the encoded
+    features of the images in the chunk (those before it are in the cache)."""
     if not compat.continues_multimodal_prompts(model):
         raise ValueError(
             f"{type(model).__name__} under the installed transformers prefills a prompt with images from its first "
@@ -136,11 +137,36 @@ def _continuation_inputs(
     past, length = len(past_ids), input_ids.shape[0]
     prompt = torch.cat([torch.tensor(list(past_ids), dtype=input_ids.dtype).to(input_ids.device), input_ids])
     kwargs = {name: value[..., : past + length] if per_token(name) else value for name, value in inputs.items()}
+    if "mm_encoder_outputs" in kwargs:
+        kwargs["mm_encoder_outputs"] = _chunk_features(model, kwargs["mm_encoder_outputs"], past_ids, input_ids)
+    elif held := sum(1 for token in past_ids if token in media_token_ids(model.config)):
+        raise ValueError(
+            f"a prompt whose images are not encoded beforehand is computed from before its first image; got {past} "
+            f"tokens held before the chunk, {held} of them image tokens"
+        )
     kwargs["attention_mask"] = torch.ones_like(prompt)[None]  # [1, P + L]
     positions = compat.generation_position_ids(model, prompt[None], kwargs)
     if positions is not None:
         kwargs["position_ids"] = positions[..., past:]
     return compat.prefill_chunk_inputs(model, input_ids[None], cache, kwargs)
+
+
+def _chunk_features(model, encoded: dict, past_ids: Sequence[int], input_ids: torch.Tensor) -> dict:
+    """The encoder's outputs of a prompt's images (per modality, a row per placeholder token) cut to the rows of
+    the placeholders in ``input_ids [L]``, which follows ``past_ids`` (as transformers' chunked prefill cuts them)."""
+    chunk = {}
+    for modality, output in encoded.items():
+        placeholder = getattr(model.config, f"{modality}_token_id", None)
+        before = sum(1 for token in past_ids if token == placeholder)
+        count = int((input_ids == placeholder).sum())
+        if not before or output is None:
+            chunk[modality] = output
+        elif count:
+            rows = compat.slice_encoded_media(output, torch.arange(before, before + count, device=input_ids.device))
+            if rows is None:
+                raise ValueError(f"the installed transformers cannot take part of a prompt's encoded {modality}s")
+            chunk[modality] = rows
+    return chunk
 
 
 @contextmanager
@@ -286,6 +312,12 @@ class EncoderCache:
             f"{len(self._outputs)} of {self.size} held, {self.hits} hits, {self.misses} misses, "
             f"{self.batches} batched encodes"
         )
+
+
+def media_token_ids(config) -> frozenset[int]:
+    """The placeholder token ids an image-text-to-text model's config names (image, video, audio)."""
+    names = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
+    return frozenset(value for name in names if isinstance(value := getattr(config, name, None), int))
 
 
 def per_token(name: str) -> bool:

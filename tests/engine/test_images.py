@@ -5,6 +5,7 @@ repeat another's images and its text up to past them take its blocks from the pr
 request alone."""
 
 import io
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from PIL import Image
 
 import hfaccel
 from hfaccel import compat
-from tests.hf.vlm_models import image, llava_with_processor
+from hfaccel.engine.inputs import PreparedPrompt
+from hfaccel.runner.multimodal import media_token_ids
+from tests.hf.vlm_models import gemma3_with_processor, image, llava_with_processor
 
 GREEDY = hfaccel.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -347,6 +350,66 @@ def test_prompts_sharing_text_before_their_images_take_it_from_the_prefix_cache(
     assert [o.metrics.num_cached_tokens for o in outputs[:3]] == [0, *hits]
     assert outputs[3].metrics.num_cached_tokens >= 24  # the system prompt's blocks, computed with images after them
     assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_a_chats_next_turn_adding_an_image_takes_the_blocks_up_to_it(family):
+    """A chat's next turn repeats the turn before (its image and the answer) and adds an image: each image keys the
+    blocks from its own first token on, so the turn takes the blocks up to its new image from the prefix cache and
+    the multimodal prefill computes the rest with that image alone (Gemma 3: bidirectional attention over it) —
+    transformers' tokens on it alone. A turn whose first image differs takes nothing past the text before it;
+    transformers 5.17, which cannot continue a prompt with images, computes both from their first token."""
+    model, processor = llava_with_processor() if family == "llava" else gemma3_with_processor()
+    turn = chat("What is this?", image(40, 50, 1))
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "A picture of noise, in colour."}]}
+    next_turn = [*turn, answer, *chat("And this one?", image(30, 30, 2))]
+    other_first = [*chat("What is this?", image(40, 50, 3)), answer, *chat("And this one?", image(30, 30, 2))]
+    expected = [transformers_tokens(model, processor, p) for p in (next_turn, other_first)]
+    engine = hfaccel.Engine(model, processor, max_num_seqs=4, max_num_batched_tokens=512, num_blocks=64, block_size=8)
+    engine.generate([turn], GREEDY)
+    outputs = engine.generate([next_turn, other_first], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    (first_start, first_end), (second_start, _) = engine.prepare_prompt(next_turn, GREEDY).media.spans
+    if compat.continues_multimodal_prompts(model):
+        assert first_end < outputs[0].metrics.num_cached_tokens <= second_start
+        assert outputs[1].metrics.num_cached_tokens == first_start // 8 * 8
+    else:
+        assert [o.metrics.num_cached_tokens for o in outputs] == [0, 0]
+    assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_prompt_continued_between_its_images_takes_the_mrope_positions_of_the_whole_prompt(name):
+    """Qwen2.5-VL and Qwen3-VL (deepstack features), their images told apart as the processor path tells them (their
+    processors need torchvision): a prompt whose first image and text are a computed prompt's takes those blocks and
+    computes the rest with its own second image alone — its rows of the encoded features, its M-RoPE positions those
+    of the whole prompt — transformers' tokens on it alone."""
+    from tests.hf.vlm_models import served_case
+
+    case = served_case(name)
+    model = case_model(case)
+    first = image(40, 40, 1)
+    prompts = [[9, first, *range(50, 62), image(60, 30, 2), 11], [9, first, *range(50, 62), image(30, 50, 3), 12]]
+    requests, expected = zip(*(_processed(case, prompt) for prompt in prompts))
+    engine = hfaccel.Engine(model, max_num_seqs=4, num_blocks=64, block_size=8)
+    computed, follow_up = (
+        _told_apart(engine, request, digests) for request, digests in zip(requests, [("a", "b"), ("a", "c")])
+    )
+    assert engine.generate([computed])[0].outputs[0].token_ids == expected[0]
+    output = engine.generate([follow_up])[0]
+    assert output.outputs[0].token_ids == expected[1]
+    (_, first_end), (second_start, _) = follow_up.media.spans
+    if compat.continues_multimodal_prompts(model):
+        assert first_end < output.metrics.num_cached_tokens <= second_start
+    assert engine.stats()["blocks_used"] == 0
+
+
+def _told_apart(engine, request: dict, digests: tuple[str, ...]) -> PreparedPrompt:
+    """A prompt a processor made, prepared with each of its images hashed alone (a prompt the Engine processes
+    itself has its images' hashes; one given made has them hashed together)."""
+    prepared = engine.prepare_prompt(request, GREEDY)
+    media = replace(prepared.media, image_digests=digests)
+    return replace(prepared, media=media.located(prepared.prompt_ids, media_token_ids(engine.model.config)))
 
 
 def test_preempted_prompts_sharing_text_before_their_images_are_computed_again_after_it():

@@ -106,6 +106,32 @@ def test_a_prompt_with_images_admitted_in_a_step_that_did_not_count_is_computed_
     assert chunks(scheduler.schedule()) == [(0, 3, 6), (1, 0, 22)]
 
 
+TWO_IMAGES = [*range(100, 104), *[7] * 4, 50, 51, 52, 53, *[7] * 4, 60, 61]  # images on tokens 4..7 and 12..15
+
+
+def two_images(first: str, second: str) -> MediaInputs:
+    return MediaInputs({}, f"{first}, {second}", (first, second), start=4, end=16, spans=((4, 8), (12, 16)))
+
+
+@pytest.mark.parametrize("between", [True, False])
+def test_each_image_keys_the_blocks_from_its_first_token_on(between):
+    """Once a prompt of images a and b is computed, one of images a and c takes the blocks up to c's first token and
+    computes the rest in one chunk, and one of images d and b takes those before d's; where a prompt's images are
+    computed together only (``hits_between_images=False``: a vision tower the ranks shard), both hits end before the
+    first image."""
+    manager = BlockManager(32, 4)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64, hits_between_images=between)
+    computed = sequence(0, TWO_IMAGES, two_images("a", "b"))
+    scheduler.add(computed)
+    assert chunks(scheduler.schedule()) == [(0, 0, 18)]
+    manager.mark_computed(0, len(TWO_IMAGES))
+    scheduler.finish(computed, "stop")
+    scheduler.add(sequence(1, TWO_IMAGES, two_images("a", "c")))
+    scheduler.add(sequence(2, TWO_IMAGES, two_images("d", "b")))
+    hit = 12 if between else 4
+    assert chunks(scheduler.schedule()) == [(1, hit, 18 - hit), (2, 4, 14)]
+
+
 def test_a_prompt_that_would_leave_no_room_to_grow_waits_and_evicts_nothing():
     """A waiting prompt that would take the last free blocks (none left for the running sequences to grow into)
     waits — and takes no block meanwhile, so the prefix cache keeps the system prompt it held in them."""

@@ -192,9 +192,9 @@ def _qwen3_5() -> transformers.PreTrainedModel:
 GEMMA3_IMAGE, GEMMA3_TOKENS = 28, 16  # SigLIP input side; tokens per image after pooling
 
 
-def _gemma3() -> transformers.PreTrainedModel:
+def _gemma3(text: dict = TEXT, image: int = IMAGE, start: int = IMAGE_START, end: int = IMAGE_END):
     text = {
-        **TEXT,
+        **text,
         "num_hidden_layers": 3,
         "sliding_window": 8,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
@@ -211,9 +211,9 @@ def _gemma3() -> transformers.PreTrainedModel:
             patch_size=7,
         ),
         mm_tokens_per_image=GEMMA3_TOKENS,
-        image_token_index=IMAGE,
-        boi_token_index=IMAGE_START,
-        eoi_token_index=IMAGE_END,
+        image_token_index=image,
+        boi_token_index=start,
+        eoi_token_index=end,
     )
     return transformers.Gemma3ForConditionalGeneration(config)
 
@@ -462,12 +462,23 @@ def served_case(name: str) -> VlmCase:
     return CASES[name]
 
 
-# a LLaVA-style chat template: each image content part becomes the processor's <image> placeholder
-LLAVA_TEMPLATE = (
-    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
-    "{% for c in m.content %}{% if c.type == 'image' %}<image>{% else %}{{ c.text }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-)
+def chat_template(placeholder: str) -> str:
+    """A plain chat template in which each image content part becomes the processor's ``placeholder``."""
+    return (
+        "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+        "{% for c in m.content %}{% if c.type == 'image' %}" + placeholder + "{% else %}{{ c.text }}{% endif %}"
+        "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+
+
+def _text_over(tokenizer) -> dict:
+    """The test models' text config over a real tokenizer's vocabulary and special tokens."""
+    return {
+        **TEXT,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id or 0,
+    }
 
 
 def llava_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
@@ -486,16 +497,9 @@ def llava_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, t
         patch_size=LLAVA_PATCH,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=LLAVA_TEMPLATE,
+        chat_template=chat_template("<image>"),
     )
-    text = transformers.LlamaConfig(
-        **{
-            **TEXT,
-            "vocab_size": len(tokenizer),
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id or 0,
-        }
-    )
+    text = transformers.LlamaConfig(**_text_over(tokenizer))
     config = transformers.LlavaConfig(
         text_config=text,
         vision_config=transformers.CLIPVisionConfig(
@@ -513,3 +517,21 @@ def llava_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, t
     )
     torch.manual_seed(seed)
     return transformers.LlavaForConditionalGeneration(config).eval(), processor
+
+
+def gemma3_with_processor(seed: int = 0) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
+    """A tiny random Gemma 3 over SmolLM2's real tokenizer (Gemma 3's image tokens added) and its real processor
+    (each image ``<start_of_image>``, its soft tokens, ``<end_of_image>``; bidirectional attention over them)."""
+    from tests.assets import smollm2_or_skip
+
+    names = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_or_skip(), extra_special_tokens=names)
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE, "width": GEMMA3_IMAGE}),
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_TOKENS,
+        chat_template=chat_template("<start_of_image>"),
+    )
+    ids = tokenizer.convert_tokens_to_ids([names["image_token"], names["boi_token"], names["eoi_token"]])
+    torch.manual_seed(seed)
+    return _gemma3(_text_over(tokenizer), *ids).eval(), processor

@@ -13,6 +13,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 24
 # A small alphabet and shared stems make identical prompt prefixes (prefix hits) common.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
+SPANS = st.tuples(st.integers(0, 8), st.integers(1, 10)).map(lambda s: (s[0], s[0] + s[1]))  # (start, end)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -63,7 +64,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stem=st.sampled_from(STEMS),
         tail=st.lists(st.integers(1, 9), max_size=9),
         computed=st.booleans(),
-        unsplit=st.none() | st.tuples(st.integers(0, 8), st.integers(1, 10)).map(lambda s: (s[0], s[0] + s[1])),
+        unsplit=st.lists(SPANS, max_size=3).map(tuple),
     )
     def add(self, stem, tail, computed, unsplit):
         """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before. The
@@ -82,7 +83,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert (cached, free_before - self.manager.num_free_blocks) == (hit.tokens, hit.free_blocks)
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
-        assert unsplit is None or not unsplit[0] < cached < unsplit[1]
+        assert not any(start < cached < end for start, end in unsplit)
         for slot, token in zip(self.manager.slots(seq_id, 0, cached), tokens):
             assert self.pool.get(slot) == token, "prefix hit returned a block holding other tokens"
         if computed:
@@ -316,36 +317,57 @@ def test_a_cropped_sequence_copies_a_registered_block_it_shares():
 
 
 def test_a_hit_ending_inside_an_unsplit_span_is_cut_back_before_it():
-    """``unsplit=(start, end)``: a hit that would end inside those tokens is cut back to the block boundary at or
-    before ``start``; a hit ending before ``start`` or at ``end`` and past it is taken whole. The blocks not taken
-    are allocated, registered next to the cached ones, and nothing is held twice."""
-    manager = BlockManager(16, 4)
+    """``unsplit=((start, end), ...)``: a hit that would end inside one of those spans is cut back to the block
+    boundary at or before its start (and again if that falls inside another); a hit ending before a span's start or
+    at its end and past it is taken whole. The blocks not taken are allocated, registered next to the cached ones,
+    and nothing is held twice."""
+    manager = BlockManager(24, 4)
     prompt = list(range(14))
     manager.add_sequence("a", prompt)  # three full blocks cached: a hit covers 12 tokens
-    assert manager.add_sequence("b", prompt, unsplit=(5, 12)) == 12  # ends at the span's end
-    assert manager.add_sequence("c", prompt, unsplit=(6, 13)) == 4  # would end inside: cut to the boundary at 4
-    assert manager.add_sequence("d", prompt, unsplit=(0, 14)) == 0
-    assert manager.add_sequence("e", prompt, unsplit=(12, 14)) == 12  # ends before the span
-    assert manager.num_free_blocks == 16 - 4 - 1 - 3 - 4 - 1
+    assert manager.add_sequence("b", prompt, unsplit=((5, 12),)) == 12  # ends at the span's end
+    assert manager.add_sequence("c", prompt, unsplit=((6, 13),)) == 4  # would end inside: cut to the boundary at 4
+    assert manager.add_sequence("d", prompt, unsplit=((0, 14),)) == 0
+    assert manager.add_sequence("e", prompt, unsplit=((12, 14),)) == 12  # ends before the span
+    assert manager.add_sequence("f", prompt, unsplit=((2, 6), (9, 13))) == 8  # cut before the second span only
+    assert manager.add_sequence("g", prompt, unsplit=((2, 9), (9, 13))) == 0  # cut to 8, inside the first: to 0
+    assert manager.num_free_blocks == 24 - 4 - 1 - 3 - 4 - 1 - 2 - 4
     manager.check_invariants()
-    for seq_id in ("a", "b", "c", "d", "e"):
+    for seq_id in ("a", "b", "c", "d", "e", "f", "g"):
         manager.free(seq_id)
-    assert manager.add_sequence("f", prompt) == 12
+    assert manager.add_sequence("h", prompt) == 12
 
 
-def test_salt_from_keys_the_blocks_from_its_token_on():
-    """``salt_from=(token, salt)``: the blocks before the one holding ``token`` are shared with any prompt of those
-    tokens; that block and those after it only with prompts under the same salt from the same block (a prompt's
-    images: the text before them is shared, not what follows)."""
-    manager = BlockManager(32, 4)
+def test_salts_from_key_the_blocks_from_their_tokens_on():
+    """``salts_from=((token, salt), ...)``: the blocks before the one holding ``token`` are shared with any prompt of
+    those tokens; that block and those after it only with prompts under the same salt from the same block (a
+    prompt's images: the text before them is shared, not what follows)."""
+    manager = BlockManager(48, 4)
     prompt = list(range(18))
-    manager.add_sequence("images-1", prompt, salt_from=(9, "image 1"))
-    assert manager.add_sequence("images-2", prompt, salt_from=(9, "image 2")) == 8  # the two blocks before token 9
+    manager.add_sequence("images-1", prompt, salts_from=((9, "image 1"),))
+    assert manager.add_sequence("images-2", prompt, salts_from=((9, "image 2"),)) == 8  # the blocks before token 9
     assert manager.add_sequence("text", prompt) == 8
-    assert manager.add_sequence("images-1 again", prompt, salt_from=(10, "image 1")) == 16  # the same block
-    assert manager.add_sequence("images-1 earlier", prompt, salt_from=(7, "image 1")) == 4
+    assert manager.add_sequence("images-1 again", prompt, salts_from=((10, "image 1"),)) == 16  # the same block
+    assert manager.add_sequence("images-1 earlier", prompt, salts_from=((7, "image 1"),)) == 4
     manager.fork("images-1", "fork")
     manager.append("fork", 3, [18, 19, 20])
-    assert manager.add_sequence("longer", [*prompt, 18, 19, 20, 21], salt_from=(9, "image 1")) == 20
+    assert manager.add_sequence("longer", [*prompt, 18, 19, 20, 21], salts_from=((9, "image 1"),)) == 20
+    manager.check_invariants()
+
+
+def test_each_salt_keys_the_blocks_from_its_own_token_on():
+    """A prompt of two images (salts at their first tokens) shares the blocks up to its second image's with a prompt
+    whose first image is the same and whose second differs, and none from its first image's on with one whose first
+    image differs; two salts in one block key it by both."""
+    manager = BlockManager(48, 4)
+    prompt = list(range(18))
+    manager.add_sequence("a, b", prompt, salts_from=((5, "a"), (13, "b")))
+    assert manager.add_sequence("a, c", prompt, salts_from=((5, "a"), (13, "c"))) == 12
+    assert manager.add_sequence("c, b", prompt, salts_from=((5, "c"), (13, "b"))) == 4
+    assert manager.add_sequence("a, b again", prompt, salts_from=((5, "a"), (13, "b"))) == 16
+    other = list(range(100, 118))
+    manager.add_sequence("a, b in a block", other, salts_from=((5, "a"), (6, "b")))
+    assert manager.add_sequence("a alone in it", other, salts_from=((5, "a"),)) == 4
+    assert manager.add_sequence("b alone in it", other, salts_from=((6, "b"),)) == 4
+    assert manager.add_sequence("both again", other, salts_from=((5, "a"), (6, "b"))) == 16
     manager.check_invariants()
     manager.check_invariants()
