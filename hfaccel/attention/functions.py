@@ -48,6 +48,7 @@ def _attention(
     # query: [B, Hq, Sq, D]; key, value: [B, Hkv, Skv, D]; returns ([B, Sq, Hq, D], None)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
     if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
+        query = _attention_temperature(module, query, key.positions)
         window = kwargs.get("sliding_window") or key.window  # the layer's window, passed or as its cache holds it
         if key.dense is None or not _paged_kernel_serves(attention_mask, dropout, query):
             record_path(module, PAGED, backend, query)
@@ -106,6 +107,17 @@ def _attention(
         sinks,
         backend,
     ), None
+
+
+def _attention_temperature(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor | None):
+    """``query [1, Hq, T, D]`` of a packed forward scaled as Llama 4's no-RoPE layers scale a token's query at its
+    position in its sequence (``positions [T]``): transformers scales by its index in the forward instead (the
+    packed cache has no one length), by 1 in a forward of fewer than ``floor_scale`` tokens
+    (``hfaccel.runner.runner.packed_token_limit``)."""
+    if positions is None or not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", 1):
+        return query
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0  # [T]
+    return (query * scales[None, None, :, None]).to(query.dtype)
 
 
 def _needs_autograd(*tensors: torch.Tensor) -> bool:

@@ -436,12 +436,11 @@ def _use_hfaccel_attention(model) -> None:
 
 
 def _limits(config, max_model_len: int | None, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int, int]:
-    """``(max_model_len, max_num_batched_tokens, max_num_seqs)`` within the model's context, and within the length
-    its packed forward is exact for where it has one (``packed_token_limit``: Llama 4)."""
+    """``(max_model_len, max_num_batched_tokens, max_num_seqs)`` within the model's context, and within the tokens
+    its packed forward is exact for where it has a limit (``packed_token_limit``: Llama 4)."""
     limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or 1 << 20
     packed = packed_token_limit(config)
-    if packed is not None:  # every sequence, forward and decode batch within what the runner is exact for
-        limit = min(limit, packed)
+    if packed is not None:  # every forward and decode batch within what the runner is exact for
         max_num_batched_tokens, max_num_seqs = min(max_num_batched_tokens, packed), min(max_num_seqs, packed)
     return min(max_model_len or limit, limit), max_num_batched_tokens, max_num_seqs
 

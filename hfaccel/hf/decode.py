@@ -239,9 +239,7 @@ def hfaccel_sample(
         if pads is None:
             reason = "an attention mask that is not left padding"
     if reason is None:
-        reason = _beyond_limit(
-            model, [input_ids.shape[1] - pad for pad in pads], int(generation_config.max_length) - input_ids.shape[1]
-        )
+        reason = _beyond_limit(model, pads, input_ids.shape[1], int(generation_config.max_length))
     if reason is None and not session.lock.acquire(blocking=False):
         reason = "another generate() call on this model is running hfaccel's decode loop"
     if reason is not None:
@@ -310,17 +308,22 @@ def _unsupported(
     return None
 
 
-def _beyond_limit(model, lengths: list[int], new_tokens: int) -> str | None:
-    """Why rows of ``lengths`` prompt tokens growing by ``new_tokens`` are past what hfaccel's packed forward is exact
-    for on this model (``hfaccel.runner.runner.packed_token_limit``), or None."""
+def _beyond_limit(model, pads: list[int], width: int, max_length: int) -> str | None:
+    """Why rows of ``width`` tokens left-padded by ``pads``, growing to ``max_length``, are past what hfaccel's
+    packed forwards are exact for on this model (``hfaccel.runner.runner.packed_token_limit``), or None: a prefill
+    of more tokens than the limit, or left-padded rows past it (transformers scales their attention temperature at
+    the padded position, hfaccel at the row's own)."""
     limit = packed_token_limit(model.config)
-    if limit is None or (sum(lengths) <= limit and max(lengths) + new_tokens <= limit):
+    if limit is None:
         return None
-    return (
-        f"prompts of {sum(lengths)} tokens growing to {max(lengths) + new_tokens}: past the {limit} tokens per "
-        "sequence and per forward hfaccel's packed forward is exact for on this model (its attention temperature "
-        "reads one position per forward)"
-    )
+    if (prompts := sum(width - pad for pad in pads)) > limit:
+        return f"prompts of {prompts} tokens: past the {limit} tokens one of hfaccel's packed forwards is exact for"
+    if any(pads) and max_length > limit:
+        return (
+            f"left-padded rows growing to {max_length} tokens: past the {limit} tokens up to which transformers' "
+            "attention temperature at a padded position is the row's own"
+        )
+    return None
 
 
 class _Loop:

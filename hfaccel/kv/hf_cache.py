@@ -60,6 +60,7 @@ class PagedKV:
     # rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]. None: one sequence per batch row.
     cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32
     max_seqlen_q: int = 0
+    positions: torch.Tensor | None = None  # [T] int64: each packed query's position in its sequence
     # Left padding the pool does not hold (a PagedCache told the rows' padding): row b's token at cache position
     # c is its held token c - padding[b], every held key is real, and the rows span ``padded_len`` positions.
     padding: torch.Tensor | None = None  # [B] int64
@@ -324,14 +325,16 @@ class SequenceKVCache(PoolCache):
             dense=(key_states, value_states) if fresh else None,
             cu_seqlens_q=step.cu_seqlens_q,
             max_seqlen_q=step.max_q_len,
+            positions=step.positions,
             window=held.window,
             chunk=held.chunk,
         )
         return paged, step.slot_mapping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """0: packed sequences have no one length (each token's position is in ``position_ids``); a module that
-        reads one anyway is bounded where that is exact (``hfaccel.runner.runner.packed_token_limit``)."""
+        """0: packed sequences have no one length (each token's position is in ``position_ids``, and in
+        :attr:`PagedKV.positions` for the attention); a module that reads one anyway is bounded where that is exact
+        (``hfaccel.runner.runner.packed_token_limit``)."""
         return 0
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:

@@ -43,12 +43,12 @@ from hfaccel.sampling.sampler import SampleRow
 
 
 def packed_token_limit(config) -> int | None:
-    """The most tokens one sequence may hold, and one forward may pack, for the packed forward to be exact; None:
-    no limit.
+    """The most tokens one packed forward may hold for it to be exact; None: no limit.
 
-    Llama 4's no-RoPE layers scale their queries by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` with
-    ``p`` the token's index in the forward plus the cache's one length (``SequenceKVCache`` says 0: packed sequences
-    have no one length). That scale is 1, as at every true position, while ``p + 1 < floor_scale`` for both.
+    Llama 4's no-RoPE layers scale their queries by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``: hfaccel's
+    attention scales each packed query at its position in its sequence, after transformers scaled it at ``p`` its
+    index in the forward plus the cache's one length (``SequenceKVCache`` says 0) — by 1 while ``p + 1 <
+    floor_scale``.
     """
     config = config.get_text_config(decoder=True)
     if not getattr(config, "attn_temperature_tuning", False) or 0 not in (
@@ -76,7 +76,7 @@ class ModelRunner:
         self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
         self._mask = packed_mask(model.config.get_text_config(decoder=True))
-        self.max_tokens = packed_token_limit(model.config)  # per sequence and per forward (None: no limit)
+        self.max_tokens = packed_token_limit(model.config)  # per forward (None: no limit)
         # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
         # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
         self.offsets_positions = is_image_text_to_text(model)
@@ -146,15 +146,13 @@ class ModelRunner:
                 f"for ({self.max_tokens} tokens: hfaccel.runner.runner.packed_token_limit)"
             )
 
-    def check_lengths(self, num_new: Sequence[int], ends: Sequence[int]) -> None:
-        """A ``ValueError`` unless a forward of ``num_new`` tokens per sequence, each sequence then ``ends`` tokens
-        long, is within :attr:`max_tokens`."""
+    def check_lengths(self, num_new: Sequence[int]) -> None:
+        """A ``ValueError`` unless a forward of ``num_new`` tokens per sequence is within :attr:`max_tokens`."""
         limit = self.max_tokens
-        if limit is not None and (sum(num_new) > limit or max(ends, default=0) > limit):
+        if limit is not None and sum(num_new) > limit:
             raise ValueError(
-                f"this model's packed forward is exact for up to {limit} tokens per sequence and per "
-                f"forward (hfaccel.runner.runner.packed_token_limit); got {sum(num_new)} tokens in the "
-                f"forward and sequences of up to {max(ends, default=0)}"
+                f"this model's packed forward is exact for up to {limit} tokens "
+                f"(hfaccel.runner.runner.packed_token_limit); got {sum(num_new)} tokens in the forward"
             )
 
     def static_steps(self) -> tuple[DecodeGraphs, ...]:
@@ -212,9 +210,7 @@ class ModelRunner:
                     else ", and a sequence starting (its recurrent layers' first tokens run eagerly)"
                 )
             )
-        if self.max_tokens is not None:
-            held = starts or [self.pool.manager.seq_len(s) if s in self.pool.manager else 0 for s in seq_ids]
-            self.check_lengths(num_new, [start + n for start, n in zip(held, num_new)])
+        self.check_lengths(num_new)
         if starts is None:
             self.pool.reserve(seq_ids, num_new, token_ids)
             starts = [self.pool.manager.seq_len(s) - n for s, n in zip(seq_ids, num_new)]

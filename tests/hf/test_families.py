@@ -118,22 +118,37 @@ def test_a_model_that_cannot_be_served_keeps_transformers_path():
         assert "latent" in model.hfaccel.fallback_reason
 
 
-def test_llama4_beyond_its_exact_length_keeps_transformers_path():
-    """Llama 4's no-RoPE layers read one position per forward (its attention temperature): hfaccel serves sequences
-    and forwards of up to ``floor_scale - 1`` tokens (here 23) exactly and leaves longer calls to transformers' loop
-    with the reason; the Engine caps its context, batch and token budget there."""
-    from hfaccel.engine import Engine
+def test_llama4_scales_each_packed_query_at_its_own_position():
+    """Llama 4's no-RoPE layers scale a query by the attention temperature of its position (here from position 23 on,
+    by 1 + 10 log 2): hfaccel's packed forwards scale each at its position in its sequence, so ``generate`` and the
+    Engine give transformers' tokens past it. A forward is exact up to ``floor_scale - 1`` tokens (transformers
+    scales by the index in the forward), and transformers scales a left-padded row at its padded position: a prefill
+    of more tokens, or padded rows growing past that, are left to transformers' loop with the reason. The Engine
+    caps its batch and token budget there, not its context."""
+    import transformers
 
-    model = family_model("llama4")
-    model.config.floor_scale = 24
-    batch = padded_batch()  # 22 prompt tokens, the longest 11
-    short, long = (model.generate(**batch, max_new_tokens=n, **GREEDY) for n in (8, 16))
+    from hfaccel.engine import Engine
+    from tests.hf.tiny_configs import tiny_config
+
+    config = tiny_config("llama4_text", vocab_size=96, **FAMILIES["llama4"][1], floor_scale=24, attn_scale=10.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().to(DEVICE)
+    batch = padded_batch()  # 22 prompt tokens, the longest 11: 32 new tokens take it to position 42
+    prompts = [row[mask.bool()][None] for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    alone = [model.generate(prompt, max_new_tokens=32, **GREEDY)[0, prompt.shape[1] :].tolist() for prompt in prompts]
+    same_length = torch.cat([prompts[0], prompts[0].flip(1)])  # no padding
+    expected, padded = (model.generate(**b, max_new_tokens=32, **GREEDY) for b in ({"input_ids": same_length}, batch))
     hfaccel.accelerate(model, attention="torch")
-    assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), short)
+    assert torch.equal(model.generate(same_length, max_new_tokens=32, **GREEDY), expected)
     assert str(model.hfaccel.decode) == "hfaccel"
-    assert torch.equal(model.generate(**batch, max_new_tokens=16, **GREEDY), long)
-    assert model.hfaccel.decode.path == "transformers" and "past the 23 tokens" in model.hfaccel.decode.reason
-    engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=4096, num_blocks=16, block_size=4)
-    assert engine.max_model_len == 23 and engine.scheduler.max_num_seqs == 23
-    with pytest.raises(ValueError, match="context is 23"):
-        engine.add_request(list(range(3, 30)), hfaccel.SamplingParams(max_tokens=2))
+    assert torch.equal(model.generate(**batch, max_new_tokens=32, **GREEDY), padded)
+    assert model.hfaccel.decode.path == "transformers" and "left-padded rows" in model.hfaccel.decode.reason
+    wide = padded_batch((11, 9, 7, 5))  # 32 prompt tokens in one prefill
+    model.generate(**wide, max_new_tokens=2, **GREEDY)
+    assert "past the 23 tokens" in model.hfaccel.decode.reason
+    engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=4096, num_blocks=64, block_size=4)
+    assert engine.max_model_len == config.max_position_embeddings
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (23, 23)
+    params = hfaccel.SamplingParams(max_tokens=32, temperature=0.0)  # stopping at EOS, as transformers does
+    outputs = engine.generate([prompt[0].tolist() for prompt in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == alone
