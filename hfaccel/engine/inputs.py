@@ -18,7 +18,6 @@ import torch
 
 from hfaccel.attention import is_image_text_to_text
 from hfaccel.engine.media import MediaInputs, process, processed_media
-from hfaccel.runner.multimodal import media_token_ids
 from hfaccel.engine.outputs import CompletionOutput, RequestMetrics
 from hfaccel.engine.prompt_logprobs import empty_prompt_logprobs
 from hfaccel.engine.scheduler import Request, Sequence
@@ -109,7 +108,7 @@ class Intake:
             self.check_params(params)
         self.check_media(media, adapter)
         if media is not None:
-            media = media.located(prompt_ids, media_token_ids(self.model.config))
+            media = media.located(prompt_ids, self.model.config)
         return PreparedPrompt(text, tuple(prompt_ids), params, adapter, media)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

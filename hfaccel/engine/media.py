@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hfaccel.runner.multimodal import per_token
+from hfaccel.runner.multimodal import IMAGE_TOKEN_NAMES, media_token_ids, per_token
 
 # Limits on what one request may bring (the server's defaults; a larger image is refused, not resized)
 MAX_IMAGES = 16
@@ -37,28 +37,33 @@ class MediaInputs:
     end: int | None = None  # how many prompt tokens run up to its last image token (None: not located)
     spans: tuple[tuple[int, int], ...] = ()  # each image's tokens (start, end), where located one by one
 
-    def located(self, prompt_ids: Sequence[int], media_token_ids: frozenset[int]) -> MediaInputs:
-        """These inputs with :attr:`start` and :attr:`end` found in the prompt: its first token of
-        ``media_token_ids`` (the model's image / video placeholders) and one past its last; None when the prompt has
-        none of them. Each image's :attr:`spans` too, where the placeholders form one run per image (a run of
-        each image's own; an image tiled into several runs, or two images' runs that touch, are not told apart)."""
-        runs: list[tuple[int, int]] = []  # (start, end) of each run of placeholders
-        for i, token in enumerate(prompt_ids):
-            if token not in media_token_ids:
-                continue
+    def located(self, prompt_ids: Sequence[int], config) -> MediaInputs:
+        """These inputs with :attr:`start` and :attr:`end` found in the prompt: its first placeholder token (image,
+        video... as the model's ``config`` names them) and one past its last; None when the prompt has none. Each
+        image's :attr:`spans` too, where the placeholders are image ones forming one run per image (each image has
+        a run at least: an image tiled into several runs, or two images' runs that touch, make another count, and
+        the images are not told apart)."""
+        media_ids, image_ids = media_token_ids(config), media_token_ids(config, IMAGE_TOKEN_NAMES)
+        runs: list[tuple[int, int]] = []  # (start, end) of each run of image placeholders
+        found = [i for i, token in enumerate(prompt_ids) if token in media_ids]
+        if not found:
+            return replace(self, start=None, end=None, spans=())
+        for i in found:
+            if prompt_ids[i] not in image_ids:
+                runs = []  # a video's or audio's placeholders: their content is in no image's hash
+                break
             if runs and runs[-1][1] == i:
                 runs[-1] = (runs[-1][0], i + 1)
             else:
                 runs.append((i, i + 1))
-        if not runs:
-            return replace(self, start=None, end=None, spans=())
-        spans = tuple(runs) if len(runs) == len(self.image_digests) else ()  # (each image has one run at least)
-        return replace(self, start=runs[0][0], end=runs[-1][1], spans=spans)
+        spans = tuple(runs) if len(runs) == len(self.image_digests) else ()
+        return replace(self, start=found[0], end=found[-1] + 1, spans=spans)
 
     @property
     def units(self) -> tuple[tuple[int, int, str], ...]:
         """The prompt's image tokens as the runs computed whole, ``(start, end, content hash)``: each image's where
-        located one by one, else all of them as one (none where not located)."""
+        located one by one, else all of them as one (none where not located). A run's K/V depend on its content
+        and on its length (a processor may encode an image in fewer tokens beside others: LLaVA-OneVision)."""
         if self.spans:
             return tuple((start, end, digest) for (start, end), digest in zip(self.spans, self.image_digests))
         return () if self.start is None else ((self.start, self.end, self.digest),)
@@ -156,6 +161,10 @@ def _messages_with_images(messages: Sequence[dict], images: list) -> tuple[list[
             continue
         parts = []
         for p, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in ("video", "audio"):
+                raise ValueError(
+                    f"message {m}'s part {p} is a {part['type']} part; the engine takes image and text parts"
+                )
             if isinstance(part, dict) and part.get("type") == "image":
                 source = part.get("image", part.get("url", part.get("path")))
                 if source is None:

@@ -346,10 +346,9 @@ class Scheduler:
             self._preempt(seq, SchedulerOutput([], [], [], []))
 
     def _unsplit(self, seq: Sequence) -> tuple[tuple[int, int], ...]:
-        """The token spans ``(start, end)`` a prefix-cache hit of ``seq`` must not end inside (``BlockManager``);
-        none for a prompt without images. Each of a prompt's images is computed whole: its hits end before an image
-        (before its first image where not ``hits_between_images``, nowhere before its last where not
-        ``hits_before_images``), or past its last one once the position offset its images give is known."""
+        """The token spans ``(start, end)`` a prefix-cache hit of ``seq`` must not end inside (``BlockManager``). An
+        image is computed whole: hits end before one (before the first where not ``hits_between_images``, none where
+        not ``hits_before_images``), or past the last once the position offset its images give is known."""
         media = seq.request.media
         if media is None:
             return ()
@@ -486,14 +485,15 @@ class Scheduler:
 
 def _cache_salts(seq: Sequence) -> tuple[Hashable, tuple[tuple[int, Hashable], ...]]:
     """What the sequence's K/V depend on besides its tokens, as ``BlockManager`` salts them: its LoRA adapter (None:
-    the base model) from its first token, each image's content from its first token (all its images' from its first
-    image token where they are not located one by one, from its first token where not located). A request that asks
-    for prompt logprobs has a salt of its own: its prompt is computed, not taken from the prefix cache."""
+    the base model) from its first token, each image's content and length (``MediaInputs.units``) from its first
+    token (all its images' from its first image token where they are not located one by one, from its first token
+    where not located). A request that asks for prompt logprobs has a salt of its own: its prompt is computed, not
+    taken from the prefix cache."""
     adapter = None if seq.request.lora is None else seq.request.lora.cache_key
     media = seq.request.media
     if seq.request.params.prompt_logprobs is not None:
         return (adapter, "prompt logprobs", seq.request.serial), ()
     if media is None:
         return adapter, ()
-    units = media.units or ((0, None, media.digest),)
-    return adapter, tuple((start, ("images", digest)) for start, _, digest in units)
+    units = media.units or ((0, 0, media.digest),)
+    return adapter, tuple((start, ("images", digest, end - start)) for start, end, digest in units)

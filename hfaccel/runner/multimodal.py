@@ -314,9 +314,12 @@ class EncoderCache:
         )
 
 
-def media_token_ids(config) -> frozenset[int]:
-    """The placeholder token ids an image-text-to-text model's config names (image, video, audio)."""
-    names = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
+IMAGE_TOKEN_NAMES = ("image_token_id", "image_token_index")
+
+
+def media_token_ids(config, names: Sequence[str] = (*IMAGE_TOKEN_NAMES, "video_token_id", "audio_token_id")):
+    """The placeholder token ids an image-text-to-text model's config names (image, video, audio; those of
+    ``names``): a ``frozenset[int]``."""
     return frozenset(value for name in names if isinstance(value := getattr(config, name, None), int))
 
 

@@ -14,7 +14,6 @@ from PIL import Image
 import hfaccel
 from hfaccel import compat
 from hfaccel.engine.inputs import PreparedPrompt
-from hfaccel.runner.multimodal import media_token_ids
 from tests.hf.vlm_models import gemma3_with_processor, image, llava_with_processor
 
 GREEDY = hfaccel.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -123,6 +122,7 @@ def test_bad_images_fail_their_request_alone(llava):
         {"prompt": "user: <image>\nassistant:", "images": [image(20, 20), image(20, 20)]},
         chat("Too big", Image.new("1", (9000, 8000))),
         {"prompt": "x", "images": [image(10, 10)], "extra": 1},
+        [{"role": "user", "content": [{"type": "video", "url": "clip.mp4"}, {"type": "text", "text": "and this?"}]}],
     ]
     outputs = engine.generate([good, *bad], GREEDY)
     assert outputs[0].error is None
@@ -135,7 +135,25 @@ def test_bad_images_fail_their_request_alone(llava):
     assert "processor rejected" in errors[2] or "image tokens do not match" in errors[2]
     assert "pixels" in errors[3]
     assert "'prompt' and 'images'" in errors[4]
+    assert "message 0's part 0 is a video part" in errors[5]
     assert engine.stats()["blocks_used"] == 0
+
+
+def test_images_are_told_apart_where_each_is_one_run_of_image_placeholders():
+    """Each image's span where the prompt's image placeholders form one run per image; not where two touch, where an
+    image is tiled into several runs, or where the prompt has a video's placeholders (no image's hash holds them)."""
+    from types import SimpleNamespace
+
+    from hfaccel.engine.media import MediaInputs
+
+    config = SimpleNamespace(image_token_id=9, video_token_id=8)
+    two = MediaInputs({}, "a, b", ("a", "b"))
+    assert two.located([1, 9, 9, 2, 9, 3], config).spans == ((1, 3), (4, 5))
+    assert [u[:2] for u in two.located([1, 9, 9, 2, 9, 3], config).units] == [(1, 3), (4, 5)]
+    for prompt in ([1, 9, 9, 9, 3], [1, 9, 2, 9, 2, 9, 3], [1, 9, 2, 8, 8, 2, 9, 3]):
+        located = two.located(prompt, config)
+        assert located.spans == () and located.units == ((1, len(prompt) - 1, "a, b"),)
+    assert two.located([1, 2, 3], config).units == ()
 
 
 def test_a_text_model_refuses_images():
@@ -409,7 +427,7 @@ def _told_apart(engine, request: dict, digests: tuple[str, ...]) -> PreparedProm
     itself has its images' hashes; one given made has them hashed together)."""
     prepared = engine.prepare_prompt(request, GREEDY)
     media = replace(prepared.media, image_digests=digests)
-    return replace(prepared, media=media.located(prepared.prompt_ids, media_token_ids(engine.model.config)))
+    return replace(prepared, media=media.located(prepared.prompt_ids, engine.model.config))
 
 
 def test_preempted_prompts_sharing_text_before_their_images_are_computed_again_after_it():

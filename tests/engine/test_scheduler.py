@@ -132,6 +132,22 @@ def test_each_image_keys_the_blocks_from_its_first_token_on(between):
     assert chunks(scheduler.schedule()) == [(1, hit, 18 - hit), (2, 4, 14)]
 
 
+def test_an_image_keys_its_blocks_by_its_length_too():
+    """An image a processor encodes in fewer tokens beside another image (LLaVA-OneVision) has other features: a
+    prompt whose image "a" spans 4 tokens takes none of the blocks of one whose image "a" spans 8, though the hit
+    would end where its own image does."""
+    manager = BlockManager(32, 4)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    alone = sequence(0, [*range(100, 104), *[7] * 8, 60, 61], MediaInputs({}, "a", ("a",), 4, 12, ((4, 12),)))
+    scheduler.add(alone)
+    scheduler.schedule()
+    manager.mark_computed(0, alone.num_tokens)
+    scheduler.finish(alone, "stop")
+    beside = MediaInputs({}, "a, b", ("a", "b"), 4, 16, ((4, 8), (12, 16)))
+    scheduler.add(sequence(1, [*range(100, 104), *[7] * 4, 50, 51, 52, 53, *[7] * 4, 62], beside))
+    assert chunks(scheduler.schedule()) == [(1, 4, 13)]
+
+
 def test_a_prompt_that_would_leave_no_room_to_grow_waits_and_evicts_nothing():
     """A waiting prompt that would take the last free blocks (none left for the running sequences to grow into)
     waits — and takes no block meanwhile, so the prefix cache keeps the system prompt it held in them."""
