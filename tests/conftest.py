@@ -18,10 +18,15 @@ import torch  # noqa: E402
 
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    from tests.interpreter import patch_language_once_per_launch, skip_discarded_overflow_checks  # noqa: E402
+    from tests.interpreter import (  # noqa: E402
+        patch_language_once_per_launch,
+        reuse_interpreted_types,
+        skip_discarded_overflow_checks,
+    )
 
     patch_language_once_per_launch()
     skip_discarded_overflow_checks()
+    reuse_interpreted_types()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one thread per worker: two workers on two cores, no oversubscription
