@@ -16,7 +16,7 @@ from hfaccel.serve.admission import Admission, client_disconnected, request_dead
 from hfaccel.serve.config import ServerState
 from hfaccel.serve.errors import engine_error
 from hfaccel.serve.protocol import SamplingRequest
-from hfaccel.serve.shaping import CallShaper, usage
+from hfaccel.serve.shaping import CallShaper, cached_tokens, usage
 
 
 async def run_call(
@@ -73,6 +73,7 @@ class _StreamedTokens:
 
     prompt: int = 0
     completion: int = 0
+    cached: int = 0  # prompt tokens from the prefix cache
 
 
 async def _events(
@@ -109,7 +110,7 @@ async def _events(
                 for line in shaper.delta_events(prompt_index, delta, completion):
                     yield line
         complete = finals if all(f is not None for f in finals) else None
-        for line in shaper.closing(complete, include_usage, usage(tokens.prompt, tokens.completion)):
+        for line in shaper.closing(complete, include_usage, usage(tokens.prompt, tokens.completion, tokens.cached)):
             yield line
     finally:
         for task in tasks:
@@ -128,6 +129,8 @@ async def _stream_prompt(
         async for delta in state.engine.stream(prompt):
             output = full.add(delta)
             tokens.completion += sum(len(c.token_ids) for c in delta.outputs)
+            if delta.finished:
+                tokens.cached += cached_tokens(output)
             await queue.put((prompt_index, delta))
         state.metrics.observe(output)
     except asyncio.CancelledError:

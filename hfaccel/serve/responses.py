@@ -19,7 +19,7 @@ from hfaccel.sampling import InvalidSamplingParams
 from hfaccel.serve.chat import ChatShape
 from hfaccel.serve.errors import APIError
 from hfaccel.serve.protocol import ChatMessage, SamplingRequest, message_dicts, structured_spec
-from hfaccel.serve.shaping import CallShaper, sse_event
+from hfaccel.serve.shaping import CallShaper, cached_tokens, sse_event
 
 # Responses input items turned into chat messages; others are refused (a reasoning item is dropped: chat templates
 # do not show earlier turns' reasoning)
@@ -365,7 +365,7 @@ class ResponsesShaper(CallShaper):
         usage = _usage(
             len(last.prompt_token_ids),
             output_tokens,
-            last.metrics.num_cached_tokens if last.metrics is not None else 0,
+            cached_tokens(last),
             len(self.tokenizer(reasoning, add_special_tokens=False).input_ids) if reasoning else 0,
         )
         response = self._response("incomplete" if incomplete else "completed", usage, incomplete)

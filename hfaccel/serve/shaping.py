@@ -193,20 +193,29 @@ def finish_reason(reason: str | None, called: bool = False) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage`` object; ``cached_tokens``: the prompt tokens taken from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
 def usage_of(outputs: list[RequestOutput]) -> dict:
-    """The ``usage`` of finished outputs: their prompts' tokens and every completion's."""
+    """The ``usage`` of finished outputs: their prompts' tokens (those from the prefix cache) and every
+    completion's."""
     return usage(
-        sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        sum(len(o.prompt_token_ids) for o in outputs),
+        sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        sum(cached_tokens(o) for o in outputs),
     )
+
+
+def cached_tokens(output: RequestOutput | None) -> int:
+    """How many of the output's prompt tokens came from the prefix cache (0 before it was scheduled)."""
+    return 0 if output is None or output.metrics is None else output.metrics.num_cached_tokens
 
 
 def sse_event(payload: dict) -> str:

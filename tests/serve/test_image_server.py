@@ -125,6 +125,43 @@ def _answers_like_the_engine(server: Server, model, processor) -> None:
     assert server.wait_idle()["blocks_used"] == 0
 
 
+def test_a_chats_next_turn_adding_an_image_reports_the_turn_before_as_cached(served):
+    """A chat's next turn repeats the turn before (its image, a long question, the answer) and adds an image: the
+    server takes the blocks of the turn before from the prefix cache — past its image, which starts at the prompt's
+    third token — and says so in ``usage.prompt_tokens_details.cached_tokens``, streamed and not; the answer is the
+    Engine's for the whole chat."""
+    server, model, processor = served
+    client = server.client()
+    question = user(
+        "What is this? Describe every detail of the picture: its colours, its shapes, and anything else in it.",
+        data_url(image(40, 50, 5)),
+    )
+    first = client.chat.completions.create(model="tiny", messages=question, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    answer = {"role": "assistant", "content": [{"type": "text", "text": first.choices[0].message.content}]}
+    chat = [*question, answer, *user("And this one?", data_url(image(30, 30, 6)))]
+    expected = engine_text(model, processor, chat)
+    cached = first.usage.prompt_tokens // 16 * 16  # the turn before's full blocks of 16 (its image ends at 18)
+    assert cached >= 32
+    reply = client.chat.completions.create(
+        model="tiny", messages=chat, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens_details.cached_tokens >= cached
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=chat,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == expected
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
 @pytest.mark.parametrize(
     "url,message",
     [
