@@ -153,8 +153,10 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 kv_cache_dtype=kv_cache_dtype,
                 kv_scales=kv_scales,
             )
+            # no sequence outgrows the pool: the steps' per-sequence tables need no more (a context of millions)
+            held = min(self.max_model_len, self.kv_budget.num_blocks * block_size)
             self.runner, self._channel = _make_runner(
-                model, self.tp, self.loras, max_num_batched_tokens, self.max_model_len, pool_options
+                model, self.tp, self.loras, max_num_batched_tokens, held, pool_options
             )
             _log.info("hfaccel Engine: %s", self.kv_budget)
             on_cuda = self.runner.device.type == "cuda"
@@ -164,7 +166,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 cuda_graphs if cuda_graphs is not None else on_cuda,
                 compile,
                 max_num_seqs,
-                self.max_model_len,
+                held,
             )
             self.async_scheduling = on_cuda if async_scheduling is None else async_scheduling
             token_counts = TokenCounts(self.vocab_size, self.runner.device)  # the penalized sequences' counts

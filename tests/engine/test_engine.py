@@ -245,9 +245,9 @@ def test_model_hfaccel_cannot_serve_is_refused():
 
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_static_shape_decode_steps_are_exact(attention):
-    """The CUDA-graph decode path (static buffers, padded batch sizes; run without capture on the CPU): padding
-    rows write nowhere and change nothing. With the torch kernels, asynchronous scheduling too (each decode
-    token copied into the static input buffer from the previous step's device tensor)."""
+    """The CUDA-graph decode path (static buffers, padded batch sizes; run without capture on the CPU; block tables
+    as wide as the pool): padding rows write nowhere and change nothing. With the torch kernels, asynchronous
+    scheduling too (each decode token copied into the static input buffer from the previous step's device tensor)."""
     model = tiny_model("gemma2" if attention == "torch" else "llama")
     prompts, _ = mixed_prompts(9, seed=5)
     budgets = [3 + i for i in range(9)]  # sequences finish one by one: decode batches of every size
@@ -262,6 +262,8 @@ def test_static_shape_decode_steps_are_exact(attention):
     )
     assert engine.runner.graphs is not None and engine.runner.graphs.sizes == [1, 2, 4, 7]
     assert engine.runner.graphs.capture == (DEVICE.type == "cuda")  # captured and replayed on a GPU
+    # tables as wide as the pool holds, not the model's whole context: no sequence outgrows the pool
+    assert engine.max_model_len > 60 * 4 and engine.runner.graphs.buffers.block_tables.shape == (7, 60)
     served, replay = [], engine.runner.graphs.run
     engine.runner.graphs.run = lambda seq_ids, *args: served.append(len(seq_ids)) or replay(seq_ids, *args)
     for out, want in zip(run(engine, prompts, budgets), expected):
