@@ -1,8 +1,8 @@
 """The Engine with images: prompts with images (chat messages with image parts, or a prompt and its images) prefilled
 whole through the model's own forward, decoded in the batch with every other request — each request's tokens those
 of transformers' ``generate`` on it alone (fp32), mixed with text-only requests, after preemption too; prompts that
-repeat another's images and its text up to past them take its blocks from the prefix cache; bad images fail their
-request alone."""
+repeat another's images and its text up to past them take its blocks from the prefix cache, and a chat's next turn
+adding an image those up to it; bad images fail their request alone."""
 
 import io
 from dataclasses import replace
