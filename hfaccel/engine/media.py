@@ -209,6 +209,7 @@ def _media(out, images: list) -> MediaInputs | None:
 
 
 def _image_digest(image) -> str:
+    """An image's content hash: its size and its pixels."""
     digest = hashlib.sha256(f"{image.size}".encode())
     digest.update(image.tobytes())
     return digest.hexdigest()

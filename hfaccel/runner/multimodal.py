@@ -156,17 +156,29 @@ def _chunk_features(model, encoded: dict, past_ids: Sequence[int], input_ids: to
     the placeholders in ``input_ids [L]``, which follows ``past_ids`` (as transformers' chunked prefill cuts them)."""
     chunk = {}
     for modality, output in encoded.items():
-        placeholder = getattr(model.config, f"{modality}_token_id", None)
+        placeholder = _placeholder_id(model, modality)
         before = sum(1 for token in past_ids if token == placeholder)
         count = int((input_ids == placeholder).sum())
         if not before or output is None:
             chunk[modality] = output
         elif count:
-            rows = compat.slice_encoded_media(output, torch.arange(before, before + count, device=input_ids.device))
+            rows = _rows(output, before, count)
             if rows is None:
                 raise ValueError(f"the installed transformers cannot take part of a prompt's encoded {modality}s")
             chunk[modality] = rows
     return chunk
+
+
+def _placeholder_id(model, modality: str) -> int | None:
+    """The token id whose each occurrence takes one row of the encoder's ``modality`` outputs, as transformers
+    reads pre-encoded features (None: the config names none)."""
+    return getattr(model.config, f"{modality}_token_id", None)
+
+
+def _rows(output, start: int, count: int):
+    """Rows ``start .. start + count`` of one modality's encoder outputs (a row per placeholder token), in the
+    container the model reads them from; None where the installed transformers cannot slice them."""
+    return compat.slice_encoded_media(output, torch.arange(start, start + count))
 
 
 @contextmanager
@@ -317,9 +329,12 @@ class EncoderCache:
 IMAGE_TOKEN_NAMES = ("image_token_id", "image_token_index")
 
 
-def media_token_ids(config, names: Sequence[str] = (*IMAGE_TOKEN_NAMES, "video_token_id", "audio_token_id")):
+MEDIA_TOKEN_NAMES = (*IMAGE_TOKEN_NAMES, "video_token_id", "audio_token_id")
+
+
+def media_token_ids(config, names: Sequence[str] = MEDIA_TOKEN_NAMES) -> frozenset[int]:
     """The placeholder token ids an image-text-to-text model's config names (image, video, audio; those of
-    ``names``): a ``frozenset[int]``."""
+    ``names``)."""
     return frozenset(value for name in names if isinstance(value := getattr(config, name, None), int))
 
 
@@ -348,7 +363,7 @@ def _split(model, outputs: dict, token_ids: Sequence[Sequence[int]]) -> list[dic
     slicing in the installed transformers, or placeholders that do not match the features)."""
     per_prompt: list[dict] = [{} for _ in token_ids]
     for modality, output in outputs.items():
-        placeholder = getattr(model.config, f"{modality}_token_id", None)
+        placeholder = _placeholder_id(model, modality)
         if placeholder is None:
             return None
         counts = [sum(1 for token in ids if token == placeholder) for ids in token_ids]
@@ -357,7 +372,7 @@ def _split(model, outputs: dict, token_ids: Sequence[Sequence[int]]) -> list[dic
         start = 0
         for prompt, count in zip(per_prompt, counts):
             if count:
-                rows = compat.slice_encoded_media(output, torch.arange(start, start + count))
+                rows = _rows(output, start, count)
                 if rows is None:
                     return None
                 prompt[modality] = rows
