@@ -38,7 +38,7 @@ MODEL_TESTS_SKIP ?= --deselect tests/hf/test_compile_cache.py
 PYTEST_WORKERS ?= 2
 
 .PHONY: demo test test-newest test-lowest venv install assets gpu-wheels gpu-install gpu-test gpu-smoke gpu-bench \
-	gpu-round gpu-round-1 gpu-round-2 gpu-round-3
+	gpu-round gpu-round-1 gpu-round-2 gpu-round-3 gpu-round-4
 
 demo: install
 	$(PYTHON) -m hfaccel.tools.cli demo
@@ -110,7 +110,8 @@ gpu-smoke: gpu-install
 # once when a size is first captured), structured throughput (never measured), fp8 (issue 50), a mixture of experts
 # at batch 1 (issue 47's mirror row: batch 1 against batch 2, the roofline counting the experts reached). Round 2:
 # vision-language (issue 49), the fp8 KV cache in the engine, the fp8 tune for decode. Round 3: int4 and paged
-# decode again after tuning.
+# decode again after tuning. Round 4: multi-head latent attention (issue 47: the expanded-K/V kernels on CUDA, then
+# DeepSeek-V2-Lite-shaped decode at batch 1 and 16 against transformers' fastest path).
 # Copy each table into docs/benchmarks.md (date, device, commit, command) and commit the JSON and tuned tables.
 OUT ?= bench-results
 ROUND ?= 1
@@ -146,6 +147,13 @@ gpu-round-3:
 	-$(CLI) 150 $(BENCH) int4 --dtype float16 --batch 1 --new-tokens 64 --output $(OUT)/int4.json 2>&1 \
 		| tee $(OUT)/int4.log
 	-$(CLI) 120 $(BENCH) paged --dtype float16 --output $(OUT)/paged.json 2>&1 | tee $(OUT)/paged.log
+
+gpu-round-4:
+	-HFACCEL_TEST_DEVICE=cuda $(CLI) 150 $(PYTHON) -m pytest -q -n 4 -ra --tb=short tests/attention/test_latent.py \
+		"tests/hf/test_families.py::test_latent_attention_serves_speculative_decoding_and_fp8_pools" \
+		2>&1 | tee $(OUT)/latent.log
+	-$(CLI) 240 $(BENCH) decode --model deepseek-v2-lite --layers 4 --dtype bfloat16 --batch 1 --batch 16 \
+		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla.json 2>&1 | tee $(OUT)/decode-mla.log
 
 gpu-test: gpu-install
 	HFACCEL_TEST_DEVICE=cuda HFACCEL_TEST_PART=$(GPU_PART) $(PYTHON) -m pytest -n 4 -q -ra tests

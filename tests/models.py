@@ -99,6 +99,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "minimax": ("minimax", {}),  # lightning (linear) attention, its state kept in MiniMax's own cache class
     "gpt_oss": ("gpt_oss", {}),  # attention sinks, alternating sliding and full layers
     "gemma4": ("gemma4_text", {}),  # per-layer head sizes and KV heads, layers sharing K/V (gemma4_config)
+    "deepseek_v3": ("deepseek_v3", {}),  # multi-head latent attention: latents cached, K/V expanded after the cache
+    "kimi_linear": ("kimi_linear", {}),  # MLA layers beside Kimi delta attention (conv + recurrent state)
     # chunked attention (chunks of 8, shorter than prompt + new tokens) on the RoPE layers, full attention with the
     # attention temperature on the no-RoPE ones
     "llama4": (
@@ -111,7 +113,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         },
     ),
 }
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax", "kimi_linear")
 
 
 def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers.PreTrainedModel:

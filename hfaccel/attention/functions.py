@@ -31,7 +31,9 @@ from hfaccel.attention.sdpa import dense_attention, prefill_route, sdpa_dense, s
 from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
 from hfaccel.kernels.runtime import interpreting
-from hfaccel.kv.hf_cache import PAGED_READER_ATTRIBUTE, PagedKV
+from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, PAGED_READER_ATTRIBUTE, PagedKV
+from hfaccel.kv.layout import widened
+from hfaccel.kv.pool import PackedStep
 
 
 def _attention(
@@ -46,7 +48,13 @@ def _attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     # query: [B, Hq, Sq, D]; key, value: [B, Hkv, Skv, D]; returns ([B, Sq, Hq, D], None)
+    if not isinstance(key, PagedKV) and value.shape[-1] != key.shape[-1]:
+        return _widened(backend, module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
+    step = kwargs.get(PACKED_STEP_KWARG)
+    if step is not None and not isinstance(key, PagedKV):
+        record_path(module, PAGED, backend, query)
+        return _expanded(backend, query, key, value, step, scaling, softcap, sinks, kwargs.get("sliding_window")), None
     if isinstance(key, PagedKV) and key.cu_seqlens_q is not None:
         query = _attention_temperature(module, query, key.positions)
         window = kwargs.get("sliding_window") or key.window  # the layer's window, passed or as its cache holds it
@@ -107,6 +115,71 @@ def _attention(
         sinks,
         backend,
     ), None
+
+
+def _widened(
+    backend: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None,
+    dropout: float,
+    **kwargs,
+) -> torch.Tensor:
+    """Attention whose values are narrower or wider than its queries and keys (MLA's expanded K/V): all three
+    zero-padded to the wider head, which leaves every score as it is, the output cut back to the values' width."""
+    width = max(key.shape[-1], value.shape[-1])
+    out, _ = _attention(
+        backend,
+        module,
+        widened(query, width),
+        widened(key, width),
+        widened(value, width),
+        attention_mask,
+        softmax_scale(scaling, query),
+        dropout,
+        **kwargs,
+    )
+    return out[..., : value.shape[-1]]
+
+
+def _expanded(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step: PackedStep,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Packed queries over K/V their layer expanded from each sequence's latents (``PACKED_STEP_KWARG``):
+    ``query [1, Hq, T, D]``, ``key, value [1, Hkv, S * L, D]`` (sequence ``s``'s from its first token at ``s * L``,
+    ``L`` the step's ``max_seq_len``: ``SequenceKVCache._latents``) -> ``[1, T, Hq, D]``, by the paged kernel over
+    the K/V as a pool of one block per sequence."""
+    kv = torch.stack((key[0], value[0])).unflatten(2, (-1, step.max_seq_len))  # [2, Hkv, S, L, D]
+    kv = kv.permute(0, 2, 3, 1, 4)[None]  # [1, 2, S, L, Hkv, D]
+    tables = torch.arange(kv.shape[2], dtype=torch.int32, device=key.device)[:, None]  # [S, 1]
+    return paged_attention_op(
+        query,
+        kv,
+        0,
+        tables,
+        step.seq_lens,
+        step.cu_seqlens_q,
+        step.max_q_len,
+        kv.shape[3],
+        softmax_scale(scaling, query),
+        None,
+        sliding_window,
+        None,
+        softcap,
+        sinks,
+        backend,
+    )
 
 
 def _attention_temperature(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor | None):

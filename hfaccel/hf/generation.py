@@ -24,7 +24,7 @@ from hfaccel.hf.structured import refuse_assisted
 from hfaccel.kernels.runtime import resolve_backend
 from hfaccel.kv import PagedCache, local_kv_heads
 from hfaccel.kv.fp8 import model_kv_scales
-from hfaccel.kv.layout import model_layout, own_cache_class
+from hfaccel.kv.layout import kv_dims, model_layout, own_cache_class
 from hfaccel.runner.graphs import context_bucket
 from hfaccel.runner.step_function import failure_reason
 from hfaccel.sampling import token_ids
@@ -136,17 +136,15 @@ def _fp8_storage(model, session) -> dict:
 
 
 def _paged_cache_holds(model) -> bool:
-    """Whether a ``PagedCache`` made from the config holds what the model's layers keep: K/V of one shape in every
-    layer, no recurrent state and no cache class of the model's own (else transformers' loop keeps its own cache:
-    Gemma 4's per-layer heads and shared layers, hybrid models, MiniMax)."""
+    """Whether a ``PagedCache`` made from the config holds what the model's layers keep: K/V of the config's one
+    shape in every layer, no recurrent state and no cache class of the model's own (else transformers' loop keeps its
+    own cache: Gemma 4's per-layer heads and shared layers, MLA's latents, hybrid models, MiniMax)."""
     layout = model_layout(model)
-    shapes = {(kv.kv_heads, kv.key_dim, kv.value_dim) for kv in layout.attention.values()}
-    return (
-        not layout.states
-        and len(layout.attention) == layout.num_layers
-        and len(shapes) == 1
-        and own_cache_class(model) is None
-    )
+    shapes = {(kv.kv_heads, kv.key_dim, kv.value_dim, kv.latent) for kv in layout.attention.values()}
+    if layout.states or len(layout.attention) != layout.num_layers or len(shapes) != 1 or own_cache_class(model):
+        return False
+    head_dim = kv_dims(model.config)[2]  # a config of one shape (per-layer ones have several)
+    return shapes == {(local_kv_heads(model), head_dim, head_dim, False)}
 
 
 def _read_adapters(model, session) -> str | None:

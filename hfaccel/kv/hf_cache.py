@@ -29,13 +29,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hfaccel import compat
 from hfaccel.kernels.write_kv import dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, slot_mapping
-from hfaccel.kv.layout import own_cache_class
+from hfaccel.kv.layout import AttentionKV, own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
 
 # An attention function that reads PagedKV carries this attribute; its value is the kernel backend ("auto",
 # "triton" or "torch") the cache then also writes with.
 PAGED_READER_ATTRIBUTE = "hfaccel_kernel_backend"
+# The keyword argument through which a packed forward of a model whose layers expand latents (MLA) hands its
+# ``PackedStep`` to hfaccel's attention (transformers passes a forward's keyword arguments on to the attention
+# function, as its flash-attention varlen arguments): such a layer's cache returns each sequence's latents, which
+# the module expands before its attention call, so no ``PagedKV`` reaches the attention to say how they are packed.
+PACKED_STEP_KWARG = "hfaccel_packed_step"
 
 
 def paged_reader_backend(config) -> str | None:
@@ -83,25 +88,33 @@ class PagedKV:
         return self
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous; a quantized
-        pool's dequantized)."""
+        """Dense keys and values ``[B, Hkv, S, D]`` (for attention paths that need them contiguous, and for layers
+        that expand their latents: a quantized pool's dequantized). Packed sequences (``cu_seqlens_q``) are rows of
+        their own, each from its first token, the longest's length."""
         if self.dense is not None:
             return self.dense
         pools = self.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
-        if self.kv_scales is not None:
-            pools = torch.stack([dequantize_kv(pools[i], self.kv_scales[self.layer, i], self.dtype) for i in (0, 1)])
         size = pools.shape[2]
         if self.padding is not None:  # transformers' layout: cache position c of row b, zeros for its padding
             held = torch.arange(self.padded_len, device=self.padding.device)[None] - self.padding[:, None]  # [B, S]
             rows = torch.arange(held.shape[0], device=held.device)[:, None]
             slots = slot_mapping(self.block_tables, rows, held.clamp(min=0), size)  # [B, S]
-            flat = pools.flatten(1, 2)[:, slots] * (held >= 0)[None, :, :, None, None]  # [2, B, S, Hkv, D]
-            return flat[0].transpose(1, 2), flat[1].transpose(1, 2)
-        length = self.max_seq_len
-        blocks = self.block_tables[:, : -(-length // size)].long()  # [B, n_blocks]
-        keys = pools[0, blocks].flatten(1, 2)[:, :length]  # [B, S, Hkv, D]
-        values = pools[1, blocks].flatten(1, 2)[:, :length]
-        return keys.transpose(1, 2), values.transpose(1, 2)
+            flat = self._dequantized(pools.flatten(1, 2)[:, slots])  # [2, B, S, Hkv, D]
+            flat = flat * (held >= 0)[None, :, :, None, None]
+        else:
+            length = self.max_seq_len
+            blocks = self.block_tables[:, : -(-length // size)]  # [B, n_blocks]
+            picked = pools.index_select(1, blocks.flatten().long())  # [2, B * n_blocks, block_size, Hkv, D]
+            flat = picked.view(2, blocks.shape[0], -1, *pools.shape[3:])[:, :, :length]  # [2, B, S, Hkv, D]
+            flat = self._dequantized(flat)
+        return flat[0].transpose(1, 2), flat[1].transpose(1, 2)
+
+    def _dequantized(self, stored: torch.Tensor) -> torch.Tensor:
+        """``stored [2, ..., Hkv, D]`` K/V of the pool in the dtype reads return (a quantized pool's times its
+        scales)."""
+        if self.kv_scales is None:
+            return stored
+        return torch.stack([dequantize_kv(stored[i], self.kv_scales[self.layer, i], self.dtype) for i in (0, 1)])
 
 
 class CacheLayerView(CacheLayerMixin):
@@ -166,9 +179,18 @@ class PoolCache(Cache):
         self.pool.write(
             layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2), slots, backend=backend or "auto"
         )
+        held = self.pool.layout.attention[layer_idx]
+        if held.latent:  # its module expands the latents it reads back (MLA)
+            return self._latents(paged, held)
         if backend is not None:
             return paged, paged
         return paged.gather()
+
+    def _latents(self, paged: PagedKV, held: AttentionKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """A latent layer's every held token, ``[B, Hkv, S, key_dim]`` and ``[B, Hkv, S, value_dim]``, in
+        transformers' layout."""
+        keys, values = paged.gather()
+        return keys[..., : held.key_dim], values[..., : held.value_dim]
 
     def _begin_layer(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
@@ -330,6 +352,12 @@ class SequenceKVCache(PoolCache):
             chunk=held.chunk,
         )
         return paged, step.slot_mapping
+
+    def _latents(self, paged: PagedKV, held: AttentionKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """A latent layer's packed sequences, one after another in one row: ``[1, Hkv, S * L, D]``, sequence ``s``'s
+        tokens from ``s * L`` on (``L`` the step's ``max_seq_len``), so that the module expands them as one batch row
+        whatever the number of sequences (hfaccel's attention reads them with the step: ``PACKED_STEP_KWARG``)."""
+        return tuple(t.transpose(0, 1).flatten(1, 2)[None] for t in super()._latents(paged, held))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0: packed sequences have no one length (each token's position is in ``position_ids``, and in

@@ -39,18 +39,32 @@ STATE_METHODS = (
 class AttentionKV:
     """One layer's K/V: ``kv_heads`` heads of keys ``key_dim`` wide and values ``value_dim`` wide; ``window``: the
     sliding window its queries attend within, ``chunk``: the attention chunk (Llama 4's ``attention_chunk_size``)
-    they attend within (None: every earlier key), as transformers' cache and masks hold them."""
+    they attend within (None: every earlier key), as transformers' cache and masks hold them. ``expanded_dim``: where
+    what the layer caches is a latent its attention module expands after reading the cache (multi-head latent
+    attention, MLA: ``expand_kv`` of its compressed K/V, 1 head ``kv_lora_rank`` wide, and its shared rotary key), the
+    widest head of the K/V its attention then reads; the cache returns the latents themselves, not a view the
+    attention reads."""
 
     kv_heads: int
     key_dim: int
     value_dim: int
     window: int | None = None
     chunk: int | None = None
+    expanded_dim: int | None = None
 
     @property
     def width(self) -> int:
         """The head width the pool stores keys and values in (the narrower of the two zero-padded to it)."""
         return max(self.key_dim, self.value_dim)
+
+    @property
+    def latent(self) -> bool:
+        return self.expanded_dim is not None
+
+    @property
+    def read_width(self) -> int:
+        """The head width of the K/V the layer's attention reads (the kernels' head dim)."""
+        return self.expanded_dim or self.width
 
 
 @dataclass(frozen=True)
@@ -99,10 +113,19 @@ class ModelLayout:
 
     def describe(self) -> str:
         """One line: how many layers keep K/V (and of which widths), how many keep state."""
-        widths = sorted({(kv.kv_heads, kv.key_dim, kv.value_dim) for kv in self.attention.values()})
-        shapes = ", ".join(f"{h} heads x {k}" + (f"/{v}" if v != k else "") for h, k, v in widths)
+        widths = sorted({(kv.latent, kv.kv_heads, kv.key_dim, kv.value_dim) for kv in self.attention.values()})
+        shapes = ", ".join(
+            ("latent: " if latent else "") + f"{h} heads x {k}" + (f"/{v}" if v != k else "")
+            for latent, h, k, v in widths
+        )
         text = f"{len(self.attention)} of {self.num_layers} layers keep K/V ({shapes})"
         return text + (f", {len(self.states)} keep recurrent state" if self.states else "")
+
+
+def widened(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``tensor [..., D]`` zero-padded to ``[..., width]`` (itself where ``D == width``)."""
+    extra = width - tensor.shape[-1]
+    return tensor if extra == 0 else torch.nn.functional.pad(tensor, (0, extra))
 
 
 def uniform_layout(num_layers: int, kv_heads: int, head_dim: int) -> ModelLayout:
@@ -191,7 +214,17 @@ def probe_layout(model) -> ModelLayout:
         _record_mixers(model, cache, mixers, stack)
         model(input_ids=token, use_cache=True, **{compat.cache_argument(model): cache})
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
-    return _read_layout(cache, mixers, tuple(layer_types))
+    return _read_layout(cache, mixers, tuple(layer_types), _latent_layers(model))
+
+
+def _latent_layers(model) -> dict[int, int]:
+    """The layers whose attention module expands what it caches after reading it (transformers' MLA modules:
+    ``expand_kv``), each with the widest head it expands to."""
+    return {
+        module.layer_idx: max(module.qk_head_dim, module.v_head_dim)
+        for module in model.modules()
+        if isinstance(getattr(module, "layer_idx", None), int) and callable(getattr(module, "expand_kv", None))
+    }
 
 
 def _record_mixers(model, cache: DynamicCache, mixers: dict[int, str], stack: ExitStack) -> None:
@@ -228,7 +261,9 @@ def _recording(method: Callable, running: list[tuple[int, str]], mixers: dict[in
     return record
 
 
-def _read_layout(cache: DynamicCache, mixers: dict[int, str], layer_types: tuple[str, ...]) -> ModelLayout:
+def _read_layout(
+    cache: DynamicCache, mixers: dict[int, str], layer_types: tuple[str, ...], latent: dict[int, int]
+) -> ModelLayout:
     attention: dict[int, AttentionKV] = {}
     states: dict[int, RecurrentState] = {}
     for index, state in enumerate(getattr(cache, "linear_cache", ())):  # MiniMax's own cache: [B, H, D, D] each
@@ -256,6 +291,7 @@ def _read_layout(cache: DynamicCache, mixers: dict[int, str], layer_types: tuple
                     values.shape[-1],
                     None if chunked else window,
                     window if chunked else None,
+                    latent.get(index),
                 )
             known = True
         if not known and type(layer).__name__ != "DummyLayer":

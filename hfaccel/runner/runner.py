@@ -34,7 +34,7 @@ from hfaccel.attention import is_image_text_to_text
 from hfaccel.attention.masks import packed_mask
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep
-from hfaccel.kv.hf_cache import paged_reader_backend, sequence_cache
+from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, paged_reader_backend, sequence_cache
 from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
@@ -76,6 +76,8 @@ class ModelRunner:
         self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
         self._mask = packed_mask(model.config.get_text_config(decoder=True))
+        # layers that expand latents (MLA) get each sequence's latents from the cache: their attention reads the step
+        self._passes_step = any(kv.latent for kv in pool.layout.attention.values())
         self.max_tokens = packed_token_limit(model.config)  # per forward (None: no limit)
         # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
         # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
@@ -300,6 +302,7 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=keep,
                 **{self._cache_argument: self.cache},
+                **({PACKED_STEP_KWARG: step} if self._passes_step else {}),
             )
         finally:
             self.cache.step = None

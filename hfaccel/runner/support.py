@@ -87,14 +87,17 @@ def _layout_reason(model, layout: ModelLayout) -> str | None:
     if not layout.attention:
         return "no layer keeps K/V (no attention for hfaccel's kernels to serve)"
     for layer, kv in sorted(layout.attention.items()):
-        if kv.key_dim != kv.value_dim:
+        if kv.key_dim != kv.value_dim and not kv.latent:
             return (
-                f"layer {layer} caches keys {kv.key_dim} wide and values {kv.value_dim} wide (multi-head latent "
-                "attention caches its compressed latent and decompresses it after the cache), which hfaccel's "
+                f"layer {layer} caches keys {kv.key_dim} wide and values {kv.value_dim} wide, which hfaccel's "
                 "kernels do not read"
             )
-        if kv.width > MAX_HEAD_DIM:
-            return f"layer {layer} has head_dim {kv.width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
+        if kv.latent and (kv.window or kv.chunk):
+            return f"layer {layer} expands latents (MLA) within a sliding window or chunk, which hfaccel does not serve"
+        if kv.read_width > MAX_HEAD_DIM:
+            return f"layer {layer} has head_dim {kv.read_width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
+    if any(kv.latent for kv in layout.attention.values()) and compat.tp_size(model) > 1:
+        return "multi-head latent attention under tensor parallelism is not supported yet"
     if layout.hybrid and compat.tp_size(model) > 1:
         return "recurrent state (a hybrid model) under tensor parallelism is not supported yet"
     return None

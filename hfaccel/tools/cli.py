@@ -10,6 +10,7 @@ from hfaccel.serve.reasoning import PARSERS as REASONING_PARSERS
 from hfaccel.serve.tools import PARSERS as TOOL_PARSERS
 from hfaccel.tools import commands, serving
 from hfaccel.tools.commands import BENCH_CASES
+from hfaccel.tools.models import NAMED_CONFIGS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # what runs each command (its options: build_parser)
@@ -67,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model",
         default=None,
-        help="named config (llama-3.2-1b, llama-3.1-8b, gemma-2-2b, qwen2.5-0.5b, smollm2-135m, "
-        "tiny-llama) "
+        help=f"named config ({', '.join(NAMED_CONFIGS)}) "
         "with random weights, or a model folder (default: llama-3.2-1b on CUDA, tiny-llama "
         "on CPU; speculative: the target, a model folder, default SmolLM2-135M-Instruct; "
         "structured: default SmolLM2-135M-Instruct, a named config over SmolLM2's tokenizer; "

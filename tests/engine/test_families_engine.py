@@ -1,5 +1,6 @@
 """This year's families in the Engine: each prompt's own greedy tokens under preemption, chunked prefill and both
-schedulings; hybrid models' state slots allocated, forked, preempted and freed with the sequences' blocks."""
+schedulings (MLA's latents in the pool, prefix caching on); hybrid models' state slots allocated, forked, preempted
+and freed with the sequences' blocks."""
 
 import pytest
 
@@ -9,8 +10,11 @@ from tests.helpers import greedy, mixed_prompts, reference, run
 from tests.models import HYBRID_FAMILIES, family_model
 
 
+ENGINE_FAMILIES = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "minimax", "gpt_oss", "gemma4", "llama4", "deepseek_v3"]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1", "lfm2", "jamba", "minimax", "gpt_oss", "gemma4", "llama4"])
+@pytest.mark.parametrize("name", [*ENGINE_FAMILIES, "kimi_linear"])
 def test_exactness_with_preemption_and_chunked_prefill(name, async_scheduling):
     model = family_model(name)
     prompts, budgets = mixed_prompts(12, seed=1)

@@ -1,6 +1,8 @@
 """This year's families in ``generate``: hybrid models (their recurrent state in the pool's state slots), attention
-sinks (gpt-oss), per-layer head sizes and shared K/V (Gemma 4) — transformers' tokens from hfaccel's loop, on the
-Triton kernels (interpreted on the CPU) and compiled; speculative decoding refused where state cannot roll back."""
+sinks (gpt-oss), per-layer head sizes and shared K/V (Gemma 4), multi-head latent attention (DeepSeek-V3,
+Kimi-Linear: latents in the pool, the K/V the module expands read by hfaccel's attention) — transformers' tokens
+from hfaccel's loop, on the Triton kernels (interpreted on the CPU) and compiled; speculative decoding refused where
+state cannot roll back."""
 
 import copy
 
@@ -45,7 +47,7 @@ def test_transformers_loop_keeps_working(name):
 
 
 # families whose own code (transformers') specialises a compiled step to one sequence: batch 1 runs padded to 2
-SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4")
+SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4", "deepseek_v3")
 
 
 @pytest.mark.parametrize(
@@ -101,21 +103,46 @@ def test_speculative_decoding_refuses_recurrent_state():
 
 
 def test_a_model_that_cannot_be_served_keeps_transformers_path():
-    """A family whose cache hfaccel's pool cannot hold (multi-head latent attention caching its compressed latent,
-    on transformers releases that do) is declined before the first call, with the reason, its tokens unchanged."""
-    from tests.hf.tiny_configs import tiny_config
-
-    config = tiny_config("deepseek_v3", vocab_size=96)
-    torch.manual_seed(0)
+    """A family whose cache hfaccel's pool cannot hold (DeepSeek-V3.2's sparse attention keeps indexer keys beside
+    its latents) is declined before the first call, with the reason, its tokens unchanged."""
     import transformers
 
+    from tests.hf.tiny_configs import tiny_config
+
+    config = tiny_config("deepseek_v32", vocab_size=96)
+    torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
     batch = padded_batch()
     expected = model.generate(**batch, max_new_tokens=4, **GREEDY)
     hfaccel.accelerate(model, attention="torch")
     assert torch.equal(model.generate(**batch, max_new_tokens=4, **GREEDY), expected)
-    if not model.hfaccel.active:
-        assert "latent" in model.hfaccel.fallback_reason
+    assert not model.hfaccel.active
+    assert "indexer keys" in model.hfaccel.fallback_reason
+
+
+def test_latent_attention_serves_speculative_decoding_and_fp8_pools():
+    """MLA (DeepSeek-V3): the pool holds each layer's latents and hfaccel's attention reads the K/V the module
+    expands from them — speculative decoding's verify steps (several tokens per sequence) and an fp8 pool (the
+    latents stored in fp8, read back dequantized) too."""
+    import transformers
+
+    from tests.hf.tiny_configs import tiny_config
+
+    def deepseek(seed: int):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", vocab_size=96)).eval()
+
+    model, draft = deepseek(0).to(DEVICE), deepseek(1).to(DEVICE)
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=9, **GREEDY)
+    fp8 = hfaccel.accelerate(copy.deepcopy(model), attention="torch", kv_cache_dtype=torch.float8_e4m3fn)
+    hfaccel.accelerate(model, attention="torch")
+    hfaccel.accelerate(draft, attention="torch")
+    assert torch.equal(hfaccel.speculative_generate(model, draft, **batch, max_new_tokens=9), expected)
+    assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged (torch)"}
+    quantized = fp8.generate(**batch, max_new_tokens=9, **GREEDY)
+    assert quantized.shape == expected.shape and str(fp8.hfaccel.decode) == "hfaccel"
+    assert (quantized[:, -9:] == expected[:, -9:]).float().mean() > 0.5  # fp8 latents: close, not exact
 
 
 def test_llama4_scales_each_packed_query_at_its_own_position():

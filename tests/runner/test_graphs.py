@@ -193,7 +193,8 @@ def test_padding_rows_mirror_only_where_experts_are_routed():
         return bool(routed_expert_banks(transformers.AutoModelForCausalLM.from_config(config)))
 
     moe = {name for name, (model_type, _) in FAMILIES.items() if routed(tiny_config(model_type))}
-    assert moe == {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "gpt_oss"}
+    hybrid_moe = {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "kimi_linear"}
+    assert moe == hybrid_moe | {"gpt_oss", "deepseek_v3"}
     assert routed(_moe_model("gemma4_moe").config) and not routed(gemma4_config()) and not routed(tiny_config("llama"))
     assert not routed(tiny_config("granitemoehybrid", num_local_experts=0))
 

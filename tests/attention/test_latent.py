@@ -1,0 +1,83 @@
+"""Attention over K/V whose values are narrower than the keys (multi-head latent attention expands its cached latents
+into keys ``qk_head_dim`` wide and values ``v_head_dim`` wide): dense calls with a padding mask, and packed sequences
+whose expanded K/V come one after another in one row (``SequenceKVCache._latents``), against a per-sequence reference
+on both kernel backends."""
+
+import pytest
+import torch
+
+from hfaccel.attention import functions
+from hfaccel.attention.masks import KernelMask
+from hfaccel.kv import PackedStep
+from hfaccel.kv.hf_cache import PACKED_STEP_KWARG
+from tests.devices import DEVICE
+from tests.kernels.helpers import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BACKENDS = {"torch": functions.torch_attention, "triton": functions.triton_attention}
+
+
+def _reference(query, key, value, scale, visible):
+    """``query [Hq, Q, Dk]`` over ``key [Hkv, K, Dk]``, ``value [Hkv, K, Dv]`` where ``visible [Q, K]``, in fp32:
+    ``[Q, Hq, Dv]``."""
+    group = query.shape[0] // key.shape[0]
+    key, value = (t.float().repeat_interleave(group, 0) for t in (key, value))
+    scores = (query.float() @ key.transpose(1, 2)) * scale
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (weights @ value).transpose(0, 1)
+
+
+def _random(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dense_values_narrower_than_keys(backend, dtype):
+    """A left-padded batch (transformers' layout, as its own loop passes MLA's expanded K/V): 6 query heads over 2
+    KV heads, keys 40 wide, values 24."""
+    batch, heads, kv_heads, seq, key_dim, value_dim = 2, 6, 2, 13, 40, 24
+    query = _random(batch, heads, seq, key_dim, dtype=dtype, seed=0)
+    key = _random(batch, kv_heads, seq, key_dim, dtype=dtype, seed=1)
+    value = _random(batch, kv_heads, seq, value_dim, dtype=dtype, seed=2)
+    padding = torch.tensor([0, 4])
+    key_mask = (torch.arange(seq)[None] >= padding[:, None]).to(DEVICE)  # [B, S]
+    mask = KernelMask(key_mask=key_mask, q_offset=0, kv_offset=0, causal=True, sliding_window=None)
+    out, _ = BACKENDS[backend](torch.nn.Module(), query, key, value, mask, scaling=0.3)
+    assert out.shape == (batch, seq, heads, value_dim)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril().to(DEVICE)
+    for b in range(batch):
+        real = slice(int(padding[b]), seq)  # a padding row's output is not compared: no real key precedes it
+        visible = (causal & key_mask[b][None])[real]
+        want = _reference(query[b][:, real], key[b], value[b], 0.3, visible)
+        assert_close(out[b, real], want.to(dtype))
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_sequences_read_their_own_expanded_kv(backend, dtype):
+    """Three packed sequences (3, 1 and 2 new tokens of 7, 5 and 9 held), their expanded K/V in one row, 9 per
+    sequence: each query sees its own sequence's keys up to its position."""
+    q_lens, seq_lens, heads, kv_heads, key_dim, value_dim = [3, 1, 2], [7, 5, 9], 4, 4, 40, 24
+    length, tokens = max(seq_lens), sum(q_lens)
+    query = _random(1, heads, tokens, key_dim, dtype=dtype, seed=3)
+    key = _random(1, kv_heads, 3 * length, key_dim, dtype=dtype, seed=4)
+    value = _random(1, kv_heads, 3 * length, value_dim, dtype=dtype, seed=5)
+    cu = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    positions = torch.tensor([4, 5, 6, 4, 7, 8])
+    step = PackedStep(
+        slot_mapping=torch.full((1, tokens), -1),
+        block_tables=torch.zeros(3, 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        cu_seqlens_q=cu,
+        positions=positions,
+        max_seq_len=length,
+        max_q_len=max(q_lens),
+    ).to(DEVICE)
+    out, _ = BACKENDS[backend](torch.nn.Module(), query, key, value, None, scaling=0.25, **{PACKED_STEP_KWARG: step})
+    assert out.shape == (1, tokens, heads, value_dim)
+    for s in range(3):
+        rows, held = slice(int(cu[s]), int(cu[s + 1])), slice(s * length, (s + 1) * length)
+        visible = (torch.arange(length)[None] <= positions[rows][:, None]).to(DEVICE)
+        want = _reference(query[0][:, rows], key[0][:, held], value[0][:, held], 0.25, visible)
+        assert_close(out[0, rows], want.to(dtype))
