@@ -305,8 +305,11 @@ class Scheduler:
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """What admitting ``seq`` now would find in the prefix cache and take from the pool (nothing allocated)."""
-        salt, salts_from = _cache_salts(seq)
-        return self.manager.prefix_hit(seq.token_ids, salt=salt, salts_from=salts_from, unsplit=self._unsplit(seq))
+        return self.manager.prefix_hit(seq.token_ids, **self._cache_keys(seq))
+
+    def _cache_keys(self, seq: Sequence) -> dict:
+        """What the prefix cache keys a sequence's blocks by besides its tokens (``add_sequence``'s arguments)."""
+        return dict(zip(("salt", "salts_from"), _cache_salts(seq)), unsplit=self._unsplit(seq))
 
     def _images_wait(self, seq: Sequence, budget: int, hit: PrefixHit) -> bool:
         """Whether a waiting prompt whose images are computed in one chunk, from its prefix-cache hits on, waits for
@@ -324,11 +327,9 @@ class Scheduler:
         watermark = max(1, self.manager.num_blocks // 100) if self.running else 0
         if hit.free_blocks + watermark > self.manager.num_free_blocks:
             return False
-        salt, salts_from = _cache_salts(seq)
         try:
-            cached = self.manager.add_sequence(
-                seq.seq_id, seq.token_ids, computed=False, salt=salt, salts_from=salts_from, unsplit=self._unsplit(seq)
-            )
+            keys = self._cache_keys(seq)
+            cached = self.manager.add_sequence(seq.seq_id, seq.token_ids, computed=False, hit=hit, **keys)
         except CacheFullError:  # no state slot free (a model whose layers keep recurrent state)
             return False
         seq.num_computed = cached

@@ -68,10 +68,13 @@ class _Sequence:
 class PrefixHit:
     """What :meth:`BlockManager.add_sequence` would find for a prompt now: its first ``tokens`` tokens in the prefix
     cache, and the ``free_blocks`` it would take (new blocks after the hit, and the hit's cached blocks that no
-    sequence holds)."""
+    sequence holds); ``blocks`` holding the hit, and their keys' ``hashes`` (``add_sequence`` takes them without
+    hashing the prompt again)."""
 
     tokens: int
     free_blocks: int
+    blocks: tuple[int, ...] = ()
+    hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,7 @@ class BlockManager:
         salt: Hashable = None,
         salts_from: Salts = (),
         unsplit: Spans = (),
+        hit: PrefixHit | None = None,
     ) -> int:
         """Start a sequence holding a prompt; returns how many leading tokens were found in the prefix cache.
 
@@ -234,10 +238,12 @@ class BlockManager:
         pairs, what else the K/V from ``token`` on depend on (a prompt's images): the blocks before the one holding it
         are keyed without it. ``unsplit``: token spans ``(start, end)`` a hit must not end inside (a prompt's images,
         each computed whole): a hit that would is cut back to the block boundary at or before the span's start.
+        ``hit``: what :meth:`prefix_hit` found for the same arguments, taken as found while its blocks are still
+        registered under their keys (else the prompt is looked up again).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        hits, hashes, hit = self._lookup(token_ids, num_tokens, salt, salts_from, unsplit)
+        hits, hashes, hit = self._lookup(token_ids, num_tokens, salt, salts_from, unsplit, hit)
         length = _length(token_ids, num_tokens)
         if hit.free_blocks > self.num_free_blocks:
             raise CacheFullError(
@@ -436,13 +442,21 @@ class BlockManager:
         salt: Hashable,
         salts_from: Salts,
         unsplit: Spans,
+        found: PrefixHit | None = None,
     ) -> tuple[list[int], list[int], PrefixHit]:
-        """A prompt's prefix-cache hits (``add_sequence``'s arguments), their hashes, and what adding it takes."""
+        """A prompt's prefix-cache hits (``add_sequence``'s arguments; ``found``: what a probe with them found, kept
+        while still registered), their hashes, and what adding it takes."""
         new_blocks = self.blocks_needed(_length(token_ids, num_tokens))
         caching = token_ids is not None and self.enable_prefix_caching
-        hits, hashes = self.prefix_cache.hits(token_ids, salt, salts_from, unsplit) if caching else ([], [])
+        if not caching:
+            hits, hashes = [], []
+        elif found is not None and self.prefix_cache.registered(found.blocks, found.hashes):
+            hits, hashes = list(found.blocks), list(found.hashes)
+        else:
+            hits, hashes = self.prefix_cache.hits(token_ids, salt, salts_from, unsplit)
         cached_free = sum(1 for block in hits if self.ref_counts[block] == 0)
-        return hits, hashes, PrefixHit(len(hits) * self.block_size, new_blocks - len(hits) + cached_free)
+        taken = new_blocks - len(hits) + cached_free
+        return hits, hashes, PrefixHit(len(hits) * self.block_size, taken, tuple(hits), tuple(hashes))
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         size = self.block_size

@@ -60,6 +60,10 @@ class PrefixCache:
             self._keys[block] = key
         return digest
 
+    def registered(self, blocks: Sequence[int], hashes: Sequence[int]) -> bool:
+        """Whether each of ``blocks`` is still registered under the key hash beside it in ``hashes``."""
+        return all(self._blocks.get(digest) == block for block, digest in zip(blocks, hashes, strict=True))
+
     def unregister(self, block: int) -> None:
         """Forget what ``block`` holds (it is about to be written, or reused for other tokens)."""
         key = self._keys.pop(block, None)

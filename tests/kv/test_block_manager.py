@@ -32,6 +32,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # what each live sequence holds
         self.pool: dict[int, int] = {}  # slot -> token written there
         self.uncomputed: dict[int, int] = {}  # sequence -> first token whose K/V is not written yet
+        self.probed = None  # (tokens, the prefix hit found for them) of an earlier probe
 
     @initialize(prefix_caching=st.booleans())
     def setup(self, prefix_caching):
@@ -69,19 +70,43 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def add(self, stem, tail, computed, unsplit):
         """computed=False: the engine's way, K/V written later (``compute``); no hit may reach them before. The
         hit ``prefix_hit`` finds first is the one taken, with the free blocks it says, and finding it changes
-        nothing."""
-        tokens, seq_id = stem + tail, self.next_id
+        nothing; handed to ``add_sequence`` (the engine's way) or not."""
+        tokens = stem + tail
         before = self._state()
         hit = self.manager.prefix_hit(tokens, unsplit=unsplit)
         assert self._state() == before
+        self._add(tokens, computed, unsplit, hit, hand_over=bool(len(tail) % 2))
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(1, 9), max_size=9))
+    def probe(self, stem, tail):
+        """A prompt's prefix hit, found now and handed to ``add_sequence`` later (``add_probed``)."""
+        self.probed = (stem + tail, self.manager.prefix_hit(stem + tail))
+
+    @precondition(lambda self: self.probed is not None)
+    @rule()
+    def add_probed(self):
+        """An earlier probe's hit handed to ``add_sequence`` after other changes: taken where its blocks still hold
+        their keys, else found again — never a block that now holds other tokens (the slots are checked)."""
+        tokens, hit = self.probed
+        self.probed = None
+        self._add(tokens, True, (), self.manager.prefix_hit(tokens), hand_over=True, given=hit)
+
+    def _add(self, tokens, computed, unsplit, hit, hand_over, given=None):
+        """Add ``tokens`` as a new sequence, ``hit`` what a probe finds now (``given``, or it, handed over)."""
+        seq_id = self.next_id
         free_before = self.manager.num_free_blocks
+        found = (given or hit) if hand_over else None
+        kept = given is not None and self.manager.prefix_cache.registered(given.blocks, given.hashes)
         try:
-            cached = self.manager.add_sequence(seq_id, tokens, computed=computed, unsplit=unsplit)
+            cached = self.manager.add_sequence(seq_id, tokens, computed=computed, unsplit=unsplit, hit=found)
         except CacheFullError:
             assert self.manager.num_free_blocks == free_before and seq_id not in self.manager
-            assert hit.free_blocks > free_before
+            assert kept or hit.free_blocks > free_before
             return
-        assert (cached, free_before - self.manager.num_free_blocks) == (hit.tokens, hit.free_blocks)
+        if kept:  # a shorter hit than a probe finds now, where blocks were registered since
+            assert cached == given.tokens <= hit.tokens
+        else:
+            assert (cached, free_before - self.manager.num_free_blocks) == (hit.tokens, hit.free_blocks)
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
         assert not any(start < cached < end for start, end in unsplit)
         for slot, token in zip(self.manager.slots(seq_id, 0, cached), tokens):
@@ -254,6 +279,26 @@ def test_fork_copies_on_write_only_the_partial_last_block():
     assert [(c.src, c.dst) for c in copies] == [(partial, manager.block_table("child")[1])]
     assert manager.block_table("child")[0] == full and manager.ref_counts[full] == 2
     assert manager.append("parent", 1) == []  # parent now holds its partial block alone
+
+
+def test_a_probed_hit_is_taken_as_found_while_its_blocks_keep_their_keys():
+    """The scheduler probes a prompt's hit, then admits it with that hit: no second lookup while the hit's blocks are
+    registered under their keys; a hit whose blocks were reused since is found again (here: nothing)."""
+    manager = BlockManager(4, 4, enable_prefix_caching=True)
+    prompt = list(range(1, 10))
+    manager.add_sequence("a", prompt)
+    hit = manager.prefix_hit(prompt)
+    assert hit.tokens == 8 and len(hit.blocks) == len(hit.hashes) == 2
+    lookups = []
+    original = manager.prefix_cache.hits
+    manager.prefix_cache.hits = lambda *args: lookups.append(args) or original(*args)
+    assert manager.add_sequence("b", prompt, hit=hit) == 8 and not lookups
+    manager.free("a")
+    manager.free("b")
+    manager.add_sequence("c", [7] * 16)  # every block reused for other tokens
+    manager.free("c")
+    assert manager.add_sequence("d", prompt, hit=hit) == 0 and len(lookups) == 2  # "c"'s, then "d"'s
+    manager.check_invariants()
 
 
 def test_common_system_prompt_is_allocated_once():
