@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -390,6 +390,28 @@ def slice_encoded_media(output, rows: torch.Tensor):
 
     slicer = getattr(utils, "_slice_mm_encoder_output", None)
     return None if slicer is None else slicer(output, rows)
+
+
+def join_encoded_media(outputs: Sequence):
+    """Encoder outputs of one modality (each image's, :func:`encode_media`) as one, their rows in order, in the
+    container the first is in (the pooled features, and deepstack ones where the model has them), as
+    :func:`slice_encoded_media` keeps them."""
+    first = outputs[0]
+    joined = {"pooler_output": _joined_features([output["pooler_output"] for output in outputs])}
+    deepstack = first.get("deepstack_features")
+    if deepstack is not None:
+        joined["deepstack_features"] = [
+            _joined_features([output["deepstack_features"][layer] for output in outputs])
+            for layer in range(len(deepstack))
+        ]
+    return type(first)(**joined)
+
+
+def _joined_features(features: Sequence):
+    """Features of several outputs (each a list of tensors, or a tensor), flattened to a row per placeholder token and
+    concatenated, in the first's container: ``[[rows, hidden]]`` or ``[1, rows, hidden]``."""
+    rows = torch.cat([item.reshape(-1, item.shape[-1]) for feature in features for item in feature])
+    return rows[None] if isinstance(features[0], torch.Tensor) else [rows]
 
 
 def encoded_rows(output) -> int:

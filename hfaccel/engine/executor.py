@@ -257,12 +257,10 @@ class StepExecutor:
             return logits
         rows, prompt_logits, completing = [], [], sum(c.completes for c in packed)
         with_images = chunks[len(packed) :]
+        images = [(chunk, chunk.seq.request.media) for chunk in with_images]
         encoded = self.encoder_cache.inputs(
             self.model,
-            [
-                (c.seq.request.media.digest, c.seq.request.media.for_tokens(c.end), c.seq.token_ids[: c.end])
-                for c in with_images
-            ],
+            [(m.digest, m.for_tokens(c.end), c.seq.token_ids[: c.end], m.units if m.spans else ()) for c, m in images],
         )
         for chunk, inputs in zip(with_images, encoded):
             media, end = chunk.seq.request.media, offset + chunk.length

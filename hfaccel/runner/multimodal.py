@@ -22,6 +22,7 @@ from hfaccel.kv import PromptCache
 
 # transformers' names of the pixels a vision encoder reads
 PIXEL_INPUTS = frozenset({"pixel_values", "pixel_values_images", "pixel_values_videos", "image_patches"})
+Unit = tuple[int, int, str]  # one image's run of placeholder tokens (start, end) and its content hash
 # Qwen's M-RoPE position ids as transformers passes them to the language model: [4, B, L], the text positions then the
 # temporal, height and width axes
 MROPE_WITH_TEXT_ROW = 4
@@ -258,42 +259,61 @@ class MediaOffsets:
 
 
 class EncoderCache:
-    """The vision encoder's outputs of recent prompts' images, keyed by their content hash, at most ``size`` of them
-    (least recently used dropped first): a request whose images were encoded before skips the encoder, and the images
-    of one step's prompts are encoded in one call where their inputs stack. Where the installed transformers cannot
-    take encoded images (5.17), or not ``ahead`` (a vision tower tensor parallelism shards, whose collectives every
-    rank runs together: :func:`hfaccel.distributed.model.shards_beyond_language_model`), every request encodes its
-    own in its forward."""
+    """The vision encoder's outputs of recent images, keyed by their content hash, at most ``size`` of them (least
+    recently used dropped first): a request whose images were encoded before skips the encoder, and the images of one
+    step's prompts are encoded in one call where their inputs stack. A prompt whose images are told apart (each its
+    own run of placeholders, ``units``) has each image encoded and kept on its own — a chat's next turn encodes only
+    its new image — where its processor inputs split by image and each image alone takes its run's rows (else, and
+    from the first prompt where that fails, the prompt's images are one entry). Where the installed transformers
+    cannot take encoded images (5.17), or not ``ahead`` (a vision tower tensor parallelism shards, whose collectives
+    every rank runs together: :func:`hfaccel.distributed.model.shards_beyond_language_model`), every request encodes
+    its own in its forward."""
 
     def __init__(self, size: int = 64, ahead: bool = True):
         self.size, self.ahead = size, ahead
-        self.hits = self.misses = self.batches = 0  # batches: encoder calls that served several prompts
-        self._outputs: OrderedDict[str, dict] = OrderedDict()
+        self.hits = self.misses = self.batches = 0  # batches: encoder calls that served several prompts or images
+        self.per_image = True  # until an image alone takes other rows than its run (its encoding depends on others)
+        self._outputs: OrderedDict[Hashable, dict] = OrderedDict()
 
-    def inputs(self, model, prompts: Sequence[tuple[str, dict, Sequence[int]]]) -> list[dict]:
+    def inputs(self, model, prompts: Sequence[tuple[str, dict, Sequence[int], Sequence[Unit]]]) -> list[dict]:
         """Each prompt's inputs — given as (its images' content hash, the processor's inputs, the token ids its
-        forward runs) — with their pixels replaced by the encoder's outputs: cached ones taken, the others encoded
-        (:meth:`_encode`) and kept."""
+        forward runs, its images' runs ``(start, end, content hash)`` where told apart, else none) — with their
+        pixels replaced by the encoder's outputs: cached ones taken, the others encoded (:meth:`_encode`) and kept."""
         if not self.ahead or not compat.takes_encoded_media(model):
-            return [inputs for _, inputs, _ in prompts]
+            return [inputs for _, inputs, _, _ in prompts]
+        entries = [self._entries(digest, inputs, ids, units) for digest, inputs, ids, units in prompts]
         found, fresh = {}, {}
-        for digest, inputs, ids in prompts:
-            if digest in found or digest in fresh:
+        for key, inputs, ids in (entry for prompt in entries for entry in prompt):
+            if key in found or key in fresh:
                 self.hits += 1
-            elif (cached := self._outputs.get(digest)) is not None:
+            elif (cached := self._outputs.get(key)) is not None:
                 self.hits += 1
-                self._outputs.move_to_end(digest)
-                found[digest] = cached
+                self._outputs.move_to_end(key)
+                found[key] = cached
             else:
                 self.misses += 1
-                fresh[digest] = (inputs, ids)
+                fresh[key] = (inputs, ids)
         found.update(self._encode(model, fresh))
+        joined = [_joined([found[key] for key, _, _ in prompt]) for prompt in entries]
+        split = [(prompt, output) for prompt, output in zip(entries, joined) if len(prompt) > 1]
+        if any(output is None or not all(_fills(model, found[k], ids) for k, _, ids in p) for p, output in split):
+            self.per_image = False  # an image alone took other rows: from now on each prompt's images are one entry
+            return self.inputs(model, prompts)
         return [
-            {**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": found[digest]}
-            for digest, inputs, _ in prompts
+            {**{k: v for k, v in inputs.items() if k not in PIXEL_INPUTS}, "mm_encoder_outputs": output}
+            for (_, inputs, _, _), output in zip(prompts, joined)
         ]
 
-    def _encode(self, model, fresh: dict[str, tuple[dict, Sequence[int]]]) -> dict[str, dict]:
+    def _entries(self, digest: str, inputs: dict, ids: Sequence[int], units: Sequence[Unit]) -> list[tuple]:
+        """What a prompt's encoding is kept as: ``(key, encoder inputs, token ids)`` per image where
+        :attr:`per_image` and its inputs split so (:func:`_per_image`), keyed by the image's hash and its run's
+        length; else one entry, its images' hash."""
+        split = _per_image(inputs, len(units)) if self.per_image and units else None
+        if split is None:
+            return [(digest, inputs, ids)]
+        return [((image, end - start), alone, ids[start:end]) for (start, end, image), alone in zip(units, split)]
+
+    def _encode(self, model, fresh: dict[Hashable, tuple[dict, Sequence[int]]]) -> dict[Hashable, dict]:
         """The encoder's outputs of each prompt's images, kept. Prompts whose inputs stack (:func:`_stack_key`) are
         encoded in one call, each given the rows of its placeholder tokens in order (as transformers reads
         pre-encoded features: row i fills the i-th placeholder); the others each alone."""
@@ -341,6 +361,54 @@ def media_token_ids(config, names: Sequence[str] = MEDIA_TOKEN_NAMES) -> frozens
 def per_token(name: str) -> bool:
     """Whether a processor's output of this name has one entry per prompt token (its token types)."""
     return name.endswith("token_type_ids")
+
+
+def _per_image(inputs: dict, count: int) -> list[dict] | None:
+    """A prompt's encoder inputs as each of its ``count`` images' alone, or None where they do not split so: Qwen's
+    flattened patches by each image's grid (``image_grid_thw``), else every input whose first dimension counts the
+    images."""
+    names = _encoder_inputs(inputs)
+    others = [inputs[name] for name in names if name != "pixel_values"]
+    if "pixel_values" not in names or any(value.dim() == 0 or value.shape[0] != count for value in others):
+        return None
+    grids = inputs.get("image_grid_thw")
+    if grids is not None:
+        sizes = [int(size) for size in grids.prod(-1)]
+        if sum(sizes) != inputs["pixel_values"].shape[0]:
+            return None
+        pixels = inputs["pixel_values"].split(sizes)
+    elif inputs["pixel_values"].shape[0] == count:
+        pixels = inputs["pixel_values"].split(1)
+    else:
+        return None
+    return [
+        {name: pixels[i] if name == "pixel_values" else inputs[name][i : i + 1] for name in names} for i in range(count)
+    ]
+
+
+def _fills(model, output: dict | None, ids: Sequence[int]) -> bool:
+    """Whether an encoder output (per modality) has a row for each placeholder token of ``ids``, and no more."""
+    return output is not None and all(
+        (placeholder := _placeholder_id(model, modality)) is not None
+        and compat.encoded_rows(encoded) == sum(1 for token in ids if token == placeholder)
+        for modality, encoded in output.items()
+    )
+
+
+def _joined(outputs: Sequence[dict]) -> dict | None:
+    """Several entries' encoder outputs (per modality) as one prompt's, their rows in order; None where an entry has
+    none or the installed transformers cannot join them."""
+    if len(outputs) == 1:
+        return outputs[0]
+    if any(output is None for output in outputs):
+        return None
+    modalities = {modality for output in outputs for modality in output}
+    joined = {}
+    for modality in modalities:
+        if any(modality not in output for output in outputs):
+            return None
+        joined[modality] = compat.join_encoded_media([output[modality] for output in outputs])
+    return joined
 
 
 def _encoder_inputs(inputs: dict) -> list[str]:

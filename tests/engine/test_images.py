@@ -375,8 +375,9 @@ def test_a_chats_next_turn_adding_an_image_takes_the_blocks_up_to_it(family):
     """A chat's next turn repeats the turn before (its image and the answer) and adds an image: each image keys the
     blocks from its own first token on, so the turn takes the blocks up to its new image from the prefix cache and
     the multimodal prefill computes the rest with that image alone (Gemma 3: bidirectional attention over it) —
-    transformers' tokens on it alone. A turn whose first image differs takes nothing past the text before it;
-    transformers 5.17, which cannot continue a prompt with images, computes both from their first token."""
+    transformers' tokens on it alone. Each image is encoded once and kept on its own (the encoder cache). A turn whose
+    first image differs takes nothing past the text before it; transformers 5.17, which cannot continue a prompt with
+    images, computes both from their first token."""
     model, processor = llava_with_processor() if family == "llava" else gemma3_with_processor()
     turn = chat("What is this?", image(40, 50, 1))
     answer = {"role": "assistant", "content": [{"type": "text", "text": "A picture of noise, in colour."}]}
@@ -393,6 +394,9 @@ def test_a_chats_next_turn_adding_an_image_takes_the_blocks_up_to_it(family):
         assert outputs[1].metrics.num_cached_tokens == first_start // 8 * 8
     else:
         assert [o.metrics.num_cached_tokens for o in outputs] == [0, 0]
+    if compat.takes_encoded_media(model):  # each image encoded once: the turn's, then the next turns' new ones
+        cache = engine.encoder_cache
+        assert (cache.misses, cache.hits, cache.per_image) == (3, 2, True)
     assert engine.stats()["blocks_used"] == 0
 
 
@@ -499,3 +503,48 @@ def test_image_and_text_requests_equal_each_alone_after_preemption(name):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["llava", "gemma3", "qwen2_5_vl", "qwen3_vl"])
+def test_each_image_encoded_alone_gives_its_rows_of_the_prompts_encoding(name):
+    """The encoder cache keeps each image of a prompt on its own: its processor inputs split by image (Qwen: the
+    flattened patches by each image's grid), each encoded alone and the outputs joined in order, give the rows of the
+    prompt's images encoded together (Qwen3-VL's deepstack features too); an image whose run of placeholders is not
+    the rows it takes turns that off, the prompt's images encoded as one."""
+    from hfaccel.runner.multimodal import PIXEL_INPUTS, EncoderCache, _per_image
+    from tests.hf.vlm_models import served_case
+
+    case = served_case(name)
+    model = case_model(case)
+    if not compat.takes_encoded_media(model):
+        pytest.skip("the installed transformers takes no encoded images (5.17)")
+    inputs = case.inputs([[9, image(40, 40, 1), 10, 11, image(30, 50, 2), 12]])
+    ids = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask")
+    media = {k: v for k, v in inputs.items() if not k.endswith("token_type_ids")}
+    whole = compat.encode_media(model, media)["image"]
+    parts = _per_image(media, 2)
+    assert parts is not None and all(part["pixel_values"].shape[0] < media["pixel_values"].shape[0] for part in parts)
+    joined = compat.join_encoded_media([compat.encode_media(model, part)["image"] for part in parts])
+    for field in ("pooler_output", "deepstack_features"):
+        if whole.get(field) is not None:
+            torch.testing.assert_close(_flat(joined[field]), _flat(whole[field]), rtol=1e-5, atol=1e-5)
+    placeholder = model.config.image_token_id
+    runs = [i for i, token in enumerate(ids) if token == placeholder]
+    first_end = next(i for i in range(1, len(runs)) if runs[i] != runs[i - 1] + 1)
+    units = ((runs[0], runs[first_end - 1] + 1, "a"), (runs[first_end], runs[-1] + 1, "b"))
+    cache = EncoderCache()
+    [encoded] = cache.inputs(model, [("ab", inputs, ids, units)])
+    assert cache.per_image and cache.misses == 2 and not PIXEL_INPUTS & set(encoded)
+    given = encoded["mm_encoder_outputs"]["image"]["pooler_output"]
+    torch.testing.assert_close(_flat(given), _flat(whole["pooler_output"]), rtol=1e-5, atol=1e-5)
+    wrong = ((units[0][0], units[0][1] - 1, "c"), (units[1][0], units[1][1], "d"))  # a run one token short
+    cache.inputs(model, [("cd", inputs, ids, wrong)])
+    assert not cache.per_image
+
+
+def _flat(features) -> torch.Tensor:
+    """Encoder features (a tensor, a list of them, or deepstack's list of layers of them) as rows ``[N, hidden]``."""
+    if isinstance(features, torch.Tensor):
+        return features.reshape(-1, features.shape[-1])
+    return torch.cat([_flat(feature) for feature in features])

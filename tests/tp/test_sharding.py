@@ -209,7 +209,7 @@ def test_images_are_encoded_ahead_only_where_tp_leaves_the_vision_tower_whole(mo
     assert shards_beyond_language_model(gemma4)
     inputs = {"pixel_values": torch.ones(1, 3, 8, 8)}
     cache = EncoderCache(ahead=False)
-    assert cache.inputs(gemma4, [("digest", inputs, [1, 2])]) == [inputs]
+    assert cache.inputs(gemma4, [("digest", inputs, [1, 2], ())]) == [inputs]
     assert (cache.hits, cache.misses) == (0, 0)
 
 
