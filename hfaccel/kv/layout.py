@@ -123,8 +123,11 @@ class ModelLayout:
 
 
 def widened(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """``tensor [..., D]`` zero-padded to ``[..., width]`` (itself where ``D == width``)."""
+    """``tensor [..., D]`` zero-padded to ``[..., width]`` (itself where ``D == width``); a ``ValueError`` where it is
+    wider."""
     extra = width - tensor.shape[-1]
+    if extra < 0:
+        raise ValueError(f"a head {tensor.shape[-1]} wide cannot be held {width} wide")
     return tensor if extra == 0 else torch.nn.functional.pad(tensor, (0, extra))
 
 

@@ -257,14 +257,27 @@ class LoRAManager:
             )
         if module in _output_layers(self.model):
             return "it is the output embedding (lm_head), which LoRA adapters cannot target here"
+        if module in _latent_expanders(self.model):
+            return (
+                "it expands a multi-head latent attention layer's cached latents, every token each sequence holds, "
+                "in batches whose sequences take different adapters: LoRA on it is not served by the engine"
+            )
         return f"it is a {type(found).__name__}, not a Linear layer"
+
+
+def _latent_expanders(model: nn.Module) -> set[str]:
+    """The layers through which multi-head latent attention modules expand the latents they read from the cache
+    (transformers' ``expand_kv``: ``kv_b_proj``)."""
+    return {
+        f"{name}.kv_b_proj" for name, module in model.named_modules() if callable(getattr(module, "expand_kv", None))
+    }
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a LoRA adapter may target: every ``nn.Linear`` (not a subclass: quantized layers of other
-    libraries) and ``Int4Linear`` but the output embedding, by module name — for a layer another engine wrapped
-    already, the layer it wraps."""
-    skip, found, wrapped = _output_layers(model), {}, ()
+    libraries) and ``Int4Linear`` but the output embedding and MLA's latent expansions, by module name — for a layer
+    another engine wrapped already, the layer it wraps."""
+    skip, found, wrapped = _output_layers(model) | _latent_expanders(model), {}, ()
     for name, m in model.named_modules():  # parents come before their children
         if name.startswith(wrapped):
             continue

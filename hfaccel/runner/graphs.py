@@ -113,6 +113,13 @@ class DecodeGraphs:
         self.device = runner.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.compiled = compile
+        # a model whose layers expand their latents (MLA) expands every token its sequences hold, each step: its steps
+        # run at their batch's context (the power of two holding its longest sequence), so uncompiled and uncaptured
+        self.eager_reason = None
+        if runner.expands_latents and (self.capture or self.compiled):
+            self.eager_reason = "multi-head latent attention expands every held token, at each step's context"
+            self.capture = self.compiled = False
+        self._held = 0  # the longest sequence of the next step, which such steps run at
         self.sizes = sorted({size for size in ladder if size < max_batch} | {max_batch})
         self.max_batch, self.max_model_len, self.tokens_per_seq = max_batch, max_model_len, tokens_per_seq
         self.last_only = tokens_per_seq > 1 and logits_for == "last"  # logits of each sequence's last real token
@@ -142,11 +149,8 @@ class DecodeGraphs:
 
     def status(self) -> str:
         """How the steps run, in one line: compiled or not, captured sizes, and the reasons of any fallback."""
-        parts = [
-            "compiled"
-            if self.compiled
-            else ("uncompiled" if self.compile_failure is None else f"uncompiled ({self.compile_failure})")
-        ]
+        failure = self.compile_failure or self.eager_reason
+        parts = ["compiled" if self.compiled else ("uncompiled" if failure is None else f"uncompiled ({failure})")]
         if self.draw_compile_failure is not None:
             parts.append(f"draw uncompiled ({self.draw_compile_failure})")
         reason = next((reason for reason in self._size_one.values() if reason is not None), None)
@@ -262,6 +266,7 @@ class DecodeGraphs:
             )
         mirror = self._mirrors(batch, size)
         start = time.perf_counter()
+        self._held = max(first + n for first, n in zip(starts, num_new))
         self.buffers.fill(seq_ids, starts, size, num_new, draw_columns(draw) if draw is not None else [], mirror=mirror)
         lora = self.buffers.fill_lora(lora_slots, size, mirror)
         self.runner.metadata_seconds += time.perf_counter() - start
@@ -290,6 +295,7 @@ class DecodeGraphs:
         if width > self.buffers.block_tables.shape[1]:
             raise ValueError(f"block tables {width} blocks wide exceed the steps' {self.buffers.block_tables.shape[1]}")
         size = self._size_for(batch, advance=False, lora=False)
+        self._held = step.max_seq_len
         self.buffers.input_ids[:batch].copy_(input_ids)
         self.buffers.positions[:size].zero_()[:batch].copy_(step.positions)
         self.buffers.seq_lens[:size].zero_()[:batch].copy_(step.seq_lens)
@@ -310,7 +316,7 @@ class DecodeGraphs:
         size = self._size_for(len(seq_ids), advance=True, lora=False)
         self._mirror = self._mirrors(len(seq_ids), size)
         self.buffers.fill(seq_ids, starts, size, [1] * len(seq_ids), mirror=self._mirror)
-        self._size = size
+        self._size, self._held = size, max(starts) + 1
 
     def advance(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` of the next step begun by :meth:`begin` (``input_ids [B]``, on the device)."""
@@ -318,7 +324,9 @@ class DecodeGraphs:
             raise RuntimeError("DecodeGraphs.advance needs begin() first (and no run() in between)")
         batch = input_ids.shape[0]
         self.buffers.set_tokens(input_ids, self._mirror)
-        return self._replay(self._size, advance=True)[:batch]
+        logits = self._replay(self._size, advance=True)[:batch]
+        self._held += 1
+        return logits
 
     # --------------------------------------------------------------------------------------- internals
     def _mirrors(self, batch: int, size: int) -> bool:
@@ -336,7 +344,10 @@ class DecodeGraphs:
     def _step_args(self, size: int, advance: bool, lora: bool) -> tuple:
         """:func:`static_step`'s arguments for a step of ``size`` sequences."""
         rows = self.buffers.rows(size)
-        return self.runner, rows, advance, self.max_model_len, self.tokens_per_seq, lora, self.mirror_padding
+        context = self.max_model_len
+        if self.runner.expands_latents:
+            context = min(context_bucket(self._held, whole=False, model=self.runner.model), context)
+        return self.runner, rows, advance, context, self.tokens_per_seq, lora, self.mirror_padding
 
     def _compiled(self, function, *args) -> torch.Tensor:
         """``function`` (the step or the draw, compiled or not) on ``args``, the dimensions that vary marked

@@ -77,7 +77,7 @@ class ModelRunner:
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
         self._mask = packed_mask(model.config.get_text_config(decoder=True))
         # layers that expand latents (MLA) get each sequence's latents from the cache: their attention reads the step
-        self._passes_step = any(kv.latent for kv in pool.layout.attention.values())
+        self.expands_latents = any(kv.latent for kv in pool.layout.attention.values())
         self.max_tokens = packed_token_limit(model.config)  # per forward (None: no limit)
         # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
         # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
@@ -302,7 +302,7 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=keep,
                 **{self._cache_argument: self.cache},
-                **({PACKED_STEP_KWARG: step} if self._passes_step else {}),
+                **({PACKED_STEP_KWARG: step} if self.expands_latents else {}),
             )
         finally:
             self.cache.step = None

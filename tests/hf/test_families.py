@@ -47,7 +47,7 @@ def test_transformers_loop_keeps_working(name):
 
 
 # families whose own code (transformers') specialises a compiled step to one sequence: batch 1 runs padded to 2
-SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4", "deepseek_v3")
+SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4")
 
 
 @pytest.mark.parametrize(
@@ -70,6 +70,30 @@ def test_compiled_decode_step_keeps_one_graph(name):
     assert graphs.compiled, model.hfaccel.session.steps()
     assert counters["stats"]["unique_graphs"] - before == 1
     assert ("batch 1 runs at 2" in graphs.status()) == (name in SPECIALISE_BATCH_ONE), graphs.status()
+
+
+def test_latent_attention_steps_run_at_their_batchs_context():
+    """MLA expands every held token at each step: its decode steps run at the power of two holding the batch's
+    longest sequence, not the model's whole context (here 65536 tokens), so uncompiled and uncaptured even where
+    compiling is asked for, with the reason in the steps' status — the eager tokens."""
+    import transformers
+
+    from tests.hf.tiny_configs import tiny_config
+
+    config = tiny_config("deepseek_v3", vocab_size=96, max_position_embeddings=65536)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
+    batch = padded_batch((11, 7, 4))
+    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    hfaccel.accelerate(model, attention="torch", compile=True)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    runner = model.hfaccel.session.runner
+    contexts, run_model = [], runner.run_model
+    runner.run_model = lambda ids, step, *rest: contexts.append(step.max_seq_len) or run_model(ids, step, *rest)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    graphs = runner.graphs
+    assert not graphs.compiled and "multi-head latent attention" in graphs.status()
+    assert graphs.max_model_len >= 65536 and contexts and max(contexts) <= 512  # the 11 + 6 tokens' bucket
 
 
 def test_state_slots_grow_with_the_batch():
