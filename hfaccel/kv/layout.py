@@ -148,10 +148,9 @@ def kv_heads_per_layer(config) -> list[int]:
     """Each layer's KV heads by a model config (one entry where every layer has the same: most configs say one
     number; Gemma 4's says each layer's, its global layers having fewer)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "per_layer_config", None)
-    if not layers:
+    if not getattr(text, "is_heterogeneous", False):  # (every config has a per-layer view; most one of one layer)
         return [kv_dims(config)[1]]
-    return [layer.num_key_value_heads or layer.num_attention_heads for layer in layers]
+    return [getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads for layer in text.per_layer_config]
 
 
 def local_kv_heads(model) -> int:

@@ -188,3 +188,20 @@ def test_kernel_layer_imports_only_torch_and_triton():
                 assert not name.startswith("hfaccel") or name.startswith("hfaccel.kernels"), (
                     f"{path.name} imports {name}"
                 )
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "opt", "codegen"])
+def test_beam_search_on_a_config_without_kv_heads_keeps_transformers_tokens(model_type):
+    """Beam search runs transformers' loop over a PagedCache sized from the config: a config that names no
+    ``num_key_value_heads`` (GPT-2, GPT-NeoX, OPT, CodeGen; transformers 5.24 gives every config a per-layer view)
+    holds its attention heads — transformers' tokens, not an error."""
+    from tests.hf.tiny_configs import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=96)).eval().to(DEVICE)
+    batch = padded_batch()
+    kwargs = dict(max_new_tokens=5, num_beams=2, do_sample=False, pad_token_id=0)
+    expected = model.generate(**batch, **kwargs)
+    hfaccel.accelerate(model, attention="torch")
+    assert torch.equal(model.generate(**batch, **kwargs), expected)
+    assert model.hfaccel.decode.path == "transformers"
