@@ -137,14 +137,15 @@ def _fp8_storage(model, session) -> dict:
 
 def _paged_cache_holds(model) -> bool:
     """Whether a ``PagedCache`` made from the config holds what the model's layers keep: K/V of the config's one
-    shape in every layer, no recurrent state and no cache class of the model's own (else transformers' loop keeps its
-    own cache: Gemma 4's per-layer heads and shared layers, MLA's latents, hybrid models, MiniMax)."""
+    shape in each of its layers, no recurrent state and no cache class of the model's own (else transformers' loop
+    keeps its own cache: Gemma 4's per-layer heads and shared layers, MLA's latents, hybrid models, MiniMax, Dory's
+    cache layers for its loops)."""
     layout = model_layout(model)
     shapes = {(kv.kv_heads, kv.key_dim, kv.value_dim, kv.latent) for kv in layout.attention.values()}
     if layout.states or len(layout.attention) != layout.num_layers or len(shapes) != 1 or own_cache_class(model):
         return False
-    head_dim = kv_dims(model.config)[2]  # a config of one shape (per-layer ones have several)
-    return shapes == {(local_kv_heads(model), head_dim, head_dim, False)}
+    layers, _, head_dim = kv_dims(model.config)  # a config of one shape (per-layer ones have several)
+    return layout.num_layers == layers and shapes == {(local_kv_heads(model), head_dim, head_dim, False)}
 
 
 def _read_adapters(model, session) -> str | None:

@@ -1,9 +1,10 @@
 """Every model type transformers registers for causal LM, tried as a new user would: a tiny random-weight model,
 transformers' greedy ``generate`` on a left-padded batch, then the same after ``hfaccel.accelerate`` — hfaccel's
 decode loop on its torch kernels (on a CPU ``attention="auto"`` hands every call to transformers' loop as the
-faster path). Each type ends one of four ways (:class:`Outcome`): served by hfaccel's loop with transformers'
-tokens, left on transformers' path with hfaccel's reason (and transformers' tokens), transformers itself unable to
-build or run the tiny model (its error), or broken — accepted then failing, or other tokens — which must never be.
+faster path), and for a served type beam search too (transformers' loop over the cache hfaccel gives it). Each type
+ends one of four ways (:class:`Outcome`): served by hfaccel's loop with transformers' tokens, left on transformers'
+path with hfaccel's reason (and transformers' tokens), transformers itself unable to build or run the tiny model (its
+error), or broken — accepted then failing, or other tokens — which must never be.
 
 The image-text-to-text types are walked the same way (``AutoModelForImageTextToText``) on text prompts: the
 language model's path; their image prompts are checked family by family in ``tests/hf/test_multimodal.py``.
@@ -74,7 +75,7 @@ def _walk(model_type: str, auto) -> tuple[str, str]:
             expected = _generate(model, ids, mask)
         except Exception as error:
             return NO_TINY_MODEL, failure_reason(error)
-        model = copy.deepcopy(model)
+        original, model = model, copy.deepcopy(model)
         try:
             hfaccel.accelerate(model, attention="torch", compile=False)
         except Exception as error:
@@ -83,14 +84,32 @@ def _walk(model_type: str, auto) -> tuple[str, str]:
             tokens = _generate(model, ids, mask)
         except Exception as error:
             return BROKEN, f"accepted, then generate() raised {failure_reason(error)}"
-    info = model.hfaccel
-    if not torch.equal(tokens, expected):
-        return BROKEN, f"other tokens than transformers' ({info.decode})"
-    if not info.active:
-        return DECLINED, info.fallback_reason
-    if info.decode.path != "hfaccel":
-        return BROKEN, f"accepted, but transformers' loop served generate() ({info.decode})"
+        info = model.hfaccel
+        if not torch.equal(tokens, expected):
+            return BROKEN, f"other tokens than transformers' ({info.decode})"
+        if not info.active:
+            return DECLINED, info.fallback_reason
+        if info.decode.path != "hfaccel":
+            return BROKEN, f"accepted, but transformers' loop served generate() ({info.decode})"
+        broken = _beam_search_breaks(original, model, ids, mask)
+    if broken is not None:
+        return BROKEN, broken
     return SERVED, hfaccel.runner.support.model_support(model).layout.describe()
+
+
+def _beam_search_breaks(original, model, ids: torch.Tensor, mask: torch.Tensor) -> str | None:
+    """How beam search — transformers' loop, over the cache hfaccel gives it and hfaccel's attention — breaks on the
+    accelerated ``model`` where it runs on the ``original``; None where it gives transformers' tokens."""
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
+    try:
+        expected = original.generate(**kwargs)
+    except Exception:  # transformers' own beam search does not run the model
+        return None
+    try:
+        tokens = model.generate(**kwargs)
+    except Exception as error:
+        return f"accepted, then beam search (transformers' loop) raised {failure_reason(error)}"
+    return None if torch.equal(tokens, expected) else "beam search (transformers' loop) gave other tokens"
 
 
 def _build(model_type: str, auto):
