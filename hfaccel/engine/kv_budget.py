@@ -59,11 +59,18 @@ class KVBudget:
 
 
 def activation_reserve(
-    config, layout: ModelLayout, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int
+    config,
+    layout: ModelLayout,
+    dtype: torch.dtype,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int = 0,
 ) -> int:
     """Bytes an engine's own forward and sampling may need beside the pool (an estimate, with margin): twice a
     full-budget forward's hidden states, MLP and q/k/v activations (the widest attention layer's), the fp32 logits
-    and sampling buffers of ``max_num_seqs`` rows, and :data:`GRAPHS_RESERVE`."""
+    and sampling buffers of ``max_num_seqs`` rows, :data:`GRAPHS_RESERVE`, and where layers expand latents (MLA) one
+    layer's K/V expanded from ``max_num_seqs`` sequences of ``max_model_len`` tokens (keys, values and their copy
+    for the kernel: every held token is expanded at each step)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     hidden = text.hidden_size
     heads = _global_int(text, "num_attention_heads", 1)
@@ -71,7 +78,9 @@ def activation_reserve(
     kv_heads = max((kv.kv_heads for kv in layout.attention.values()), default=heads)
     per_token = 4 * hidden + 3 * _global_int(text, "intermediate_size", 4 * hidden) + (heads + 2 * kv_heads) * width
     logits = max_num_seqs * text.vocab_size * (4 + 4 + 8)  # logits, sorted probabilities, int64 order
-    return 2 * max_num_batched_tokens * per_token * dtype.itemsize + logits + GRAPHS_RESERVE
+    expanded = max((4 * heads * kv.expanded_dim for kv in layout.attention.values() if kv.latent), default=0)
+    expansion = max_num_seqs * max_model_len * expanded * dtype.itemsize
+    return 2 * max_num_batched_tokens * per_token * dtype.itemsize + logits + GRAPHS_RESERVE + expansion
 
 
 def _global_int(config, name: str, default: int) -> int:
@@ -126,7 +135,8 @@ def plan_kv_cache(
             return budget(wanted, f"room for {served}")
         return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
     free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve(model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs) + state_bytes
+    reserve = activation_reserve(model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs, max_model_len)
+    reserve += state_bytes
     by_fraction = max(int(total * kv_cache_fraction) - state_bytes, 0) // block_bytes
     by_free = max(free - reserve, 0) // block_bytes
     if wanted <= min(by_fraction, by_free):
@@ -140,8 +150,9 @@ def plan_kv_cache(
     if by_free < 1:
         raise RuntimeError(
             f"no device memory is left for a KV cache: {free / (1 << 30):.2f} GiB free, "
-            f"{reserve / (1 << 30):.2f} GiB kept for the engine's activations; free memory or give "
-            "num_blocks / kv_cache_memory"
+            f"{reserve / (1 << 30):.2f} GiB kept for the engine's activations; free memory, lower max_num_seqs / "
+            "max_model_len (what multi-head latent attention expands grows with both), or give num_blocks / "
+            "kv_cache_memory"
         )
     return budget(
         by_free,

@@ -85,3 +85,25 @@ def test_bad_settings_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB // 2, 80 * GIB))
     with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
         _plan(model, max_model_len=1 << 20)
+
+
+def test_latent_attention_reserves_the_expanded_kv_of_a_full_batch(monkeypatch):
+    """MLA expands every held token at each step: the engine keeps one layer's expanded K/V of ``max_num_seqs``
+    sequences of ``max_model_len`` tokens out of the pool, so a batch that fills it does not run out of memory."""
+    import transformers
+
+    from tests.hf.tiny_configs import tiny_config
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", vocab_size=96))
+    layout = model_layout(model)
+    (expanded,) = {kv.expanded_dim for kv in layout.attention.values()}
+    plain = activation_reserve(model.config, layout, model.dtype, 512, 8)
+    full_batch = 8 * 4096 * 4 * model.config.num_attention_heads * expanded * 4  # fp32: keys, values, their copy
+    assert activation_reserve(model.config, layout, model.dtype, 512, 8, 4096) == plain + full_batch
+    llama = tiny_model("llama")
+    same = activation_reserve(llama.config, model_layout(llama), llama.dtype, 512, 8)
+    assert activation_reserve(llama.config, model_layout(llama), llama.dtype, 512, 8, 4096) == same
+    monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB, 80 * GIB))
+    with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
+        _plan(model, max_num_seqs=256, max_model_len=1 << 17)
