@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hfaccel import compat
 from hfaccel.kernels.write_kv import dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, slot_mapping
-from hfaccel.kv.layout import AttentionKV, own_cache_class
+from hfaccel.kv.layout import AttentionKV, joined_latents, own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
 
@@ -189,8 +189,7 @@ class PoolCache(Cache):
     def _latents(self, paged: PagedKV, held: AttentionKV) -> tuple[torch.Tensor, torch.Tensor]:
         """A latent layer's every held token, ``[B, Hkv, S, key_dim]`` and ``[B, Hkv, S, value_dim]``, in
         transformers' layout."""
-        keys, values = paged.gather()
-        return keys[..., : held.key_dim], values[..., : held.value_dim]
+        return joined_latents(*paged.gather(), held)
 
     def _begin_layer(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int

@@ -54,7 +54,11 @@ class AttentionKV:
 
     @property
     def width(self) -> int:
-        """The head width the pool stores keys and values in (the narrower of the two zero-padded to it)."""
+        """The head width the pool stores keys and values in: the narrower of the two zero-padded to the wider; a
+        latent layer's two latents one after the other, split in halves between the key and value rows
+        (:func:`split_latents`)."""
+        if self.latent:
+            return -(-(self.key_dim + self.value_dim) // 2)
         return max(self.key_dim, self.value_dim)
 
     @property
@@ -129,6 +133,20 @@ def widened(tensor: torch.Tensor, width: int) -> torch.Tensor:
     if extra < 0:
         raise ValueError(f"a head {tensor.shape[-1]} wide cannot be held {width} wide")
     return tensor if extra == 0 else torch.nn.functional.pad(tensor, (0, extra))
+
+
+def split_latents(keys: torch.Tensor, values: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent layer's latents ``[..., key_dim]`` and ``[..., value_dim]`` as the pool's key and value rows
+    ``[..., width]``: the two one after the other, zero-padded to ``2 * width``, in halves."""
+    joined = widened(torch.cat([keys, values], dim=-1), 2 * width)
+    return joined[..., :width], joined[..., width:]
+
+
+def joined_latents(keys: torch.Tensor, values: torch.Tensor, kv: AttentionKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's two latents ``[..., key_dim]`` and ``[..., value_dim]`` from what :func:`split_latents` stored (or
+    from the latents themselves: their concatenation is the same)."""
+    joined = torch.cat([keys, values], dim=-1)
+    return joined[..., : kv.key_dim], joined[..., kv.key_dim : kv.key_dim + kv.value_dim]
 
 
 def uniform_layout(num_layers: int, kv_heads: int, head_dim: int) -> ModelLayout:

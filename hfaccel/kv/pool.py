@@ -21,7 +21,7 @@ from hfaccel.device import model_device, to_device
 from hfaccel.kernels.ops import write_kv_op
 from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, check_kv_scales as check_pool_takes
 from hfaccel.kv.block_manager import BlockCopy, BlockManager, CacheFullError, slot_mapping
-from hfaccel.kv.layout import ModelLayout, kv_dims, model_layout, uniform_layout, widened
+from hfaccel.kv.layout import ModelLayout, kv_dims, model_layout, split_latents, uniform_layout, widened
 from hfaccel.kv.fp8 import KVScales, check_kv_scales, fill_scales, model_kv_scales, prefill_scales
 from hfaccel.kv.state import StatePool, StateStep, state_groups
 
@@ -289,6 +289,8 @@ class KVPool:
             self._calibrate(layer, keys, values, slots)
         view = self.layer_view(layer)
         width = view["kv_cache"].shape[-1]  # the wider of a layer's keys and values: the narrower zero-padded to it
+        if self.layout.attention[layer].latent:
+            keys, values = split_latents(keys, values, width)
         keys, values = widened(keys, width), widened(values, width)
         write_kv_op(keys, values, view["kv_cache"], view["layer"], slots, backend, view.get("kv_scales"))
 

@@ -1,7 +1,7 @@
 """Attention over K/V whose values are narrower than the keys (multi-head latent attention expands its cached latents
 into keys ``qk_head_dim`` wide and values ``v_head_dim`` wide): dense calls with a padding mask, and packed sequences
 whose expanded K/V come one after another in one row (``SequenceKVCache._latents``), against a per-sequence reference
-on both kernel backends."""
+on both kernel backends; and the latents' round trip through the pool's rows."""
 
 import pytest
 import torch
@@ -81,3 +81,19 @@ def test_packed_sequences_read_their_own_expanded_kv(backend, dtype):
         visible = (torch.arange(length)[None] <= positions[rows][:, None]).to(DEVICE)
         want = _reference(query[0][:, rows], key[0][:, held], value[0][:, held], 0.25, visible)
         assert_close(out[0, rows], want.to(dtype))
+
+
+@pytest.mark.parametrize("key_dim, value_dim", [(32, 8), (31, 8), (8, 31)])
+def test_a_latent_layers_two_latents_round_trip_through_the_pools_rows(key_dim, value_dim):
+    """The pool stores a latent layer's latents one after the other in halves of its key and value rows (odd sums
+    zero-padded): what it reads back is what was written, and the rows are half the two latents' width."""
+    from hfaccel.kv.layout import AttentionKV, joined_latents, split_latents
+
+    kv = AttentionKV(1, key_dim, value_dim, expanded_dim=64)
+    latent = _random(3, 1, 5, key_dim, dtype=torch.float32, seed=6)
+    rope = _random(3, 1, 5, value_dim, dtype=torch.float32, seed=7)
+    keys, values = split_latents(latent, rope, kv.width)
+    assert keys.shape[-1] == values.shape[-1] == kv.width == -(-(key_dim + value_dim) // 2)
+    back = joined_latents(keys, values, kv)
+    assert torch.equal(back[0], latent) and torch.equal(back[1], rope)
+    assert all(torch.equal(x, y) for x, y in zip(joined_latents(latent, rope, kv), (latent, rope)))

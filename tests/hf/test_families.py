@@ -93,6 +93,8 @@ def test_latent_attention_steps_run_at_their_batchs_context():
     assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
     graphs = runner.graphs
     assert not graphs.compiled and "multi-head latent attention" in graphs.status()
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    assert runner.pool.group_shapes == [(1, latent // 2)]  # the two latents in halves of the key and value rows
     assert graphs.max_model_len >= 65536 and contexts and max(contexts) <= 512  # the 11 + 6 tokens' bucket
 
 
