@@ -295,6 +295,11 @@ def _read_layout(
             states[index] = _state(index, layer)
             known = True
         if isinstance(layer, CacheLayerMixin):
+            if (own := _own_state(layer)) is not None:
+                raise LayoutError(
+                    f"layer {index} keeps state of its own beside its K/V ({type(layer).__name__}: {own}), which "
+                    "hfaccel's pool does not hold"
+                )
             if type(layer).__name__.endswith("IndexedLayer"):
                 raise LayoutError(
                     f"layer {index} keeps indexer keys beside its K/V (sparse attention with a "
@@ -321,6 +326,17 @@ def _read_layout(
         raise LayoutError(f"no module was seen reading the recurrent state of layers {missing}")
     num_layers = max(len(cache.layers), max(states, default=-1) + 1)  # MiniMax keeps no cache layer for its last ones
     return ModelLayout(num_layers, attention, states, {i: mixers[i] for i in states})
+
+
+def _own_state(layer) -> str | None:
+    """The methods through which a cache layer class of a model's own (not transformers' ``cache_utils``) keeps state
+    beyond K/V (DeepSeek-V4's compressors: ``store_compression_weights``...), or None for transformers' layers."""
+    kind = type(layer)
+    if kind.__module__ == CacheLayerMixin.__module__:
+        return None
+    base = next(cls for cls in kind.__mro__ if cls.__module__ == CacheLayerMixin.__module__)
+    extra = sorted(name for name in dir(kind) if not name.startswith("_") and not hasattr(base, name))
+    return ", ".join(extra) or "a cache layer class of the model's own"
 
 
 def _state(index: int, layer) -> RecurrentState:

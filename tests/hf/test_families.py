@@ -128,14 +128,20 @@ def test_speculative_decoding_refuses_recurrent_state():
             assert "hfaccel" not in str(type(error).__module__)
 
 
-def test_a_model_that_cannot_be_served_keeps_transformers_path():
+@pytest.mark.parametrize(
+    "model_type, reason", [("deepseek_v32", "indexer keys"), ("deepseek_v4", "store_compression_weights")]
+)
+def test_a_model_that_cannot_be_served_keeps_transformers_path(model_type, reason):
     """A family whose cache hfaccel's pool cannot hold (DeepSeek-V3.2's sparse attention keeps indexer keys beside
-    its latents) is declined before the first call, with the reason, its tokens unchanged."""
+    its latents; DeepSeek-V4's cache layers keep its compressors' state) is declined before the first call, with the
+    reason, its tokens unchanged."""
     import transformers
 
     from tests.hf.tiny_configs import tiny_config
 
-    config = tiny_config("deepseek_v32", vocab_size=96)
+    if model_type not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config = tiny_config(model_type, vocab_size=96)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
     batch = padded_batch()
@@ -143,7 +149,7 @@ def test_a_model_that_cannot_be_served_keeps_transformers_path():
     hfaccel.accelerate(model, attention="torch")
     assert torch.equal(model.generate(**batch, max_new_tokens=4, **GREEDY), expected)
     assert not model.hfaccel.active
-    assert "indexer keys" in model.hfaccel.fallback_reason
+    assert reason in model.hfaccel.fallback_reason
 
 
 def test_latent_attention_serves_speculative_decoding_and_fp8_pools():
