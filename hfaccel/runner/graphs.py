@@ -127,8 +127,8 @@ class DecodeGraphs:
         self.buffers = StepBuffers(runner, max_batch, max_model_len, tokens_per_seq, self.last_only)
         # dynamic=None: static except the dimensions marked dynamic (mark_step_dynamic), so one graph per mode
         # serves every batch size and pool size; each size is then captured as its own CUDA graph
-        self._step_fn = compiled_function(static_step) if compile else static_step
-        self._draw_fn = compiled_function(draw_step) if compile and draws else draw_step
+        self._step_fn = compiled_function(static_step) if self.compiled else static_step
+        self._draw_fn = compiled_function(draw_step) if self.compiled and draws else draw_step
         self.compile_failure: str | None = None  # why the step runs uncompiled, when compiling failed
         # the (advance, lora) variants the compiled step was traced for, and for those settled, why steps of one
         # sequence run at the next size (None: at size 1)

@@ -78,6 +78,7 @@ def test_latent_attention_steps_run_at_their_batchs_context():
     compiling is asked for, with the reason in the steps' status — the eager tokens."""
     import transformers
 
+    from hfaccel.runner.step_function import static_step
     from tests.hf.tiny_configs import tiny_config
 
     config = tiny_config("deepseek_v3", vocab_size=96, max_position_embeddings=65536)
@@ -93,6 +94,7 @@ def test_latent_attention_steps_run_at_their_batchs_context():
     assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
     graphs = runner.graphs
     assert not graphs.compiled and "multi-head latent attention" in graphs.status()
+    assert graphs._step_fn is static_step  # nothing compiled behind the status
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     assert runner.pool.group_shapes == [(1, latent // 2)]  # the two latents in halves of the key and value rows
     assert graphs.max_model_len >= 65536 and contexts and max(contexts) <= 512  # the 11 + 6 tokens' bucket
