@@ -110,8 +110,9 @@ gpu-smoke: gpu-install
 # once when a size is first captured), structured throughput (never measured), fp8 (issue 50), a mixture of experts
 # at batch 1 (issue 47's mirror row: batch 1 against batch 2, the roofline counting the experts reached). Round 2:
 # vision-language (issue 49), the fp8 KV cache in the engine, the fp8 tune for decode. Round 3: int4 and paged
-# decode again after tuning. Round 4: multi-head latent attention (issue 47: the expanded-K/V kernels on CUDA, then
-# DeepSeek-V2-Lite-shaped decode at batch 1 and 16 against transformers' fastest path).
+# decode again after tuning. Round 4: multi-head latent attention (issue 47: the latent-space kernels on CUDA, head
+# dim 576, and the compiled decode step; then DeepSeek-V2-Lite-shaped decode at batch 1 and 16 against transformers'
+# fastest path).
 # Copy each table into docs/benchmarks.md (date, device, commit, command) and commit the JSON and tuned tables.
 OUT ?= bench-results
 ROUND ?= 1
@@ -151,6 +152,7 @@ gpu-round-3:
 gpu-round-4:
 	-HFACCEL_TEST_DEVICE=cuda $(CLI) 150 $(PYTHON) -m pytest -q -n 4 -ra --tb=short tests/attention/test_latent.py \
 		"tests/hf/test_families.py::test_latent_attention_serves_speculative_decoding_and_fp8_pools" \
+		"tests/hf/test_families.py::test_latent_attention_decodes_compiled_in_the_latent_space" \
 		2>&1 | tee $(OUT)/latent.log
 	-$(CLI) 240 $(BENCH) decode --model deepseek-v2-lite --layers 4 --dtype bfloat16 --batch 1 --batch 16 \
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla.json 2>&1 | tee $(OUT)/decode-mla.log

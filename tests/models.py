@@ -114,6 +114,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax", "kimi_linear")
+LATENT_FAMILIES = ("deepseek_v3", "kimi_linear")  # multi-head latent attention, read in the latent space
 
 
 def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers.PreTrainedModel:

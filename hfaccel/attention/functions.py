@@ -26,7 +26,7 @@ import torch
 
 from hfaccel import compat
 from hfaccel.attention.masks import PACKED_MASK, KernelMask, auto_mask, dense_mask, implicit_mask, kernel_mask
-from hfaccel.attention.paths import FLASH, PAGED, SDPA, TORCH, record_path
+from hfaccel.attention.paths import ABSORBED, FLASH, PAGED, SDPA, TORCH, record_path
 from hfaccel.attention.sdpa import dense_attention, prefill_route, sdpa_dense, softmax_scale
 from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
@@ -51,6 +51,9 @@ def _attention(
     if not isinstance(key, PagedKV) and value.shape[-1] != key.shape[-1]:
         return _widened(backend, module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
+    if isinstance(key, PagedKV) and key.latent is not None:
+        record_path(module, ABSORBED, backend, query)
+        return _absorbed(backend, module, query, key, attention_mask, scaling, softcap, dropout), None
     step = kwargs.get(PACKED_STEP_KWARG)
     if step is not None and not isinstance(key, PagedKV):
         record_path(module, PAGED, backend, query)
@@ -182,6 +185,30 @@ def _expanded(
     )
 
 
+def _absorbed(
+    backend: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    kv: PagedKV,
+    mask,
+    scaling: float | None,
+    softcap: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Packed queries ``[1, H, T, nope + rope]`` of a latent layer over its latents in the pool, in the latent space
+    (``hfaccel.kv.latent``) -> ``[1, T, H, value]``: the query's ``nope`` part times ``W_UK``, the paged kernel over
+    each token's two latents as one KV head of keys and values, the output's latent part times ``W_UV``."""
+    heads = kv.latent
+    key_rows, value_rows = heads.split_weight(module.kv_b_proj.weight)  # [H, nope, C], [H, value, C]
+    q_nope, q_rope = query.split([heads.nope, query.shape[-1] - heads.nope], dim=-1)
+    q_latent = torch.matmul(q_nope, key_rows)  # [1, H, T, C]
+    joined = widened(torch.cat([q_latent, q_rope], dim=-1), 2 * kv.kv_cache.shape[-1])  # [1, H, T, 2 * width]
+    scale = softmax_scale(scaling, query)
+    out = _packed(backend, joined, kv, mask, scale, softcap, None, dropout, None, joined=True)  # [1, T, H, 2 * width]
+    latent = out[..., : key_rows.shape[-1]].transpose(1, 2)  # [1, H, T, C]
+    return torch.matmul(latent, value_rows.transpose(1, 2)).transpose(1, 2)  # [1, T, H, value]
+
+
 def _attention_temperature(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor | None):
     """``query [1, Hq, T, D]`` of a packed forward scaled as Llama 4's no-RoPE layers scale a token's query at its
     position in its sequence (``positions [T]``): transformers scales by its index in the forward instead (the
@@ -242,8 +269,10 @@ def _packed(
     sinks: torch.Tensor | None,
     dropout: float,
     sliding_window: int | None,
+    joined: bool = False,
 ) -> torch.Tensor:
-    # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]
+    # query: [1, Hq, T, D] (every sequence's new tokens in one row) -> [1, T, Hq, D]; joined: a latent layer's rows
+    # read as one (hfaccel.kv.latent)
     if not _paged_kernel_serves(mask, dropout, query):
         raise NotImplementedError(
             "packed sequences (hfaccel's engine and speculative decoding) run only on the causal paged kernel, "
@@ -267,6 +296,7 @@ def _packed(
         sinks,
         backend,
         kv.kv_scales,
+        joined,
     )
 
 

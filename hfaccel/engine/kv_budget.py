@@ -15,12 +15,14 @@ takes its ``max_num_seqs`` state slots first (``state_bytes``); the KV blocks ge
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from hfaccel.device import model_device
 from hfaccel.kv import KVPool
+from hfaccel.kv.latent import absorbed_layers
 from hfaccel.kv.layout import ModelLayout, model_layout
 
 CPU_POOL_BYTES = 1 << 30  # the default KV pool on the CPU: at most 1 GiB
@@ -65,12 +67,14 @@ def activation_reserve(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_model_len: int = 0,
+    absorbed: Collection[int] = (),
 ) -> int:
     """Bytes an engine's own forward and sampling may need beside the pool (an estimate, with margin): twice a
     full-budget forward's hidden states, MLP and q/k/v activations (the widest attention layer's), the fp32 logits
     and sampling buffers of ``max_num_seqs`` rows, :data:`GRAPHS_RESERVE`, and where layers expand latents (MLA) one
-    layer's K/V expanded from ``max_num_seqs`` sequences of ``max_model_len`` tokens (keys, values and their copy
-    for the kernel: every held token is expanded at each step)."""
+    layer's K/V expanded (keys, values and their copy for the kernel): from ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens where some latent layer is not read in the latent space (``absorbed``: every held token
+    is expanded at each step), else from one forward's tokens (a prompt's prefill)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     hidden = text.hidden_size
     heads = _global_int(text, "num_attention_heads", 1)
@@ -79,7 +83,9 @@ def activation_reserve(
     per_token = 4 * hidden + 3 * _global_int(text, "intermediate_size", 4 * hidden) + (heads + 2 * kv_heads) * width
     logits = max_num_seqs * text.vocab_size * (4 + 4 + 8)  # logits, sorted probabilities, int64 order
     expanded = max((4 * heads * kv.expanded_dim for kv in layout.attention.values() if kv.latent), default=0)
-    expansion = max_num_seqs * max_model_len * expanded * dtype.itemsize
+    latent = [layer for layer, kv in layout.attention.items() if kv.latent]
+    tokens = max_num_batched_tokens if set(latent) <= set(absorbed) else max_num_seqs * max_model_len
+    expansion = tokens * expanded * dtype.itemsize
     return 2 * max_num_batched_tokens * per_token * dtype.itemsize + logits + GRAPHS_RESERVE + expansion
 
 
@@ -135,7 +141,10 @@ def plan_kv_cache(
             return budget(wanted, f"room for {served}")
         return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
     free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve(model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs, max_model_len)
+    absorbed = absorbed_layers(model, layout, kv_cache_dtype)
+    reserve = activation_reserve(
+        model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs, max_model_len, absorbed
+    )
     reserve += state_bytes
     by_fraction = max(int(total * kv_cache_fraction) - state_bytes, 0) // block_bytes
     by_free = max(free - reserve, 0) // block_bytes

@@ -38,6 +38,7 @@ from hfaccel.quant.fp8 import (
 from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.kv.fp8 import KVScales, check_kv_scales, resolve_kv_cache_dtype
 from hfaccel.kv.layout import ModelLayout
+from hfaccel.kv.latent import remove_absorption
 from hfaccel.kv.state import install_mixers, remove_mixers
 from hfaccel.runner import compiles
 from hfaccel.runner.support import model_support
@@ -244,6 +245,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         model.set_attn_implementation(info.original_attn_implementation)
         untrack_paths(model)
         remove_mixers(model)
+        remove_absorption(model)
     uninstall_generate(model)
     if info.session is not None:
         info.session.release()  # its KV pools and compiled steps, now rather than at the next collection

@@ -85,18 +85,22 @@ def paged_attention_op(
     sinks: torch.Tensor | None,
     backend: str,
     kv_scales: torch.Tensor | None = None,
+    joined: bool = False,
 ) -> torch.Tensor:
     """Attention over layer ``layer`` of the paged pool ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]`` (an fp8
     pool with its per-head scales ``kv_scales [L, 2, Hkv]``; ``hfaccel.kernels.paged_attention``):
     ``q [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``, dense, or packed with ``cu_seqlens_q`` (``B`` = 1: the one row holds
     every sequence's tokens). The packed query is re-viewed as ``[T, Hq, D]`` inside the op, not in the traced
     graph: inductor's lowering of that select guards on T > 1 for some query layouts (a query straight from its
-    projection, no RoPE), giving batch 1 a graph of its own."""
+    projection, no RoPE), giving batch 1 a graph of its own. ``joined``: a layer of one KV head whose key and value
+    rows of a token lie one after the other (a latent layer's: ``hfaccel.kv.pool``), read as one row ``2 * D`` wide
+    for both keys and values (``q [B, Hq, Sq, 2 * D]``)."""
     packed = cu_seqlens_q is not None
+    keys, values = (joined_rows(kv_cache[layer]),) * 2 if joined else (kv_cache[layer, 0], kv_cache[layer, 1])
     out = paged_attention(
         q[0].transpose(0, 1) if packed else q,
-        kv_cache[layer, 0],
-        kv_cache[layer, 1],
+        keys,
+        values,
         block_tables,
         seq_lens,
         cu_seqlens_q=cu_seqlens_q,
@@ -132,9 +136,23 @@ def _(
     sinks,
     backend,
     kv_scales=None,
+    joined=False,
 ):
     batch, heads, seq, head_dim = q.shape
     return q.new_empty(batch, seq, heads, head_dim)
+
+
+def joined_rows(layer_kv: torch.Tensor) -> torch.Tensor:
+    """``layer_kv [2, num_blocks, block_size, 1, D]`` whose key and value rows of a token lie one after the other
+    as one row per token, ``[num_blocks, block_size, 1, 2 * D]`` (a view); a ValueError for any other layout."""
+    _, blocks, size, heads, width = layer_kv.shape
+    step = layer_kv.stride()
+    if heads != 1 or step[0] != width or step[2] != 2 * width or step[4] != 1 or step[1] != size * step[2]:
+        raise ValueError(
+            "joined rows need one KV head whose key and value rows of each token lie one after the other; got shape "
+            f"{tuple(layer_kv.shape)}, strides {step}"
+        )
+    return layer_kv[0].as_strided((blocks, size, 1, 2 * width), (step[1], step[2], 2 * width, 1))
 
 
 @torch.library.custom_op("hfaccel::write_kv", mutates_args=("kv_cache",))

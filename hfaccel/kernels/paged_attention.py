@@ -42,7 +42,7 @@ from hfaccel.kernels.attention_tiles import (
     sink_logits,
     whole_blocks,
 )
-from hfaccel.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, flash_attention_reference
+from hfaccel.kernels.flash_attention import SUPPORTED_DTYPES, flash_attention_reference
 from hfaccel.kernels.runtime import interpreting, num_sms, resolve_backend
 from hfaccel.kernels.write_kv import KV_QUANT_DTYPES, check_kv_scales, dequantize_kv
 
@@ -426,12 +426,16 @@ DECODE_CANDIDATES = {
     128: [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)],
     256: [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)],
     512: [(32, 8, 1), (16, 4, 2), (32, 8, 2), (16, 8, 1)],
+    1024: [(16, 8, 1), (16, 4, 1), (32, 8, 1)],
 }
+# a latent layer read absorbed (``hfaccel.kv.latent``) is one head as wide as its two latents: DeepSeek's 512 + 64
+MAX_PAGED_HEAD_DIM = 1024
 
 
 def _tile_rows(head_dim: int, rows: int) -> int:
     block_d = triton.next_power_of_2(head_dim)
-    return min(32 if block_d > 256 else 64 if block_d > 128 else 128, max(16, triton.next_power_of_2(rows)))
+    widest = 16 if block_d > 512 else 32 if block_d > 256 else 64 if block_d > 128 else 128
+    return min(widest, max(16, triton.next_power_of_2(rows)))
 
 
 def default_paged_config(head_dim: int, dtype: torch.dtype, rows: int) -> PagedConfig:
@@ -565,14 +569,14 @@ def _check(
         )
     quantized = k_pool.dtype in KV_QUANT_DTYPES
     if (
-        head_dim > MAX_HEAD_DIM
+        head_dim > MAX_PAGED_HEAD_DIM
         or q.dtype not in SUPPORTED_DTYPES
         or k_pool.dtype != v_pool.dtype
         or not (quantized or q.dtype == k_pool.dtype)
     ):
         raise ValueError(
             f"q and the pools must share one of {SUPPORTED_DTYPES} (or the pools be one of "
-            f"{KV_QUANT_DTYPES}, with scales) with head_dim <= {MAX_HEAD_DIM}; got "
+            f"{KV_QUANT_DTYPES}, with scales) with head_dim <= {MAX_PAGED_HEAD_DIM}; got "
             f"{q.dtype}/{k_pool.dtype}/{v_pool.dtype}, head_dim {head_dim}"
         )
     check_kv_scales(k_pool, k_scale, v_scale, q.dtype)

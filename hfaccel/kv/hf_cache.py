@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hfaccel import compat
 from hfaccel.kernels.write_kv import dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, slot_mapping
+from hfaccel.kv.latent import LatentHeads
 from hfaccel.kv.layout import AttentionKV, joined_latents, own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
@@ -77,6 +78,9 @@ class PagedKV:
     # a quantized pool's (fp8): the group's per-head scales [L_g, 2, Hkv] fp32, and the dtype its K/V read back in
     kv_scales: torch.Tensor | None = None
     dtype: torch.dtype | None = None
+    # a latent layer read in the latent space (``hfaccel.kv.latent``): how its module expands the latents; the
+    # attention reads each token's two latents as one row (``paged_attention_op(joined=True)``)
+    latent: LatentHeads | None = None
 
     def to(self, device: torch.device | str, *args, **kwargs) -> PagedKV:
         """Itself, on the pool's device: a layer that reads another layer's K/V moves them to its own device first
@@ -181,12 +185,12 @@ class PoolCache(Cache):
         )
         held = self.pool.layout.attention[layer_idx]
         if held.latent:  # its module expands the latents it reads back (MLA)
-            return self._latents(paged, held)
+            return self._latents(paged, held, layer_idx)
         if backend is not None:
             return paged, paged
         return paged.gather()
 
-    def _latents(self, paged: PagedKV, held: AttentionKV) -> tuple[torch.Tensor, torch.Tensor]:
+    def _latents(self, paged: PagedKV, held: AttentionKV, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A latent layer's every held token, ``[B, Hkv, S, key_dim]`` and ``[B, Hkv, S, value_dim]``, in
         transformers' layout."""
         return joined_latents(*paged.gather(), held)
@@ -320,6 +324,7 @@ class SequenceKVCache(PoolCache):
     def __init__(self, config, pool: KVPool):
         super().__init__(config, pool)
         self.step: PackedStep | None = None
+        self.absorbed: dict[int, LatentHeads] = {}  # latent layers read in the latent space (the runner's choice)
         # the recurrent layers' per-group states, handed to their mixers (a model with recurrent state)
         self.state_view = StateView(pool.num_layers) if pool.states is not None else None
 
@@ -352,11 +357,17 @@ class SequenceKVCache(PoolCache):
         )
         return paged, step.slot_mapping
 
-    def _latents(self, paged: PagedKV, held: AttentionKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """A latent layer's packed sequences, one after another in one row: ``[1, Hkv, S * L, D]``, sequence ``s``'s
-        tokens from ``s * L`` on (``L`` the step's ``max_seq_len``), so that the module expands them as one batch row
-        whatever the number of sequences (hfaccel's attention reads them with the step: ``PACKED_STEP_KWARG``)."""
-        return tuple(t.transpose(0, 1).flatten(1, 2)[None] for t in super()._latents(paged, held))
+    def _latents(self, paged: PagedKV, held: AttentionKV, layer_idx: int):
+        """An absorbed layer's view of the pool, twice (``hfaccel.kv.latent``: its ``expand_kv`` passes it on),
+        but on one prompt's whole prefill; else the layer's packed sequences, one after another in one row:
+        ``[1, Hkv, S * L, D]``, sequence ``s``'s tokens from ``s * L`` on (``L`` the step's ``max_seq_len``), so that
+        the module expands them as one batch row whatever the number of sequences (hfaccel's attention reads them
+        with the step: ``PACKED_STEP_KWARG``)."""
+        heads = self.absorbed.get(layer_idx)
+        if heads is not None and paged.dense is None:
+            latent = replace(paged, latent=heads)
+            return latent, latent
+        return tuple(t.transpose(0, 1).flatten(1, 2)[None] for t in super()._latents(paged, held, layer_idx))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0: packed sequences have no one length (each token's position is in ``position_ids``, and in

@@ -113,13 +113,16 @@ class KVPool:
             )
         self.kv_scales = kv_scales
         self._calibrating: set[int] = set()  # layers whose first prefill sets their scales (kv_scales="prefill")
-        # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them
-        self.group_shapes = sorted({(kv.kv_heads, kv.width) for kv in layout.attention.values()})
+        # attention layers of one (KV heads, width) share one tensor: group g holds layers_per_group[g] of them; latent
+        # layers (MLA) groups of their own, whose key and value rows of a token lie one after the other (allocate)
+        groups = sorted({(kv.kv_heads, kv.width, kv.latent) for kv in layout.attention.values()})
+        self.group_shapes = [(heads, width) for heads, width, _ in groups]
+        self.latent_groups = {group for group, (_, _, latent) in enumerate(groups) if latent}
         self.place: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group's tensor)
         self.layers_per_group = [0] * len(self.group_shapes)
         for layer in sorted(layout.attention):
             kv = layout.attention[layer]
-            group = self.group_shapes.index((kv.kv_heads, kv.width))
+            group = groups.index((kv.kv_heads, kv.width, kv.latent))
             self.place[layer] = (group, self.layers_per_group[group])
             self.layers_per_group[group] += 1
         self.states = StatePool(layout, max_num_seqs) if layout.states else None
@@ -211,23 +214,25 @@ class KVPool:
         self._device, self._dtype = device, dtype
         shapes = list(zip(self.layers_per_group, self.group_shapes))
         self.tensors = [
-            torch.zeros(
-                layers,
-                2,
-                self.num_blocks,
-                self.block_size,
-                heads,
-                width,
-                device=device,
-                dtype=self.kv_cache_dtype or dtype,
-            )
-            for layers, (heads, width) in shapes
+            self._group_tensor(layers, heads, width, group in self.latent_groups, device, self.kv_cache_dtype or dtype)
+            for group, (layers, (heads, width)) in enumerate(shapes)
         ]
         if self.quantized:
             self.scales = [torch.ones(layers, 2, heads, device=device) for layers, (heads, _) in shapes]
             self._set_scales()
         if self.states is not None:
             self.states.allocate(device)
+
+    def _group_tensor(
+        self, layers: int, heads: int, width: int, latent: bool, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A group's ``[L_g, 2, num_blocks, block_size, Hkv, D]`` zeros; a latent group's stored with each token's key
+        and value rows one after the other, so that a token's two latents read as one row ``2 * D`` wide (the
+        absorbed attention's keys and values: ``hfaccel.kv.latent``)."""
+        if not latent:
+            return torch.zeros(layers, 2, self.num_blocks, self.block_size, heads, width, device=device, dtype=dtype)
+        stored = torch.zeros(layers, self.num_blocks, self.block_size, 2, heads, width, device=device, dtype=dtype)
+        return stored.permute(0, 3, 1, 2, 4, 5)
 
     def _set_scales(self) -> None:
         """The scales ``kv_scales`` gives (``hfaccel.kv.fp8``): a number everywhere, a checkpoint's per layer, or

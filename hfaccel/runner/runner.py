@@ -35,6 +35,7 @@ from hfaccel.attention.masks import packed_mask
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, paged_reader_backend, sequence_cache
+from hfaccel.kv.latent import absorbed_layers, install_absorption
 from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
@@ -76,8 +77,15 @@ class ModelRunner:
         self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
         self._mask = packed_mask(model.config.get_text_config(decoder=True))
-        # layers that expand latents (MLA) get each sequence's latents from the cache: their attention reads the step
-        self.expands_latents = any(kv.latent for kv in pool.layout.attention.values())
+        # latent layers (MLA) read in the latent space where their module and the pool allow it (hfaccel.kv.latent)
+        self.absorbed = absorbed_layers(model, pool.layout, pool.kv_cache_dtype)
+        self.cache.absorbed = self.absorbed
+        install_absorption(model, self.absorbed)
+        latent = [layer for layer, kv in pool.layout.attention.items() if kv.latent]
+        # the others expand each sequence's latents from the cache, their attention reading the step (and one
+        # prompt's whole prefill of every latent layer does)
+        self.reads_latents = bool(latent)
+        self.expands_latents = any(layer not in self.absorbed for layer in latent)
         self.max_tokens = packed_token_limit(model.config)  # per forward (None: no limit)
         # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
         # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
@@ -302,7 +310,7 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=keep,
                 **{self._cache_argument: self.cache},
-                **({PACKED_STEP_KWARG: step} if self.expands_latents else {}),
+                **({PACKED_STEP_KWARG: step} if self.reads_latents else {}),
             )
         finally:
             self.cache.step = None

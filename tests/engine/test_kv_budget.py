@@ -87,23 +87,30 @@ def test_bad_settings_are_refused(monkeypatch):
         _plan(model, max_model_len=1 << 20)
 
 
-def test_latent_attention_reserves_the_expanded_kv_of_a_full_batch(monkeypatch):
-    """MLA expands every held token at each step: the engine keeps one layer's expanded K/V of ``max_num_seqs``
-    sequences of ``max_model_len`` tokens out of the pool, so a batch that fills it does not run out of memory."""
+def test_latent_attention_reserves_what_it_expands(monkeypatch):
+    """MLA read in the latent space expands only one prompt's new tokens (its whole prefill): the engine keeps one
+    layer's K/V expanded from one forward's tokens out of the pool. Where it expands every held token at each step
+    (an fp8 pool), it keeps those of ``max_num_seqs`` sequences of ``max_model_len`` tokens, so a batch that fills
+    the pool does not run out of memory, and refuses to start where they do not fit."""
     import transformers
 
+    from hfaccel.kv.latent import absorbed_layers
     from tests.hf.tiny_configs import tiny_config
 
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", vocab_size=96))
     layout = model_layout(model)
     (expanded,) = {kv.expanded_dim for kv in layout.attention.values()}
+    absorbed = absorbed_layers(model, layout)
+    assert sorted(absorbed) == sorted(layout.attention)
+    per_token = 4 * model.config.num_attention_heads * expanded * 4  # fp32: keys, values, their copy
     plain = activation_reserve(model.config, layout, model.dtype, 512, 8)
-    full_batch = 8 * 4096 * 4 * model.config.num_attention_heads * expanded * 4  # fp32: keys, values, their copy
-    assert activation_reserve(model.config, layout, model.dtype, 512, 8, 4096) == plain + full_batch
+    assert activation_reserve(model.config, layout, model.dtype, 512, 8, 4096) == plain + 8 * 4096 * per_token
+    assert activation_reserve(model.config, layout, model.dtype, 512, 8, 4096, absorbed) == plain + 512 * per_token
     llama = tiny_model("llama")
     same = activation_reserve(llama.config, model_layout(llama), llama.dtype, 512, 8)
     assert activation_reserve(llama.config, model_layout(llama), llama.dtype, 512, 8, 4096) == same
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
+    assert _plan(model, max_num_seqs=256, max_model_len=1 << 17).num_blocks > 0
     with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
-        _plan(model, max_num_seqs=256, max_model_len=1 << 17)
+        _plan(model, max_num_seqs=256, max_model_len=1 << 17, kv_cache_dtype=torch.float8_e4m3fn)

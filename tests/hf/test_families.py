@@ -12,7 +12,7 @@ import torch
 import hfaccel
 from hfaccel.runner.support import model_support
 from tests.devices import DEVICE
-from tests.models import FAMILIES, HYBRID_FAMILIES, family_model, padded_batch
+from tests.models import FAMILIES, HYBRID_FAMILIES, LATENT_FAMILIES, family_model, padded_batch
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -28,6 +28,8 @@ def test_triton_kernels_give_transformers_tokens(name):
     assert str(model.hfaccel.decode) == "hfaccel"
     assert model.hfaccel.attention_paths.counts  # hfaccel's kernels served the calls
     assert all(path.startswith("hfaccel") for path in model.hfaccel.attention_paths.counts)
+    if name in LATENT_FAMILIES:  # read in the latent space (the decode steps and the batch's prefill)
+        assert "hfaccel paged latent (triton)" in model.hfaccel.attention_paths.counts
     layout = model_support(model).layout
     assert layout.hybrid == (name in HYBRID_FAMILIES)
 
@@ -72,31 +74,58 @@ def test_compiled_decode_step_keeps_one_graph(name):
     assert ("batch 1 runs at 2" in graphs.status()) == (name in SPECIALISE_BATCH_ONE), graphs.status()
 
 
-def test_latent_attention_steps_run_at_their_batchs_context():
-    """MLA expands every held token at each step: its decode steps run at the power of two holding the batch's
-    longest sequence, not the model's whole context (here 65536 tokens), so uncompiled and uncaptured even where
-    compiling is asked for, with the reason in the steps' status — the eager tokens."""
+def _long_context_deepseek():
+    """A DeepSeek-V3 model whose context is 65536 tokens, and a left-padded batch."""
     import transformers
 
-    from hfaccel.runner.step_function import static_step
     from tests.hf.tiny_configs import tiny_config
 
     config = tiny_config("deepseek_v3", vocab_size=96, max_position_embeddings=65536)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
-    batch = padded_batch((11, 7, 4))
-    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE), padded_batch((11, 7, 4))
+
+
+def test_latent_attention_decodes_compiled_in_the_latent_space():
+    """MLA read in the latent space (``hfaccel.kv.latent``): each token's two latents one row of the pool, the decode
+    step compiled as any model's, one graph for every batch size — the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    model, batch = _long_context_deepseek()
+    batches = [batch, padded_batch((6,)), padded_batch((5, 9))]
+    expected = [model.generate(**each, max_new_tokens=6, **GREEDY) for each in batches]
     hfaccel.accelerate(model, attention="torch", compile=True)
-    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    before = counters["stats"]["unique_graphs"]
+    for each, want in zip(batches, expected):
+        assert torch.equal(model.generate(**each, max_new_tokens=6, **GREEDY), want)
+    runner = model.hfaccel.session.runner
+    assert runner.graphs.compiled and runner.graphs.eager_reason is None, runner.graphs.status()
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert sorted(runner.absorbed) == [0, 1] and not runner.expands_latents
+    config = model.config
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    assert runner.pool.group_shapes == [(1, latent // 2)] and runner.pool.latent_groups == {0}
+    # the prefills: a batch's in the latent space, one prompt's alone over the K/V its new latents expand to
+    assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged latent (torch)", "hfaccel paged (torch)"}
+
+
+def test_latent_attention_over_an_fp8_pool_runs_at_its_batchs_context():
+    """An fp8 pool keeps a scale per key and value half of a latent row, so MLA expands every held token at each
+    step: its decode steps run at the power of two holding the batch's longest sequence, not the model's whole
+    context (65536 tokens), so uncompiled and uncaptured even where compiling is asked for, with the reason in the
+    steps' status."""
+    from hfaccel.runner.step_function import static_step
+
+    model, batch = _long_context_deepseek()
+    hfaccel.accelerate(model, attention="torch", compile=True, kv_cache_dtype=torch.float8_e4m3fn)
+    first = model.generate(**batch, max_new_tokens=6, **GREEDY)
     runner = model.hfaccel.session.runner
     contexts, run_model = [], runner.run_model
     runner.run_model = lambda ids, step, *rest: contexts.append(step.max_seq_len) or run_model(ids, step, *rest)
-    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), first)
     graphs = runner.graphs
+    assert runner.absorbed == {} and runner.expands_latents
     assert not graphs.compiled and "multi-head latent attention" in graphs.status()
     assert graphs._step_fn is static_step  # nothing compiled behind the status
-    latent = config.kv_lora_rank + config.qk_rope_head_dim
-    assert runner.pool.group_shapes == [(1, latent // 2)]  # the two latents in halves of the key and value rows
     assert graphs.max_model_len >= 65536 and contexts and max(contexts) <= 512  # the 11 + 6 tokens' bucket
 
 
@@ -173,7 +202,7 @@ def test_latent_attention_serves_speculative_decoding_and_fp8_pools():
     hfaccel.accelerate(model, attention="torch")
     hfaccel.accelerate(draft, attention="torch")
     assert torch.equal(hfaccel.speculative_generate(model, draft, **batch, max_new_tokens=9), expected)
-    assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged (torch)"}
+    assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged latent (torch)"}
     quantized = fp8.generate(**batch, max_new_tokens=9, **GREEDY)
     assert quantized.shape == expected.shape and str(fp8.hfaccel.decode) == "hfaccel"
     assert (quantized[:, -9:] == expected[:, -9:]).float().mean() > 0.5  # fp8 latents: close, not exact

@@ -652,6 +652,14 @@ SM90_CASES += [
     for head_dim in (64, 128, 256, 512)
     for cfg in candidate_paged_configs(head_dim, torch.float16, 4)
 ]
+# a latent layer read absorbed: DeepSeek's 512 + 64 latents as one head, 16 (V2-Lite) or 128 (V3) query heads
+SM90_CASES += [
+    (dtype, 576, cfg, split, True)
+    for dtype in (torch.float16, torch.bfloat16)
+    for rows in (16, 128)
+    for cfg in {default_paged_config(576, dtype, rows), *candidate_paged_configs(576, dtype, rows)}
+    for split in (False, True)
+]
 SM90_CASES += [
     (dtype, head_dim, default_paged_config(head_dim, dtype, rows), split, True, torch.float8_e4m3fn)
     for dtype in (torch.float16, torch.bfloat16)
@@ -719,7 +727,7 @@ def _side_jobs():
     write_module = importlib.import_module("hfaccel.kernels.write_kv")
     jobs = []
     for dtype in DTYPES:
-        for head_dim in (64, 256, 512):
+        for head_dim in (64, 256, 512, 1024):
             signature = {
                 name: "i32" for name in combine.arg_names if name not in ("BLOCK_S", "BLOCK_D", "VARLEN", "HAS_SINKS")
             }

@@ -1,0 +1,120 @@
+"""Multi-head latent attention (MLA) read in the latent space, its expansion absorbed into the query and the output.
+
+transformers' MLA modules (DeepSeek-V2/V3 and their kin) cache two latents a token, ``c`` (``kv_lora_rank`` wide) and
+the rotary key ``r``, and expand them after reading the cache (``expand_kv``): head ``h``'s key is
+``[c W_UK[h]^T | r]`` and its value ``c W_UV[h]^T``, ``W_UK`` and ``W_UV`` being rows of ``kv_b_proj``. So a score
+``q . k = [q_nope W_UK[h] | q_rope] . [c | r]`` and an output ``sum p v = (sum p c) W_UV[h]^T``: attention can run
+over the latents themselves, one KV head ``[c | r]`` read as both keys and values, with the query
+``[q_nope W_UK | q_rope]`` and the first ``kv_lora_rank`` columns of the output times ``W_UV`` (vLLM's MLA decode).
+It reads the 576 values a token DeepSeek caches, in place, where the expansion writes ``heads * (qk + v)`` values
+for every held token at every step.
+
+The pool keeps a latent layer's key and value rows of a token one after the other (``KVPool``), so that ``[c | r]``
+is one row the paged kernel reads (``paged_attention_op(joined=True)``). The runner's cache hands an absorbed layer
+a ``PagedKV`` whose ``latent`` is set (``hfaccel.kv.hf_cache``), except on the forward of one prompt's whole
+prefill, where expanding its new tokens is transformers' own and cheaper path; the module's ``expand_kv`` passes it
+through (:func:`install_absorption`) and hfaccel's attention does the rest (``hfaccel.attention.functions``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hfaccel.kv.layout import ModelLayout
+
+ABSORBED_EXPAND = "hfaccel_absorbed_expand"  # marks an expand_kv of install_absorption's
+
+
+@dataclass(frozen=True)
+class LatentHeads:
+    """How an absorbed layer's module expands its latents: ``heads`` query heads, each with a key ``nope`` wide
+    before its rotary part and a value ``value`` wide, both rows of ``kv_b_proj``."""
+
+    heads: int
+    nope: int
+    value: int
+
+    def split_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s ``weight [heads * (nope + value), C]`` as ``W_UK [heads, nope, C]`` and
+        ``W_UV [heads, value, C]`` (views)."""
+        per_head = weight.view(self.heads, self.nope + self.value, weight.shape[-1])
+        return per_head[:, : self.nope], per_head[:, self.nope :]
+
+
+def absorbed_layers(
+    model: nn.Module, layout: ModelLayout, kv_cache_dtype: torch.dtype | None = None
+) -> dict[int, LatentHeads]:
+    """The latent layers of ``layout`` whose attention runs in the latent space: those whose module's
+    ``expand_kv`` gives exactly the keys and values ``kv_b_proj``'s rows give (checked on random latents), with a
+    plain floating-point ``nn.Linear`` as ``kv_b_proj`` (a quantized or adapter-wrapped one keeps the expansion);
+    none over an fp8 pool (``kv_cache_dtype``), whose two halves of a latent row have scales of their own."""
+    if kv_cache_dtype is not None:
+        return {}
+    modules = {
+        module.layer_idx: module
+        for module in model.modules()
+        if isinstance(getattr(module, "layer_idx", None), int) and callable(getattr(module, "expand_kv", None))
+    }
+    found = {}
+    for layer, kv in layout.attention.items():
+        if kv.latent and layer in modules:
+            heads = _latent_heads(modules[layer], kv.key_dim, kv.value_dim)
+            if heads is not None:
+                found[layer] = heads
+    return found
+
+
+@torch.no_grad()
+def _latent_heads(module: nn.Module, latent_dim: int, rope_dim: int) -> LatentHeads | None:
+    """The module's :class:`LatentHeads` where its ``expand_kv`` is ``kv_b_proj``'s split (module docstring)."""
+    projection = getattr(module, "kv_b_proj", None)
+    if type(projection) is not nn.Linear or projection.bias is not None:
+        return None
+    weight = projection.weight  # [heads * (nope + value), C]
+    if not weight.is_floating_point() or weight.device.type == "meta" or weight.shape[1] != latent_dim:
+        return None
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    latent = torch.randn(1, 1, 3, latent_dim, generator=generator).to(weight)  # [1, 1, S, C]
+    rope = torch.randn(1, 1, 3, rope_dim, generator=generator).to(weight)  # [1, 1, S, R]
+    keys, values = type(module).expand_kv(module, latent, rope)  # [1, H, S, nope + R], [1, H, S, value]
+    heads = LatentHeads(keys.shape[1], keys.shape[-1] - rope_dim, values.shape[-1])
+    if weight.shape[0] != heads.heads * (heads.nope + heads.value):
+        return None
+    key_rows, value_rows = heads.split_weight(weight)
+    expected_keys = torch.cat([latent @ key_rows.transpose(1, 2), rope.expand(-1, heads.heads, -1, -1)], -1)
+    expected_values = latent @ value_rows.transpose(1, 2)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if weight.element_size() < 4 else dict(rtol=1e-4, atol=1e-5)
+    matches = torch.allclose(keys.float(), expected_keys.float(), **tolerance) and torch.allclose(
+        values.float(), expected_values.float(), **tolerance
+    )
+    return heads if matches else None
+
+
+def install_absorption(model: nn.Module, layers: dict[int, LatentHeads]) -> None:
+    """Give the modules of ``layers`` an ``expand_kv`` that passes a view of the pool through (what the runner's
+    cache returns for them), and expands tensors as transformers does (idempotent). :func:`remove_absorption`
+    takes it away."""
+    for module in model.modules():
+        if getattr(module, "layer_idx", None) not in layers or not callable(getattr(module, "expand_kv", None)):
+            continue
+        if getattr(vars(module).get("expand_kv"), ABSORBED_EXPAND, False):
+            continue
+        original = module.expand_kv
+
+        def expand_kv(kv_nope, k_rot, _original=original):
+            if isinstance(kv_nope, torch.Tensor):
+                return _original(kv_nope, k_rot)
+            return kv_nope, k_rot  # the pool's latent view: hfaccel's attention reads it absorbed
+
+        setattr(expand_kv, ABSORBED_EXPAND, True)
+        module.expand_kv = expand_kv
+
+
+def remove_absorption(model: nn.Module) -> None:
+    """Undo :func:`install_absorption`."""
+    for module in model.modules():
+        if getattr(vars(module).get("expand_kv"), ABSORBED_EXPAND, False):
+            del module.expand_kv
