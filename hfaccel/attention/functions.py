@@ -53,7 +53,7 @@ def _attention(
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
     if isinstance(key, PagedKV) and key.latent is not None:
         record_path(module, ABSORBED, backend, query)
-        return _absorbed(backend, module, query, key, attention_mask, scaling, softcap, dropout), None
+        return _absorbed(backend, query, key, attention_mask, scaling, softcap, dropout), None
     step = kwargs.get(PACKED_STEP_KWARG)
     if step is not None and not isinstance(key, PagedKV):
         record_path(module, PAGED, backend, query)
@@ -187,7 +187,6 @@ def _expanded(
 
 def _absorbed(
     backend: str,
-    module: torch.nn.Module,
     query: torch.Tensor,
     kv: PagedKV,
     mask,
@@ -199,7 +198,7 @@ def _absorbed(
     (``hfaccel.kv.latent``) -> ``[1, T, H, value]``: the query's ``nope`` part times ``W_UK``, the paged kernel over
     each token's two latents as one KV head of keys and values, the output's latent part times ``W_UV``."""
     heads = kv.latent
-    key_rows, value_rows = heads.split_weight(module.kv_b_proj.weight)  # [H, nope, C], [H, value, C]
+    key_rows, value_rows = heads.split_weight()  # [H, nope, C], [H, value, C]
     q_nope, q_rope = query.split([heads.nope, query.shape[-1] - heads.nope], dim=-1)
     q_latent = torch.matmul(q_nope, key_rows)  # [1, H, T, C]
     joined = widened(torch.cat([q_latent, q_rope], dim=-1), 2 * kv.kv_cache.shape[-1])  # [1, H, T, 2 * width]

@@ -18,7 +18,7 @@ through (:func:`install_absorption`) and hfaccel's attention does the rest (``hf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,16 +31,17 @@ ABSORBED_EXPAND = "hfaccel_absorbed_expand"  # marks an expand_kv of install_abs
 @dataclass(frozen=True)
 class LatentHeads:
     """How an absorbed layer's module expands its latents: ``heads`` query heads, each with a key ``nope`` wide
-    before its rotary part and a value ``value`` wide, both rows of ``kv_b_proj``."""
+    before its rotary part and a value ``value`` wide, rows of ``weight [heads * (nope + value), C]``, the matrix
+    ``kv_b_proj`` multiplies by (a Linear's own weight; a quantized layer's, dequantized once)."""
 
     heads: int
     nope: int
     value: int
+    weight: torch.Tensor = field(compare=False, repr=False)
 
-    def split_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv_b_proj``'s ``weight [heads * (nope + value), C]`` as ``W_UK [heads, nope, C]`` and
-        ``W_UV [heads, value, C]`` (views)."""
-        per_head = weight.view(self.heads, self.nope + self.value, weight.shape[-1])
+    def split_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [heads, nope, C]`` and ``W_UV [heads, value, C]`` (views of ``weight``)."""
+        per_head = self.weight.view(self.heads, self.nope + self.value, self.weight.shape[-1])
         return per_head[:, : self.nope], per_head[:, self.nope :]
 
 
@@ -48,9 +49,10 @@ def absorbed_layers(
     model: nn.Module, layout: ModelLayout, kv_cache_dtype: torch.dtype | None = None
 ) -> dict[int, LatentHeads]:
     """The latent layers of ``layout`` whose attention runs in the latent space: those whose module's
-    ``expand_kv`` gives exactly the keys and values ``kv_b_proj``'s rows give (checked on random latents), with a
-    plain floating-point ``nn.Linear`` as ``kv_b_proj`` (a quantized or adapter-wrapped one keeps the expansion);
-    none over an fp8 pool (``kv_cache_dtype``), whose two halves of a latent row have scales of their own."""
+    ``expand_kv`` gives the keys and values the rows of the matrix ``kv_b_proj`` multiplies by give (checked on
+    random latents), ``kv_b_proj`` being a layer of its own (a Linear, or a quantized one: int4, fp8) without bias —
+    not an adapter wrapper, whose matrix changes with the active adapter; none over an fp8 pool
+    (``kv_cache_dtype``), whose two halves of a latent row have scales of their own."""
     if kv_cache_dtype is not None:
         return {}
     modules = {
@@ -69,28 +71,52 @@ def absorbed_layers(
 
 @torch.no_grad()
 def _latent_heads(module: nn.Module, latent_dim: int, rope_dim: int) -> LatentHeads | None:
-    """The module's :class:`LatentHeads` where its ``expand_kv`` is ``kv_b_proj``'s split (module docstring)."""
+    """The module's :class:`LatentHeads` where its ``expand_kv`` is ``kv_b_proj``'s split (module docstring), in the
+    dtype of the module's floating-point parameters (its norms')."""
     projection = getattr(module, "kv_b_proj", None)
-    if type(projection) is not nn.Linear or projection.bias is not None:
+    reference = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if not isinstance(projection, nn.Module) or next(projection.children(), None) is not None or reference is None:
         return None
-    weight = projection.weight  # [heads * (nope + value), C]
-    if not weight.is_floating_point() or weight.device.type == "meta" or weight.shape[1] != latent_dim:
+    device, dtype = reference.device, reference.dtype
+    if device.type == "meta":
+        return None
+    weight = _matrix(projection, latent_dim, device, dtype)  # [heads * (nope + value), C]
+    if weight is None:
         return None
     generator = torch.Generator(device="cpu").manual_seed(0)
-    latent = torch.randn(1, 1, 3, latent_dim, generator=generator).to(weight)  # [1, 1, S, C]
-    rope = torch.randn(1, 1, 3, rope_dim, generator=generator).to(weight)  # [1, 1, S, R]
+    latent = torch.randn(1, 1, 3, latent_dim, generator=generator).to(device, dtype)  # [1, 1, S, C]
+    rope = torch.randn(1, 1, 3, rope_dim, generator=generator).to(device, dtype)  # [1, 1, S, R]
     keys, values = type(module).expand_kv(module, latent, rope)  # [1, H, S, nope + R], [1, H, S, value]
-    heads = LatentHeads(keys.shape[1], keys.shape[-1] - rope_dim, values.shape[-1])
+    heads = LatentHeads(keys.shape[1], keys.shape[-1] - rope_dim, values.shape[-1], weight)
     if weight.shape[0] != heads.heads * (heads.nope + heads.value):
         return None
-    key_rows, value_rows = heads.split_weight(weight)
+    key_rows, value_rows = heads.split_weight()
     expected_keys = torch.cat([latent @ key_rows.transpose(1, 2), rope.expand(-1, heads.heads, -1, -1)], -1)
     expected_values = latent @ value_rows.transpose(1, 2)
-    tolerance = dict(rtol=2e-2, atol=2e-2) if weight.element_size() < 4 else dict(rtol=1e-4, atol=1e-5)
+    exact = type(projection) is nn.Linear and dtype == torch.float32  # else rounded as 16-bit (or int4) kernels do
+    tolerance = dict(rtol=1e-4, atol=1e-5) if exact else dict(rtol=2e-2, atol=2e-2)
     matches = torch.allclose(keys.float(), expected_keys.float(), **tolerance) and torch.allclose(
         values.float(), expected_values.float(), **tolerance
     )
     return heads if matches else None
+
+
+def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The matrix ``[out, width]`` a layer without bias multiplies its inputs by: a Linear's own weight, else its
+    outputs for the identity (a quantized layer's weights dequantized, once); None for a layer with a bias or of
+    other widths."""
+    if type(projection) is nn.Linear:
+        weight = projection.weight
+        ok = projection.bias is None and weight.is_floating_point() and weight.shape[1] == width
+        return weight if ok else None
+    try:
+        columns = projection(torch.eye(width, device=device, dtype=dtype))  # [width, out]: row i is column i
+        at_zero = projection(torch.zeros(1, width, device=device, dtype=dtype))
+    except (RuntimeError, ValueError, TypeError):  # not a layer of that width
+        return None
+    if columns.dim() != 2 or columns.shape[0] != width or at_zero.abs().max() != 0:
+        return None
+    return columns.t().contiguous()
 
 
 def install_absorption(model: nn.Module, layers: dict[int, LatentHeads]) -> None:

@@ -208,6 +208,22 @@ def test_latent_attention_serves_speculative_decoding_and_fp8_pools():
     assert (quantized[:, -9:] == expected[:, -9:]).float().mean() > 0.5  # fp8 latents: close, not exact
 
 
+@pytest.mark.parametrize("method", ["rtn", "fp8"])
+def test_latent_attention_reads_a_quantized_expansion_in_the_latent_space(method):
+    """MLA whose ``kv_b_proj`` is quantized (hfaccel's int4 or fp8): the matrix it multiplies by, dequantized once,
+    serves the latent-space attention — the quantized model's own tokens."""
+    model = family_model("deepseek_v3")
+    hfaccel.quantize(model, method, group_size=32)
+    layer = type(model.model.layers[0].self_attn.kv_b_proj).__name__
+    assert layer == ("Int4Linear" if method == "rtn" else "Fp8Linear")
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=8, **GREEDY)
+    hfaccel.accelerate(model, attention="torch")
+    assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), expected)
+    assert sorted(model.hfaccel.session.runner.absorbed) == [0, 1]
+    assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged latent (torch)"}
+
+
 def test_llama4_scales_each_packed_query_at_its_own_position():
     """Llama 4's no-RoPE layers scale a query by the attention temperature of its position (here from position 23 on,
     by 1 + 10 log 2): hfaccel's packed forwards scale each at its position in its sequence, so ``generate`` and the
