@@ -31,6 +31,7 @@ import torch
 from rich.console import Console
 
 from hfaccel.kernels import tuning
+from hfaccel.kv.layout import AttentionKV
 from hfaccel.tools.models import NAMED_CONFIGS
 
 DEFAULT_MODELS = ("llama-3.2-1b", "llama-3.1-8b")
@@ -49,12 +50,22 @@ class ModelShapes:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # the paged decode's KV heads and head dim where they differ (MLA read in the latent space: one head of the two
+    # latents joined, hfaccel.kv.latent)
+    decode_kv_heads: int | None = None
+    decode_head_dim: int | None = None
 
     @classmethod
     def named(cls, name: str) -> ModelShapes:
         if name not in NAMED_CONFIGS:
             raise ValueError(f"model must be one of {sorted(NAMED_CONFIGS)}; got {name!r}")
         c = NAMED_CONFIGS[name]
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        decode = {}
+        if "kv_lora_rank" in c:  # multi-head latent attention: prefill over the expanded K/V, decode over the latents
+            head_dim = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+            latent = AttentionKV(1, c["kv_lora_rank"], c["qk_rope_head_dim"], expanded_dim=head_dim)
+            decode = dict(decode_kv_heads=1, decode_head_dim=2 * latent.width)
         return cls(
             name,
             c["hidden_size"],
@@ -62,9 +73,15 @@ class ModelShapes:
             c["num_hidden_layers"],
             c["num_attention_heads"],
             c["num_key_value_heads"],
-            c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            head_dim,
             c["vocab_size"],
+            **decode,
         )
+
+    @property
+    def decode_attention(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of the paged decode."""
+        return self.num_heads, self.decode_kv_heads or self.num_kv_heads, self.decode_head_dim or self.head_dim
 
 
 def available_ops() -> list[str]:

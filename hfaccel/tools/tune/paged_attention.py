@@ -46,7 +46,7 @@ def sweep(
 ) -> Iterator[tuple[str, dict]]:
     """``(bucket key, entry)`` as each is measured: the fastest configuration's fields (``num_splits`` included) and
     its ``us``."""
-    for heads, kv_heads, head_dim in sorted({(s.num_heads, s.num_kv_heads, s.head_dim) for s in shapes}):
+    for heads, kv_heads, head_dim in sorted({s.decode_attention for s in shapes}):
         for dtype in dtypes:
             for batch in BATCHES:
                 for context in CONTEXTS:
