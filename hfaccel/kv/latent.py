@@ -18,6 +18,8 @@ through (:func:`install_absorption`) and hfaccel's attention does the rest (``hf
 
 from __future__ import annotations
 
+import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +27,8 @@ from torch import nn
 
 from hfaccel.kv.layout import ModelLayout
 
-ABSORBED_EXPAND = "hfaccel_absorbed_expand"  # marks an expand_kv of install_absorption's
+# model -> the runners reading it in the latent space (install_absorption's pass-through stays while one does)
+_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ def absorbed_layers(
     }
     found = {}
     for layer, kv in layout.attention.items():
-        if kv.latent and layer in modules:
+        plain = kv.window is None and kv.chunk is None and getattr(modules.get(layer), "sinks", None) is None
+        if kv.latent and layer in modules and plain:  # (the latent-space attention has no window, chunk nor sinks)
             heads = _latent_heads(modules[layer], kv.key_dim, kv.value_dim)
             if heads is not None:
                 found[layer] = heads
@@ -119,28 +123,44 @@ def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torc
     return columns.t().contiguous()
 
 
-def install_absorption(model: nn.Module, layers: dict[int, LatentHeads]) -> None:
-    """Give the modules of ``layers`` an ``expand_kv`` that passes a view of the pool through (what the runner's
-    cache returns for them), and expands tensors as transformers does (idempotent). :func:`remove_absorption`
-    takes it away."""
+def install_absorption(model: nn.Module, layers: dict[int, LatentHeads], user: object) -> None:
+    """Give the modules of ``layers`` an ``expand_kv`` that passes a view of the pool on (what the runner's cache
+    returns for them) and expands tensors as their class does, for ``user`` (a runner: idempotent). It stays while a
+    user reads the model in the latent space: :func:`release_absorption`, :func:`remove_absorption`."""
+    if not layers:
+        return
+    _USERS.setdefault(model, weakref.WeakSet()).add(user)
     for module in model.modules():
-        if getattr(module, "layer_idx", None) not in layers or not callable(getattr(module, "expand_kv", None)):
-            continue
-        if getattr(vars(module).get("expand_kv"), ABSORBED_EXPAND, False):
-            continue
-        original = module.expand_kv
+        if getattr(module, "layer_idx", None) in layers and callable(getattr(module, "expand_kv", None)):
+            if not _installed(module):
+                module.expand_kv = types.MethodType(expand_kv, module)
 
-        def expand_kv(kv_nope, k_rot, _original=original):
-            if isinstance(kv_nope, torch.Tensor):
-                return _original(kv_nope, k_rot)
-            return kv_nope, k_rot  # the pool's latent view: hfaccel's attention reads it absorbed
 
-        setattr(expand_kv, ABSORBED_EXPAND, True)
-        module.expand_kv = expand_kv
+def release_absorption(model: nn.Module, user: object) -> None:
+    """``user`` reads ``model`` in the latent space no more; the last one's release takes the pass-through away."""
+    users = _USERS.get(model)
+    if users is not None:
+        users.discard(user)
+    remove_absorption(model)
 
 
 def remove_absorption(model: nn.Module) -> None:
-    """Undo :func:`install_absorption`."""
+    """Take away :func:`install_absorption`'s pass-through, unless a runner still reads the model in the latent space
+    (an engine over it: it goes with that runner's release)."""
+    if _USERS.get(model):
+        return
     for module in model.modules():
-        if getattr(vars(module).get("expand_kv"), ABSORBED_EXPAND, False):
+        if _installed(module):
             del module.expand_kv
+
+
+def expand_kv(module: nn.Module, kv_nope, k_rot):
+    """:func:`install_absorption`'s ``expand_kv`` (bound to each module; named as the method it stands for, so that
+    a pickled model takes its class's back): a view of the pool passed on, tensors expanded by the class's own."""
+    if isinstance(kv_nope, torch.Tensor):
+        return type(module).expand_kv(module, kv_nope, k_rot)
+    return kv_nope, k_rot  # the pool's latent view: hfaccel's attention reads it in the latent space
+
+
+def _installed(module: nn.Module) -> bool:
+    return getattr(vars(module).get("expand_kv"), "__func__", None) is expand_kv

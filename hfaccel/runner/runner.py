@@ -35,7 +35,7 @@ from hfaccel.attention.masks import packed_mask
 from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, paged_reader_backend, sequence_cache
-from hfaccel.kv.latent import absorbed_layers, install_absorption
+from hfaccel.kv.latent import absorbed_layers, install_absorption, release_absorption
 from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
@@ -80,7 +80,7 @@ class ModelRunner:
         # latent layers (MLA) read in the latent space where their module and the pool allow it (hfaccel.kv.latent)
         self.absorbed = absorbed_layers(model, pool.layout, pool.kv_cache_dtype)
         self.cache.absorbed = self.absorbed
-        install_absorption(model, self.absorbed)
+        install_absorption(model, self.absorbed, self)
         latent = [layer for layer, kv in pool.layout.attention.items() if kv.latent]
         # the others expand each sequence's latents from the cache, their attention reading the step (and one
         # prompt's whole prefill of every latent layer does)
@@ -362,6 +362,7 @@ class ModelRunner:
         self.pool.release()
         self.pool = make_pool()
         self.cache = sequence_cache(self.model, self.pool)
+        self.cache.absorbed = self.absorbed
         for graphs in self.static_steps():
             graphs.pool_changed()
 
@@ -370,6 +371,7 @@ class ModelRunner:
         it they go when Python's cycle collector next runs (the runner and its graphs refer to each other)."""
         self.graphs = self.catch_up = None
         self.pool.release()
+        release_absorption(self.model, self)
 
     # ------------------------------------------------------------------------------------------ sequences
     def crop(self, seq_id: Hashable, length: int) -> None:
