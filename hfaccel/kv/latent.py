@@ -29,6 +29,8 @@ from hfaccel.kv.layout import ModelLayout
 
 # model -> the runners reading it in the latent space (install_absorption's pass-through stays while one does)
 _USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# a quantized kv_b_proj -> the matrix it multiplies by, dequantized (_matrix)
+_DEQUANTIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,15 @@ def _latent_heads(module: nn.Module, latent_dim: int, rope_dim: int) -> LatentHe
 
 def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """The matrix ``[out, width]`` a layer without bias multiplies its inputs by: a Linear's own weight, else its
-    outputs for the identity (a quantized layer's weights dequantized, once); None for a layer with a bias or of
-    other widths."""
+    outputs for the identity (a quantized layer's weights dequantized, once per layer, device and dtype: every
+    runner over the model shares it); None for a layer with a bias or of other widths."""
     if type(projection) is nn.Linear:
         weight = projection.weight
         ok = projection.bias is None and weight.is_floating_point() and weight.shape[1] == width
         return weight if ok else None
+    held = _DEQUANTIZED.get(projection)
+    if held is not None and (held.device, held.dtype, held.shape[1]) == (device, dtype, width):
+        return held
     try:
         columns = projection(torch.eye(width, device=device, dtype=dtype))  # [width, out]: row i is column i
         at_zero = projection(torch.zeros(1, width, device=device, dtype=dtype))
@@ -120,7 +125,8 @@ def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torc
         return None
     if columns.dim() != 2 or columns.shape[0] != width or at_zero.abs().max() != 0:
         return None
-    return columns.t().contiguous()
+    _DEQUANTIZED[projection] = columns.t().contiguous()
+    return _DEQUANTIZED[projection]
 
 
 def install_absorption(model: nn.Module, layers: dict[int, LatentHeads], user: object) -> None:

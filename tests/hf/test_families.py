@@ -220,8 +220,12 @@ def test_latent_attention_reads_a_quantized_expansion_in_the_latent_space(method
     expected = model.generate(**batch, max_new_tokens=8, **GREEDY)
     hfaccel.accelerate(model, attention="torch")
     assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), expected)
-    assert sorted(model.hfaccel.session.runner.absorbed) == [0, 1]
+    absorbed = model.hfaccel.session.runner.absorbed
+    assert sorted(absorbed) == [0, 1]
     assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged latent (torch)"}
+    engine = hfaccel.Engine(model, max_num_seqs=2, num_blocks=16)  # the dequantized matrices are shared
+    assert all(engine.runner.absorbed[layer].weight is heads.weight for layer, heads in absorbed.items())
+    engine.close()
 
 
 def test_llama4_scales_each_packed_query_at_its_own_position():
