@@ -111,8 +111,8 @@ gpu-smoke: gpu-install
 # at batch 1 (issue 47's mirror row: batch 1 against batch 2, the roofline counting the experts reached). Round 2:
 # vision-language (issue 49), the fp8 KV cache in the engine, the fp8 tune for decode. Round 3: int4 and paged
 # decode again after tuning. Round 4: multi-head latent attention (issue 47: the latent-space kernels on CUDA, head
-# dim 576, and the compiled decode step; then DeepSeek-V2-Lite-shaped decode at batch 1 and 16 against transformers'
-# fastest path).
+# dim 576, and the compiled decode step; then DeepSeek-V2-Lite- and DeepSeek-V3-shaped decode at batch 1 and 16
+# against transformers' fastest path: 16 and 128 query heads over the latents).
 # Copy each table into docs/benchmarks.md (date, device, commit, command) and commit the JSON and tuned tables.
 OUT ?= bench-results
 ROUND ?= 1
@@ -156,6 +156,8 @@ gpu-round-4:
 		2>&1 | tee $(OUT)/latent.log
 	-$(CLI) 240 $(BENCH) decode --model deepseek-v2-lite --layers 4 --dtype bfloat16 --batch 1 --batch 16 \
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla.json 2>&1 | tee $(OUT)/decode-mla.log
+	-$(CLI) 150 $(BENCH) decode --model deepseek-v3 --layers 2 --dtype bfloat16 --batch 1 --batch 16 \
+		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla-128-heads.json 2>&1 | tee $(OUT)/decode-mla-v3.log
 
 gpu-test: gpu-install
 	HFACCEL_TEST_DEVICE=cuda HFACCEL_TEST_PART=$(GPU_PART) $(PYTHON) -m pytest -n 4 -q -ra tests
