@@ -150,13 +150,13 @@ gpu-round-3:
 	-$(CLI) 120 $(BENCH) paged --dtype float16 --output $(OUT)/paged.json 2>&1 | tee $(OUT)/paged.log
 
 gpu-round-4:
-	-HFACCEL_TEST_DEVICE=cuda $(CLI) 150 $(PYTHON) -m pytest -q -n 4 -ra --tb=short tests/attention/test_latent.py \
+	-HFACCEL_TEST_DEVICE=cuda $(CLI) 120 $(PYTHON) -m pytest -q -n 4 -ra --tb=short tests/attention/test_latent.py \
 		"tests/hf/test_families.py::test_latent_attention_serves_speculative_decoding_and_fp8_pools" \
 		"tests/hf/test_families.py::test_latent_attention_decodes_compiled_in_the_latent_space" \
 		2>&1 | tee $(OUT)/latent.log
-	-$(CLI) 240 $(BENCH) decode --model deepseek-v2-lite --layers 4 --dtype bfloat16 --batch 1 --batch 16 \
+	-$(CLI) 200 $(BENCH) decode --model deepseek-v2-lite --layers 4 --dtype bfloat16 --batch 1 --batch 16 \
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla.json 2>&1 | tee $(OUT)/decode-mla.log
-	-$(CLI) 150 $(BENCH) decode --model deepseek-v3 --layers 2 --dtype bfloat16 --batch 1 --batch 16 \
+	-$(CLI) 140 $(BENCH) decode --model deepseek-v3 --layers 2 --dtype bfloat16 --batch 1 --batch 16 \
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla-128-heads.json 2>&1 | tee $(OUT)/decode-mla-v3.log
 
 gpu-test: gpu-install
