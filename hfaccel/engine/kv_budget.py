@@ -140,8 +140,8 @@ def plan_kv_cache(
         if wanted <= cap:
             return budget(wanted, f"room for {served}")
         return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
+    absorbed = absorbed_layers(model, layout, kv_cache_dtype)  # first: it may dequantize matrices (kv.latent)
     free, total = torch.cuda.mem_get_info(device)
-    absorbed = absorbed_layers(model, layout, kv_cache_dtype)
     reserve = activation_reserve(
         model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs, max_model_len, absorbed
     )

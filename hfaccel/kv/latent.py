@@ -27,9 +27,9 @@ from torch import nn
 
 from hfaccel.kv.layout import ModelLayout
 
-# model -> the runners reading it in the latent space (install_absorption's pass-through stays while one does)
+# attention module -> the runners reading it in the latent space (its pass-through stays while one does)
 _USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# a quantized kv_b_proj -> the matrix it multiplies by, dequantized (_matrix)
+# a quantized kv_b_proj -> (device, dtype, width, its tensors' state), the matrix it multiplies by dequantized (_matrix)
 _DEQUANTIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -100,24 +100,29 @@ def _latent_heads(module: nn.Module, latent_dim: int, rope_dim: int) -> LatentHe
     expected_keys = torch.cat([latent @ key_rows.transpose(1, 2), rope.expand(-1, heads.heads, -1, -1)], -1)
     expected_values = latent @ value_rows.transpose(1, 2)
     exact = type(projection) is nn.Linear and dtype == torch.float32  # else rounded as 16-bit (or int4) kernels do
-    tolerance = dict(rtol=1e-4, atol=1e-5) if exact else dict(rtol=2e-2, atol=2e-2)
-    matches = torch.allclose(keys.float(), expected_keys.float(), **tolerance) and torch.allclose(
-        values.float(), expected_values.float(), **tolerance
+    tolerance = 1e-5 if exact else 1e-2
+    matches = all(
+        _relative_error(got, want) < tolerance for got, want in ((keys, expected_keys), (values, expected_values))
     )
     return heads if matches else None
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+
+
 def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """The matrix ``[out, width]`` a layer without bias multiplies its inputs by: a Linear's own weight, else its
-    outputs for the identity (a quantized layer's weights dequantized, once per layer, device and dtype: every
-    runner over the model shares it); None for a layer with a bias or of other widths."""
+    outputs for the identity (a quantized layer's weights dequantized, once per layer, device, dtype and state of its
+    tensors: every runner over the model shares it); None for a layer with a bias or of other widths."""
     if type(projection) is nn.Linear:
         weight = projection.weight
         ok = projection.bias is None and weight.is_floating_point() and weight.shape[1] == width
         return weight if ok else None
+    key = (device, dtype, width, _tensors_state(projection))
     held = _DEQUANTIZED.get(projection)
-    if held is not None and (held.device, held.dtype, held.shape[1]) == (device, dtype, width):
-        return held
+    if held is not None and held[0] == key:
+        return held[1]
     try:
         columns = projection(torch.eye(width, device=device, dtype=dtype))  # [width, out]: row i is column i
         at_zero = projection(torch.zeros(1, width, device=device, dtype=dtype))
@@ -125,39 +130,51 @@ def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torc
         return None
     if columns.dim() != 2 or columns.shape[0] != width or at_zero.abs().max() != 0:
         return None
-    _DEQUANTIZED[projection] = columns.t().contiguous()
-    return _DEQUANTIZED[projection]
+    _DEQUANTIZED[projection] = (key, columns.t().contiguous())
+    return _DEQUANTIZED[projection][1]
+
+
+def _tensors_state(module: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Where each of a layer's tensors lives and how often it was changed in place (``load_state_dict``)."""
+    return tuple((t.data_ptr(), t._version) for t in (*module.parameters(), *module.buffers()))
 
 
 def install_absorption(model: nn.Module, layers: dict[int, LatentHeads], user: object) -> None:
     """Give the modules of ``layers`` an ``expand_kv`` that passes a view of the pool on (what the runner's cache
-    returns for them) and expands tensors as their class does, for ``user`` (a runner: idempotent). It stays while a
-    user reads the model in the latent space: :func:`release_absorption`, :func:`remove_absorption`."""
-    if not layers:
-        return
-    _USERS.setdefault(model, weakref.WeakSet()).add(user)
-    for module in model.modules():
-        if getattr(module, "layer_idx", None) in layers and callable(getattr(module, "expand_kv", None)):
-            if not _installed(module):
-                module.expand_kv = types.MethodType(expand_kv, module)
+    returns for them) and expands tensors as their class does, for ``user`` (a runner: idempotent). A module keeps it
+    while a user reads it in the latent space (modules may be shared between models): :func:`release_absorption`,
+    :func:`remove_absorption`."""
+    for module in _latent_modules(model, layers):
+        _USERS.setdefault(module, weakref.WeakSet()).add(user)
+        if not _installed(module):
+            module.expand_kv = types.MethodType(expand_kv, module)
 
 
 def release_absorption(model: nn.Module, user: object) -> None:
-    """``user`` reads ``model`` in the latent space no more; the last one's release takes the pass-through away."""
-    users = _USERS.get(model)
-    if users is not None:
-        users.discard(user)
+    """``user`` reads ``model`` in the latent space no more; a module's last user takes its pass-through away."""
+    for module in model.modules():
+        users = _USERS.get(module)
+        if users is not None:
+            users.discard(user)
     remove_absorption(model)
 
 
 def remove_absorption(model: nn.Module) -> None:
-    """Take away :func:`install_absorption`'s pass-through, unless a runner still reads the model in the latent space
-    (an engine over it: it goes with that runner's release)."""
-    if _USERS.get(model):
-        return
+    """Take away :func:`install_absorption`'s pass-through and the dequantized matrices, but from the modules a runner
+    still reads in the latent space (an engine's: they go with that runner's release)."""
     for module in model.modules():
-        if _installed(module):
+        if _installed(module) and not _USERS.get(module):
             del module.expand_kv
+            if isinstance(getattr(module, "kv_b_proj", None), nn.Module):
+                _DEQUANTIZED.pop(module.kv_b_proj, None)
+
+
+def _latent_modules(model: nn.Module, layers: dict[int, LatentHeads]) -> list[nn.Module]:
+    return [
+        module
+        for module in model.modules()
+        if getattr(module, "layer_idx", None) in layers and callable(getattr(module, "expand_kv", None))
+    ]
 
 
 def expand_kv(module: nn.Module, kv_nope, k_rot):

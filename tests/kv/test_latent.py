@@ -82,3 +82,42 @@ def test_a_windowed_latent_layer_keeps_the_expansion():
     assert sorted(absorbed_layers(model, layout)) == [0, 1]
     windowed = replace(layout, attention={i: replace(kv, window=4) for i, kv in layout.attention.items()})
     assert absorbed_layers(model, windowed) == {}
+
+
+def test_engines_over_shared_modules_keep_their_pass_through():
+    """Two models over one backbone (the same attention modules): closing one's engine leaves the other's layers
+    theirs; the last close, and ``restore``, take the pass-through and the dequantized matrices away."""
+    from hfaccel.kv import latent
+    from tests.helpers import run
+
+    model = family_model("deepseek_v3")
+    hfaccel.quantize(model, "fp8")
+    expected = reference(model, PROMPTS, [5, 5, 5])
+    twin = family_model("deepseek_v3")
+    twin.model, twin.lm_head = model.model, model.lm_head
+    first = Engine(model, max_num_seqs=4, num_blocks=40, block_size=4)
+    second = Engine(twin, max_num_seqs=4, num_blocks=40, block_size=4)
+    second.close()
+    assert [out.outputs[0].token_ids for out in run(first, PROMPTS, [5, 5, 5])] == expected
+    first.close()
+    hfaccel.restore(model)
+    assert _instance_expands(model) == 0
+    assert not any(module in latent._DEQUANTIZED for module in model.modules())
+
+
+def test_a_quantized_expansion_changed_in_place_is_read_again():
+    """A quantized ``kv_b_proj`` whose scales change in place (``load_state_dict``): the next runner reads its new
+    matrix, not the one dequantized before."""
+    model = family_model("deepseek_v3")
+    hfaccel.quantize(model, "fp8")
+    projection = model.model.layers[0].self_attn.kv_b_proj
+    first = Engine(model, max_num_seqs=4, num_blocks=40, block_size=4)
+    state = projection.state_dict()
+    state = {name: tensor * 1.05 if name.endswith("scale") else tensor for name, tensor in state.items()}
+    projection.load_state_dict(state)
+    second = Engine(model, max_num_seqs=4, num_blocks=40, block_size=4)
+    identity = torch.eye(model.config.kv_lora_rank, device=model.device)
+    assert torch.equal(second.runner.absorbed[0].weight, projection(identity).t())
+    assert not torch.equal(first.runner.absorbed[0].weight, second.runner.absorbed[0].weight)
+    first.close()
+    second.close()
