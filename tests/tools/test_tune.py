@@ -216,6 +216,6 @@ def test_a_latent_models_decode_is_tuned_at_its_latent_width():
     """DeepSeek-V2-Lite decodes over its latents (512 + 64 read as one KV head 576 wide, ``hfaccel.kv.latent``) and
     prefills over the K/V it expands (keys 128 + 64): the paged sweep takes the first, the prefill the second."""
     shapes = tune.ModelShapes.named("deepseek-v2-lite")
-    assert shapes.decode_attention == (16, 1, 576)
+    assert shapes.decode_attention == (16, 1, 576, True)  # one row read as keys and values
     assert (shapes.num_heads, shapes.num_kv_heads, shapes.head_dim) == (16, 16, 192)
-    assert tune.ModelShapes.named("llama-3.1-8b").decode_attention == (32, 8, 128)
+    assert tune.ModelShapes.named("llama-3.1-8b").decode_attention == (32, 8, 128, False)

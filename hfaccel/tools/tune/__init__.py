@@ -79,9 +79,11 @@ class ModelShapes:
         )
 
     @property
-    def decode_attention(self) -> tuple[int, int, int]:
-        """(query heads, KV heads, head dim) of the paged decode."""
-        return self.num_heads, self.decode_kv_heads or self.num_kv_heads, self.decode_head_dim or self.head_dim
+    def decode_attention(self) -> tuple[int, int, int, bool]:
+        """(query heads, KV heads, head dim, whether one row is read as keys and values: MLA's latents) of the paged
+        decode."""
+        heads, kv_heads = self.num_heads, self.decode_kv_heads or self.num_kv_heads
+        return heads, kv_heads, self.decode_head_dim or self.head_dim, self.decode_head_dim is not None
 
 
 def available_ops() -> list[str]:

@@ -46,12 +46,12 @@ def sweep(
 ) -> Iterator[tuple[str, dict]]:
     """``(bucket key, entry)`` as each is measured: the fastest configuration's fields (``num_splits`` included) and
     its ``us``."""
-    for heads, kv_heads, head_dim in sorted({s.decode_attention for s in shapes}):
+    for heads, kv_heads, head_dim, joined in sorted({s.decode_attention for s in shapes}):
         for dtype in dtypes:
             for batch in BATCHES:
                 for context in CONTEXTS:
                     key = table_key(head_dim, heads // kv_heads, batch, context, dtype)
-                    entry = _bucket(batch, context, heads, kv_heads, head_dim, dtype, device, console)
+                    entry = _bucket(batch, context, heads, kv_heads, head_dim, dtype, device, console, joined)
                     console.print(f"  {key}: {entry}")
                     yield key, entry
 
@@ -72,15 +72,17 @@ def _bucket(
     dtype: torch.dtype,
     device: torch.device,
     console,
+    joined: bool = False,
 ) -> dict:
     blocks = batch * -(-context // BLOCK_SIZE)
     pool = torch.randn(2, blocks, BLOCK_SIZE, kv_heads, head_dim, device=device, dtype=dtype)
+    keys, values = pool[0], pool[1 if not joined else 0]  # a latent layer's row is read as its keys and its values
     tables = torch.randperm(blocks, device=device).view(batch, -1).int()  # shuffled, as a live pool is
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
 
     def call(cfg):
-        return paged_attention(q, pool[0], pool[1], tables, lens, max_seqlen_k=context, config=cfg)
+        return paged_attention(q, keys, values, tables, lens, max_seqlen_k=context, config=cfg)
 
     group = heads // kv_heads
     heuristic = plan_launch(
