@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hfaccel import compat
 from hfaccel.kv.layout import ModelLayout
 
 # attention module -> the runners reading it in the latent space (its pass-through stays while one does)
@@ -116,7 +117,7 @@ def _matrix(projection: nn.Module, width: int, device: torch.device, dtype: torc
     outputs for the identity (a quantized layer's weights dequantized, once per layer, device, dtype and state of its
     tensors: every runner over the model shares it); None for a layer with a bias or of other widths."""
     if type(projection) is nn.Linear:
-        weight = projection.weight
+        weight = compat.local_tensor(projection.weight)  # a tensor-parallel rank's heads
         ok = projection.bias is None and weight.is_floating_point() and weight.shape[1] == width
         return weight if ok else None
     key = (device, dtype, width, _tensors_state(projection))

@@ -96,8 +96,6 @@ def _layout_reason(model, layout: ModelLayout) -> str | None:
             return f"layer {layer} expands latents (MLA) within a sliding window or chunk, which hfaccel does not serve"
         if kv.read_width > MAX_HEAD_DIM:
             return f"layer {layer} has head_dim {kv.read_width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
-    if any(kv.latent for kv in layout.attention.values()) and compat.tp_size(model) > 1:
-        return "multi-head latent attention under tensor parallelism is not supported yet"
     if layout.hybrid and compat.tp_size(model) > 1:
         return "recurrent state (a hybrid model) under tensor parallelism is not supported yet"
     return None
