@@ -158,6 +158,8 @@ gpu-round-4:
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla.json 2>&1 | tee $(OUT)/decode-mla.log
 	-$(CLI) 140 $(BENCH) decode --model deepseek-v3 --layers 2 --dtype bfloat16 --batch 1 --batch 16 \
 		--new-tokens 32 --prompt-len 128 --output $(OUT)/decode-mla-128-heads.json 2>&1 | tee $(OUT)/decode-mla-v3.log
+	-$(CLI) 160 $(BENCH) decode --model deepseek-v32 --layers 2 --dtype bfloat16 --batch 1 --batch 8 \
+		--new-tokens 16 --prompt-len 2560 --output $(OUT)/decode-dsa.json 2>&1 | tee $(OUT)/decode-dsa.log
 
 gpu-test: gpu-install
 	HFACCEL_TEST_DEVICE=cuda HFACCEL_TEST_PART=$(GPU_PART) $(PYTHON) -m pytest -n 4 -q -ra tests

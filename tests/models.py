@@ -101,6 +101,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma4": ("gemma4_text", {}),  # per-layer head sizes and KV heads, layers sharing K/V (gemma4_config)
     "deepseek_v3": ("deepseek_v3", {}),  # multi-head latent attention: latents cached, K/V expanded after the cache
     "kimi_linear": ("kimi_linear", {}),  # MLA layers beside Kimi delta attention (conv + recurrent state)
+    # DeepSeek Sparse Attention: MLA whose indexer picks each query's 4 keys (fewer than the prompts hold); 16 indexer
+    # heads, so that no two keys tie on a score of 0 (all heads' ReLU at 0), which torch.topk breaks by layout
+    "deepseek_v32": ("deepseek_v32", {"index_topk": 4, "index_n_heads": 16}),
+    # layers 1 and 3 reuse the choice of the layer before them
+    "glm_moe_dsa": ("glm_moe_dsa", {"index_topk": 4, "index_n_heads": 16, "indexer_types": ["full", "shared"] * 2}),
+    # two sparse-attention layers and an MLA layer within a sliding window of 8 (its latents expanded, as transformers)
+    "dots3_note": ("dots3_note_text", {"index_topk": 4, "index_n_heads": 16}),
     # chunked attention (chunks of 8, shorter than prompt + new tokens) on the RoPE layers, full attention with the
     # attention temperature on the no-RoPE ones
     "llama4": (
@@ -115,12 +122,41 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax", "kimi_linear")
 LATENT_FAMILIES = ("deepseek_v3", "kimi_linear")  # multi-head latent attention, read in the latent space
+SPARSE_FAMILIES = (
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "dots3_note",
+)  # the keys their indexer picks, by exact torch attention
+
+
+# the transformers release from which hfaccel serves a family (earlier ones lack it, or cache DeepSeek-V3.2's K/V
+# expanded beside its indexer's keys, which hfaccel declines, as the model walk checks)
+SERVED_SINCE = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "dots3_note": "5.24"}
+
+
+def family_served(name: str) -> bool:
+    """Whether the installed transformers has the family in the form hfaccel serves (:data:`SERVED_SINCE`)."""
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version(SERVED_SINCE.get(name, "0"))
+
+
+def require_family(name: str) -> None:
+    """Skip the calling test where the installed transformers has not the family as hfaccel serves it."""
+    import pytest
+
+    if not family_served(name):
+        pytest.skip(
+            f"hfaccel serves {name} from transformers {SERVED_SINCE[name]} (installed: {transformers.__version__})"
+        )
 
 
 def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers.PreTrainedModel:
-    """A tiny random-weight model of one of :data:`FAMILIES` (fp32, eval, on DEVICE)."""
+    """A tiny random-weight model of one of :data:`FAMILIES` (fp32, eval, on DEVICE); the test skipped where the
+    installed transformers has not the family as hfaccel serves it."""
     from tests.hf.tiny_configs import tiny_config
 
+    require_family(name)
     model_type, overrides = FAMILIES[name]
     config = (
         gemma4_config(vocab_size) if name == "gemma4" else tiny_config(model_type, vocab_size=vocab_size, **overrides)

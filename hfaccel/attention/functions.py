@@ -26,12 +26,14 @@ import torch
 
 from hfaccel import compat
 from hfaccel.attention.masks import PACKED_MASK, KernelMask, auto_mask, dense_mask, implicit_mask, kernel_mask
-from hfaccel.attention.paths import ABSORBED, FLASH, PAGED, SDPA, TORCH, record_path
+from hfaccel.attention.paths import ABSORBED, FLASH, PAGED, SDPA, SPARSE, TORCH, record_path
 from hfaccel.attention.sdpa import dense_attention, prefill_route, sdpa_dense, softmax_scale
 from hfaccel.kernels import flash_attention_reference
 from hfaccel.kernels.ops import flash_attention_op, paged_attention_op
 from hfaccel.kernels.runtime import interpreting
-from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, PAGED_READER_ATTRIBUTE, PagedKV
+from hfaccel.kernels.ops import joined_rows
+from hfaccel.kv.block_manager import slot_mapping
+from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, PAGED_READER_ATTRIBUTE, PagedKV, packed_sequences
 from hfaccel.kv.layout import widened
 from hfaccel.kv.pool import PackedStep
 
@@ -51,10 +53,13 @@ def _attention(
     if not isinstance(key, PagedKV) and value.shape[-1] != key.shape[-1]:
         return _widened(backend, module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
+    step = kwargs.get(PACKED_STEP_KWARG)
+    if selects_keys(kwargs.get("indices"), key, step):
+        record_path(module, SPARSE)
+        return _sparse(module, query, key, value, attention_mask, scaling, softcap, sinks, dropout, step, kwargs), None
     if isinstance(key, PagedKV) and key.latent is not None:
         record_path(module, ABSORBED, backend, query)
         return _absorbed(backend, query, key, attention_mask, scaling, softcap, dropout), None
-    step = kwargs.get(PACKED_STEP_KWARG)
     if step is not None and not isinstance(key, PagedKV):
         record_path(module, PAGED, backend, query)
         return _expanded(backend, query, key, value, step, scaling, softcap, sinks, kwargs.get("sliding_window")), None
@@ -193,19 +198,138 @@ def _absorbed(
     scaling: float | None,
     softcap: float | None,
     dropout: float,
+    choice: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed queries ``[1, H, T, nope + rope]`` of a latent layer over its latents in the pool, in the latent space
     (``hfaccel.kv.latent``) -> ``[1, T, H, value]``: the query's ``nope`` part times ``W_UK``, the paged kernel over
-    each token's two latents as one KV head of keys and values, the output's latent part times ``W_UV``."""
+    each token's two latents as one KV head of keys and values, the output's latent part times ``W_UV``. ``choice``:
+    only the keys at pool slots ``[T, K]`` where ``[T, K]`` is True (a sparse-attention indexer's), by exact torch
+    attention."""
     heads = kv.latent
     key_rows, value_rows = heads.split_weight()  # [H, nope, C], [H, value, C]
     q_nope, q_rope = query.split([heads.nope, query.shape[-1] - heads.nope], dim=-1)
     q_latent = torch.matmul(q_nope, key_rows)  # [1, H, T, C]
     joined = widened(torch.cat([q_latent, q_rope], dim=-1), 2 * kv.kv_cache.shape[-1])  # [1, H, T, 2 * width]
     scale = softmax_scale(scaling, query)
-    out = _packed(backend, joined, kv, mask, scale, softcap, None, dropout, None, joined=True)  # [1, T, H, 2 * width]
+    if choice is None:
+        out = _packed(backend, joined, kv, mask, scale, softcap, None, dropout, None, joined=True)  # [1, T, H, 2w]
+    else:
+        rows = joined_rows(kv.kv_cache[kv.layer]).flatten(0, 1)  # [num_slots, 1, 2 * width]
+        out = gathered_attention(joined[0].transpose(0, 1), rows, rows, *choice, scale, softcap, None)[None]
     latent = out[..., : key_rows.shape[-1]].transpose(1, 2)  # [1, H, T, C]
     return torch.matmul(latent, value_rows.transpose(1, 2)).transpose(1, 2)  # [1, T, H, value]
+
+
+def selects_keys(indices: torch.Tensor | None, key, step: PackedStep | None) -> bool:
+    """Whether a sparse-attention indexer's choice ``indices [B, Sq, topk]`` leaves out keys some query sees: it
+    chose fewer than the longest sequence holds (otherwise it chose every key each query sees, its mask the rest)."""
+    if indices is None:
+        return False
+    if step is not None:
+        longest = step.max_seq_len
+    elif isinstance(key, PagedKV):
+        longest = key.max_seq_len if key.padding is None else key.padded_len
+    else:
+        longest = key.shape[2]
+    return indices.shape[-1] < longest
+
+
+def _sparse(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    dropout: float,
+    step: PackedStep | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """Attention over the keys a sparse-attention indexer chose for each query (``kwargs["indices"]``) among those it
+    sees, by exact torch attention: ``query [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``. A packed forward's choice is each
+    query's positions in its own sequence, ``[1, T, K]`` (-1: none; ``hfaccel.kv.indexer``), read from the pool's
+    latent rows or from the K/V the layer expanded; transformers' is ``[B, Sq, K]`` into each row's keys."""
+    indices = kwargs["indices"]
+    scale = softmax_scale(scaling, query)
+    packed = step if step is not None else key if isinstance(key, PagedKV) and key.cu_seqlens_q is not None else None
+    if packed is None:  # transformers' layout: its mask, the chosen keys of each row
+        if isinstance(key, PagedKV):
+            key, value = key.gather()
+        visible = _dense_visibility(module, attention_mask, query, key, kwargs)  # [B, Sq, Skv]
+        keep = visible & torch.zeros_like(visible).scatter_(-1, indices.long(), True)
+        keep[..., 0] |= ~keep.any(-1)  # a padding query (it sees no key) reads one rather than none: no NaN
+        return dense_attention(query, key, value, keep[:, None], scale, softcap, sinks, dropout)
+    tokens = query.shape[2]
+    sequence = packed_sequences(packed.cu_seqlens_q, tokens)  # [T]
+    positions = indices[0].long()  # [T, K]
+    own = packed.seq_lens.long()[sequence]  # [T]: the keys each query's sequence holds
+    valid = (positions >= 0) & (positions <= packed.positions[:, None]) & (positions < own[:, None])  # [T, K]
+    positions = positions.clamp(min=0)
+    if isinstance(key, PagedKV):  # a latent layer read in the latent space: the rows at the chosen slots
+        slots = slot_mapping(key.block_tables, sequence[:, None], positions, key.kv_cache.shape[3])  # [T, K]
+        return _absorbed("torch", query, key, None, scaling, softcap, dropout, (slots, valid))
+    # K/V expanded from each sequence's latents, [1, Hkv, S * L, D]: sequence s's token p at s * L + p
+    length = packed.max_seq_len
+    if key.shape[2] == length:  # one sequence (a prompt's whole prefill): its keys masked, as transformers computes it
+        keep = torch.zeros(tokens, length + 1, dtype=torch.bool, device=query.device)
+        keep = keep.scatter_(1, torch.where(valid, positions, length), True)[:, :length]  # [T, L]
+        return dense_attention(query, key, value, keep[None, None], scale, softcap, sinks, dropout)
+    rows = sequence[:, None] * length + positions  # [T, K]
+    keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [S * L, Hkv, D]
+    return gathered_attention(query[0].transpose(0, 1), keys, values, rows, valid, scale, softcap, sinks)[None]
+
+
+# the most bytes gathered_attention gathers and scores at once (queries in chunks below it)
+GATHER_BYTES = 1 << 28
+
+
+def gathered_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each query over its own keys: ``query [T, Hq, D]`` over the rows ``rows [T, K]`` of ``keys [R, Hkv, D]`` and
+    ``values [R, Hkv, Dv]`` where ``valid [T, K]`` -> ``[T, Hq, Dv]`` (a query with no valid key gets zeros), in
+    fp32, in chunks of queries of at most :data:`GATHER_BYTES`."""
+    count, heads, width = query.shape
+    kv_heads, group = keys.shape[1], heads // keys.shape[1]
+    chosen = rows.shape[1]
+    per_query = chosen * (kv_heads * (width + values.shape[-1]) + 2 * heads) * 4
+    chunk = max(1, GATHER_BYTES // max(per_query, 1))
+    out = query.new_empty(count, heads, values.shape[-1])
+    for first in range(0, count, chunk):
+        part = slice(first, first + chunk)
+        picked_keys, picked_values = keys[rows[part]].float(), values[rows[part]].float()  # [t, K, Hkv, D]
+        q = query[part].float().unflatten(1, (kv_heads, group))  # [t, Hkv, g, D]
+        scores = torch.einsum("thgd,tkhd->thgk", q, picked_keys) * scale  # [t, Hkv, g, K]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~valid[part][:, None, None, :], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, kv_heads, group, 1).expand(*scores.shape[:-1], 1)
+            scores = torch.cat([scores, sink], -1)
+        probs = torch.softmax(scores, -1)[..., :chosen].nan_to_num(0.0)  # all -inf (no valid key): zeros
+        mixed = torch.einsum("thgk,tkhd->thgd", probs, picked_values)  # [t, Hkv, g, Dv]
+        out[part] = mixed.flatten(1, 2).to(out.dtype)
+    return out
+
+
+def _dense_visibility(module, attention_mask, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """``[B, Sq, Skv]`` bool: which keys each query sees by its ``attention_mask`` (a KernelMask, a bool or additive
+    ``[B, 1, Sq, Skv]`` tensor, or None: causal, aligned to the last keys)."""
+    if attention_mask is None:
+        attention_mask = implicit_mask(module, query, key, kwargs)
+    if isinstance(attention_mask, KernelMask):
+        attention_mask = dense_mask(attention_mask, query, key)
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    return visible[:, 0].expand(query.shape[0], query.shape[2], key.shape[2])
 
 
 def _attention_temperature(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor | None):
@@ -309,6 +433,7 @@ def auto_attention(module, query, key, value, attention_mask, **kwargs):
         and not isinstance(attention_mask, KernelMask)
         and kwargs.get("softcap") is None
         and kwargs.get("s_aux") is None
+        and not selects_keys(kwargs.get("indices"), key, None)
         and not interpreting()
     ):
         record_path(module, SDPA)

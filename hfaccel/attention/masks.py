@@ -24,15 +24,22 @@ class KernelMask:
     sliding_window: int | None
     chunk_size: int | None = None  # chunked attention (Llama 4): keys from the start of the query's chunk on
     q_length: int | None = None  # how many queries it covers, where known (for slicing them)
+    kv_length: int | None = None  # how many keys, where known (for its dense view)
+    device: torch.device | str | None = None  # where its dense view goes, where it has no key mask to say
 
     # transformers treats a prepared 4-D mask (e.g. from generate()'s create_masks_for_generate with a static
     # cache) as final; a KernelMask passed back into the model is final too (see kernel_mask).
     ndim = 4
 
-    def __getitem__(self, index) -> KernelMask:
+    def __getitem__(self, index) -> KernelMask | torch.Tensor:
         """The mask of a run of its queries, ``mask[:, :, queries, :]``, as of the ``[B, 1, Sq, Skv]`` mask it stands
-        for (Gemma 4's KV-shared layers keep only the last queries of a prefill)."""
+        for (Gemma 4's KV-shared layers keep only the last queries of a prefill); or its one head, ``mask[:, 0]``
+        (``mask[:, 0, :, :]``), as the dense ``[B, Sq, Skv]`` bool tensor a sparse-attention indexer reads — a packed
+        forward's mask (its counts unknown) itself, which hfaccel's indexer forward replaces (hfaccel.kv.indexer)."""
         whole = slice(None)
+        if isinstance(index, tuple) and len(index) in (2, 4) and index[1] == 0 and all(i == whole for i in index[::2]):
+            if len(index) == 2 or index[3] == whole:
+                return self if self.q_length is None else self.dense_head()
         if not (
             isinstance(index, tuple)
             and len(index) == 4
@@ -48,6 +55,30 @@ class KernelMask:
             raise TypeError("this KernelMask does not know its query count, so its queries cannot be sliced")
         start, stop, _ = queries.indices(self.q_length)
         return replace(self, q_offset=self.q_offset + start, q_length=max(stop - start, 0))
+
+    def dense_head(self) -> torch.Tensor:
+        """The ``[B, Sq, Skv]`` bool mask (True = attend) this mask stands for; a ``TypeError`` where it does not know
+        its query and key counts."""
+        if self.q_length is None or self.kv_length is None:
+            raise TypeError("this KernelMask does not know its query and key counts, so it has no dense view")
+        batch = 1 if self.key_mask is None else self.key_mask.shape[0]
+        device = self.key_mask.device if self.key_mask is not None else self.device
+        return self.visible(batch, self.q_length, self.kv_length, device)[:, 0]
+
+    def visible(self, batch: int, q_length: int, kv_length: int, device) -> torch.Tensor:
+        """The ``[B, 1, Sq, Skv]`` bool mask (True = attend) it stands for, at those sizes."""
+        return visibility_mask(
+            batch,
+            q_length,
+            kv_length,
+            causal=self.causal,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            key_mask=self.key_mask,
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            device=device,
+        )
 
     def contiguous(self) -> KernelMask:
         # generate() makes static-cache masks contiguous before compiled decode steps.
@@ -122,6 +153,8 @@ def kernel_mask(
         causal=pattern.causal,
         sliding_window=pattern.sliding_window,
         q_length=q_length,
+        kv_length=kv_length,
+        device=kwargs.get("device"),
     )
 
 
@@ -180,7 +213,15 @@ def _one_query_mask(
         sliding_window=pattern.sliding_window,
         device=q_offset.device,
     )  # [B, 1, 1, Skv]
-    return KernelMask(key_mask=visible[:, 0, 0], q_offset=0, kv_offset=0, causal=False, sliding_window=None)
+    return KernelMask(
+        key_mask=visible[:, 0, 0],
+        q_offset=0,
+        kv_offset=0,
+        causal=False,
+        sliding_window=None,
+        q_length=1,
+        kv_length=kv_length,
+    )
 
 
 def implicit_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> KernelMask:
@@ -192,15 +233,4 @@ def implicit_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 
 def dense_mask(mask: KernelMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """The ``[B, 1, Sq, Skv]`` bool mask (True = attend) a :class:`KernelMask` stands for, for the torch paths."""
-    return visibility_mask(
-        query.shape[0],
-        query.shape[2],
-        key.shape[2],
-        causal=mask.causal,
-        q_offset=mask.q_offset,
-        kv_offset=mask.kv_offset,
-        key_mask=mask.key_mask,
-        sliding_window=mask.sliding_window,
-        chunk_size=mask.chunk_size,
-        device=query.device,
-    )
+    return mask.visible(query.shape[0], query.shape[2], key.shape[2], query.device)

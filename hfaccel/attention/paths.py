@@ -11,6 +11,7 @@ from hfaccel.kernels.runtime import resolve_backend
 # What served a call, as AttentionPaths counts it.
 SDPA, FLASH, PAGED, TORCH = "sdpa", "hfaccel flash", "hfaccel paged", "torch"
 ABSORBED = "hfaccel paged latent"  # the paged kernel over a latent layer's latents (``hfaccel.kv.latent``)
+SPARSE = "torch sparse"  # the keys a sparse-attention indexer chose for each query, by exact torch attention
 PATHS_ATTRIBUTE = "hfaccel_attention_paths"  # where a tracked model's attention modules keep their AttentionPaths
 
 

@@ -39,6 +39,7 @@ from hfaccel.quant.linear import int4_layers, int4_paths, prepare_int4
 from hfaccel.kv.fp8 import KVScales, check_kv_scales, resolve_kv_cache_dtype
 from hfaccel.kv.layout import ModelLayout
 from hfaccel.kv.latent import remove_absorption
+from hfaccel.kv.indexer import install_indexers, remove_indexers
 from hfaccel.kv.state import install_mixers, remove_mixers
 from hfaccel.runner import compiles
 from hfaccel.runner.support import model_support
@@ -182,6 +183,7 @@ def accelerate(
     set_hfaccel_attention(model, attention)
     if support.layout.hybrid:
         install_mixers(model, support.layout)
+    install_indexers(model, support.layout)
     name = ATTENTION_NAMES[attention]
     session = None
     if paged:
@@ -245,6 +247,7 @@ def restore(model: PreTrainedModel) -> PreTrainedModel:
         model.set_attn_implementation(info.original_attn_implementation)
         untrack_paths(model)
         remove_mixers(model)
+        remove_indexers(model)
         remove_absorption(model)
     uninstall_generate(model)
     if info.session is not None:

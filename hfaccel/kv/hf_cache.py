@@ -30,7 +30,7 @@ from hfaccel import compat
 from hfaccel.kernels.write_kv import dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, slot_mapping
 from hfaccel.kv.latent import LatentHeads
-from hfaccel.kv.layout import AttentionKV, joined_latents, own_cache_class
+from hfaccel.kv.layout import AttentionKV, joined_indexer_keys, joined_latents, own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
 
@@ -163,6 +163,8 @@ class PoolCache(Cache):
         self.pool = pool
         # Cache's own initialiser by name: a model's own cache class may follow in the MRO (sequence_cache)
         Cache.__init__(self, layers=[CacheLayerView(self, i) for i in range(pool.num_layers)])
+        # an indexed layer's latents of this forward, their view and slots, until its indexer keys join them
+        self._unindexed: dict[int, tuple[torch.Tensor, torch.Tensor, PagedKV, torch.Tensor]] = {}
 
     @property
     def manager(self) -> BlockManager:
@@ -180,15 +182,47 @@ class PoolCache(Cache):
         # key_states, value_states: [B, Hkv, S_new, D]
         paged, slots = self._begin_layer(key_states, value_states, layer_idx)
         backend = paged_reader_backend(self.config)
-        self.pool.write(
-            layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2), slots, backend=backend or "auto"
-        )
+        keys, values = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, S_new, Hkv, D]
         held = self.pool.layout.attention[layer_idx]
+        self.pool.write(layer_idx, keys, values, slots, backend=backend or "auto", calibrate=not held.indexer_dim)
+        if held.indexer_dim:  # its indexer's keys follow (update_indexer), written into the same rows
+            self._unindexed[layer_idx] = (keys, values, paged, slots)
         if held.latent:  # its module expands the latents it reads back (MLA)
             return self._latents(paged, held, layer_idx)
         if backend is not None:
             return paged, paged
         return paged.gather()
+
+    def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Store a sparse-attention layer's indexer keys ``[B, S_new, D]`` with the latents its ``update`` took this
+        forward (each token's row rewritten whole); every held token's, ``[B, S, D]`` in transformers' layout."""
+        held = self.pool.layout.attention.get(layer_idx)
+        if held is None or not held.indexer_dim or layer_idx not in self._unindexed:
+            raise RuntimeError(
+                f"layer {layer_idx}'s indexer keys come after its latents (update) in one forward, on a layer whose "
+                "layout holds them"
+            )
+        paged = self._unindexed[layer_idx][2]
+        self.store_indexer_keys(layer_idx, indexer_keys.flatten(0, 1))
+        del self._unindexed[layer_idx]
+        return self._indexer_keys(paged, held)
+
+    def store_indexer_keys(
+        self, layer_idx: int, indexer_keys: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> None:
+        """Store indexer keys ``[N, D]`` of this forward's new tokens ``tokens [N]`` (indices into its ``[B * S_new]``
+        new tokens; None: all of them) with the latents the layer's ``update`` took for them (each row rewritten)."""
+        keys, values, _, slots = self._unindexed[layer_idx]  # [B, S_new, 1, key | value], [B, S_new]
+        keys, values, slots = keys.flatten(0, 1), values.flatten(0, 1), slots.flatten()
+        if tokens is not None:
+            keys, values, slots = keys[tokens], values[tokens], slots[tokens]
+        values = torch.cat([values, indexer_keys[:, None].to(values.dtype)], dim=-1)  # [N, 1, value + D]
+        backend = paged_reader_backend(self.config) or "auto"
+        self.pool.write(layer_idx, keys[None], values[None], slots[None], backend=backend)
+
+    def _indexer_keys(self, paged: PagedKV, held: AttentionKV) -> torch.Tensor:
+        """A sparse-attention layer's every held indexer key, ``[B, S, D]`` in transformers' layout."""
+        return joined_indexer_keys(*replace(paged, dense=None).gather(), held)[:, 0]  # the pool's rows, keys joined
 
     def _latents(self, paged: PagedKV, held: AttentionKV, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A latent layer's every held token, ``[B, Hkv, S, key_dim]`` and ``[B, Hkv, S, value_dim]``, in
@@ -369,6 +403,24 @@ class SequenceKVCache(PoolCache):
             return latent, latent
         return tuple(t.transpose(0, 1).flatten(1, 2)[None] for t in super()._latents(paged, held, layer_idx))
 
+    def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        raise RuntimeError(
+            "a packed forward runs each sparse-attention indexer per group of its sequences "
+            "(hfaccel.kv.indexer.install_indexers), whose own view stores the indexer keys"
+        )
+
+    def indexer_keys(self, layer_idx: int, sequences: torch.Tensor) -> torch.Tensor:
+        """The indexer keys the forward's ``sequences [G]`` hold, ``[G, L, D]`` (each from its first token, ``L`` the
+        step's ``max_seq_len``)."""
+        paged = self._unindexed[layer_idx][2]
+        return self._indexer_keys(
+            replace(paged, block_tables=paged.block_tables[sequences]), self.pool.layout.attention[layer_idx]
+        )
+
+    def end_indexer(self, layer_idx: int) -> None:
+        """The layer's indexer keys of this forward are all stored."""
+        del self._unindexed[layer_idx]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0: packed sequences have no one length (each token's position is in ``position_ids``, and in
         :attr:`PagedKV.positions` for the attention); a module that reads one anyway is bounded where that is exact
@@ -387,6 +439,13 @@ class SequenceKVCache(PoolCache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def packed_sequences(cu_seqlens_q: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The sequence of each of a packed forward's ``tokens`` queries, ``[T]`` int64 (``cu_seqlens_q [S + 1]``; no
+    host read)."""
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()  # [S]
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=tokens)
 
 
 def sequence_cache(model, pool: KVPool) -> SequenceKVCache:

@@ -4,7 +4,8 @@ Read off transformers' own cache after one forward of one token (:func:`probe_la
 described by its own modeling code rather than by config fields that differ between families (Gemma 4's per-layer
 head sizes, MLA's key and value widths, hybrid models' convolution and SSM states, layers that share another
 layer's K/V). The forward also records which module reads and writes each recurrent layer's state (its *mixer*),
-the module hfaccel later runs per sequence (``hfaccel.kv.state``).
+the module hfaccel later runs per sequence (``hfaccel.kv.state``), and which module stores each sparse-attention
+layer's indexer keys (its *indexer*, run per group of sequences too: ``hfaccel.kv.indexer``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
@@ -51,14 +52,15 @@ class AttentionKV:
     window: int | None = None
     chunk: int | None = None
     expanded_dim: int | None = None
+    indexer_dim: int = 0
 
     @property
     def width(self) -> int:
         """The head width the pool stores keys and values in: the narrower of the two zero-padded to the wider; a
-        latent layer's two latents one after the other, split in halves between the key and value rows
-        (:func:`split_latents`)."""
+        latent layer's two latents (and its indexer key) one after the other, split in halves between the key and
+        value rows (:func:`split_latents`)."""
         if self.latent:
-            return -(-(self.key_dim + self.value_dim) // 2)
+            return -(-(self.key_dim + self.value_dim + self.indexer_dim) // 2)
         return max(self.key_dim, self.value_dim)
 
     @property
@@ -105,6 +107,8 @@ class ModelLayout:
     attention: dict[int, AttentionKV] = field(default_factory=dict)  # layers that write K/V
     states: dict[int, RecurrentState] = field(default_factory=dict)  # layers with recurrent state
     mixers: dict[int, str] = field(default_factory=dict)  # state layer -> name of the module that runs it
+    # sparse-attention layer -> name of its indexer module (the one storing indexer keys: hfaccel.kv.indexer)
+    indexers: dict[int, str] = field(default_factory=dict)
 
     @property
     def hybrid(self) -> bool:
@@ -117,10 +121,15 @@ class ModelLayout:
 
     def describe(self) -> str:
         """One line: how many layers keep K/V (and of which widths), how many keep state."""
-        widths = sorted({(kv.latent, kv.kv_heads, kv.key_dim, kv.value_dim) for kv in self.attention.values()})
+        widths = sorted(
+            {(kv.latent, kv.kv_heads, kv.key_dim, kv.value_dim, kv.indexer_dim) for kv in self.attention.values()}
+        )
         shapes = ", ".join(
-            ("latent: " if latent else "") + f"{h} heads x {k}" + (f"/{v}" if v != k else "")
-            for latent, h, k, v in widths
+            ("latent: " if latent else "")
+            + f"{h} heads x {k}"
+            + (f"/{v}" if v != k else "")
+            + (f", indexer keys x {i}" if i else "")
+            for latent, h, k, v, i in widths
         )
         text = f"{len(self.attention)} of {self.num_layers} layers keep K/V ({shapes})"
         return text + (f", {len(self.states)} keep recurrent state" if self.states else "")
@@ -136,8 +145,9 @@ def widened(tensor: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def split_latents(keys: torch.Tensor, values: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A latent layer's latents ``[..., key_dim]`` and ``[..., value_dim]`` as the pool's key and value rows
-    ``[..., width]``: the two one after the other, zero-padded to ``2 * width``, in halves."""
+    """A latent layer's latents ``[..., key_dim]`` and ``[..., value_dim]`` (the value latent followed by the
+    layer's indexer key, where it has one) as the pool's key and value rows ``[..., width]``: one after the other,
+    zero-padded to ``2 * width``, in halves."""
     joined = widened(torch.cat([keys, values], dim=-1), 2 * width)
     return joined[..., :width], joined[..., width:]
 
@@ -147,6 +157,12 @@ def joined_latents(keys: torch.Tensor, values: torch.Tensor, kv: AttentionKV) ->
     from the latents themselves: their concatenation is the same)."""
     joined = torch.cat([keys, values], dim=-1)
     return joined[..., : kv.key_dim], joined[..., kv.key_dim : kv.key_dim + kv.value_dim]
+
+
+def joined_indexer_keys(keys: torch.Tensor, values: torch.Tensor, kv: AttentionKV) -> torch.Tensor:
+    """The layer's indexer keys ``[..., indexer_dim]`` from what :func:`split_latents` stored."""
+    start = kv.key_dim + kv.value_dim
+    return torch.cat([keys, values], dim=-1)[..., start : start + kv.indexer_dim]
 
 
 def uniform_layout(num_layers: int, kv_heads: int, head_dim: int) -> ModelLayout:
@@ -229,12 +245,14 @@ def probe_layout(model) -> ModelLayout:
     own = own_cache_class(model)
     cache = DynamicCache(config=model.config) if own is None else own()
     mixers: dict[int, str] = {}
+    indexers: dict[int, str] = {}
     token = torch.ones(1, 1, dtype=torch.long, device=model_device(model))
     with ExitStack() as stack, torch.inference_mode():
-        _record_mixers(model, cache, mixers, stack)
+        _record_callers(model, cache, {**dict.fromkeys(STATE_METHODS, mixers), "update_indexer": indexers}, stack)
         model(input_ids=token, use_cache=True, **{compat.cache_argument(model): cache})
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
-    return _read_layout(cache, mixers, tuple(layer_types), _latent_layers(model))
+    layout = _read_layout(cache, mixers, tuple(layer_types), _latent_layers(model))
+    return replace(layout, indexers={layer: indexers[layer] for layer in sorted(indexers)})
 
 
 def _latent_layers(model) -> dict[int, int]:
@@ -247,10 +265,11 @@ def _latent_layers(model) -> dict[int, int]:
     }
 
 
-def _record_mixers(model, cache: DynamicCache, mixers: dict[int, str], stack: ExitStack) -> None:
-    """While ``stack`` is open, note in ``mixers`` the innermost module (with a ``layer_idx``) running when each
-    recurrent layer's state is read or written: the probe's own cache gets recording methods, the modules hooks
-    that keep a stack of the running ones."""
+def _record_callers(model, cache: DynamicCache, records: dict[str, dict[int, str]], stack: ExitStack) -> None:
+    """While ``stack`` is open, note in ``records[method]`` the innermost module (with a ``layer_idx``) running when
+    each layer's cache method of that name is called (the recurrent layers' state methods: their mixers; a sparse
+    attention layer's ``update_indexer``: its indexer): the probe's own cache gets recording methods, the modules
+    hooks that keep a stack of the running ones."""
     running: list[tuple[int, str]] = []
 
     def leave(*_) -> None:
@@ -263,9 +282,9 @@ def _record_mixers(model, cache: DynamicCache, mixers: dict[int, str], stack: Ex
                 module.register_forward_pre_hook(lambda _m, _a, entry=(index, name): running.append(entry))
             )
             stack.enter_context(module.register_forward_hook(leave, always_call=True))
-    for method in STATE_METHODS:
+    for method, callers in records.items():
         if hasattr(cache, method):
-            setattr(cache, method, _recording(getattr(cache, method), running, mixers))
+            setattr(cache, method, _recording(getattr(cache, method), running, callers))
 
 
 def _recording(method: Callable, running: list[tuple[int, str]], mixers: dict[int, str]) -> Callable:
@@ -300,12 +319,17 @@ def _read_layout(
                     f"layer {index} keeps state of its own beside its K/V ({type(layer).__name__}: {own}), which "
                     "hfaccel's pool does not hold"
                 )
-            if type(layer).__name__.endswith("IndexedLayer"):
-                raise LayoutError(
-                    f"layer {index} keeps indexer keys beside its K/V (sparse attention with a "
-                    "lightning indexer), which hfaccel's pool does not hold"
-                )
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            # latents are one head; a module that expands before caching (DeepSeek-V3.2 on transformers 5.17) caches K/V
+            expanded_dim = latent.get(index) if isinstance(keys, torch.Tensor) and keys.shape[1] == 1 else None
+            indexer_keys = getattr(layer, "indexer_keys", None)  # [B, S, D]: DeepSeek Sparse Attention's
+            if not isinstance(indexer_keys, torch.Tensor) or not indexer_keys.numel():
+                indexer_keys = None  # none written: a layer that reuses another layer's choice of keys
+            if indexer_keys is not None and expanded_dim is None:
+                raise LayoutError(
+                    f"layer {index} keeps indexer keys beside K/V that are not latents (sparse attention with an "
+                    "indexer over full keys), which hfaccel's pool does not hold"
+                )
             window = layer.sliding_window if getattr(layer, "is_sliding", False) else None
             # transformers' cache keeps a chunked layer as a sliding one of the chunk's size; only its mask differs
             chunked = index < len(layer_types) and layer_types[index] == "chunked_attention"
@@ -316,7 +340,8 @@ def _read_layout(
                     values.shape[-1],
                     None if chunked else window,
                     window if chunked else None,
-                    latent.get(index),
+                    expanded_dim,
+                    0 if indexer_keys is None else indexer_keys.shape[-1],
                 )
             known = True
         if not known and type(layer).__name__ != "DummyLayer":
@@ -355,3 +380,33 @@ def _state(index: int, layer) -> RecurrentState:
     if layer.record_past:
         raise LayoutError(f"layer {index} records its past states (for rollback), which hfaccel's state slots do not")
     return state
+
+
+def wrap_forwards(model, modules: dict[int, str], marker: str, run: Callable) -> None:
+    """Give each module ``modules`` names (by layer) a forward of this instance that calls ``run(layer, original,
+    arguments, args, kwargs)`` (``arguments``: the call's, by name), marked by the attribute ``marker`` (idempotent);
+    :func:`unwrap_forwards` takes them away. How hfaccel runs a layout's mixers and indexers per group of sequences."""
+    named = dict(model.named_modules())
+    for layer, name in modules.items():
+        module = named[name]
+        if getattr(module.forward, marker, False):
+            continue
+        original = module.forward
+        names = [
+            name
+            for name, p in inspect.signature(original).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+
+        def forward(*args, _layer=layer, _original=original, _names=names, **kwargs):
+            return run(_layer, _original, {**dict(zip(_names, args)), **kwargs}, args, kwargs)
+
+        setattr(forward, marker, True)
+        module.forward = forward
+
+
+def unwrap_forwards(model, marker: str) -> None:
+    """Undo :func:`wrap_forwards` for the forwards marked ``marker``."""
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), marker, False):
+            del module.forward

@@ -287,10 +287,17 @@ class KVPool:
         )
 
     def write(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, backend: str = "auto"
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        backend: str = "auto",
+        calibrate: bool = True,
     ) -> None:
-        """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer."""
-        if not torch.compiler.is_compiling() and layer in self._calibrating:  # compiled steps: never (no guard on it)
+        """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer (``calibrate=False``: rows a later
+        write completes, which an fp8 pool's first prefill does not set its scales from)."""
+        if calibrate and not torch.compiler.is_compiling() and layer in self._calibrating:  # compiled steps: never
             self._calibrate(layer, keys, values, slots)
         view = self.layer_view(layer)
         width = view["kv_cache"].shape[-1]  # the wider of a layer's keys and values: the narrower zero-padded to it

@@ -19,14 +19,13 @@ sequence's slot. Under any other cache the mixer runs as it is.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
-from hfaccel.kv.layout import ModelLayout
+from hfaccel.kv.layout import ModelLayout, unwrap_forwards, wrap_forwards
 
 MIXER_FORWARD = "hfaccel_state_mixer"  # the attribute marking a mixer's forward as hfaccel's (install_mixers)
 
@@ -183,30 +182,12 @@ class StateView(Cache):
 def install_mixers(model, layout: ModelLayout) -> None:
     """Give each mixer of ``layout`` (a hybrid model's recurrent-state modules) hfaccel's forward (module docstring;
     idempotent). :func:`remove_mixers` takes it away."""
-    modules = dict(model.named_modules())
-    for layer, name in layout.mixers.items():
-        module = modules[name]
-        if getattr(module.forward, MIXER_FORWARD, False):
-            continue
-        original = module.forward
-        names = [
-            name
-            for name, p in inspect.signature(original).parameters.items()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-
-        def forward(*args, _layer=layer, _original=original, _names=names, **kwargs):
-            return _mixer_forward(_layer, _original, {**dict(zip(_names, args)), **kwargs}, args, kwargs)
-
-        setattr(forward, MIXER_FORWARD, True)
-        module.forward = forward
+    wrap_forwards(model, layout.mixers, MIXER_FORWARD, _mixer_forward)
 
 
 def remove_mixers(model) -> None:
     """Undo :func:`install_mixers`."""
-    for module in model.modules():
-        if getattr(vars(module).get("forward"), MIXER_FORWARD, False):
-            del module.forward
+    unwrap_forwards(model, MIXER_FORWARD)
 
 
 def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: dict):

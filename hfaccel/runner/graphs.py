@@ -113,11 +113,12 @@ class DecodeGraphs:
         self.device = runner.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.compiled = compile
-        # a model whose layers expand their latents (MLA) expands every token its sequences hold, each step: its steps
-        # run at their batch's context (the power of two holding its longest sequence), so uncompiled and uncaptured
+        # a model whose layers read every token their sequences hold outside the paged kernel, each step (MLA layers
+        # that expand their latents, sparse attention's indexers): its steps run at their batch's context (the power
+        # of two holding its longest sequence), so uncompiled and uncaptured
         self.eager_reason = None
-        if runner.expands_latents and (self.capture or self.compiled):
-            self.eager_reason = "multi-head latent attention expands every held token, at each step's context"
+        if runner.context_reason is not None and (self.capture or self.compiled):
+            self.eager_reason = runner.context_reason
             self.capture = self.compiled = False
         self._held = 0  # the longest sequence of the next step, which such steps run at
         self.sizes = sorted({size for size in ladder if size < max_batch} | {max_batch})
@@ -345,7 +346,7 @@ class DecodeGraphs:
         """:func:`static_step`'s arguments for a step of ``size`` sequences."""
         rows = self.buffers.rows(size)
         context = self.max_model_len
-        if self.runner.expands_latents:
+        if self.runner.context_reason is not None:
             context = min(context_bucket(self._held, whole=False, model=self.runner.model), context)
         return self.runner, rows, advance, context, self.tokens_per_seq, lora, self.mirror_padding
 

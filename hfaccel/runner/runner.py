@@ -36,6 +36,7 @@ from hfaccel.device import model_device, to_device
 from hfaccel.kv import KVPool, PackedStep
 from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, paged_reader_backend, sequence_cache
 from hfaccel.kv.latent import absorbed_layers, install_absorption, release_absorption
+from hfaccel.kv.indexer import install_indexers
 from hfaccel.kv.state import install_mixers
 from hfaccel.lora import LoRAContext
 from hfaccel.runner.graphs import DEFAULT_LADDER, DecodeGraphs
@@ -86,6 +87,8 @@ class ModelRunner:
         # prompt's whole prefill of every latent layer does)
         self.reads_latents = bool(latent)
         self.expands_latents = any(layer not in self.absorbed for layer in latent)
+        # sparse attention's indexers (DeepSeek Sparse Attention) score every key their sequences hold, each forward
+        self.indexes_keys = bool(pool.layout.indexers)
         self.max_tokens = packed_token_limit(model.config)  # per forward (None: no limit)
         # a multimodal model's sequences may continue their position ids from past their cache positions (Qwen's M-RoPE
         # after an image): each sequence's offset, set by its multimodal prefill (absent: 0); its steps add them
@@ -93,6 +96,7 @@ class ModelRunner:
         self.position_offsets: dict[Hashable, int] = {}
         if pool.states is not None:
             install_mixers(model, pool.layout)  # its recurrent layers run per sequence under this runner's cache
+        install_indexers(model, pool.layout)  # and its sparse-attention indexers per group of sequences
 
     def enable_decode_graphs(
         self,
@@ -317,6 +321,16 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.index = None
         return out.logits[0]
+
+    @property
+    def context_reason(self) -> str | None:
+        """Why its static steps run at their batch's context, uncompiled and uncaptured, rather than at their whole
+        length (None: they do not): each step reads every token its sequences hold, outside the paged kernel."""
+        if self.indexes_keys:
+            return "sparse attention's indexer scores every held key, at each step's context"
+        if self.expands_latents:
+            return "multi-head latent attention expands every held token, at each step's context"
+        return None
 
     def prefill_images(
         self,

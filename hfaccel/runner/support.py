@@ -92,8 +92,8 @@ def _layout_reason(model, layout: ModelLayout) -> str | None:
                 f"layer {layer} caches keys {kv.key_dim} wide and values {kv.value_dim} wide, which hfaccel's "
                 "kernels do not read"
             )
-        if kv.latent and (kv.window or kv.chunk):
-            return f"layer {layer} expands latents (MLA) within a sliding window or chunk, which hfaccel does not serve"
+        if kv.latent and kv.chunk:
+            return f"layer {layer} expands latents (MLA) within an attention chunk, which hfaccel does not serve"
         if kv.read_width > MAX_HEAD_DIM:
             return f"layer {layer} has head_dim {kv.read_width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
     if layout.hybrid and compat.tp_size(model) > 1:

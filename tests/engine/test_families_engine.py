@@ -1,6 +1,6 @@
 """This year's families in the Engine: each prompt's own greedy tokens under preemption, chunked prefill and both
-schedulings (MLA's latents in the pool, prefix caching on); hybrid models' state slots allocated, forked, preempted
-and freed with the sequences' blocks."""
+schedulings (MLA's latents in the pool, DeepSeek Sparse Attention's indexer keys beside them, prefix caching on);
+hybrid models' state slots allocated, forked, preempted and freed with the sequences' blocks."""
 
 import pytest
 
@@ -10,7 +10,8 @@ from tests.helpers import greedy, mixed_prompts, reference, run
 from tests.models import HYBRID_FAMILIES, family_model
 
 
-ENGINE_FAMILIES = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "minimax", "gpt_oss", "gemma4", "llama4", "deepseek_v3"]
+ENGINE_FAMILIES = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "minimax", "gpt_oss", "gemma4", "llama4"]
+ENGINE_FAMILIES += ["deepseek_v3", "deepseek_v32", "dots3_note"]  # MLA; sparse attention, a windowed MLA layer
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

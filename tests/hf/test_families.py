@@ -12,7 +12,15 @@ import torch
 import hfaccel
 from hfaccel.runner.support import model_support
 from tests.devices import DEVICE
-from tests.models import FAMILIES, HYBRID_FAMILIES, LATENT_FAMILIES, family_model, padded_batch
+from tests.models import (
+    FAMILIES,
+    HYBRID_FAMILIES,
+    LATENT_FAMILIES,
+    SPARSE_FAMILIES,
+    family_model,
+    padded_batch,
+    require_family,
+)
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -27,7 +35,10 @@ def test_triton_kernels_give_transformers_tokens(name):
     assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), expected)
     assert str(model.hfaccel.decode) == "hfaccel"
     assert model.hfaccel.attention_paths.counts  # hfaccel's kernels served the calls
-    assert all(path.startswith("hfaccel") for path in model.hfaccel.attention_paths.counts)
+    paths = set(model.hfaccel.attention_paths.counts)
+    if name in SPARSE_FAMILIES:  # each query's 4 chosen keys, fewer than it sees: exact torch attention over them
+        assert "torch sparse" in paths
+    assert all(path.startswith("hfaccel") for path in paths - {"torch sparse"})
     if name in LATENT_FAMILIES:  # read in the latent space (the decode steps and the batch's prefill)
         assert "hfaccel paged latent (triton)" in model.hfaccel.attention_paths.counts
     layout = model_support(model).layout
@@ -129,6 +140,38 @@ def test_latent_attention_over_an_fp8_pool_runs_at_its_batchs_context():
     assert graphs.max_model_len >= 65536 and contexts and max(contexts) <= 512  # the 11 + 6 tokens' bucket
 
 
+def test_sparse_attention_decodes_at_the_batchs_context():
+    """DeepSeek Sparse Attention: the indexer scores every key its sequences hold, each step, so the decode steps run at
+    the batch's context, uncompiled, with the reason in their status — the eager tokens; where the indexer keeps every
+    key (``index_topk`` past the context) the latents are read by the paged kernel, as DeepSeek-V3's."""
+    import transformers
+
+    from tests.hf.tiny_configs import tiny_config
+
+    model = family_model("deepseek_v32")
+    batch = padded_batch()
+    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    hfaccel.accelerate(model, attention="torch", compile=True)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    graphs = model.hfaccel.session.runner.graphs
+    assert not graphs.compiled and "sparse attention's indexer" in graphs.status()
+    assert model.hfaccel.attention_paths.counts.keys() == {"torch sparse"}
+    indexers = [layer.self_attn.indexer for layer in model.model.layers]
+    assert all("forward" in vars(indexer) for indexer in indexers)  # run per group of sequences (hfaccel.kv.indexer)
+    hfaccel.restore(model)
+    assert not any("forward" in vars(indexer) for indexer in indexers)
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+
+    config = tiny_config("deepseek_v32", vocab_size=96, index_topk=64, index_n_heads=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
+    expected = model.generate(**batch, max_new_tokens=6, **GREEDY)
+    hfaccel.accelerate(model, attention="torch")
+    assert torch.equal(model.generate(**batch, max_new_tokens=6, **GREEDY), expected)
+    assert "torch sparse" not in model.hfaccel.attention_paths.counts
+    assert "hfaccel paged latent (torch)" in model.hfaccel.attention_paths.counts
+
+
 def test_state_slots_grow_with_the_batch():
     """A larger batch than the pool's state slots hold replaces the pool (the decode steps kept): still exact."""
     model = family_model("falcon_h1")
@@ -160,12 +203,12 @@ def test_speculative_decoding_refuses_recurrent_state():
 
 
 @pytest.mark.parametrize(
-    "model_type, reason", [("deepseek_v32", "indexer keys"), ("deepseek_v4", "store_compression_weights")]
+    "model_type, reason", [("qwen4_exp", "indexer over full keys"), ("deepseek_v4", "store_compression_weights")]
 )
 def test_a_model_that_cannot_be_served_keeps_transformers_path(model_type, reason):
-    """A family whose cache hfaccel's pool cannot hold (DeepSeek-V3.2's sparse attention keeps indexer keys beside
-    its latents; DeepSeek-V4's cache layers keep its compressors' state) is declined before the first call, with the
-    reason, its tokens unchanged."""
+    """A family whose cache hfaccel's pool cannot hold (Qwen4-Exp's sparse attention keeps indexer keys beside full
+    K/V; DeepSeek-V4's cache layers keep its compressors' state) is declined before the first call, with the reason,
+    its tokens unchanged."""
     import transformers
 
     from tests.hf.tiny_configs import tiny_config
@@ -183,17 +226,21 @@ def test_a_model_that_cannot_be_served_keeps_transformers_path(model_type, reaso
     assert reason in model.hfaccel.fallback_reason
 
 
-def test_latent_attention_serves_speculative_decoding_and_fp8_pools():
-    """MLA (DeepSeek-V3): the pool holds each layer's latents and hfaccel's attention reads the K/V the module
-    expands from them — speculative decoding's verify steps (several tokens per sequence) and an fp8 pool (the
-    latents stored in fp8, read back dequantized) too."""
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32"])
+def test_latent_attention_serves_speculative_decoding_and_fp8_pools(name):
+    """MLA (DeepSeek-V3; V3.2 with its sparse attention): the pool holds each layer's latents (and indexer keys) and
+    hfaccel's attention reads them — speculative decoding's verify steps (several tokens per sequence) and an fp8
+    pool (stored in fp8, read back dequantized) too."""
     import transformers
 
     from tests.hf.tiny_configs import tiny_config
 
+    require_family(name)
+
     def deepseek(seed: int):
         torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", vocab_size=96)).eval()
+        config = tiny_config(FAMILIES[name][0], vocab_size=96, **FAMILIES[name][1])
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
 
     model, draft = deepseek(0).to(DEVICE), deepseek(1).to(DEVICE)
     batch = padded_batch()
@@ -202,7 +249,8 @@ def test_latent_attention_serves_speculative_decoding_and_fp8_pools():
     hfaccel.accelerate(model, attention="torch")
     hfaccel.accelerate(draft, attention="torch")
     assert torch.equal(hfaccel.speculative_generate(model, draft, **batch, max_new_tokens=9), expected)
-    assert model.hfaccel.attention_paths.counts.keys() == {"hfaccel paged latent (torch)"}
+    path = "torch sparse" if name in SPARSE_FAMILIES else "hfaccel paged latent (torch)"
+    assert model.hfaccel.attention_paths.counts.keys() == {path}
     quantized = fp8.generate(**batch, max_new_tokens=9, **GREEDY)
     assert quantized.shape == expected.shape and str(fp8.hfaccel.decode) == "hfaccel"
     assert (quantized[:, -9:] == expected[:, -9:]).float().mean() > 0.5  # fp8 latents: close, not exact

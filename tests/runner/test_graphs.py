@@ -187,14 +187,16 @@ def test_padding_rows_mirror_only_where_experts_are_routed():
     every token."""
     from hfaccel.runner.graphs import routed_expert_banks
     from tests.hf.tiny_configs import tiny_config
-    from tests.models import FAMILIES, gemma4_config
+    from tests.models import FAMILIES, family_served, gemma4_config
 
     def routed(config) -> bool:
         return bool(routed_expert_banks(transformers.AutoModelForCausalLM.from_config(config)))
 
-    moe = {name for name, (model_type, _) in FAMILIES.items() if routed(tiny_config(model_type))}
+    families = {name: model_type for name, (model_type, _) in FAMILIES.items() if family_served(name)}
+    moe = {name for name, model_type in families.items() if routed(tiny_config(model_type))}
     hybrid_moe = {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "kimi_linear"}
-    assert moe == hybrid_moe | {"gpt_oss", "deepseek_v3"}
+    latent_moe = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "dots3_note"}
+    assert moe == (hybrid_moe | latent_moe | {"gpt_oss"}) & set(families)
     assert routed(_moe_model("gemma4_moe").config) and not routed(gemma4_config()) and not routed(tiny_config("llama"))
     assert not routed(tiny_config("granitemoehybrid", num_local_experts=0))
 

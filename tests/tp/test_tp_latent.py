@@ -1,7 +1,8 @@
 """Multi-head latent attention under tensor parallelism (2 ranks over gloo): DeepSeek-V2's plan shards the attention
 heads (``q_b_proj`` and ``kv_b_proj`` by columns, ``o_proj`` by rows) over a latent every rank holds whole;
-DeepSeek-V3's leaves attention whole on every rank. Each rank reads its heads in the latent space
-(``hfaccel.kv.latent``), and ``generate`` and the engine give the single process's tokens."""
+DeepSeek-V3's leaves attention whole on every rank; DeepSeek-V3.2's shards the heads, its sparse attention's indexer
+whole. Each rank reads its heads in the latent space (``hfaccel.kv.latent``; V3.2's the keys its indexer picks), and
+``generate`` and the engine give the single process's tokens."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ NEW_TOKENS = 8
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 24, "num_blocks": 48, "block_size": 4}
 
 
-@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3", "deepseek_v32"])
 def saved_latent_model(request, tmp_path_factory):
     from tests.hf.tiny_configs import tiny_config
+    from tests.models import FAMILIES
 
     path = tmp_path_factory.mktemp(request.param)
+    overrides = FAMILIES[request.param][1] if request.param in FAMILIES else {}  # V3.2: sparse attention
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(tiny_config(request.param, vocab_size=96)).save_pretrained(path)
+    config = tiny_config(request.param, vocab_size=96, **overrides)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
 
 
@@ -42,14 +46,14 @@ def test_generate_under_tp_reads_each_ranks_heads_in_the_latent_space(saved_late
     batch = padded_batch()
     single = transformers.AutoModelForCausalLM.from_pretrained(saved_latent_model, dtype=torch.float32)
     expected = single.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
-    sharded = single.config.model_type == "deepseek_v2"
+    sharded = single.config.model_type in ("deepseek_v2", "deepseek_v32")
     heads = single.config.num_attention_heads // (2 if sharded else 1)
 
     ranks = run_ranks(_generate_rank, str(saved_latent_model), batch, workdir=tmp_path, timeout=120)
 
     for rank, got in enumerate(ranks):
         assert got["decode"] == "hfaccel", f"rank {rank}: {got['decode']}"
-        assert got["heads"] == {0: heads, 1: heads}, f"rank {rank}"
+        assert got["heads"] == dict.fromkeys(range(single.config.num_hidden_layers), heads), f"rank {rank}"
         assert torch.equal(got["out"], expected), f"rank {rank}"
 
 
@@ -69,14 +73,18 @@ def _engine_rank(path: str, prompts: list[list[int]], budgets: list[int]) -> dic
     return {"outputs": [out.outputs[0].token_ids for out in outputs], "absorbed": sorted(engine.runner.absorbed)}
 
 
-def test_engine_under_tp_with_sharded_latent_heads(tmp_path):
-    """DeepSeek-V2's sharded heads through the engine's static decode steps: the single process's tokens."""
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v32"])
+def test_engine_under_tp_with_sharded_latent_heads(model_type, tmp_path):
+    """DeepSeek-V2's sharded heads (V3.2's with its sparse attention) through the engine's static decode steps: the
+    single process's tokens."""
     import hfaccel
     from hfaccel.engine import SamplingParams
     from tests.hf.tiny_configs import tiny_config
+    from tests.models import FAMILIES
 
     torch.manual_seed(0)
-    single = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v2", vocab_size=96)).eval()
+    config = tiny_config(model_type, vocab_size=96, **(FAMILIES[model_type][1] if model_type in FAMILIES else {}))
+    single = transformers.AutoModelForCausalLM.from_config(config).eval()
     single.save_pretrained(tmp_path / "model")
     prompts, budgets = mixed_prompts(count=8)
     params = [SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True) for budget in budgets]
@@ -86,4 +94,4 @@ def test_engine_under_tp_with_sharded_latent_heads(tmp_path):
     leader, follower = run_ranks(_engine_rank, str(tmp_path / "model"), prompts, budgets, workdir=tmp_path, timeout=180)
 
     assert leader["outputs"] == expected
-    assert leader["absorbed"] == [0, 1] and follower["forwards"] > 0
+    assert leader["absorbed"] == list(range(config.num_hidden_layers)) and follower["forwards"] > 0

@@ -64,7 +64,13 @@ class ModelShapes:
         decode = {}
         if "kv_lora_rank" in c:  # multi-head latent attention: prefill over the expanded K/V, decode over the latents
             head_dim = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-            latent = AttentionKV(1, c["kv_lora_rank"], c["qk_rope_head_dim"], expanded_dim=head_dim)
+            latent = AttentionKV(
+                1,
+                c["kv_lora_rank"],
+                c["qk_rope_head_dim"],
+                expanded_dim=head_dim,
+                indexer_dim=c.get("index_head_dim", 0),
+            )  # (a sparse-attention model's indexer keys in the same rows)
             decode = dict(decode_kv_heads=1, decode_head_dim=2 * latent.width)
         return cls(
             name,
