@@ -97,6 +97,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "jamba": ("jamba", {}),  # Mamba-1
     "lfm2": ("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2}),  # short convolutions
     "minimax": ("minimax", {}),  # lightning (linear) attention, its state kept in MiniMax's own cache class
+    # ZAYA1's compressed convolutional attention: each attention layer's q/k convolution and delayed value are state
+    "zaya": ("zaya", {}),
     "gpt_oss": ("gpt_oss", {}),  # attention sinks, alternating sliding and full layers
     "gemma4": ("gemma4_text", {}),  # per-layer head sizes and KV heads, layers sharing K/V (gemma4_config)
     "deepseek_v3": ("deepseek_v3", {}),  # multi-head latent attention: latents cached, K/V expanded after the cache
@@ -120,7 +122,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         },
     ),
 }
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax", "kimi_linear")
+HYBRID_FAMILIES = (
+    *("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax", "kimi_linear", "zaya"),
+)
 LATENT_FAMILIES = ("deepseek_v3", "kimi_linear")  # multi-head latent attention, read in the latent space
 SPARSE_FAMILIES = (
     "deepseek_v32",

@@ -50,6 +50,10 @@ def _attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     # query: [B, Hq, Sq, D]; key, value: [B, Hkv, Skv, D]; returns ([B, Sq, Hq, D], None)
+    if kwargs.get("position_bias") is not None:  # never ignored: the scores would silently differ
+        raise NotImplementedError(
+            "an additive position bias (Inkling's relative logits) is not read by hfaccel's attention"
+        )
     if not isinstance(key, PagedKV) and value.shape[-1] != key.shape[-1]:
         return _widened(backend, module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # s_aux: [Hq] attention sinks (gpt-oss)
@@ -434,6 +438,7 @@ def auto_attention(module, query, key, value, attention_mask, **kwargs):
         and kwargs.get("softcap") is None
         and kwargs.get("s_aux") is None
         and not selects_keys(kwargs.get("indices"), key, None)
+        and kwargs.get("position_bias") is None
         and not interpreting()
     ):
         record_path(module, SDPA)

@@ -206,8 +206,9 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
         return _run_group(
             original, arguments, cache_name, cache.state_view, pool, layer, hidden, cache.prompt_state_slots, True
         )
-    if "attention_mask" in arguments:
-        arguments["attention_mask"] = None  # packed sequences hold no padding
+    for name in arguments:
+        if name.endswith("mask"):
+            arguments[name] = None  # packed sequences hold no padding (attention_mask; ZAYA's conv_mask)
     view = cache.state_view
     if step.groups is None:  # a static step: one token per sequence, each with its state
         # one scratch row more, so that the layer's code never sees a batch of one: its reshapes of views would guard
@@ -217,17 +218,18 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
         slots = torch.cat([step.slots, scratch])  # [B + 1]
         stores = slots if step.stores is None else torch.cat([step.stores, scratch])
         result = _run_group(original, arguments, cache_name, view, pool, layer, rows, slots, False, stores)
-        hidden_out = _hidden_output(result)
-        return _as_returned(result, hidden_out.reshape(hidden_out.shape[0], hidden_out.shape[-1])[:-1][None])
-    out = result = None
+        return _packed_outputs(result, rows.shape[:2], lambda out: out[:-1].flatten(0, 1)[None])  # [1, B, ...]
+    packed = result = None
     for group in step.groups:
         rows = hidden[0].index_select(0, group.tokens).view(len(group.slots), group.length, -1)  # [G, L, H]
         result = _run_group(original, arguments, cache_name, view, pool, layer, rows, group.slots, group.fresh)
-        hidden_out = _hidden_output(result)  # [G, L, H_out]
-        if out is None:
-            out = hidden.new_empty(1, hidden.shape[1], hidden_out.shape[-1], dtype=hidden_out.dtype)
-        out[0].index_copy_(0, group.tokens, hidden_out.reshape(-1, hidden_out.shape[-1]))
-    return _as_returned(result, out)
+        outputs = _outputs(result)
+        if packed is None:  # each output of the token layout [G, L, ...] gathered into [1, T, ...]
+            packed = [_packed_like(out, rows.shape[:2], hidden.shape[1]) for out in outputs]
+        for into, out in zip(packed, outputs):
+            if into is not None:
+                into[0].index_copy_(0, group.tokens, out.flatten(0, 1))
+    return _as_returned(result, packed)
 
 
 def _holds_states(cache) -> bool:
@@ -236,14 +238,30 @@ def _holds_states(cache) -> bool:
     return getattr(cache, "states_step", None) is not None or getattr(cache, "prompt_state_slots", None) is not None
 
 
-def _hidden_output(result) -> torch.Tensor:
-    return result[0] if isinstance(result, tuple) else result
+def _outputs(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
 
 
-def _as_returned(result, hidden: torch.Tensor):
-    """The packed output ``hidden [1, T, H_out]`` in the form the mixer returns: alone, or first of a tuple whose
-    other entries (per-group extras, e.g. MiniMax's state) have no packed form and are None."""
-    return (hidden, *[None] * (len(result) - 1)) if isinstance(result, tuple) else hidden
+def _by_token(out, rows: torch.Size) -> bool:
+    """Whether a mixer output is per token of its rows ``[G, L]`` (hidden states; ZAYA's queries, keys and values),
+    rather than a per-group extra (MiniMax's state), which has no packed form."""
+    return isinstance(out, torch.Tensor) and out.dim() >= 3 and out.shape[:2] == rows
+
+
+def _packed_like(out, rows: torch.Size, tokens: int) -> torch.Tensor | None:
+    """An empty ``[1, T, ...]`` for a per-token output (``_by_token``), else None."""
+    return out.new_empty(1, tokens, *out.shape[2:]) if _by_token(out, rows) else None
+
+
+def _packed_outputs(result, rows: torch.Size, pack):
+    """``result`` in the form the mixer returns, each per-token output packed by ``pack``, the others None."""
+    return _as_returned(result, [pack(out) if _by_token(out, rows) else None for out in _outputs(result)])
+
+
+def _as_returned(result, packed: list):
+    """The packed outputs in the form the mixer returns: alone, or a tuple (per-group extras, e.g. MiniMax's state,
+    None)."""
+    return tuple(packed) if isinstance(result, tuple) else packed[0]
 
 
 def _run_group(

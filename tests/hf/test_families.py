@@ -60,7 +60,7 @@ def test_transformers_loop_keeps_working(name):
 
 
 # families whose own code (transformers') specialises a compiled step to one sequence: batch 1 runs padded to 2
-SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4")
+SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4", "zaya")
 
 
 @pytest.mark.parametrize(

@@ -194,7 +194,7 @@ def test_padding_rows_mirror_only_where_experts_are_routed():
 
     families = {name: model_type for name, (model_type, _) in FAMILIES.items() if family_served(name)}
     moe = {name for name, model_type in families.items() if routed(tiny_config(model_type))}
-    hybrid_moe = {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "kimi_linear"}
+    hybrid_moe = {"qwen3_next", "qwen3_5_moe", "granite_h", "jamba", "minimax", "kimi_linear", "zaya"}
     latent_moe = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "dots3_note"}
     assert moe == (hybrid_moe | latent_moe | {"gpt_oss"}) & set(families)
     assert routed(_moe_model("gemma4_moe").config) and not routed(gemma4_config()) and not routed(tiny_config("llama"))
