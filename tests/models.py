@@ -171,6 +171,9 @@ def family_model(name: str, vocab_size: int = 96, seed: int = 0) -> transformers
     except ValueError:  # eager attention only (gpt-oss)
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if name in SPARSE_FAMILIES:  # token 0's embedding (the pad token's) is zero: a query of it ties every indexer score
+        with torch.no_grad():
+            model.get_input_embeddings().weight[0].normal_()
     if name == "gpt_oss":
         with torch.no_grad():
             for layer in model.model.layers:

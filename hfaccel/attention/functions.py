@@ -34,6 +34,7 @@ from hfaccel.kernels.runtime import interpreting
 from hfaccel.kernels.ops import joined_rows
 from hfaccel.kv.block_manager import slot_mapping
 from hfaccel.kv.hf_cache import PACKED_STEP_KWARG, PAGED_READER_ATTRIBUTE, PagedKV, packed_sequences
+from hfaccel.kv.indexer import sees
 from hfaccel.kv.layout import widened
 from hfaccel.kv.pool import PackedStep
 
@@ -226,16 +227,11 @@ def _absorbed(
 
 def selects_keys(indices: torch.Tensor | None, key, step: PackedStep | None) -> bool:
     """Whether a sparse-attention indexer's choice ``indices [B, Sq, topk]`` leaves out keys some query sees: it
-    chose fewer than the longest sequence holds (otherwise it chose every key each query sees, its mask the rest)."""
+    chose fewer than the longest sequence holds (otherwise it chose every key each query sees, its mask the rest).
+    A packed forward's (``step``; a latent layer's ``PagedKV`` comes with it), else transformers' ``key`` tensor."""
     if indices is None:
         return False
-    if step is not None:
-        longest = step.max_seq_len
-    elif isinstance(key, PagedKV):
-        longest = key.max_seq_len if key.padding is None else key.padded_len
-    else:
-        longest = key.shape[2]
-    return indices.shape[-1] < longest
+    return indices.shape[-1] < (step.max_seq_len if step is not None else key.shape[2])
 
 
 def _sparse(
@@ -252,30 +248,27 @@ def _sparse(
     kwargs: dict,
 ) -> torch.Tensor:
     """Attention over the keys a sparse-attention indexer chose for each query (``kwargs["indices"]``) among those it
-    sees, by exact torch attention: ``query [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``. A packed forward's choice is each
-    query's positions in its own sequence, ``[1, T, K]`` (-1: none; ``hfaccel.kv.indexer``), read from the pool's
-    latent rows or from the K/V the layer expanded; transformers' is ``[B, Sq, K]`` into each row's keys."""
+    sees, by exact torch attention: ``query [B, Hq, Sq, D]`` -> ``[B, Sq, Hq, D]``. A packed forward's choice
+    (``step``) is each query's positions in its own sequence, ``[1, T, K]`` (-1: none; ``hfaccel.kv.indexer``), read
+    from the pool's latent rows or from the K/V the layer expanded; transformers' is ``[B, Sq, K]`` into each row's
+    keys (tensors: a sparse-attention layer's cache returns its latents)."""
     indices = kwargs["indices"]
     scale = softmax_scale(scaling, query)
-    packed = step if step is not None else key if isinstance(key, PagedKV) and key.cu_seqlens_q is not None else None
-    if packed is None:  # transformers' layout: its mask, the chosen keys of each row
-        if isinstance(key, PagedKV):
-            key, value = key.gather()
+    if step is None:  # transformers' layout: its mask, the chosen keys of each row
         visible = _dense_visibility(module, attention_mask, query, key, kwargs)  # [B, Sq, Skv]
         keep = visible & torch.zeros_like(visible).scatter_(-1, indices.long(), True)
         keep[..., 0] |= ~keep.any(-1)  # a padding query (it sees no key) reads one rather than none: no NaN
         return dense_attention(query, key, value, keep[:, None], scale, softcap, sinks, dropout)
     tokens = query.shape[2]
-    sequence = packed_sequences(packed.cu_seqlens_q, tokens)  # [T]
+    sequence = packed_sequences(step.cu_seqlens_q, tokens)  # [T]
     positions = indices[0].long()  # [T, K]
-    own = packed.seq_lens.long()[sequence]  # [T]: the keys each query's sequence holds
-    valid = (positions >= 0) & (positions <= packed.positions[:, None]) & (positions < own[:, None])  # [T, K]
+    valid = sees(positions, step.positions[:, None], step.seq_lens[sequence][:, None])  # [T, K]
     positions = positions.clamp(min=0)
     if isinstance(key, PagedKV):  # a latent layer read in the latent space: the rows at the chosen slots
         slots = slot_mapping(key.block_tables, sequence[:, None], positions, key.kv_cache.shape[3])  # [T, K]
         return _absorbed("torch", query, key, None, scaling, softcap, dropout, (slots, valid))
     # K/V expanded from each sequence's latents, [1, Hkv, S * L, D]: sequence s's token p at s * L + p
-    length = packed.max_seq_len
+    length = step.max_seq_len
     if key.shape[2] == length:  # one sequence (a prompt's whole prefill): its keys masked, as transformers computes it
         keep = torch.zeros(tokens, length + 1, dtype=torch.bool, device=query.device)
         keep = keep.scatter_(1, torch.where(valid, positions, length), True)[:, :length]  # [T, L]
@@ -305,12 +298,13 @@ def gathered_attention(
     count, heads, width = query.shape
     kv_heads, group = keys.shape[1], heads // keys.shape[1]
     chosen = rows.shape[1]
-    per_query = chosen * (kv_heads * (width + values.shape[-1]) + 2 * heads) * 4
+    per_query = chosen * (kv_heads * (width + (0 if values is keys else values.shape[-1])) + 2 * heads) * 4
     chunk = max(1, GATHER_BYTES // max(per_query, 1))
     out = query.new_empty(count, heads, values.shape[-1])
     for first in range(0, count, chunk):
         part = slice(first, first + chunk)
-        picked_keys, picked_values = keys[rows[part]].float(), values[rows[part]].float()  # [t, K, Hkv, D]
+        picked_keys = keys[rows[part]].float()  # [t, K, Hkv, D]
+        picked_values = picked_keys if values is keys else values[rows[part]].float()  # (latent rows: one tensor)
         q = query[part].float().unflatten(1, (kv_heads, group))  # [t, Hkv, g, D]
         scores = torch.einsum("thgd,tkhd->thgk", q, picked_keys) * scale  # [t, Hkv, g, K]
         if softcap is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hfaccel.attention.functions import GATHER_BYTES
+from hfaccel.kv.indexer import INDEXER_BYTES
 from hfaccel.device import model_device
 from hfaccel.kv import KVPool
 from hfaccel.kv.latent import absorbed_layers
@@ -76,8 +77,8 @@ def activation_reserve(
     layer's K/V expanded (keys, values and their copy for the kernel): from ``max_num_seqs`` sequences of
     ``max_model_len`` tokens where some latent layer is not read in the latent space (``absorbed``: every held token
     is expanded at each step), else from one forward's tokens (a prompt's prefill); and where a sparse-attention
-    indexer scores each query against every key its sequence holds (``hfaccel.kv.indexer``), its fp32 scores of a
-    full-budget forward (every indexer head and their sum, over ``max_model_len`` keys) and the chosen keys' chunk."""
+    indexer scores each query against every key its sequence holds (``hfaccel.kv.indexer``), one call's scores and
+    one chunk of the chosen keys read (each bounded)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     hidden = text.hidden_size
     heads = _global_int(text, "num_attention_heads", 1)
@@ -89,10 +90,7 @@ def activation_reserve(
     latent = [layer for layer, kv in layout.attention.items() if kv.latent]
     tokens = max_num_batched_tokens if set(latent) <= set(absorbed) else max_num_seqs * max_model_len
     expansion = tokens * expanded * dtype.itemsize
-    indexing = 0
-    if layout.indexers:
-        scores = max_num_batched_tokens * (_global_int(text, "index_n_heads", 1) + 1) * max_model_len * 4
-        indexing = scores + GATHER_BYTES
+    indexing = INDEXER_BYTES + GATHER_BYTES if layout.indexers else 0
     return 2 * max_num_batched_tokens * per_token * dtype.itemsize + logits + GRAPHS_RESERVE + expansion + indexing
 
 

@@ -30,7 +30,7 @@ from hfaccel import compat
 from hfaccel.kernels.write_kv import dequantize_kv
 from hfaccel.kv.block_manager import BlockManager, slot_mapping
 from hfaccel.kv.latent import LatentHeads
-from hfaccel.kv.layout import AttentionKV, joined_indexer_keys, joined_latents, own_cache_class
+from hfaccel.kv.layout import AttentionKV, indexer_columns, joined_latents, own_cache_class
 from hfaccel.kv.pool import KVPool, PackedStep
 from hfaccel.kv.state import StateStep, StateView
 
@@ -97,28 +97,38 @@ class PagedKV:
         their own, each from its first token, the longest's length."""
         if self.dense is not None:
             return self.dense
-        pools = self.kv_cache[self.layer]  # [2, num_blocks, block_size, Hkv, D]
+        keys, values = self.gather_rows(slice(0, 2), slice(None))
+        return keys, values
+
+    def gather_rows(self, parts: slice, columns: slice) -> tuple[torch.Tensor, ...]:
+        """The pool's rows of ``parts`` (``slice(0, 2)``: keys and values; ``slice(1, 2)``: values), their
+        ``columns`` only, each ``[B, Hkv, S, D]`` laid out as :meth:`gather` lays them out (never the forward's
+        ``dense`` K/V), dequantized. Only those columns are read."""
+        pools = self.kv_cache[self.layer][parts, ..., columns]  # [P, num_blocks, block_size, Hkv, D]: a view
         size = pools.shape[2]
         if self.padding is not None:  # transformers' layout: cache position c of row b, zeros for its padding
             held = torch.arange(self.padded_len, device=self.padding.device)[None] - self.padding[:, None]  # [B, S]
             rows = torch.arange(held.shape[0], device=held.device)[:, None]
             slots = slot_mapping(self.block_tables, rows, held.clamp(min=0), size)  # [B, S]
-            flat = self._dequantized(pools.flatten(1, 2)[:, slots])  # [2, B, S, Hkv, D]
+            flat = self._dequantized(pools.flatten(1, 2)[:, slots], parts)  # [P, B, S, Hkv, D]
             flat = flat * (held >= 0)[None, :, :, None, None]
         else:
             length = self.max_seq_len
             blocks = self.block_tables[:, : -(-length // size)]  # [B, n_blocks]
-            picked = pools.index_select(1, blocks.flatten().long())  # [2, B * n_blocks, block_size, Hkv, D]
-            flat = picked.view(2, blocks.shape[0], -1, *pools.shape[3:])[:, :, :length]  # [2, B, S, Hkv, D]
-            flat = self._dequantized(flat)
-        return flat[0].transpose(1, 2), flat[1].transpose(1, 2)
+            picked = pools.index_select(1, blocks.flatten().long())  # [P, B * n_blocks, block_size, Hkv, D]
+            flat = picked.view(pools.shape[0], blocks.shape[0], -1, *pools.shape[3:])[
+                :, :, :length
+            ]  # [P, B, S, Hkv, D]
+            flat = self._dequantized(flat, parts)
+        return tuple(part.transpose(1, 2) for part in flat)
 
-    def _dequantized(self, stored: torch.Tensor) -> torch.Tensor:
-        """``stored [2, ..., Hkv, D]`` K/V of the pool in the dtype reads return (a quantized pool's times its
-        scales)."""
+    def _dequantized(self, stored: torch.Tensor, parts: slice) -> torch.Tensor:
+        """``stored [P, ..., Hkv, D]`` rows of the pool's ``parts`` in the dtype reads return (a quantized pool's
+        times its scales)."""
         if self.kv_scales is None:
             return stored
-        return torch.stack([dequantize_kv(stored[i], self.kv_scales[self.layer, i], self.dtype) for i in (0, 1)])
+        scales = self.kv_scales[self.layer, parts]  # [P, Hkv]
+        return torch.stack([dequantize_kv(rows, scale, self.dtype) for rows, scale in zip(stored, scales)])
 
 
 class CacheLayerView(CacheLayerMixin):
@@ -208,21 +218,24 @@ class PoolCache(Cache):
         return self._indexer_keys(paged, held)
 
     def store_indexer_keys(
-        self, layer_idx: int, indexer_keys: torch.Tensor, tokens: torch.Tensor | None = None
+        self, layer_idx: int, indexer_keys: torch.Tensor, tokens: torch.Tensor | None = None, calibrate: bool = True
     ) -> None:
         """Store indexer keys ``[N, D]`` of this forward's new tokens ``tokens [N]`` (indices into its ``[B * S_new]``
-        new tokens; None: all of them) with the latents the layer's ``update`` took for them (each row rewritten)."""
+        new tokens; None: all of them) with the latents the layer's ``update`` took for them (each row rewritten;
+        ``calibrate``: as :meth:`KVPool.write` takes it)."""
         keys, values, _, slots = self._unindexed[layer_idx]  # [B, S_new, 1, key | value], [B, S_new]
         keys, values, slots = keys.flatten(0, 1), values.flatten(0, 1), slots.flatten()
         if tokens is not None:
             keys, values, slots = keys[tokens], values[tokens], slots[tokens]
         values = torch.cat([values, indexer_keys[:, None].to(values.dtype)], dim=-1)  # [N, 1, value + D]
         backend = paged_reader_backend(self.config) or "auto"
-        self.pool.write(layer_idx, keys[None], values[None], slots[None], backend=backend)
+        self.pool.write(layer_idx, keys[None], values[None], slots[None], backend=backend, calibrate=calibrate)
 
     def _indexer_keys(self, paged: PagedKV, held: AttentionKV) -> torch.Tensor:
-        """A sparse-attention layer's every held indexer key, ``[B, S, D]`` in transformers' layout."""
-        return joined_indexer_keys(*replace(paged, dense=None).gather(), held)[:, 0]  # the pool's rows, keys joined
+        """A sparse-attention layer's every held indexer key, ``[B, S, D]`` in transformers' layout: the columns of
+        the value rows that hold them (``hfaccel.kv.layout.indexer_columns``)."""
+        (keys,) = paged.gather_rows(slice(1, 2), indexer_columns(held))  # [B, 1, S, D]
+        return keys[:, 0]
 
     def _latents(self, paged: PagedKV, held: AttentionKV, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A latent layer's every held token, ``[B, Hkv, S, key_dim]`` and ``[B, Hkv, S, value_dim]``, in
@@ -357,10 +370,20 @@ class SequenceKVCache(PoolCache):
 
     def __init__(self, config, pool: KVPool):
         super().__init__(config, pool)
-        self.step: PackedStep | None = None
+        self._step: PackedStep | None = None
+        self.per_step: dict = {}  # what a forward's modules work out once for it (hfaccel.kv.indexer's groups)
         self.absorbed: dict[int, LatentHeads] = {}  # latent layers read in the latent space (the runner's choice)
         # the recurrent layers' per-group states, handed to their mixers (a model with recurrent state)
         self.state_view = StateView(pool.num_layers) if pool.states is not None else None
+
+    @property
+    def step(self) -> PackedStep | None:
+        """This forward's metadata (None outside a forward)."""
+        return self._step
+
+    @step.setter
+    def step(self, step: PackedStep | None) -> None:
+        self._step, self.per_step = step, {}
 
     @property
     def states_step(self) -> StateStep | None:
@@ -409,16 +432,19 @@ class SequenceKVCache(PoolCache):
             "(hfaccel.kv.indexer.install_indexers), whose own view stores the indexer keys"
         )
 
-    def indexer_keys(self, layer_idx: int, sequences: torch.Tensor) -> torch.Tensor:
-        """The indexer keys the forward's ``sequences [G]`` hold, ``[G, L, D]`` (each from its first token, ``L`` the
-        step's ``max_seq_len``)."""
+    def indexer_keys(self, layer_idx: int, sequences: torch.Tensor, held: int) -> torch.Tensor:
+        """The indexer keys the forward's ``sequences [G]`` hold, ``[G, held, D]`` (each from its first token;
+        ``held`` at least the longest's count)."""
         paged = self._unindexed[layer_idx][2]
-        return self._indexer_keys(
-            replace(paged, block_tables=paged.block_tables[sequences]), self.pool.layout.attention[layer_idx]
-        )
+        view = replace(paged, block_tables=paged.block_tables[sequences], max_seq_len=held)
+        return self._indexer_keys(view, self.pool.layout.attention[layer_idx])
 
-    def end_indexer(self, layer_idx: int) -> None:
-        """The layer's indexer keys of this forward are all stored."""
+    def end_indexer(self, layer_idx: int, indexer_keys: torch.Tensor | None) -> None:
+        """The layer's indexer keys of this forward, ``[T, D]``, are all stored (by groups, without setting an fp8
+        pool's scales: a pool that takes them from its first prefill takes them from every row, all rewritten);
+        None: the forward ended before they were (the next one rewrites its rows)."""
+        if indexer_keys is not None and self.pool.calibrating(layer_idx):
+            self.store_indexer_keys(layer_idx, indexer_keys)
         del self._unindexed[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -159,10 +159,11 @@ def joined_latents(keys: torch.Tensor, values: torch.Tensor, kv: AttentionKV) ->
     return joined[..., : kv.key_dim], joined[..., kv.key_dim : kv.key_dim + kv.value_dim]
 
 
-def joined_indexer_keys(keys: torch.Tensor, values: torch.Tensor, kv: AttentionKV) -> torch.Tensor:
-    """The layer's indexer keys ``[..., indexer_dim]`` from what :func:`split_latents` stored."""
-    start = kv.key_dim + kv.value_dim
-    return torch.cat([keys, values], dim=-1)[..., start : start + kv.indexer_dim]
+def indexer_columns(kv: AttentionKV) -> slice:
+    """The columns of a sparse-attention layer's value rows that hold its indexer keys (:func:`split_latents`: after
+    both latents, which are wider than them, so all in the second half)."""
+    start = kv.key_dim + kv.value_dim - kv.width
+    return slice(start, start + kv.indexer_dim)
 
 
 def uniform_layout(num_layers: int, kv_heads: int, head_dim: int) -> ModelLayout:
@@ -329,6 +330,11 @@ def _read_layout(
                 raise LayoutError(
                     f"layer {index} keeps indexer keys beside K/V that are not latents (sparse attention with an "
                     "indexer over full keys), which hfaccel's pool does not hold"
+                )
+            if indexer_keys is not None and indexer_keys.shape[-1] > keys.shape[-1] + values.shape[-1]:
+                raise LayoutError(
+                    f"layer {index}'s indexer keys ({indexer_keys.shape[-1]} wide) are wider than its latents, which "
+                    "hfaccel's pool does not hold"
                 )
             window = layer.sliding_window if getattr(layer, "is_sliding", False) else None
             # transformers' cache keeps a chunked layer as a sliding one of the chunk's size; only its mask differs

@@ -297,14 +297,18 @@ class KVPool:
     ) -> None:
         """Store ``keys, values [B, S, Hkv, D]`` at ``slots [B, S]`` of one layer (``calibrate=False``: rows a later
         write completes, which an fp8 pool's first prefill does not set its scales from)."""
-        if calibrate and not torch.compiler.is_compiling() and layer in self._calibrating:  # compiled steps: never
-            self._calibrate(layer, keys, values, slots)
         view = self.layer_view(layer)
         width = view["kv_cache"].shape[-1]  # the wider of a layer's keys and values: the narrower zero-padded to it
         if self.layout.attention[layer].latent:
             keys, values = split_latents(keys, values, width)
         keys, values = widened(keys, width), widened(values, width)
+        if calibrate and not torch.compiler.is_compiling() and layer in self._calibrating:  # compiled steps: never
+            self._calibrate(layer, keys, values, slots)  # from the rows as stored
         write_kv_op(keys, values, view["kv_cache"], view["layer"], slots, backend, view.get("kv_scales"))
+
+    def calibrating(self, layer: int) -> bool:
+        """Whether ``layer``'s next prefill sets its scales (``kv_scales="prefill"``, none set yet)."""
+        return layer in self._calibrating
 
     def _calibrate(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Set ``layer``'s scales from the first tokens it stores (``kv_scales="prefill"``); a write under CUDA-graph

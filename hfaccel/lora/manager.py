@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from hfaccel.kv.layout import model_layout
 from hfaccel.lora.adapter import LoRAAdapter, load_adapter
 from hfaccel.lora.layer import LoRAContext, LoRALinear, layer_device, layer_dtype
 from hfaccel.quant import replace_module
@@ -262,6 +263,11 @@ class LoRAManager:
                 "it expands a multi-head latent attention layer's cached latents, every token each sequence holds, "
                 "in batches whose sequences take different adapters: LoRA on it is not served by the engine"
             )
+        if module in _indexer_layers(self.model):
+            return (
+                "it is a layer of a sparse-attention indexer, which hfaccel runs per group of sequences: LoRA on it "
+                "is not served by the engine"
+            )
         return f"it is a {type(found).__name__}, not a Linear layer"
 
 
@@ -273,11 +279,18 @@ def _latent_expanders(model: nn.Module) -> set[str]:
     }
 
 
+def _indexer_layers(model: nn.Module) -> set[str]:
+    """The layers of sparse-attention indexers (``hfaccel.kv.indexer`` runs them per group of sequences, apart from
+    the packed rows a LoRA index follows)."""
+    indexers = tuple(f"{name}." for name in model_layout(model).indexers.values())
+    return {name for name, _ in model.named_modules() if name.startswith(indexers)} if indexers else set()
+
+
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a LoRA adapter may target: every ``nn.Linear`` (not a subclass: quantized layers of other
-    libraries) and ``Int4Linear`` but the output embedding and MLA's latent expansions, by module name — for a layer
-    another engine wrapped already, the layer it wraps."""
-    skip, found, wrapped = _output_layers(model) | _latent_expanders(model), {}, ()
+    libraries) and ``Int4Linear`` but the output embedding, MLA's latent expansions and sparse-attention indexers'
+    layers, by module name — for a layer another engine wrapped already, the layer it wraps."""
+    skip, found, wrapped = _output_layers(model) | _latent_expanders(model) | _indexer_layers(model), {}, ()
     for name, m in model.named_modules():  # parents come before their children
         if name.startswith(wrapped):
             continue

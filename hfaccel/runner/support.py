@@ -94,10 +94,28 @@ def _layout_reason(model, layout: ModelLayout) -> str | None:
             )
         if kv.latent and kv.chunk:
             return f"layer {layer} expands latents (MLA) within an attention chunk, which hfaccel does not serve"
+        if kv.indexer_dim and kv.window:
+            return (
+                f"layer {layer}'s sparse-attention indexer works within a sliding window, which hfaccel does not serve"
+            )
+        if kv.latent and kv.window and _module_window(model, layer) != kv.window:
+            return (
+                f"layer {layer} expands latents (MLA) within a sliding window its module does not pass to the "
+                "attention (hfaccel's packed forward over expanded latents reads it from there)"
+            )
         if kv.read_width > MAX_HEAD_DIM:
             return f"layer {layer} has head_dim {kv.read_width}, larger than the kernels' maximum {MAX_HEAD_DIM}"
     if layout.hybrid and compat.tp_size(model) > 1:
         return "recurrent state (a hybrid model) under tensor parallelism is not supported yet"
+    return None
+
+
+def _module_window(model, layer: int) -> int | None:
+    """The sliding window the attention module of latent ``layer`` (the one with ``expand_kv``) passes to its
+    attention call, as transformers' modules keep it (``sliding_window``)."""
+    for module in model.modules():
+        if getattr(module, "layer_idx", None) == layer and callable(getattr(module, "expand_kv", None)):
+            return getattr(module, "sliding_window", None)
     return None
 
 

@@ -7,6 +7,7 @@ import torch
 
 from hfaccel.attention import functions
 from hfaccel.kv import PackedStep
+from hfaccel.kv import indexer
 from hfaccel.kv.indexer import index_groups
 from tests.devices import DEVICE
 from tests.kernels.helpers import assert_close
@@ -58,28 +59,49 @@ def test_gathered_attention_equals_the_masked_reference(dtype, extras, monkeypat
     assert_close(whole, expected.to(dtype), dtype)
 
 
-def _step(counts, max_q_len):
+def _step(counts, max_q_len, held=None):
     cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     tokens = int(cu[-1])
+    held = counts if held is None else held
     return PackedStep(
         slot_mapping=torch.zeros(1, tokens, dtype=torch.int64),
         block_tables=torch.zeros(len(counts), 1, dtype=torch.int32),
-        seq_lens=torch.tensor(counts, dtype=torch.int32),
+        seq_lens=torch.tensor(held, dtype=torch.int32),
         cu_seqlens_q=cu,
         positions=torch.zeros(tokens, dtype=torch.int64),
-        max_seq_len=max(counts),
+        max_seq_len=max(held),
         max_q_len=max_q_len,
     )
 
 
 def test_index_groups_gather_sequences_of_one_query_count():
-    """A decode step (one token each) is one group; a mixed forward groups its sequences by their new tokens, each
-    group's packed rows sequence by sequence."""
-    (group,) = index_groups(_step([1, 1, 1], 1))
+    """A decode step (one token each) is one group at the step's longest; a mixed forward groups its sequences by
+    their new tokens, each group's packed rows sequence by sequence, at its own longest sequence."""
+    (group,) = index_groups(_step([1, 1, 1], 1, held=[5, 9, 2]))
     assert group.length == 1 and group.tokens.tolist() == [0, 1, 2] and group.sequences.tolist() == [0, 1, 2]
-    groups = index_groups(_step([3, 1, 3, 2], 3))
-    assert [(g.length, g.sequences.tolist(), g.tokens.tolist()) for g in groups] == [
-        (1, [1], [3]),
-        (2, [3], [7, 8]),
-        (3, [0, 2], [0, 1, 2, 4, 5, 6]),
+    assert group.held == 9
+    groups = index_groups(_step([3, 1, 3, 2], 3, held=[3, 40, 7, 2]))
+    assert [(g.length, g.sequences.tolist(), g.tokens.tolist(), g.held) for g in groups] == [
+        (1, [1], [3], 40),
+        (2, [3], [7, 8], 2),
+        (3, [0, 2], [0, 1, 2, 4, 5, 6], 7),
+    ]
+
+
+def test_indexer_calls_stay_within_their_budget(monkeypatch):
+    """An indexer runs a group in calls of at most INDEXER_BYTES: whole sequences where they fit, else runs of one
+    sequence's queries in order — every query once."""
+    (group,) = index_groups(_step([3, 3, 3], 3, held=[10, 10, 10]))
+    monkeypatch.setattr(indexer, "INDEXER_BYTES", 6 * 100)  # two sequences of 3 queries at 100 bytes a query
+    together = list(indexer.calls(group, 100))
+    assert [(c.sequences.tolist(), c.tokens.tolist()) for c in together] == [([0, 1], list(range(6))), ([2], [6, 7, 8])]
+    monkeypatch.setattr(indexer, "INDEXER_BYTES", 2 * 100)  # two queries of one sequence
+    runs = list(indexer.calls(group, 100))
+    assert [(c.sequences.tolist(), c.tokens.tolist(), c.length) for c in runs] == [
+        ([0], [0, 1], 2),
+        ([0], [2], 1),
+        ([1], [3, 4], 2),
+        ([1], [5], 1),
+        ([2], [6, 7], 2),
+        ([2], [8], 1),
     ]

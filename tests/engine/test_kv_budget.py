@@ -116,13 +116,13 @@ def test_latent_attention_reserves_what_it_expands(monkeypatch):
         _plan(model, max_num_seqs=256, max_model_len=1 << 17, kv_cache_dtype=torch.float8_e4m3fn)
 
 
-def test_sparse_attention_reserves_its_indexers_scores():
-    """A sparse-attention indexer scores each of a full-budget forward's queries against ``max_model_len`` keys, every
-    indexer head and their sum in fp32, and the chosen keys are read in chunks of ``GATHER_BYTES``: the engine keeps
-    both out of the pool."""
+def test_sparse_attention_reserves_its_indexers_bounded_calls():
+    """A sparse-attention indexer scores its queries in calls of at most ``INDEXER_BYTES`` and the chosen keys are read
+    in chunks of ``GATHER_BYTES``: the engine keeps one of each out of the pool, whatever its context."""
     import dataclasses
 
     from hfaccel.attention.functions import GATHER_BYTES
+    from hfaccel.kv.indexer import INDEXER_BYTES
     from hfaccel.kv.latent import absorbed_layers
     from tests.models import family_model
 
@@ -131,6 +131,7 @@ def test_sparse_attention_reserves_its_indexers_scores():
     absorbed = absorbed_layers(model, layout)
     assert layout.indexers and sorted(absorbed) == sorted(layout.attention)
     without = dataclasses.replace(layout, indexers={})
-    got = activation_reserve(model.config, layout, model.dtype, 512, 8, 4096, absorbed)
-    scores = 512 * (model.config.index_n_heads + 1) * 4096 * 4
-    assert got == activation_reserve(model.config, without, model.dtype, 512, 8, 4096, absorbed) + scores + GATHER_BYTES
+    for context in (4096, 1 << 17):
+        got = activation_reserve(model.config, layout, model.dtype, 512, 8, context, absorbed)
+        plain = activation_reserve(model.config, without, model.dtype, 512, 8, context, absorbed)
+        assert got == plain + INDEXER_BYTES + GATHER_BYTES

@@ -254,6 +254,16 @@ def test_latent_attention_serves_speculative_decoding_and_fp8_pools(name):
     quantized = fp8.generate(**batch, max_new_tokens=9, **GREEDY)
     assert quantized.shape == expected.shape and str(fp8.hfaccel.decode) == "hfaccel"
     assert (quantized[:, -9:] == expected[:, -9:]).float().mean() > 0.5  # fp8 latents: close, not exact
+    # scales from each layer's first prefill: of the rows as the pool stores them (a latent row's two halves)
+    calibrated = hfaccel.accelerate(
+        deepseek(0).to(DEVICE), attention="torch", kv_cache_dtype=torch.float8_e4m3fn, kv_scales="prefill"
+    )
+    again = calibrated.generate(**batch, max_new_tokens=9, **GREEDY)
+    assert again.shape == expected.shape and str(calibrated.hfaccel.decode) == "hfaccel"
+    pool = calibrated.hfaccel.session.runner.pool
+    assert not any(pool.calibrating(layer) for layer in pool.layout.attention)
+    scales = torch.cat([scale.flatten() for scale in pool.scales])
+    assert bool(torch.isfinite(scales).all()) and bool((scales > 0).all()) and not bool((scales == 1).all())
 
 
 @pytest.mark.parametrize("method", ["rtn", "fp8"])

@@ -418,3 +418,23 @@ def test_latent_attention_adapters_equal_peft_and_the_latent_expansion_is_refuse
     engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
     out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
     assert tokens(out) == expected
+
+
+def test_sparse_attention_adapters_equal_peft_and_the_indexer_is_refused(tmp_path):
+    """DeepSeek-V3.2 (sparse attention): an adapter on its query and output projections gives PEFT's tokens beside the
+    base model; one on its indexer's layers (which hfaccel runs per group of sequences, apart from the packed rows a
+    LoRA index follows) is refused with the reason, the model left as it was."""
+    from tests.models import family_model
+
+    base = family_model("deepseek_v32").cpu()
+    peft = save_adapter(base, tmp_path / "ok", r=4, seed=1, target_modules=["q_a_proj", "q_b_proj", "o_proj"])
+    prompts = [[p % 90 + 3 for p in prompt] for prompt in PROMPTS[:2]]
+    expected = greedy_tokens(peft, prompts) + greedy_tokens(base, prompts)
+    save_adapter(base, tmp_path / "indexer", r=4, seed=2, target_modules=["wk"])
+    before = dict(base.named_modules())
+    with pytest.raises(ValueError, match="a layer of a sparse-attention indexer"):
+        Engine(hfaccel.accelerate(base, attention="torch"), lora_adapters={"indexer": tmp_path / "indexer"})
+    assert dict(base.named_modules()) == before
+    engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
+    out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
+    assert tokens(out) == expected
