@@ -396,44 +396,30 @@ def test_lora_linear_over_an_int4_layer():
     assert torch.equal(layer(x), base)
 
 
-def test_latent_attention_adapters_equal_peft_and_the_latent_expansion_is_refused(tmp_path):
-    """DeepSeek-V3 (multi-head latent attention): an adapter on its query, latent and output projections gives PEFT's
-    tokens in a batch mixed with the base model; one on ``kv_b_proj`` — which expands every held token's latent,
-    in batches whose sequences take different adapters — is refused with the reason, the model left as it was."""
-    import transformers
+@pytest.mark.parametrize(
+    "name, refused, reason",
+    [
+        ("deepseek_v3", "kv_b_proj", "expands a multi-head latent attention layer's cached latents"),
+        ("deepseek_v32", "wk", "a layer of a sparse-attention indexer"),
+    ],
+)
+def test_latent_attention_adapters_equal_peft_and_what_it_cannot_serve_is_refused(tmp_path, name, refused, reason):
+    """DeepSeek-V3 (multi-head latent attention) and V3.2 (with sparse attention): an adapter on the query, latent
+    and output projections gives PEFT's tokens in a batch mixed with the base model; one on ``kv_b_proj`` — which
+    expands every held token's latent, in batches whose sequences take different adapters — or on V3.2's indexer's
+    layers (which hfaccel runs per group of sequences, apart from the packed rows a LoRA index follows) is refused
+    with the reason, the model left as it was."""
+    from tests.models import family_model
 
-    from tests.hf.tiny_configs import tiny_config
-
-    torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v3", vocab_size=96)).eval()
-    targets = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
+    base = family_model(name).cpu()
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
     peft = save_adapter(base, tmp_path / "ok", r=4, seed=1, target_modules=targets)
     prompts = [[p % 90 + 3 for p in prompt] for prompt in PROMPTS[:2]]
     expected = greedy_tokens(peft, prompts) + greedy_tokens(base, prompts)
-    save_adapter(base, tmp_path / "latent", r=4, seed=2, target_modules=["kv_b_proj"])
+    save_adapter(base, tmp_path / "refused", r=4, seed=2, target_modules=[refused])
     before = dict(base.named_modules())
-    with pytest.raises(ValueError, match="expands a multi-head latent attention layer's cached latents"):
-        Engine(hfaccel.accelerate(base, attention="torch"), lora_adapters={"latent": tmp_path / "latent"})
-    assert dict(base.named_modules()) == before
-    engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
-    out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
-    assert tokens(out) == expected
-
-
-def test_sparse_attention_adapters_equal_peft_and_the_indexer_is_refused(tmp_path):
-    """DeepSeek-V3.2 (sparse attention): an adapter on its query and output projections gives PEFT's tokens beside the
-    base model; one on its indexer's layers (which hfaccel runs per group of sequences, apart from the packed rows a
-    LoRA index follows) is refused with the reason, the model left as it was."""
-    from tests.models import family_model
-
-    base = family_model("deepseek_v32").cpu()
-    peft = save_adapter(base, tmp_path / "ok", r=4, seed=1, target_modules=["q_a_proj", "q_b_proj", "o_proj"])
-    prompts = [[p % 90 + 3 for p in prompt] for prompt in PROMPTS[:2]]
-    expected = greedy_tokens(peft, prompts) + greedy_tokens(base, prompts)
-    save_adapter(base, tmp_path / "indexer", r=4, seed=2, target_modules=["wk"])
-    before = dict(base.named_modules())
-    with pytest.raises(ValueError, match="a layer of a sparse-attention indexer"):
-        Engine(hfaccel.accelerate(base, attention="torch"), lora_adapters={"indexer": tmp_path / "indexer"})
+    with pytest.raises(ValueError, match=reason):
+        Engine(hfaccel.accelerate(base, attention="torch"), lora_adapters={"refused": tmp_path / "refused"})
     assert dict(base.named_modules()) == before
     engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
     out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
