@@ -10,6 +10,31 @@ from rich.console import Console
 
 from hfaccel.tools.assets import smollm2_path
 
+# DeepSeek-V3's shapes, which V3.2 shares
+_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    hidden_size=7168,
+    intermediate_size=18432,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    head_dim=64,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
+    vocab_size=129280,
+    max_position_embeddings=163840,
+)
+
 # Shapes of public checkpoints (their config.json values), for random-weight models of the real size.
 NAMED_CONFIGS: dict[str, dict] = {
     "llama-3.2-1b": dict(
@@ -152,56 +177,11 @@ NAMED_CONFIGS: dict[str, dict] = {
     ),
     # DeepSeek-V3 / R1 (671B, 37B active): MLA with 128 query heads (decode over its latents is compute-bound, as
     # vLLM's MLA figures show), 256 routed experts (8 per token) after three dense layers: `--layers 2` keeps those
-    "deepseek-v3": dict(
-        model_type="deepseek_v3",
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        kv_lora_rank=512,
-        q_lora_rank=1536,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        head_dim=64,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        moe_intermediate_size=2048,
-        first_k_dense_replace=3,
-        n_group=8,
-        topk_group=4,
-        vocab_size=129280,
-        max_position_embeddings=163840,
-    ),
+    "deepseek-v3": _DEEPSEEK_V3,
     # DeepSeek-V3.2 (671B): V3 with DeepSeek Sparse Attention, an indexer of 64 heads 128 wide picking 2048 keys per
     # query (a prompt past 2048 tokens reads the chosen latents only)
     "deepseek-v32": dict(
-        model_type="deepseek_v32",
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        kv_lora_rank=512,
-        q_lora_rank=1536,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        head_dim=64,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        moe_intermediate_size=2048,
-        first_k_dense_replace=3,
-        n_group=8,
-        topk_group=4,
-        vocab_size=129280,
-        max_position_embeddings=163840,
-        index_n_heads=64,
-        index_head_dim=128,
-        index_topk=2048,
+        _DEEPSEEK_V3, model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048
     ),
     "tiny-llama": dict(
         model_type="llama",
