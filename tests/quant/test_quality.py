@@ -47,7 +47,10 @@ def _perplexity(model, ids):
         return math.exp(model(ids, labels=ids).loss.item())
 
 
-def test_awq_and_gptq_beat_rtn_and_stay_near_fp32(data):
+def test_awq_and_gptq_beat_rtn_stay_near_fp32_and_reload_from_their_formats(data, tmp_path):
+    """The perplexity bounds (module docstring); then each calibrated model saved in its own checkpoint format (AWQ's;
+    GPTQ's with activation order, its ``g_idx``) and loaded back gives the same logits (one test: quantizing the real
+    model is what costs)."""
     path, calibration, held_out = data
     fp32 = _perplexity(_load(path), held_out)
     results = {"fp32": fp32}
@@ -55,16 +58,15 @@ def test_awq_and_gptq_beat_rtn_and_stay_near_fp32(data):
         act_order = {"act_order": True} if method == "gptq" else {}
         model = hfaccel.quantize(_load(path), method, calib_data=calibration, group_size=GROUP, **act_order)
         results[method] = _perplexity(model, held_out)
+        if method != "rtn":
+            _assert_reloads_equal(model, tmp_path / method, method, held_out[:1])
     print("perplexity (group size 64):", {k: round(v, 2) for k, v in results.items()})
     assert results["awq"] < results["rtn"] and results["gptq"] < results["rtn"], results
     assert results["awq"] < 1.3 * fp32 and results["gptq"] < 1.3 * fp32, results
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
-def test_save_load_same_logits(data, tmp_path, fmt):
-    path, calibration, held_out = data
-    model = hfaccel.quantize(_load(path), "gptq", calib_data=calibration[:2], group_size=GROUP, act_order=fmt == "gptq")
-    hfaccel.save_quantized(model, tmp_path, format=fmt)
-    loaded = hfaccel.load_quantized(tmp_path, dtype=torch.float32)
+def _assert_reloads_equal(model, directory, fmt: str, ids: torch.Tensor) -> None:
+    hfaccel.save_quantized(model, directory, format=fmt)
+    loaded = hfaccel.load_quantized(directory, dtype=torch.float32)
     with torch.no_grad():
-        assert torch.equal(loaded(held_out[:1]).logits, model(held_out[:1]).logits)
+        assert torch.equal(loaded(ids).logits, model(ids).logits), fmt
