@@ -95,6 +95,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "falcon_h1": ("falcon_h1", {}),  # Mamba-2 beside attention in every layer
     "granite_h": ("granitemoehybrid", {}),
     "jamba": ("jamba", {}),  # Mamba-1
+    "mamba2": ("mamba2", {}),  # Mamba-2 layers only (Codestral Mamba): no K/V, each sequence's state in a slot
     "lfm2": ("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2}),  # short convolutions
     "minimax": ("minimax", {}),  # lightning (linear) attention, its state kept in MiniMax's own cache class
     # ZAYA1's compressed convolutional attention: each attention layer's q/k convolution and delayed value are state
@@ -124,7 +125,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 HYBRID_FAMILIES = (
     *("qwen3_next", "qwen3_5_moe", "falcon_h1", "granite_h", "jamba", "lfm2", "minimax", "kimi_linear", "zaya"),
+    "mamba2",
 )
+RECURRENT_ONLY_FAMILIES = ("mamba2",)  # no attention at all: hfaccel serves the loop, the state slots and the engine
 LATENT_FAMILIES = ("deepseek_v3", "kimi_linear")  # multi-head latent attention, read in the latent space
 SPARSE_FAMILIES = (
     "deepseek_v32",
@@ -133,9 +136,10 @@ SPARSE_FAMILIES = (
 )  # the keys their indexer picks, by exact torch attention
 
 
-# the transformers release from which hfaccel serves a family (earlier ones lack it, or cache DeepSeek-V3.2's K/V
-# expanded beside its indexer's keys, which hfaccel declines, as the model walk checks)
-SERVED_SINCE = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "dots3_note": "5.24"}
+# the transformers release from which hfaccel serves a family (earlier ones lack it, cache DeepSeek-V3.2's K/V
+# expanded beside its indexer's keys, or take Mamba's cache as ``cache_params``, under which hfaccel passes none:
+# hfaccel declines those, as the model walk checks)
+SERVED_SINCE = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "dots3_note": "5.24", "mamba2": "5.24"}
 
 
 def family_served(name: str) -> bool:

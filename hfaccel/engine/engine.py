@@ -145,6 +145,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
             )
             if self.tp is not None:
                 self.kv_budget = agreed_budget(self.tp, self.kv_budget)
+            block_size = self.kv_budget.block_size  # (a recurrent-only model's: max_model_len)
             pool_options = dict(
                 num_blocks=self.kv_budget.num_blocks,
                 block_size=block_size,

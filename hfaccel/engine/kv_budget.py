@@ -10,7 +10,9 @@ The rule (:func:`plan_kv_cache`):
 So an engine for a small model or short contexts takes only what it can use, and a second engine (another
 model, a pipeline beside a server, a test worker) still finds memory; a server that wants more asks for it
 (``kv_cache_memory``, ``num_blocks`` or a larger ``kv_cache_fraction``). A model whose layers keep recurrent state
-takes its ``max_num_seqs`` state slots first (``state_bytes``); the KV blocks get what is left.
+takes its ``max_num_seqs`` state slots first (``state_bytes``); the KV blocks get what is left. One whose layers
+all keep recurrent state (Mamba) keeps no K/V: a sequence takes one block of ``max_model_len`` tokens, which holds
+no memory, so the state slots alone bound the engine.
 """
 
 from __future__ import annotations
@@ -131,14 +133,18 @@ def plan_kv_cache(
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
         return budget(num_blocks, "num_blocks given")
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
+    if not block_bytes:  # no layer keeps K/V (a recurrent-only model): one block of max_model_len per sequence
+        _check_state_fits(model, layout, state_bytes, max_num_seqs, max_num_batched_tokens)
+        reason = f"room for {served}: no layer keeps K/V, so a block holds no memory and a sequence one block"
+        return KVBudget(max_num_seqs, max_model_len, 0, reason, state_bytes)
     if kv_cache_memory is not None:
         if kv_cache_memory < block_bytes:
             raise ValueError(
                 f"kv_cache_memory must hold at least one block ({block_bytes} bytes); got {kv_cache_memory}"
             )
         return budget(kv_cache_memory // block_bytes, f"kv_cache_memory={kv_cache_memory} bytes given")
-    wanted = max_num_seqs * -(-max_model_len // block_size)
-    served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
     device = model_device(model)
     if device.type != "cuda":
         cap = max(CPU_POOL_BYTES - state_bytes, 0) // block_bytes
@@ -173,3 +179,19 @@ def plan_kv_cache(
         f"{served} need {wanted:,} blocks; capped at the free "
         f"{free / (1 << 30):.1f} GiB less {reserve / (1 << 30):.1f} GiB for activations",
     )
+
+
+def _check_state_fits(model, layout: ModelLayout, state_bytes: int, max_num_seqs: int, tokens: int) -> None:
+    """On CUDA, a ``RuntimeError`` where the state slots of ``max_num_seqs`` sequences do not fit in free memory
+    beside the engine's activations."""
+    device = model_device(model)
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    reserve = activation_reserve(model.config, layout, model.dtype, tokens, max_num_seqs)
+    if state_bytes + reserve > free:
+        raise RuntimeError(
+            f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB) does "
+            f"not fit: {free / (1 << 30):.2f} GiB free, {reserve / (1 << 30):.2f} GiB kept for the engine's "
+            "activations; lower max_num_seqs or free memory"
+        )

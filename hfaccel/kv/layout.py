@@ -131,6 +131,8 @@ class ModelLayout:
             + (f", indexer keys x {i}" if i else "")
             for latent, h, k, v, i in widths
         )
+        if not self.attention:  # a recurrent-only model (Mamba)
+            return f"no layer keeps K/V, {len(self.states)} of {self.num_layers} keep recurrent state"
         text = f"{len(self.attention)} of {self.num_layers} layers keep K/V ({shapes})"
         return text + (f", {len(self.states)} keep recurrent state" if self.states else "")
 

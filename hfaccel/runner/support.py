@@ -58,21 +58,22 @@ def check_served(model, who: str) -> ModelLayout:
 
 
 def _support(model) -> ModelSupport:
-    reason = unsupported_reason(model) or _forward_reason(model)
+    reason = unsupported_reason(model)
     if reason is not None:
         return ModelSupport(None, reason)
     try:
         layout = model_layout(model)
     except Exception as error:  # the model's own forward over transformers' cache, or a layout the pool cannot hold
         return ModelSupport(None, f"reading what its layers cache failed ({failure_reason(error)})")
-    reason = _layout_reason(model, layout) or _trial_reason(model)
+    reason = _forward_reason(model, layout) or _layout_reason(model, layout) or _trial_reason(model)
     return ModelSupport(layout, reason)
 
 
-def _forward_reason(model) -> str | None:
-    """Why the model's forward cannot take hfaccel's packed sequences, or None."""
+def _forward_reason(model, layout: ModelLayout) -> str | None:
+    """Why the model's forward cannot take hfaccel's packed sequences, or None. Positions are needed where some layer
+    attends (a recurrent-only model's layers read their state, not positions)."""
     parameters = inspect.signature(type(model).forward).parameters
-    if "position_ids" not in parameters:
+    if "position_ids" not in parameters and layout.attention:
         return (
             "its forward takes no position_ids (it derives positions from the cache length), which hfaccel's "
             "packed sequences need"
@@ -84,8 +85,8 @@ def _forward_reason(model) -> str | None:
 
 def _layout_reason(model, layout: ModelLayout) -> str | None:
     """Why the pool and kernels cannot hold what the model's layers cache, or None."""
-    if not layout.attention:
-        return "no layer keeps K/V (no attention for hfaccel's kernels to serve)"
+    if not layout.attention and not layout.states:
+        return "no layer keeps K/V or recurrent state"
     for layer, kv in sorted(layout.attention.items()):
         if kv.key_dim != kv.value_dim and not kv.latent:
             return (

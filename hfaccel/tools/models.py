@@ -183,6 +183,20 @@ NAMED_CONFIGS: dict[str, dict] = {
     "deepseek-v32": dict(
         _DEEPSEEK_V3, model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048
     ),
+    # Codestral Mamba (7B): Mamba-2 layers only, no attention (each sequence's whole context is its state)
+    "codestral-mamba-7b": dict(
+        model_type="mamba2",
+        hidden_size=4096,
+        num_hidden_layers=64,
+        num_heads=128,
+        head_dim=64,
+        n_groups=8,
+        state_size=128,
+        expand=2,
+        conv_kernel=4,
+        vocab_size=32768,
+        tie_word_embeddings=False,
+    ),
     "tiny-llama": dict(
         model_type="llama",
         hidden_size=256,

@@ -10,7 +10,8 @@ from tests.helpers import greedy, mixed_prompts, reference, run
 from tests.models import HYBRID_FAMILIES, family_model
 
 
-ENGINE_FAMILIES = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "minimax", "zaya", "gpt_oss", "gemma4", "llama4"]
+ENGINE_FAMILIES = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "mamba2", "minimax", "zaya", "gpt_oss", "gemma4"]
+ENGINE_FAMILIES += ["llama4"]
 ENGINE_FAMILIES += ["deepseek_v3", "deepseek_v32", "dots3_note"]  # MLA; sparse attention, a windowed MLA layer
 
 

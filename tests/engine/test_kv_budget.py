@@ -135,3 +135,26 @@ def test_sparse_attention_reserves_its_indexers_bounded_calls():
         got = activation_reserve(model.config, layout, model.dtype, 512, 8, context, absorbed)
         plain = activation_reserve(model.config, without, model.dtype, 512, 8, context, absorbed)
         assert got == plain + INDEXER_BYTES + GATHER_BYTES
+
+
+def test_a_recurrent_only_model_takes_one_block_per_sequence_and_its_state_slots(monkeypatch):
+    """No layer of Mamba-2 keeps K/V: a block holds no memory, so each sequence takes one block of ``max_model_len``
+    tokens and the state slots alone bound the engine (on CUDA they must fit in free memory); the default engine
+    serves each prompt's own tokens."""
+    from tests.helpers import mixed_prompts, reference, run
+    from tests.models import family_model
+
+    model = family_model("mamba2")
+    budget = _plan(model)
+    assert (budget.num_blocks, budget.block_size, budget.bytes) == (8, 256, 0)
+    assert budget.state_bytes == 8 * model_layout(model).state_bytes() > 0
+    assert "no layer keeps K/V" in budget.reason
+    prompts, budgets = mixed_prompts(7, seed=2)
+    expected = reference(model, prompts, budgets)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4)
+    assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
+    assert engine.stats()["blocks_total"] == engine.stats()["state_slots"] == 4
+    monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB + budget.state_bytes // 2, 80 * GIB))
+    with pytest.raises(RuntimeError, match="the recurrent state of max_num_seqs=8 sequences"):
+        _plan(model)

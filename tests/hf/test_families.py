@@ -16,6 +16,7 @@ from tests.models import (
     FAMILIES,
     HYBRID_FAMILIES,
     LATENT_FAMILIES,
+    RECURRENT_ONLY_FAMILIES,
     SPARSE_FAMILIES,
     family_model,
     padded_batch,
@@ -34,7 +35,8 @@ def test_triton_kernels_give_transformers_tokens(name):
     hfaccel.accelerate(model, attention="triton", compile=False)
     assert torch.equal(model.generate(**batch, max_new_tokens=8, **GREEDY), expected)
     assert str(model.hfaccel.decode) == "hfaccel"
-    assert model.hfaccel.attention_paths.counts  # hfaccel's kernels served the calls
+    # hfaccel's kernels served the attention calls (a recurrent-only model makes none)
+    assert bool(model.hfaccel.attention_paths.counts) == (name not in RECURRENT_ONLY_FAMILIES)
     paths = set(model.hfaccel.attention_paths.counts)
     if name in SPARSE_FAMILIES:  # each query's 4 chosen keys, fewer than it sees: exact torch attention over them
         assert "torch sparse" in paths
@@ -64,7 +66,7 @@ SPECIALISE_BATCH_ONE = ("llama4", "qwen3_5_moe", "gemma4", "zaya")
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3_next", "falcon_h1", "lfm2", "gpt_oss", "minimax", "jamba", *SPECIALISE_BATCH_ONE]
+    "name", ["qwen3_next", "falcon_h1", "lfm2", "gpt_oss", "minimax", "jamba", "mamba2", *SPECIALISE_BATCH_ONE]
 )
 def test_compiled_decode_step_keeps_one_graph(name):
     """The decode step compiled (torch.compile, fullgraph), the recurrent layers' state written in place inside it:

@@ -278,6 +278,10 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": {"num_hidden_layers": 3},
     # Mamba2's heads: hidden_size * expand == num_heads * head_dim
     "mamba2": {"num_heads": 8},
+    # tied to the embeddings, a tiny Mamba's greedy token is the one it was given (that token's own row scores
+    # highest), so every step repeats it: untied, the walk's tokens vary
+    "mamba": {"tie_word_embeddings": False},
+    "falcon_mamba": {"tie_word_embeddings": False},
     # the sliding layers' qk_nope_head_dim (192 of a 256 head_dim) must keep head_dim == nope + rope
     "dots3_note_text": {
         "head_dim": 16,
