@@ -136,10 +136,9 @@ SPARSE_FAMILIES = (
 )  # the keys their indexer picks, by exact torch attention
 
 
-# the transformers release from which hfaccel serves a family (earlier ones lack it, cache DeepSeek-V3.2's K/V
-# expanded beside its indexer's keys, or take Mamba's cache as ``cache_params``, under which hfaccel passes none:
-# hfaccel declines those, as the model walk checks)
-SERVED_SINCE = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "dots3_note": "5.24", "mamba2": "5.24"}
+# the transformers release from which hfaccel serves a family (earlier ones lack it, or cache DeepSeek-V3.2's K/V
+# expanded beside its indexer's keys, which hfaccel declines, as the model walk checks)
+SERVED_SINCE = {"deepseek_v32": "5.24", "glm_moe_dsa": "5.24", "dots3_note": "5.24"}
 
 
 def family_served(name: str) -> bool:

@@ -28,27 +28,30 @@ def check_transformers_version() -> None:
 
 
 # ---- the cache argument: ``past_key_values`` until 5.23, ``cache`` from 5.24 (the old name a deprecated alias);
-# delete at a 5.24 floor ----
-CACHE_ARGUMENTS = ("cache", "past_key_values")  # every name a model or generate() call may carry its cache under
+# Mamba's models took theirs as ``cache_params`` before 5.24; delete at a 5.24 floor ----
+# every name a model or generate() call may carry its cache under
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_cache(forward) -> bool:
-    return "cache" in inspect.signature(forward).parameters
+def _cache_parameter(forward) -> str:
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), "past_key_values")
 
 
 def cache_argument(model) -> str:
     """The name under which ``model``'s forward takes its KV cache: ``"cache"`` for a model class written for
-    transformers >= 5.24, ``"past_key_values"`` before (and for remote code that still uses the old name).
-    Passing the old name to a new model works but warns, so hfaccel's own calls use this one."""
-    return "cache" if _takes_cache(type(model).forward) else "past_key_values"
+    transformers >= 5.24, ``"past_key_values"`` before (and for remote code that still uses the old name),
+    ``"cache_params"`` for Mamba's models before 5.24. Passing the old name to a new model works but warns, so
+    hfaccel's own calls use this one."""
+    return _cache_parameter(type(model).forward)
 
 
 def generate_cache_argument() -> str:
     """The name ``generate()`` of the installed transformers takes a cache under without a deprecation warning."""
     from transformers.generation.utils import GenerationMixin
 
-    return "cache" if _takes_cache(GenerationMixin.prepare_inputs_for_generation) else "past_key_values"
+    return _cache_parameter(GenerationMixin.prepare_inputs_for_generation)
 
 
 def given_cache(kwargs: dict):

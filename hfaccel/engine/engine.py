@@ -182,6 +182,7 @@ class Engine(TPRole, LoRAAdmin, BlockingCalls):
                 media_offsets=self.media_offsets,
                 hits_before_images=compat.continues_multimodal_prompts(model),
                 hits_between_images=self.encoder_cache.ahead,  # (a chunk takes its own images' encoded rows)
+                whole_prompts=bool(self.runner.pool.layout.restarts_chunks),
                 release=token_counts.release,
             )
             self.eos_token_ids = eos_token_ids(model.generation_config, self.tokenizer)

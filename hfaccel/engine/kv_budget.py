@@ -12,7 +12,8 @@ model, a pipeline beside a server, a test worker) still finds memory; a server t
 (``kv_cache_memory``, ``num_blocks`` or a larger ``kv_cache_fraction``). A model whose layers keep recurrent state
 takes its ``max_num_seqs`` state slots first (``state_bytes``); the KV blocks get what is left. One whose layers
 all keep recurrent state (Mamba) keeps no K/V: a sequence takes one block of ``max_model_len`` tokens, which holds
-no memory, so the state slots alone bound the engine.
+no memory (``num_blocks``, when given, still counts blocks of ``block_size`` tokens; ``kv_cache_memory`` is refused),
+so its state slots alone bound the engine, within ``kv_cache_fraction`` of the device and its free memory.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def plan_kv_cache(
     block_bytes = KVPool(layout, num_blocks=1, block_size=block_size, max_num_seqs=1).block_bytes(
         kv_cache_dtype or model.dtype
     )
-    state_bytes = layout.state_bytes() * max_num_seqs
+    state_bytes = layout.state_bytes() * (max_num_seqs + 1)  # (and the scratch slot of padding rows)
     budget = lambda blocks, reason: KVBudget(blocks, block_size, block_bytes, reason, state_bytes)  # noqa: E731
     if num_blocks is not None:
         if num_blocks < 1:
@@ -135,10 +136,16 @@ def plan_kv_cache(
         return budget(num_blocks, "num_blocks given")
     wanted = max_num_seqs * -(-max_model_len // block_size)
     served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
-    if not block_bytes:  # no layer keeps K/V (a recurrent-only model): one block of max_model_len per sequence
-        _check_state_fits(model, layout, state_bytes, max_num_seqs, max_num_batched_tokens)
+    if not block_bytes:  # no layer keeps K/V (a recurrent-only model): blocks of max_model_len, holding no memory
+        if kv_cache_memory is not None:
+            raise ValueError(
+                f"kv_cache_memory does not apply to a model none of whose layers keeps K/V (its recurrent state "
+                f"takes {layout.state_bytes()} bytes a sequence, max_num_seqs of them); got {kv_cache_memory}"
+            )
+        _check_state_fits(model, layout, state_bytes, max_num_seqs, max_num_batched_tokens, kv_cache_fraction)
         reason = f"room for {served}: no layer keeps K/V, so a block holds no memory and a sequence one block"
-        return KVBudget(max_num_seqs, max_model_len, 0, reason, state_bytes)
+        # twice the sequences: the scheduler's watermark of free blocks never holds one back
+        return KVBudget(2 * max_num_seqs, max_model_len, 0, reason, state_bytes)
     if kv_cache_memory is not None:
         if kv_cache_memory < block_bytes:
             raise ValueError(
@@ -181,17 +188,21 @@ def plan_kv_cache(
     )
 
 
-def _check_state_fits(model, layout: ModelLayout, state_bytes: int, max_num_seqs: int, tokens: int) -> None:
-    """On CUDA, a ``RuntimeError`` where the state slots of ``max_num_seqs`` sequences do not fit in free memory
-    beside the engine's activations."""
+def _check_state_fits(
+    model, layout: ModelLayout, state_bytes: int, max_num_seqs: int, tokens: int, fraction: float
+) -> None:
+    """On CUDA, a ``RuntimeError`` where the state slots of ``max_num_seqs`` sequences (``state_bytes``) exceed
+    ``fraction`` of the device's memory or its free memory less the engine's activations."""
     device = model_device(model)
     if device.type != "cuda":
         return
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     reserve = activation_reserve(model.config, layout, model.dtype, tokens, max_num_seqs)
-    if state_bytes + reserve > free:
+    room = min(int(total * fraction), free - reserve)
+    if state_bytes > room:
         raise RuntimeError(
             f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB) does "
-            f"not fit: {free / (1 << 30):.2f} GiB free, {reserve / (1 << 30):.2f} GiB kept for the engine's "
-            "activations; lower max_num_seqs or free memory"
+            f"not fit in {max(room, 0) / (1 << 30):.2f} GiB (kv_cache_fraction={fraction} of "
+            f"{total / (1 << 30):.1f} GiB; {free / (1 << 30):.2f} GiB free less {reserve / (1 << 30):.2f} GiB for "
+            "the engine's activations); lower max_num_seqs, raise kv_cache_fraction or free memory"
         )

@@ -189,14 +189,16 @@ class Scheduler:
         media_offsets: Container[str] = (),
         hits_before_images: bool = True,
         hits_between_images: bool = True,
+        whole_prompts: bool = False,
         release: Callable[[int], None] | None = None,
     ):
         """``media_offsets``: the content hashes of the images whose position offset the engine knows (prompts
         with them may take prefix-cache hits that cover their images). ``hits_before_images``: whether a prompt
         with images may take hits that end before its first image (its runner computes a prompt's images after a
         hit); ``hits_between_images``: and between two of its images (its runner computes some of a prompt's images
-        alone). ``release``: frees what else a finished sequence held, by its id (the engine's: its penalties' token
-        counts, on the device)."""
+        alone). ``whole_prompts``: a prompt is best computed in one chunk (a model whose recurrent layers run a
+        continuing chunk token by token: ``ModelLayout.restarts_chunks``). ``release``: frees what else a finished
+        sequence held, by its id (the engine's: its penalties' token counts, on the device)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, {max_num_batched_tokens}"
@@ -208,7 +210,7 @@ class Scheduler:
         self.media_offsets = media_offsets
         self.hits_before_images = hits_before_images
         self.hits_between_images = hits_before_images and hits_between_images
-        self.release = release
+        self.whole_prompts, self.release = whole_prompts, release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -267,7 +269,7 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             hit = self._prefix_hit(seq)
-            if self._images_wait(seq, budget, hit) or not self._admit(seq, hit):
+            if self._waits_whole(seq, budget, hit) or not self._admit(seq, hit):
                 break  # (FCFS: the requests behind it wait)
             self.waiting.popleft()
             rest = seq.num_tokens - seq.num_computed
@@ -311,15 +313,13 @@ class Scheduler:
         """What the prefix cache keys a sequence's blocks by besides its tokens (``add_sequence``'s arguments)."""
         return dict(zip(("salt", "salts_from"), _cache_salts(seq)), unsplit=self._unsplit(seq))
 
-    def _images_wait(self, seq: Sequence, budget: int, hit: PrefixHit) -> bool:
-        """Whether a waiting prompt whose images are computed in one chunk, from its prefix-cache hits on, waits for
-        a step whose budget left holds that chunk (one longer than the whole budget goes past it)."""
+    def _waits_whole(self, seq: Sequence, budget: int, hit: PrefixHit) -> bool:
+        """Whether a waiting prompt computed in one chunk from its prefix-cache hits on (one with images there, or any
+        under ``whole_prompts``) waits for a step whose budget left holds that chunk (one longer than the whole
+        budget goes past it)."""
         media = seq.request.media
-        return (
-            media is not None
-            and media.images_from(hit.tokens)
-            and budget < seq.num_tokens - hit.tokens <= self.max_num_batched_tokens
-        )
+        whole = self.whole_prompts or (media is not None and media.images_from(hit.tokens))
+        return whole and budget < seq.num_tokens - hit.tokens <= self.max_num_batched_tokens
 
     def _admit(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Allocate blocks for a waiting sequence's tokens (its prefix-cache ``hit`` reused); False if the pool is

@@ -10,6 +10,7 @@ layer's indexer keys (its *indexer*, run per group of sequences too: ``hfaccel.k
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 import weakref
@@ -109,6 +110,9 @@ class ModelLayout:
     mixers: dict[int, str] = field(default_factory=dict)  # state layer -> name of the module that runs it
     # sparse-attention layer -> name of its indexer module (the one storing indexer keys: hfaccel.kv.indexer)
     indexers: dict[int, str] = field(default_factory=dict)
+    # state layers whose mixer starts a chunk of several tokens from an empty state, reading its state only one token
+    # at a time (transformers' Mamba-1 mixers): hfaccel runs their continuing chunks token by token
+    restarts_chunks: frozenset[int] = frozenset()
 
     @property
     def hybrid(self) -> bool:
@@ -250,12 +254,67 @@ def probe_layout(model) -> ModelLayout:
     mixers: dict[int, str] = {}
     indexers: dict[int, str] = {}
     token = torch.ones(1, 1, dtype=torch.long, device=model_device(model))
+    recorded = {**dict.fromkeys(STATE_METHODS, mixers), "update_indexer": indexers}
     with ExitStack() as stack, torch.inference_mode():
-        _record_callers(model, cache, {**dict.fromkeys(STATE_METHODS, mixers), "update_indexer": indexers}, stack)
+        _record_callers(model, cache, recorded, stack)
         model(input_ids=token, use_cache=True, **{compat.cache_argument(model): cache})
+    for method in recorded:  # the cache's own methods again
+        vars(cache).pop(method, None)
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     layout = _read_layout(cache, mixers, tuple(layer_types), _latent_layers(model))
-    return replace(layout, indexers={layer: indexers[layer] for layer in sorted(indexers)})
+    with torch.inference_mode():
+        restarts = _chunk_restarting_layers(model, cache, layout)
+    return replace(layout, indexers={layer: indexers[layer] for layer in sorted(indexers)}, restarts_chunks=restarts)
+
+
+def _chunk_restarting_layers(model, cache: DynamicCache, layout: ModelLayout) -> frozenset[int]:
+    """The state layers whose mixer reads some state tensor for one new token but not for several, starting a
+    chunk's part afresh (:attr:`ModelLayout.restarts_chunks`; Mamba-1 continues its convolution but not its scan):
+    a continuation of the probe, run again with that tensor replaced by noise, gives the same logits over two new
+    tokens (within the continuation's run-to-run noise) and other logits over one. Every state layer where the
+    continuations do not run."""
+    if not layout.states:
+        return frozenset()
+    device = model_device(model)
+
+    def logits(length: int, layer: int | None = None, which: int = 0) -> torch.Tensor:
+        continued = copy.deepcopy(cache)
+        if layer is not None:
+            state = _state_tensors(continued, layer)[which]
+            state.copy_(torch.randn(state.shape, generator=torch.Generator().manual_seed(layer)).to(state) * 10)
+        tokens = torch.ones(1, length, dtype=torch.long, device=device)
+        return model(input_ids=tokens, use_cache=True, **{compat.cache_argument(model): continued}).logits.float()
+
+    def reads(length: int, layer: int, which: int) -> bool:
+        base = bases.get(length)
+        if base is None:
+            base = bases[length] = logits(length)
+            noise[length] = 4 * (logits(length) - base).abs().max() + 1e-6 * base.abs().max()
+        return bool((logits(length, layer, which) - base).abs().max() > noise[length])
+
+    bases: dict[int, torch.Tensor] = {}
+    noise: dict[int, torch.Tensor] = {}
+    try:
+        return frozenset(
+            layer
+            for layer in layout.states
+            if any(
+                not reads(2, layer, which) and reads(1, layer, which)
+                for which in range(len(_state_tensors(cache, layer)))
+            )
+        )
+    except Exception:  # the model's code cannot continue a cached state here: assume none is read
+        return frozenset(layout.states)
+
+
+def _state_tensors(cache: DynamicCache, layer: int) -> list[torch.Tensor]:
+    """The recurrent-state tensors a cache holds for ``layer`` (MiniMax's own cache: its ``linear_cache`` entry)."""
+    own = getattr(cache, "linear_cache", ())
+    if layer < len(own) and isinstance(own[layer], torch.Tensor):
+        return [own[layer]]
+    held = cache.layers[layer]
+    states = [*getattr(held, "conv_states", {}).values(), *getattr(held, "recurrent_states", {}).values()]
+    return [state for state in states if isinstance(state, torch.Tensor)]
 
 
 def _latent_layers(model) -> dict[int, int]:

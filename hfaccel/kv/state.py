@@ -222,7 +222,10 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
     packed = result = None
     for group in step.groups:
         rows = hidden[0].index_select(0, group.tokens).view(len(group.slots), group.length, -1)  # [G, L, H]
-        result = _run_group(original, arguments, cache_name, view, pool, layer, rows, group.slots, group.fresh)
+        if group.fresh or group.length == 1 or layer not in pool.layout.restarts_chunks:
+            result = _run_group(original, arguments, cache_name, view, pool, layer, rows, group.slots, group.fresh)
+        else:  # a mixer that would start this chunk afresh (Mamba-1's): token by token from the state
+            result = _run_token_by_token(original, arguments, cache_name, view, pool, layer, rows, group.slots)
         outputs = _outputs(result)
         if packed is None:  # each output of the token layout [G, L, ...] gathered into [1, T, ...]
             packed = [_packed_like(out, rows.shape[:2], hidden.shape[1]) for out in outputs]
@@ -282,6 +285,31 @@ def _run_group(
     result = original(hidden, **{**arguments, cache_name: view})
     view.store(pool, layer, slots if stores is None else stores)
     return result
+
+
+def _run_token_by_token(
+    original,
+    arguments: dict,
+    cache_name: str,
+    view: StateView,
+    pool: StatePool,
+    layer: int,
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+):
+    """:func:`_run_group` over ``hidden [G, L, H]`` one token at a time (each call reading the state the one before
+    wrote), its per-token outputs joined ``[G, L, ...]``, its other outputs the last call's."""
+    results = [
+        _run_group(original, arguments, cache_name, view, pool, layer, hidden[:, t : t + 1], slots, False)
+        for t in range(hidden.shape[1])
+    ]
+    outputs = [_outputs(result) for result in results]
+    rows = hidden[:, :1].shape[:2]  # [G, 1]
+    joined = [
+        torch.cat([each[i] for each in outputs], dim=1) if _by_token(out, rows) else out
+        for i, out in enumerate(outputs[-1])
+    ]
+    return _as_returned(results[-1], joined)
 
 
 def _hidden_name(arguments: dict) -> str:

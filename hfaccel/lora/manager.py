@@ -263,10 +263,11 @@ class LoRAManager:
                 "it expands a multi-head latent attention layer's cached latents, every token each sequence holds, "
                 "in batches whose sequences take different adapters: LoRA on it is not served by the engine"
             )
-        if module in _indexer_layers(self.model):
+        grouped = _grouped_layers(self.model).get(module)
+        if grouped is not None:
             return (
-                "it is a layer of a sparse-attention indexer, which hfaccel runs per group of sequences: LoRA on it "
-                "is not served by the engine"
+                f"it is a layer of {grouped}, which hfaccel runs per group of sequences: LoRA on it is not served by "
+                "the engine"
             )
         return f"it is a {type(found).__name__}, not a Linear layer"
 
@@ -279,18 +280,29 @@ def _latent_expanders(model: nn.Module) -> set[str]:
     }
 
 
-def _indexer_layers(model: nn.Module) -> set[str]:
-    """The layers of sparse-attention indexers (``hfaccel.kv.indexer`` runs them per group of sequences, apart from
-    the packed rows a LoRA index follows)."""
-    indexers = tuple(f"{name}." for name in model_layout(model).indexers.values())
-    return {name for name, _ in model.named_modules() if name.startswith(indexers)} if indexers else set()
+def _grouped_layers(model: nn.Module) -> dict[str, str]:
+    """The layers of the modules hfaccel runs per group of sequences, apart from the packed rows a LoRA index follows
+    (sparse-attention indexers: ``hfaccel.kv.indexer``; recurrent layers' mixers: ``hfaccel.kv.state``), each with
+    what it belongs to."""
+    layout = model_layout(model)
+    owners = {f"{name}.": "a sparse-attention indexer" for name in layout.indexers.values()}
+    owners.update({f"{name}.": "a recurrent layer's mixer" for name in layout.mixers.values()})
+    if not owners:
+        return {}
+    prefixes = tuple(owners)
+    return {
+        name: next(owners[prefix] for prefix in prefixes if name.startswith(prefix))
+        for name, _ in model.named_modules()
+        if name.startswith(prefixes)
+    }
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a LoRA adapter may target: every ``nn.Linear`` (not a subclass: quantized layers of other
-    libraries) and ``Int4Linear`` but the output embedding, MLA's latent expansions and sparse-attention indexers'
-    layers, by module name — for a layer another engine wrapped already, the layer it wraps."""
-    skip, found, wrapped = _output_layers(model) | _latent_expanders(model) | _indexer_layers(model), {}, ()
+    libraries) and ``Int4Linear`` but the output embedding, MLA's latent expansions and the layers hfaccel runs per
+    group of sequences (sparse-attention indexers', recurrent mixers'), by module name — for a layer another engine
+    wrapped already, the layer it wraps."""
+    skip, found, wrapped = _output_layers(model) | _latent_expanders(model) | set(_grouped_layers(model)), {}, ()
     for name, m in model.named_modules():  # parents come before their children
         if name.startswith(wrapped):
             continue

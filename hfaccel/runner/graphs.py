@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 _log = logging.getLogger("hfaccel")
 DEFAULT_LADDER = BATCH_LADDER  # the padded batch sizes of decode steps (hfaccel.kernels.attention_tiles)
 MIN_CONTEXT_BUCKET = 64  # uncompiled, uncaptured steps are built for contexts of powers of two from here
+# the context compiled or captured steps are built for when the model states no max_position_embeddings (Mamba):
+# this, then each power of two above it
+OPEN_CONTEXT_BUCKET = 1 << 16
 
 
 # the attributes transformers' ``use_experts_implementation`` gives the expert banks it dispatches
@@ -73,10 +76,14 @@ def context_bucket(context: int, *, whole: bool, model, floor: int = MIN_CONTEXT
     """The context static steps are built for: compiled or captured steps (``whole``) for the model's whole context
     (``max_position_embeddings``) at once, so that nothing compiles again; plain eager steps, which rebuild for
     free, for the power of two that holds ``context`` (at least ``floor``) — the paged kernel's launch (its split
-    count) is sized by it, so a short context runs no empty splits."""
+    count) is sized by it, so a short context runs no empty splits. A model stating no whole context gets compiled
+    or captured steps for :data:`OPEN_CONTEXT_BUCKET` tokens, or the power of two above that holds ``context``."""
     if whole:
         config = model.config.get_text_config(decoder=True)
-        return max(context, int(getattr(config, "max_position_embeddings", None) or 0))
+        limit = int(getattr(config, "max_position_embeddings", None) or 0)
+        if limit:
+            return max(context, limit)
+        floor = OPEN_CONTEXT_BUCKET
     return max(floor, 1 << (context - 1).bit_length())
 
 

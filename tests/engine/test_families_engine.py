@@ -78,3 +78,34 @@ def test_seeded_sampling_is_the_same_alone_and_batched():
     together = Engine(model, **settings).generate(prompts, params)
     alone = [Engine(model, **settings).generate([p], [q])[0] for p, q in zip(prompts, params)]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize("model_type, restarting", [("mamba", [0, 1]), ("jamba", [0, 2]), ("mamba2", [])])
+def test_chunked_prompts_through_mixers_that_restart_a_chunk(model_type, restarting):
+    """transformers' Mamba-1 mixers (Mamba, Jamba) read their state one token at a time only: a chunk of several
+    starts its scan afresh. hfaccel finds such layers (``ModelLayout.restarts_chunks``), runs their continuing
+    chunks token by token, and schedules prompts whole where the budget allows: with a long memory (the scan's state
+    barely decays, as in a trained model's slow channels) prompts split into chunks of 6 give each prompt's own
+    tokens. Mamba-2's mixers continue a chunk from their state and run as they are."""
+    import torch
+    import transformers
+
+    from hfaccel.kv.layout import model_layout
+    from tests.hf.tiny_configs import tiny_config
+    from tests.models import FAMILIES
+
+    overrides = FAMILIES[model_type][1] if model_type in FAMILIES else {}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=96, **overrides)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(-6.0)
+            if name.endswith(("dt_proj.bias", "dt_bias")):
+                parameter.fill_(0.5)
+    prompts = [list(range(3, 30)), list(range(10, 23)), [5, 6, 7, 8]]
+    expected = reference(model, prompts, [6, 6, 6])
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=2, max_num_batched_tokens=6)
+    assert sorted(model_layout(model).restarts_chunks) == restarting
+    assert engine.scheduler.whole_prompts == bool(restarting)
+    assert [out.outputs[0].token_ids for out in run(engine, prompts, [6, 6, 6])] == expected

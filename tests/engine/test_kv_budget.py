@@ -139,22 +139,37 @@ def test_sparse_attention_reserves_its_indexers_bounded_calls():
 
 def test_a_recurrent_only_model_takes_one_block_per_sequence_and_its_state_slots(monkeypatch):
     """No layer of Mamba-2 keeps K/V: a block holds no memory, so each sequence takes one block of ``max_model_len``
-    tokens and the state slots alone bound the engine (on CUDA they must fit in free memory); the default engine
-    serves each prompt's own tokens."""
+    tokens (twice as many blocks as sequences: the scheduler's watermark holds none back) and the state slots alone
+    bound the engine — every slot running at once; on CUDA they must fit in kv_cache_fraction of the device and in
+    its free memory beside the activations; kv_cache_memory does not apply."""
     from tests.helpers import mixed_prompts, reference, run
     from tests.models import family_model
 
     model = family_model("mamba2")
     budget = _plan(model)
-    assert (budget.num_blocks, budget.block_size, budget.bytes) == (8, 256, 0)
-    assert budget.state_bytes == 8 * model_layout(model).state_bytes() > 0
+    assert (budget.num_blocks, budget.block_size, budget.bytes) == (16, 256, 0)
+    assert budget.state_bytes == 9 * model_layout(model).state_bytes() > 0  # (and the scratch slot)
     assert "no layer keeps K/V" in budget.reason
-    prompts, budgets = mixed_prompts(7, seed=2)
+    with pytest.raises(ValueError, match="kv_cache_memory does not apply to a model none of whose layers keeps K/V"):
+        _plan(model, kv_cache_memory=GIB)
+    prompts, budgets = mixed_prompts(3, seed=2)[0], [4, 4, 4]
     expected = reference(model, prompts, budgets)
-    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=4)
+    engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=2)
+    assert engine.runner.pool.block_size == engine.max_model_len
+    for prompt, params in zip(prompts, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 3):
+        engine.add_request(prompt, params)
+    engine.step()
+    assert (engine.stats()["running"], engine.stats()["waiting"]) == (2, 1)  # both slots in use, the third waits
+    engine = Engine(model, max_num_seqs=2)
     assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
-    assert engine.stats()["blocks_total"] == engine.stats()["state_slots"] == 4
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB + budget.state_bytes // 2, 80 * GIB))
+    reserve = activation_reserve(model.config, model_layout(model), model.dtype, 512, 8)
+    fits = reserve + budget.state_bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (fits, 80 * GIB))
+    assert _plan(model).state_bytes == budget.state_bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (fits - 1, 80 * GIB))
     with pytest.raises(RuntimeError, match="the recurrent state of max_num_seqs=8 sequences"):
         _plan(model)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (fits, budget.state_bytes * 4))
+    with pytest.raises(RuntimeError, match="kv_cache_fraction=0.2"):
+        _plan(model, kv_cache_fraction=0.2)

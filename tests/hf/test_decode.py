@@ -160,7 +160,7 @@ def test_a_fallback_of_the_whole_loop_is_logged_once_per_model_and_reason(caplog
 
 
 @pytest.mark.parametrize(
-    "name", compat.CACHE_ARGUMENTS if compat.generate_cache_argument() == "cache" else ("past_key_values",)
+    "name", ("cache", "past_key_values") if compat.generate_cache_argument() == "cache" else ("past_key_values",)
 )
 def test_a_paged_cache_the_caller_passes_is_used_under_either_name(name):
     """``cache=`` (transformers >= 5.24) and ``past_key_values=`` (every version) both hand generate() the caller's

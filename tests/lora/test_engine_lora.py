@@ -424,3 +424,23 @@ def test_latent_attention_adapters_equal_peft_and_what_it_cannot_serve_is_refuse
     engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
     out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
     assert tokens(out) == expected
+
+
+def test_adapters_on_a_recurrent_layers_mixer_are_refused_and_the_others_served(tmp_path):
+    """Qwen3-Next's gated delta-net layers run per group of sequences (``hfaccel.kv.state``), apart from the packed
+    rows a LoRA index follows: an adapter on their projections is refused with the reason, the model left as it was;
+    one on the attention layers gives PEFT's tokens beside the base model's."""
+    from tests.models import family_model
+
+    base = family_model("qwen3_next").cpu()
+    peft = save_adapter(base, tmp_path / "ok", r=4, seed=1, target_modules=["q_proj", "v_proj", "o_proj"])
+    prompts = [[p % 90 + 3 for p in prompt] for prompt in PROMPTS[:2]]
+    expected = greedy_tokens(peft, prompts) + greedy_tokens(base, prompts)
+    save_adapter(base, tmp_path / "refused", r=4, seed=2, target_modules=["in_proj_qkvz"])
+    before = dict(base.named_modules())
+    with pytest.raises(ValueError, match="a layer of a recurrent layer's mixer, which hfaccel runs per group"):
+        Engine(hfaccel.accelerate(base, attention="torch"), lora_adapters={"refused": tmp_path / "refused"})
+    assert dict(base.named_modules()) == before
+    engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
+    out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
+    assert tokens(out) == expected

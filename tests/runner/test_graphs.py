@@ -291,3 +291,20 @@ def test_a_captured_step_runs_its_rows_once(name, monkeypatch):
         got = _decode_steps(model, capture=True, monkeypatch=monkeypatch)
     for want, have in zip(expected, got):
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_for_a_model_stating_no_context_are_built_for_a_bucket():
+    """Compiled or captured steps are built for the model's whole context (``max_position_embeddings``), so that
+    nothing compiles again; for a model stating none (Mamba-2), for ``OPEN_CONTEXT_BUCKET`` tokens, then each power of
+    two above, so that a longer ``generate()`` call builds them again only past those. Uncompiled, uncaptured steps:
+    the power of two holding the context."""
+    from hfaccel.runner.graphs import MIN_CONTEXT_BUCKET, OPEN_CONTEXT_BUCKET, context_bucket
+    from tests.models import family_model
+
+    llama, mamba = tiny_model("llama"), family_model("mamba2")
+    assert context_bucket(100, whole=True, model=llama) == llama.config.max_position_embeddings
+    assert context_bucket(3, whole=True, model=mamba) == OPEN_CONTEXT_BUCKET
+    assert context_bucket(OPEN_CONTEXT_BUCKET, whole=True, model=mamba) == OPEN_CONTEXT_BUCKET
+    assert context_bucket(OPEN_CONTEXT_BUCKET + 1, whole=True, model=mamba) == 2 * OPEN_CONTEXT_BUCKET
+    assert context_bucket(100, whole=False, model=mamba) == 128
+    assert context_bucket(3, whole=False, model=llama) == MIN_CONTEXT_BUCKET
