@@ -5,15 +5,15 @@ Every step packs, within ``max_num_batched_tokens``:
 1. the running sequences, oldest first: one decode token each (or the rest of a prefill chunk / recompute),
    growing their blocks; when the pool is out of blocks the newest running sequence is preempted (its blocks
    freed, to be recomputed from its tokens when it is admitted again) until the older one fits;
-2. then waiting sequences, first come first served, while sequences and tokens remain in the budget and the
-   pool has blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the
-   budget is computed in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with
-   images is computed in one step from its prefix-cache hits on (an image's tokens are never split), when the
-   budget left holds what its hits leave (more than the whole budget goes past it, and so does one admitted in a
-   step that raised, when the caller steps on and the sequences before it take more of the budget); hits end before
-   an image (the text and images before it, shared with any prompt that has them: a chat's next turn adding an
-   image) or cover all its images, and then the text after them is computed like any prompt's, at the position
-   offset its images gave (``media_offsets``).
+2. then waiting sequences, first come first served, while sequences and tokens remain in the budget and the pool has
+   blocks for the whole prompt (after prefix-cache hits): a prompt longer than what is left of the budget is computed
+   in chunks over several steps (chunked prefill), so running decodes never stall. A prompt with images (any prompt,
+   under ``whole_prompts``: Mamba-1's layers restart a chunk) is computed in one step from its prefix-cache hits on
+   (an image's tokens are never split), when the budget left holds what its hits leave (more than the whole budget
+   goes past it, and so does one admitted in a step that raised, when the caller steps on and the sequences before it
+   take more of the budget); hits end before an image (the text and images before it, shared with any prompt that has
+   them: a chat's next turn adding an image) or cover all its images, and then the text after them is computed like
+   any prompt's, at the position offset its images gave (``media_offsets``).
 
 With LoRA adapters (a :class:`~hfaccel.lora.LoRAManager`), a waiting sequence whose adapter has no slot free
 (``max_loras`` distinct adapters already run) is passed over for this step and waits at its place in the queue;
@@ -196,9 +196,8 @@ class Scheduler:
         with them may take prefix-cache hits that cover their images). ``hits_before_images``: whether a prompt
         with images may take hits that end before its first image (its runner computes a prompt's images after a
         hit); ``hits_between_images``: and between two of its images (its runner computes some of a prompt's images
-        alone). ``whole_prompts``: a prompt is best computed in one chunk (a model whose recurrent layers run a
-        continuing chunk token by token: ``ModelLayout.restarts_chunks``). ``release``: frees what else a finished
-        sequence held, by its id (the engine's: its penalties' token counts, on the device)."""
+        alone). ``whole_prompts``: every prompt in one chunk (``ModelLayout.restarts_chunks``). ``release``: frees
+        what else a finished sequence held, by its id (the engine's: its penalties' token counts, on the device)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1; got {max_num_seqs}, {max_num_batched_tokens}"
@@ -248,8 +247,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.finishing:  # preempted in this loop / nothing left to do
                 continue
-            rest = seq.num_tokens - seq.num_computed
-            length = rest if seq.computes_images else min(rest, budget)  # (admitted before a step that raised)
+            rest = seq.num_tokens - seq.num_computed  # (images: admitted before a step that raised)
+            length = rest if seq.computes_images or self.whole_prompts else min(rest, budget)
             if not self._grow(seq, out):
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
@@ -273,7 +272,7 @@ class Scheduler:
                 break  # (FCFS: the requests behind it wait)
             self.waiting.popleft()
             rest = seq.num_tokens - seq.num_computed
-            length = rest if seq.computes_images else min(rest, budget)
+            length = rest if seq.computes_images or self.whole_prompts else min(rest, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget = max(0, budget - length)
         self.waiting.extendleft(reversed(passed))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import sys
 import weakref
 from collections.abc import Callable
@@ -221,6 +222,7 @@ class LayoutError(ValueError):
     """A model whose cache hfaccel's pool cannot hold; the message says why."""
 
 
+_log = logging.getLogger("hfaccel")
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ((dtype, device), layout)
 
 
@@ -269,42 +271,61 @@ def probe_layout(model) -> ModelLayout:
 
 def _chunk_restarting_layers(model, cache: DynamicCache, layout: ModelLayout) -> frozenset[int]:
     """The state layers whose mixer reads some state tensor for one new token but not for several, starting a
-    chunk's part afresh (:attr:`ModelLayout.restarts_chunks`; Mamba-1 continues its convolution but not its scan):
-    a continuation of the probe, run again with that tensor replaced by noise, gives the same logits over two new
-    tokens (within the continuation's run-to-run noise) and other logits over one. Every state layer where the
-    continuations do not run."""
+    chunk's part afresh (:attr:`ModelLayout.restarts_chunks`; Mamba-1 continues its convolution but not its scan).
+    One layer per mixer class is tried (the class's code decides): a continuation of the probe, run again with one
+    of its state tensors replaced by loud noise, moves the logits over one new token but, within
+    :data:`UNREAD_CHANGE`, not over two. Every state layer where the continuations cannot run (with a warning)."""
     if not layout.states:
         return frozenset()
-    device = model_device(model)
+    named = dict(model.named_modules())
+    classes: dict[type, list[int]] = {}
+    for layer in sorted(layout.states):
+        classes.setdefault(type(named[layout.mixers[layer]]), []).append(layer)
+    continuation = _Continuation(model, cache)
+    try:
+        return frozenset(layer for layers in classes.values() if continuation.restarts(layers[0]) for layer in layers)
+    except Exception as error:  # the model's code cannot continue its cache so: run every chunk token by token
+        _log.warning(
+            "hfaccel: %s's continuations of a cached state fail (%s): its recurrent layers run prompt chunks token "
+            "by token",
+            type(model).__name__,
+            error,
+        )
+        return frozenset(layout.states)
 
-    def logits(length: int, layer: int | None = None, which: int = 0) -> torch.Tensor:
-        continued = copy.deepcopy(cache)
+
+UNREAD_CHANGE = 5e-2  # a state tensor moving the logits by less than this share of their largest is not read
+
+
+class _Continuation:
+    """Continuations of a probe's cache (:func:`_chunk_restarting_layers`), over copies of it."""
+
+    def __init__(self, model, cache: DynamicCache):
+        self.model, self.cache = model, cache
+        self.base: dict[int, torch.Tensor] = {}
+
+    def restarts(self, layer: int) -> bool:
+        """Whether some state tensor of ``layer`` is read for one new token but not for two."""
+        return any(
+            not self.reads(2, layer, which) and self.reads(1, layer, which)
+            for which in range(len(_state_tensors(self.cache, layer)))
+        )
+
+    def reads(self, length: int, layer: int, which: int) -> bool:
+        """Whether noise in state tensor ``which`` of ``layer`` moves the logits of ``length`` new tokens."""
+        if length not in self.base:
+            self.base[length] = self.logits(length)
+        base = self.base[length]
+        return bool((self.logits(length, layer, which) - base).abs().max() > UNREAD_CHANGE * base.abs().max())
+
+    def logits(self, length: int, layer: int | None = None, which: int = 0) -> torch.Tensor:
+        continued = copy.deepcopy(self.cache)
         if layer is not None:
             state = _state_tensors(continued, layer)[which]
             state.copy_(torch.randn(state.shape, generator=torch.Generator().manual_seed(layer)).to(state) * 10)
-        tokens = torch.ones(1, length, dtype=torch.long, device=device)
-        return model(input_ids=tokens, use_cache=True, **{compat.cache_argument(model): continued}).logits.float()
-
-    def reads(length: int, layer: int, which: int) -> bool:
-        base = bases.get(length)
-        if base is None:
-            base = bases[length] = logits(length)
-            noise[length] = 4 * (logits(length) - base).abs().max() + 1e-6 * base.abs().max()
-        return bool((logits(length, layer, which) - base).abs().max() > noise[length])
-
-    bases: dict[int, torch.Tensor] = {}
-    noise: dict[int, torch.Tensor] = {}
-    try:
-        return frozenset(
-            layer
-            for layer in layout.states
-            if any(
-                not reads(2, layer, which) and reads(1, layer, which)
-                for which in range(len(_state_tensors(cache, layer)))
-            )
-        )
-    except Exception:  # the model's code cannot continue a cached state here: assume none is read
-        return frozenset(layout.states)
+        tokens = torch.ones(1, length, dtype=torch.long, device=model_device(self.model))
+        kwargs = {compat.cache_argument(self.model): continued}
+        return self.model(input_ids=tokens, use_cache=True, **kwargs).logits.float()
 
 
 def _state_tensors(cache: DynamicCache, layer: int) -> list[torch.Tensor]:

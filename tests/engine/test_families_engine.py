@@ -80,17 +80,12 @@ def test_seeded_sampling_is_the_same_alone_and_batched():
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 
 
-@pytest.mark.parametrize("model_type, restarting", [("mamba", [0, 1]), ("jamba", [0, 2]), ("mamba2", [])])
-def test_chunked_prompts_through_mixers_that_restart_a_chunk(model_type, restarting):
-    """transformers' Mamba-1 mixers (Mamba, Jamba) read their state one token at a time only: a chunk of several
-    starts its scan afresh. hfaccel finds such layers (``ModelLayout.restarts_chunks``), runs their continuing
-    chunks token by token, and schedules prompts whole where the budget allows: with a long memory (the scan's state
-    barely decays, as in a trained model's slow channels) prompts split into chunks of 6 give each prompt's own
-    tokens. Mamba-2's mixers continue a chunk from their state and run as they are."""
+def _long_memory_model(model_type: str):
+    """A tiny model of ``model_type`` whose Mamba scans barely decay (as a trained model's slow channels), so that a
+    state read wrong shows in its tokens."""
     import torch
     import transformers
 
-    from hfaccel.kv.layout import model_layout
     from tests.hf.tiny_configs import tiny_config
     from tests.models import FAMILIES
 
@@ -103,9 +98,43 @@ def test_chunked_prompts_through_mixers_that_restart_a_chunk(model_type, restart
                 parameter.fill_(-6.0)
             if name.endswith(("dt_proj.bias", "dt_bias")):
                 parameter.fill_(0.5)
+    return model
+
+
+@pytest.mark.parametrize("model_type, restarting", [("mamba", [0, 1]), ("jamba", [0, 2]), ("mamba2", [])])
+def test_mixers_that_restart_a_chunk_continue_it_token_by_token(model_type, restarting):
+    """transformers' Mamba-1 mixers (Mamba, Jamba) read their state one token at a time only: a chunk of several
+    starts its scan afresh. hfaccel finds such layers (``ModelLayout.restarts_chunks``) and runs their continuing
+    chunks token by token: a prompt computed in two chunks gives the logits of the prompt computed whole. Mamba-2's
+    mixers continue a chunk from their state and run as they are."""
+    import torch
+
+    from hfaccel.attention import hfaccel_attention
+    from hfaccel.kv import KVPool
+    from hfaccel.kv.layout import model_layout
+    from hfaccel.runner import ModelRunner
+
+    model = _long_memory_model(model_type)
+    assert sorted(model_layout(model).restarts_chunks) == restarting
+    tokens = torch.arange(3, 30)
+    pool = KVPool.for_model(model, num_blocks=8, block_size=16, max_num_seqs=2)
+    runner = ModelRunner(model, pool)
+    with hfaccel_attention(model, "torch"), torch.inference_mode():
+        whole = runner.forward([0], tokens, [27])
+        runner.forward([1], tokens[:6], [6])
+        chunked = runner.forward([1], tokens[6:], [21])
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_of_a_model_whose_mixers_restart_a_chunk_are_computed_whole():
+    """The engine computes each prompt of such a model (Mamba) in one chunk, one longer than the token budget alone
+    in its step, as transformers computes it: each prompt's own tokens."""
+    model = _long_memory_model("mamba")
     prompts = [list(range(3, 30)), list(range(10, 23)), [5, 6, 7, 8]]
     expected = reference(model, prompts, [6, 6, 6])
     engine = Engine(hfaccel.accelerate(model, attention="torch"), max_num_seqs=2, max_num_batched_tokens=6)
-    assert sorted(model_layout(model).restarts_chunks) == restarting
-    assert engine.scheduler.whole_prompts == bool(restarting)
+    assert engine.scheduler.whole_prompts
+    engine.add_request(prompts[0], greedy(6))
+    assert [chunk.length for chunk in engine.scheduler.schedule().chunks] == [27]
+    engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=6)
     assert [out.outputs[0].token_ids for out in run(engine, prompts, [6, 6, 6])] == expected

@@ -131,8 +131,8 @@ def bench_engine(
     engines = {"hfaccel Engine": Engine(model, **settings)}
     if engines["hfaccel Engine"].async_scheduling:
         engines["hfaccel Engine, synchronous scheduling"] = Engine(model, async_scheduling=False, **settings)
-    if kv_cache_dtype is not None:
-        memory = engines["hfaccel Engine"].stats()["kv_cache_bytes"]
+    memory = engines["hfaccel Engine"].stats()["kv_cache_bytes"]  # (none where no layer keeps K/V: Mamba)
+    if kv_cache_dtype is not None and memory:
         quantized = {**settings, "num_blocks": None, "kv_cache_memory": memory}
         engine = Engine(model, kv_cache_dtype=kv_cache_dtype, **quantized)
         engines[f"hfaccel Engine, {kv_cache_dtype} KV cache ({engine.stats()['blocks_total']} blocks)"] = engine
