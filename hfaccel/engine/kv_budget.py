@@ -155,6 +155,7 @@ def plan_kv_cache(
     device = model_device(model)
     if device.type != "cuda":
         cap = max(CPU_POOL_BYTES - state_bytes, 0) // block_bytes
+        _check_room_for_a_block(cap, state_bytes, max_num_seqs, "the 1 GiB default pool on the CPU")
         if wanted <= cap:
             return budget(wanted, f"room for {served}")
         return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
@@ -166,6 +167,9 @@ def plan_kv_cache(
     reserve += state_bytes
     by_fraction = max(int(total * kv_cache_fraction) - state_bytes, 0) // block_bytes
     by_free = max(free - reserve, 0) // block_bytes
+    _check_room_for_a_block(
+        by_fraction, state_bytes, max_num_seqs, f"kv_cache_fraction={kv_cache_fraction} of {total / (1 << 30):.1f} GiB"
+    )
     if wanted <= min(by_fraction, by_free):
         return budget(wanted, f"room for {served}")
     if by_fraction <= by_free:
@@ -186,6 +190,17 @@ def plan_kv_cache(
         f"{served} need {wanted:,} blocks; capped at the free "
         f"{free / (1 << 30):.1f} GiB less {reserve / (1 << 30):.1f} GiB for activations",
     )
+
+
+def _check_room_for_a_block(blocks: int, state_bytes: int, max_num_seqs: int, where: str) -> None:
+    """A ``RuntimeError`` where the state slots of ``max_num_seqs`` sequences (``state_bytes``) leave no KV block
+    (``blocks``) in the memory ``where`` names: an engine of one block would hold no prompt."""
+    if blocks < 1 and state_bytes:
+        raise RuntimeError(
+            f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB) "
+            f"leaves no room for a KV block in {where}; lower max_num_seqs, raise kv_cache_fraction (on CUDA), or give "
+            "num_blocks / kv_cache_memory"
+        )
 
 
 def _check_state_fits(

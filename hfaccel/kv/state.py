@@ -19,7 +19,7 @@ sequence's slot. Under any other cache the mixer runs as it is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -200,32 +200,31 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
     if cache_name is None:
         return original(*args, **kwargs)
     cache = arguments[cache_name]
-    pool, step = cache.pool.states, getattr(cache, "states_step", None)
+    step = getattr(cache, "states_step", None)
     hidden = arguments.pop(_hidden_name(arguments))  # [1, T, H]; a prompt's: [B, L, H]
+    if step is not None:
+        for name in arguments:
+            if name.endswith("mask"):
+                arguments[name] = None  # packed sequences hold no padding (attention_mask; ZAYA's conv_mask)
+    call = _MixerCall(original, arguments, cache_name, cache.state_view, cache.pool.states, layer)
     if step is None:  # a prompt's prefill through transformers' forward: its rows, padding and mask as they are
-        return _run_group(
-            original, arguments, cache_name, cache.state_view, pool, layer, hidden, cache.prompt_state_slots, True
-        )
-    for name in arguments:
-        if name.endswith("mask"):
-            arguments[name] = None  # packed sequences hold no padding (attention_mask; ZAYA's conv_mask)
-    view = cache.state_view
+        return call.run(hidden, cache.prompt_state_slots, fresh=True)
     if step.groups is None:  # a static step: one token per sequence, each with its state
         # one scratch row more, so that the layer's code never sees a batch of one: its reshapes of views would guard
         # on it, and a compiled step would need a graph of its own for batch 1
         rows = torch.cat([hidden[0], hidden[0, :1]]).unsqueeze(1)  # [B + 1, 1, H]
-        scratch = step.slots.new_full((1,), pool.scratch)
+        scratch = step.slots.new_full((1,), call.pool.scratch)
         slots = torch.cat([step.slots, scratch])  # [B + 1]
         stores = slots if step.stores is None else torch.cat([step.stores, scratch])
-        result = _run_group(original, arguments, cache_name, view, pool, layer, rows, slots, False, stores)
+        result = call.run(rows, slots, fresh=False, stores=stores)
         return _packed_outputs(result, rows.shape[:2], lambda out: out[:-1].flatten(0, 1)[None])  # [1, B, ...]
     packed = result = None
     for group in step.groups:
         rows = hidden[0].index_select(0, group.tokens).view(len(group.slots), group.length, -1)  # [G, L, H]
-        if group.fresh or group.length == 1 or layer not in pool.layout.restarts_chunks:
-            result = _run_group(original, arguments, cache_name, view, pool, layer, rows, group.slots, group.fresh)
+        if group.fresh or group.length == 1 or layer not in call.pool.layout.restarts_chunks:
+            result = call.run(rows, group.slots, group.fresh)
         else:  # a mixer that would start this chunk afresh (Mamba-1's): token by token from the state
-            result = _run_token_by_token(original, arguments, cache_name, view, pool, layer, rows, group.slots)
+            result = call.run_token_by_token(rows, group.slots)
         outputs = _outputs(result)
         if packed is None:  # each output of the token layout [G, L, ...] gathered into [1, T, ...]
             packed = [_packed_like(out, rows.shape[:2], hidden.shape[1]) for out in outputs]
@@ -233,6 +232,40 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
             if into is not None:
                 into[0].index_copy_(0, group.tokens, out.flatten(0, 1))
     return _as_returned(result, packed)
+
+
+@dataclass
+class _MixerCall:
+    """One mixer call under hfaccel's cache, run as transformers' forward on groups of rows, each group's states
+    loaded from and stored to their slots through ``view`` (passed to the mixer as its ``cache_name`` argument)."""
+
+    original: Callable
+    arguments: dict
+    cache_name: str
+    view: StateView
+    pool: StatePool
+    layer: int
+
+    def run(self, hidden: torch.Tensor, slots: torch.Tensor, fresh: bool, stores: torch.Tensor | None = None):
+        """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots`` (none where ``fresh``),
+        the new states written to ``stores`` (default ``slots``); its outputs as it returns them (``[G, L, H_out]``
+        first)."""
+        self.view.load(self.pool, self.layer, slots, fresh)
+        result = self.original(hidden, **{**self.arguments, self.cache_name: self.view})
+        self.view.store(self.pool, self.layer, slots if stores is None else stores)
+        return result
+
+    def run_token_by_token(self, hidden: torch.Tensor, slots: torch.Tensor):
+        """:meth:`run` over ``hidden [G, L, H]`` one token at a time (each call reading the state the one before
+        wrote), its per-token outputs joined ``[G, L, ...]``, its other outputs the last call's."""
+        results = [self.run(hidden[:, t : t + 1], slots, fresh=False) for t in range(hidden.shape[1])]
+        outputs = [_outputs(result) for result in results]
+        rows = hidden[:, :1].shape[:2]  # [G, 1]
+        joined = [
+            torch.cat([each[i] for each in outputs], dim=1) if _by_token(out, rows) else out
+            for i, out in enumerate(outputs[-1])
+        ]
+        return _as_returned(results[-1], joined)
 
 
 def _holds_states(cache) -> bool:
@@ -265,51 +298,6 @@ def _as_returned(result, packed: list):
     """The packed outputs in the form the mixer returns: alone, or a tuple (per-group extras, e.g. MiniMax's state,
     None)."""
     return tuple(packed) if isinstance(result, tuple) else packed[0]
-
-
-def _run_group(
-    original,
-    arguments: dict,
-    cache_name: str,
-    view: StateView,
-    pool: StatePool,
-    layer: int,
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    fresh: bool,
-    stores: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots``, the new states written to
-    ``stores`` (default ``slots``); ``[G, L, H_out]``."""
-    view.load(pool, layer, slots, fresh)
-    result = original(hidden, **{**arguments, cache_name: view})
-    view.store(pool, layer, slots if stores is None else stores)
-    return result
-
-
-def _run_token_by_token(
-    original,
-    arguments: dict,
-    cache_name: str,
-    view: StateView,
-    pool: StatePool,
-    layer: int,
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-):
-    """:func:`_run_group` over ``hidden [G, L, H]`` one token at a time (each call reading the state the one before
-    wrote), its per-token outputs joined ``[G, L, ...]``, its other outputs the last call's."""
-    results = [
-        _run_group(original, arguments, cache_name, view, pool, layer, hidden[:, t : t + 1], slots, False)
-        for t in range(hidden.shape[1])
-    ]
-    outputs = [_outputs(result) for result in results]
-    rows = hidden[:, :1].shape[:2]  # [G, 1]
-    joined = [
-        torch.cat([each[i] for each in outputs], dim=1) if _by_token(out, rows) else out
-        for i, out in enumerate(outputs[-1])
-    ]
-    return _as_returned(results[-1], joined)
 
 
 def _hidden_name(arguments: dict) -> str:

@@ -173,3 +173,24 @@ def test_a_recurrent_only_model_takes_one_block_per_sequence_and_its_state_slots
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (fits, budget.state_bytes * 4))
     with pytest.raises(RuntimeError, match="kv_cache_fraction=0.2"):
         _plan(model, kv_cache_fraction=0.2)
+
+
+def test_a_hybrid_models_state_that_leaves_no_kv_block_is_refused(monkeypatch):
+    """Qwen3-Next's state slots come first: where they leave no KV block in the default pool (the CPU's 1 GiB, or
+    kv_cache_fraction of the device), the engine is refused with the reason rather than given one block that would
+    hold no prompt; where one block is left, the pool has what is left."""
+    from tests.models import family_model
+
+    model = family_model("qwen3_next")
+    state_bytes = _plan(model).state_bytes
+    assert state_bytes > 0
+    monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", state_bytes - 1)
+    with pytest.raises(RuntimeError, match="leaves no room for a KV block in the 1 GiB default pool on the CPU"):
+        _plan(model)
+    block_bytes = _plan(model, num_blocks=1).block_bytes
+    monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", state_bytes + 3 * block_bytes)
+    assert _plan(model).num_blocks == 3
+    monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GIB, 2 * state_bytes))
+    with pytest.raises(RuntimeError, match=r"leaves no room for a KV block in kv_cache_fraction=0.5 of"):
+        _plan(model)
