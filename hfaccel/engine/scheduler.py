@@ -253,6 +253,7 @@ class Scheduler:
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget = max(0, budget - length)
+        room = budget  # what the running sequences leave: all a whole prompt could wait for while they run
         passed: list[Sequence] = []  # waiting for a LoRA slot: back at their places after this step's admissions
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
@@ -268,7 +269,7 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             hit = self._prefix_hit(seq)
-            if self._waits_whole(seq, budget, hit) or not self._admit(seq, hit):
+            if self._waits_whole(seq, budget, room, hit) or not self._admit(seq, hit):
                 break  # (FCFS: the requests behind it wait)
             self.waiting.popleft()
             rest = seq.num_tokens - seq.num_computed
@@ -312,13 +313,13 @@ class Scheduler:
         """What the prefix cache keys a sequence's blocks by besides its tokens (``add_sequence``'s arguments)."""
         return dict(zip(("salt", "salts_from"), _cache_salts(seq)), unsplit=self._unsplit(seq))
 
-    def _waits_whole(self, seq: Sequence, budget: int, hit: PrefixHit) -> bool:
+    def _waits_whole(self, seq: Sequence, budget: int, room: int, hit: PrefixHit) -> bool:
         """Whether a waiting prompt computed in one chunk from its prefix-cache hits on (one with images there, or any
-        under ``whole_prompts``) waits for a step whose budget left holds that chunk (one longer than the whole
-        budget goes past it)."""
+        under ``whole_prompts``) waits for the next step: prompts admitted before it took the ``budget`` it needs of
+        the ``room`` the running sequences leave. One longer than that room goes past the budget now."""
         media = seq.request.media
         whole = self.whole_prompts or (media is not None and media.images_from(hit.tokens))
-        return whole and budget < seq.num_tokens - hit.tokens <= self.max_num_batched_tokens
+        return whole and budget < seq.num_tokens - hit.tokens <= room
 
     def _admit(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Allocate blocks for a waiting sequence's tokens (its prefix-cache ``hit`` reused); False if the pool is

@@ -10,7 +10,6 @@ layer's indexer keys (its *indexer*, run per group of sequences too: ``hfaccel.k
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import sys
@@ -24,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttent
 
 from hfaccel import compat
 from hfaccel.device import model_device, per_model
+from hfaccel.kv.continuation import chunk_restarting_layers
 
 # the Cache methods through which a mixer reaches its layer's recurrent state (transformers 5.17 and 5.24; MiniMax's
 # own cache: its linear attention's state)
@@ -265,77 +265,8 @@ def probe_layout(model) -> ModelLayout:
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     layout = _read_layout(cache, mixers, tuple(layer_types), _latent_layers(model))
     with torch.inference_mode():
-        restarts = _chunk_restarting_layers(model, cache, layout)
+        restarts = chunk_restarting_layers(model, cache, {layer: layout.mixers[layer] for layer in layout.states})
     return replace(layout, indexers={layer: indexers[layer] for layer in sorted(indexers)}, restarts_chunks=restarts)
-
-
-def _chunk_restarting_layers(model, cache: DynamicCache, layout: ModelLayout) -> frozenset[int]:
-    """The state layers whose mixer reads some state tensor for one new token but not for several, starting a
-    chunk's part afresh (:attr:`ModelLayout.restarts_chunks`; Mamba-1 continues its convolution but not its scan).
-    One layer per mixer class is tried (the class's code decides): a continuation of the probe, run again with one
-    of its state tensors replaced by loud noise, moves the logits over one new token but, within
-    :data:`UNREAD_CHANGE`, not over two. Every state layer where the continuations cannot run (with a warning)."""
-    if not layout.states:
-        return frozenset()
-    named = dict(model.named_modules())
-    classes: dict[type, list[int]] = {}
-    for layer in sorted(layout.states):
-        classes.setdefault(type(named[layout.mixers[layer]]), []).append(layer)
-    continuation = _Continuation(model, cache)
-    try:
-        return frozenset(layer for layers in classes.values() if continuation.restarts(layers[0]) for layer in layers)
-    except Exception as error:  # the model's code cannot continue its cache so: run every chunk token by token
-        _log.warning(
-            "hfaccel: %s's continuations of a cached state fail (%s): its recurrent layers run prompt chunks token "
-            "by token",
-            type(model).__name__,
-            error,
-        )
-        return frozenset(layout.states)
-
-
-UNREAD_CHANGE = 5e-2  # a state tensor moving the logits by less than this share of their largest is not read
-
-
-class _Continuation:
-    """Continuations of a probe's cache (:func:`_chunk_restarting_layers`), over copies of it."""
-
-    def __init__(self, model, cache: DynamicCache):
-        self.model, self.cache = model, cache
-        self.base: dict[int, torch.Tensor] = {}
-
-    def restarts(self, layer: int) -> bool:
-        """Whether some state tensor of ``layer`` is read for one new token but not for two."""
-        return any(
-            not self.reads(2, layer, which) and self.reads(1, layer, which)
-            for which in range(len(_state_tensors(self.cache, layer)))
-        )
-
-    def reads(self, length: int, layer: int, which: int) -> bool:
-        """Whether noise in state tensor ``which`` of ``layer`` moves the logits of ``length`` new tokens."""
-        if length not in self.base:
-            self.base[length] = self.logits(length)
-        base = self.base[length]
-        return bool((self.logits(length, layer, which) - base).abs().max() > UNREAD_CHANGE * base.abs().max())
-
-    def logits(self, length: int, layer: int | None = None, which: int = 0) -> torch.Tensor:
-        continued = copy.deepcopy(self.cache)
-        if layer is not None:
-            state = _state_tensors(continued, layer)[which]
-            state.copy_(torch.randn(state.shape, generator=torch.Generator().manual_seed(layer)).to(state) * 10)
-        tokens = torch.ones(1, length, dtype=torch.long, device=model_device(self.model))
-        kwargs = {compat.cache_argument(self.model): continued}
-        return self.model(input_ids=tokens, use_cache=True, **kwargs).logits.float()
-
-
-def _state_tensors(cache: DynamicCache, layer: int) -> list[torch.Tensor]:
-    """The recurrent-state tensors a cache holds for ``layer`` (MiniMax's own cache: its ``linear_cache`` entry)."""
-    own = getattr(cache, "linear_cache", ())
-    if layer < len(own) and isinstance(own[layer], torch.Tensor):
-        return [own[layer]]
-    held = cache.layers[layer]
-    states = [*getattr(held, "conv_states", {}).values(), *getattr(held, "recurrent_states", {}).values()]
-    return [state for state in states if isinstance(state, torch.Tensor)]
 
 
 def _latent_layers(model) -> dict[int, int]:

@@ -126,6 +126,23 @@ def test_mixers_that_restart_a_chunk_continue_it_token_by_token(model_type, rest
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_restarting_mixer_class_is_found_past_a_first_layer_that_barely_reads_its_state():
+    """The probe decides a mixer class on the first of its layers whose state moves the logits at all, by how much
+    less it moves them over two new tokens than over one: Mamba's layer 0 reading its scan's state a thousandth as
+    strongly (its C rows scaled down), or the probe's usual token having a zero embedding (an untrained padding
+    row), still finds both layers restarting."""
+    import torch
+
+    from hfaccel.kv.layout import model_layout
+
+    model = _long_memory_model("mamba")
+    mixer = model.backbone.layers[0].mixer
+    with torch.no_grad():
+        mixer.x_proj.weight[-mixer.ssm_state_size :] *= 1e-3
+        model.get_input_embeddings().weight[1].zero_()
+    assert sorted(model_layout(model).restarts_chunks) == [0, 1]
+
+
 def test_prompts_of_a_model_whose_mixers_restart_a_chunk_are_computed_whole():
     """The engine computes each prompt of such a model (Mamba) in one chunk, one longer than the token budget alone
     in its step, as transformers computes it: each prompt's own tokens."""

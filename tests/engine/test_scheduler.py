@@ -60,10 +60,10 @@ def running(scheduler: Scheduler, prompts: list[list[int]], first_id: int = 0) -
 
 
 @pytest.mark.parametrize("system_prompt_cached", [True, False])
-def test_a_prompt_with_images_waits_for_a_budget_that_holds_what_its_prefix_hits_leave(system_prompt_cached):
+def test_a_prompt_with_images_beside_decodes_is_computed_in_one_chunk_from_its_prefix_hits(system_prompt_cached):
     """A prompt with images is computed in one chunk from its prefix-cache hits on: beside three decodes (21 of the
-    budget of 24 left) it is admitted when its cached system prompt leaves 10 of its 22 tokens, and waits when
-    nothing is cached — and so do the prompts behind it (first come, first served)."""
+    budget of 24 left) its cached system prompt leaves 10 of its 22 tokens; with nothing cached all 22 go past the
+    budget now (waiting for the decodes to end could wait forever) and the prompt behind it waits."""
     manager = BlockManager(32, 4)
     if system_prompt_cached:
         manager.add_sequence("system prompt", [*SYSTEM, 1])
@@ -76,7 +76,34 @@ def test_a_prompt_with_images_waits_for_a_budget_that_holds_what_its_prefix_hits
     if system_prompt_cached:
         assert chunks(scheduler.schedule()) == [*decodes, (3, 12, 10), (4, 0, 2)]
     else:
-        assert chunks(scheduler.schedule()) == decodes and [seq.seq_id for seq in scheduler.waiting] == [3, 4]
+        assert chunks(scheduler.schedule()) == [*decodes, (3, 0, 22)] and [seq.seq_id for seq in scheduler.waiting] == [
+            4
+        ]
+
+
+@pytest.mark.parametrize("decodes", [0, 4])
+def test_whole_prompts_wait_only_for_room_that_prompts_admitted_before_them_took(decodes):
+    """Under ``whole_prompts`` (mixers that restart a chunk) a prompt waits for the next step where a prompt admitted
+    before it took the budget it needs; beside running decodes alone it is admitted at once, past the budget by
+    them, since the room they leave widens only when they end; one longer than the budget goes past it alone."""
+    manager = BlockManager(64, 16, enable_prefix_caching=False, state_slots=8)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=16, whole_prompts=True)
+    running(scheduler, [[5 + i, 6] for i in range(decodes)])
+    scheduler.add(sequence(10, list(range(3, 11))))  # 8 tokens
+    scheduler.add(sequence(11, list(range(3, 15))))  # 12: past what the first leaves, within what the decodes leave
+    scheduler.add(sequence(12, [7, 8]))
+    steps = [(i, 2, 1) for i in range(decodes)]
+    assert chunks(scheduler.schedule()) == [*steps, (10, 0, 8)]
+    assert [seq.seq_id for seq in scheduler.waiting] == [11, 12]
+    scheduler.running[-1].num_computed = 8
+    scheduler.running[-1].token_ids.append(9)
+    steps.append((10, 8, 1))
+    behind = [(12, 0, 2)] if decodes == 0 else []  # five decodes leave 11: the 12 tokens go past the budget
+    assert chunks(scheduler.schedule()) == [*steps, (11, 0, 12), *behind]
+    manager = BlockManager(64, 16, enable_prefix_caching=False, state_slots=8)
+    long = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=16, whole_prompts=True)
+    long.add(sequence(20, list(range(3, 40))))
+    assert chunks(long.schedule()) == [(20, 0, 37)]
 
 
 def test_a_prompt_with_images_waits_when_the_budget_left_is_short_of_what_its_hits_leave():
