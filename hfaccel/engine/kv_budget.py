@@ -59,6 +59,8 @@ class KVBudget:
 
     def __str__(self) -> str:
         state = f" and {self.state_bytes / (1 << 30):.2f} GiB of recurrent state" if self.state_bytes else ""
+        if not self.block_bytes:  # a recurrent-only model: its blocks only count sequences
+            return f"no KV cache{state}: {self.reason}"
         return (
             f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "
             f"of {self.block_size}){state}: {self.reason}"

@@ -149,7 +149,7 @@ def test_a_recurrent_only_model_takes_one_block_per_sequence_and_its_state_slots
     budget = _plan(model)
     assert (budget.num_blocks, budget.block_size, budget.bytes) == (16, 256, 0)
     assert budget.state_bytes == 9 * model_layout(model).state_bytes() > 0  # (and the scratch slot)
-    assert "no layer keeps K/V" in budget.reason
+    assert "no layer keeps K/V" in budget.reason and str(budget).startswith("no KV cache and ")
     with pytest.raises(ValueError, match="kv_cache_memory does not apply to a model none of whose layers keeps K/V"):
         _plan(model, kv_cache_memory=GIB)
     prompts, budgets = mixed_prompts(3, seed=2)[0], [4, 4, 4]
