@@ -27,8 +27,8 @@ def chunk_restarting_layers(model, cache: DynamicCache, mixers: dict[int, str]) 
     classes: dict[type, list[int]] = {}
     for layer in sorted(mixers):
         classes.setdefault(type(named[mixers[layer]]), []).append(layer)
-    continuation = _Continuation(model, cache)
     try:
+        continuation = _Continuation(model, cache)
         return frozenset(layer for layers in classes.values() if continuation.restarts(layers) for layer in layers)
     except Exception as error:  # the model's code cannot continue its cache so: run every chunk token by token
         _log.warning(

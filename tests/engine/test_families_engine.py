@@ -143,6 +143,26 @@ def test_a_restarting_mixer_class_is_found_past_a_first_layer_that_barely_reads_
     assert sorted(model_layout(model).restarts_chunks) == [0, 1]
 
 
+def test_a_cache_the_probe_cannot_continue_marks_every_state_layer_restarting_with_a_warning(monkeypatch, caplog):
+    """Where the probe's cache cannot be continued (the model's code raises on it), every state layer is taken as
+    restarting, with a warning: its continuing chunks run token by token, exact whatever its mixers do."""
+    import logging
+
+    import hfaccel.kv.continuation as continuation
+    from hfaccel.kv.layout import model_layout
+    from tests.models import family_model
+
+    def fail(*args, **kwargs):
+        raise ValueError("this cache cannot be continued")
+
+    monkeypatch.setattr(continuation._Continuation, "logits", fail)
+    model = family_model("qwen3_next")
+    with caplog.at_level(logging.WARNING, logger="hfaccel"):
+        layout = model_layout(model)
+    assert layout.restarts_chunks == frozenset(layout.states) != frozenset()
+    assert any("continuations of a cached state fail (this cache cannot" in message for message in caplog.messages)
+
+
 def test_prompts_of_a_model_whose_mixers_restart_a_chunk_are_computed_whole():
     """The engine computes each prompt of such a model (Mamba) in one chunk, one longer than the token budget alone
     in its step, as transformers computes it: each prompt's own tokens."""
