@@ -33,11 +33,21 @@ def _batch(tokenizer):
     return tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
 
 
-def test_greedy_continuations_identical(smollm2):
+def _greedy(tokenizer) -> dict:
+    return dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2):
+    """Plain transformers' greedy continuations of the batch (the tests below compare against them)."""
+    model, tokenizer = smollm2
+    return model.generate(**_batch(tokenizer), **_greedy(tokenizer))
+
+
+def test_greedy_continuations_identical(smollm2, expected):
     model, tokenizer = smollm2
     batch = _batch(tokenizer)
-    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    expected = model.generate(**batch, **kwargs)
+    kwargs = _greedy(tokenizer)
     assert "Paris" in tokenizer.decode(expected[0, batch["input_ids"].shape[1] :])
     hfaccel.accelerate(model, attention="triton")  # paged=True: generate() runs on a PagedCache
     try:
@@ -47,12 +57,11 @@ def test_greedy_continuations_identical(smollm2):
     assert torch.equal(got, expected), "\n".join(tokenizer.batch_decode(got) + tokenizer.batch_decode(expected))
 
 
-def test_plain_model_with_paged_cache_identical(smollm2):
+def test_plain_model_with_paged_cache_identical(smollm2, expected):
     """The real model, not accelerated, generating with an explicit PagedCache (K/V gathered for sdpa)."""
     model, tokenizer = smollm2
     batch = _batch(tokenizer)
-    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    expected = model.generate(**batch, **kwargs)
+    kwargs = _greedy(tokenizer)
     cache = hfaccel.PagedCache(model.config, max_batch_size=3, max_cache_len=batch["input_ids"].shape[1] + 32)
     got = model.generate(**batch, **generate_cache(cache), **kwargs)
     assert torch.equal(got, expected)
@@ -84,12 +93,11 @@ def int4_draft(model, group_size: int = 64):
     return draft
 
 
-def test_speculative_with_an_int4_draft(smollm2):
+def test_speculative_with_an_int4_draft(smollm2, expected):
     """Greedy speculative output is the model's own, stop strings included; the acceptance rate is printed."""
     model, tokenizer = smollm2
     batch = _batch(tokenizer)
-    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    expected = model.generate(**batch, **kwargs)
+    kwargs = _greedy(tokenizer)
     draft = hfaccel.accelerate(int4_draft(model), attention="torch")
     hfaccel.accelerate(model, attention="torch")
     try:
