@@ -13,7 +13,9 @@ model, a pipeline beside a server, a test worker) still finds memory; a server t
 takes its ``max_num_seqs`` state slots first (``state_bytes``); the KV blocks get what is left. One whose layers
 all keep recurrent state (Mamba) keeps no K/V: a sequence takes one block of ``max_model_len`` tokens, which holds
 no memory (``num_blocks``, when given, still counts blocks of ``block_size`` tokens; ``kv_cache_memory`` is refused),
-so its state slots alone bound the engine, within ``kv_cache_fraction`` of the device and its free memory.
+so its state slots alone bound the engine. One rule guards the default pool (:func:`_check_room`): the state slots
+and one KV block fit in each bound (the CPU's 1 GiB; the device's fraction and its free memory less the
+activations), else the engine is refused with the bound it missed — never given a block that holds no prompt.
 """
 
 from __future__ import annotations
@@ -136,90 +138,84 @@ def plan_kv_cache(
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
         return budget(num_blocks, "num_blocks given")
-    wanted = max_num_seqs * -(-max_model_len // block_size)
-    served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
-    if not block_bytes:  # no layer keeps K/V (a recurrent-only model): blocks of max_model_len, holding no memory
-        if kv_cache_memory is not None:
+    if kv_cache_memory is not None:
+        if not block_bytes:
             raise ValueError(
                 f"kv_cache_memory does not apply to a model none of whose layers keeps K/V (its recurrent state "
                 f"takes {layout.state_bytes()} bytes a sequence, max_num_seqs of them); got {kv_cache_memory}"
             )
-        _check_state_fits(model, layout, state_bytes, max_num_seqs, max_num_batched_tokens, kv_cache_fraction)
-        reason = f"room for {served}: no layer keeps K/V, so a block holds no memory and a sequence one block"
-        # twice the sequences: the scheduler's watermark of free blocks never holds one back
-        return KVBudget(2 * max_num_seqs, max_model_len, 0, reason, state_bytes)
-    if kv_cache_memory is not None:
         if kv_cache_memory < block_bytes:
             raise ValueError(
                 f"kv_cache_memory must hold at least one block ({block_bytes} bytes); got {kv_cache_memory}"
             )
         return budget(kv_cache_memory // block_bytes, f"kv_cache_memory={kv_cache_memory} bytes given")
+    bounds = _memory_bounds(
+        model, layout, kv_cache_dtype, kv_cache_fraction, max_num_batched_tokens, max_num_seqs, max_model_len
+    )
+    _check_room(bounds, state_bytes, block_bytes, max_num_seqs)
+    served = f"max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens"
+    if not block_bytes:  # no layer keeps K/V (a recurrent-only model): blocks of max_model_len, holding no memory
+        reason = f"room for {served}: no layer keeps K/V, so a block holds no memory and a sequence one block"
+        # twice the sequences: the scheduler's watermark of free blocks never holds one back
+        return KVBudget(2 * max_num_seqs, max_model_len, 0, reason, state_bytes)
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    blocks, tightest = min(((bound.bytes - state_bytes) // block_bytes, bound.name) for bound in bounds)
+    if wanted <= blocks:
+        return budget(wanted, f"room for {served}")
+    return budget(blocks, f"{served} need {wanted:,} blocks; capped at {tightest}")
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """Memory an engine's pool (its state slots and KV blocks) must fit in, and what it is."""
+
+    bytes: int
+    name: str
+    advice: str  # what raises it
+
+
+def _memory_bounds(
+    model, layout: ModelLayout, kv_cache_dtype, fraction: float, tokens: int, max_num_seqs: int, max_model_len: int
+) -> list[_Bound]:
+    """The default pool's bounds: 1 GiB on the CPU; on CUDA ``fraction`` of the device's total memory and its free
+    memory less the engine's activations (:func:`activation_reserve`)."""
     device = model_device(model)
     if device.type != "cuda":
-        cap = max(CPU_POOL_BYTES - state_bytes, 0) // block_bytes
-        _check_room_for_a_block(cap, state_bytes, max_num_seqs, "the 1 GiB default pool on the CPU")
-        if wanted <= cap:
-            return budget(wanted, f"room for {served}")
-        return budget(max(1, cap), f"{served} need {wanted:,} blocks; capped at 1 GiB on the CPU")
+        return [_Bound(CPU_POOL_BYTES, "1 GiB on the CPU (the default pool)", "")]
     absorbed = absorbed_layers(model, layout, kv_cache_dtype)  # first: it may dequantize matrices (kv.latent)
     free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve(
-        model.config, layout, model.dtype, max_num_batched_tokens, max_num_seqs, max_model_len, absorbed
-    )
-    reserve += state_bytes
-    by_fraction = max(int(total * kv_cache_fraction) - state_bytes, 0) // block_bytes
-    by_free = max(free - reserve, 0) // block_bytes
-    _check_room_for_a_block(
-        by_fraction, state_bytes, max_num_seqs, f"kv_cache_fraction={kv_cache_fraction} of {total / (1 << 30):.1f} GiB"
-    )
-    if wanted <= min(by_fraction, by_free):
-        return budget(wanted, f"room for {served}")
-    if by_fraction <= by_free:
-        return budget(
-            max(1, by_fraction),
-            f"{served} need {wanted:,} blocks; capped at kv_cache_fraction="
-            f"{kv_cache_fraction} of the device's {total / (1 << 30):.1f} GiB",
-        )
-    if by_free < 1:
-        raise RuntimeError(
-            f"no device memory is left for a KV cache: {free / (1 << 30):.2f} GiB free, "
-            f"{reserve / (1 << 30):.2f} GiB kept for the engine's activations; free memory, lower max_num_seqs / "
-            "max_model_len (what multi-head latent attention expands grows with both), or give num_blocks / "
-            "kv_cache_memory"
-        )
-    return budget(
-        by_free,
-        f"{served} need {wanted:,} blocks; capped at the free "
-        f"{free / (1 << 30):.1f} GiB less {reserve / (1 << 30):.1f} GiB for activations",
-    )
+    reserve = activation_reserve(model.config, layout, model.dtype, tokens, max_num_seqs, max_model_len, absorbed)
+    gib = lambda n: n / (1 << 30)  # noqa: E731
+    return [
+        _Bound(
+            int(total * fraction),
+            f"kv_cache_fraction={fraction} of the device's {gib(total):.1f} GiB",
+            "raise kv_cache_fraction",
+        ),
+        _Bound(
+            max(free - reserve, 0),
+            f"the free {gib(free):.2f} GiB less {gib(reserve):.2f} GiB for the engine's activations",
+            "free device memory",
+        ),
+    ]
 
 
-def _check_room_for_a_block(blocks: int, state_bytes: int, max_num_seqs: int, where: str) -> None:
-    """A ``RuntimeError`` where the state slots of ``max_num_seqs`` sequences (``state_bytes``) leave no KV block
-    (``blocks``) in the memory ``where`` names: an engine of one block would hold no prompt."""
-    if blocks < 1 and state_bytes:
-        raise RuntimeError(
-            f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB) "
-            f"leaves no room for a KV block in {where}; lower max_num_seqs, raise kv_cache_fraction (on CUDA), or give "
-            "num_blocks / kv_cache_memory"
-        )
-
-
-def _check_state_fits(
-    model, layout: ModelLayout, state_bytes: int, max_num_seqs: int, tokens: int, fraction: float
-) -> None:
-    """On CUDA, a ``RuntimeError`` where the state slots of ``max_num_seqs`` sequences (``state_bytes``) exceed
-    ``fraction`` of the device's memory or its free memory less the engine's activations."""
-    device = model_device(model)
-    if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    reserve = activation_reserve(model.config, layout, model.dtype, tokens, max_num_seqs)
-    room = min(int(total * fraction), free - reserve)
-    if state_bytes > room:
-        raise RuntimeError(
-            f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB) does "
-            f"not fit in {max(room, 0) / (1 << 30):.2f} GiB (kv_cache_fraction={fraction} of "
-            f"{total / (1 << 30):.1f} GiB; {free / (1 << 30):.2f} GiB free less {reserve / (1 << 30):.2f} GiB for "
-            "the engine's activations); lower max_num_seqs, raise kv_cache_fraction or free memory"
-        )
+def _check_room(bounds: list[_Bound], state_bytes: int, block_bytes: int, max_num_seqs: int) -> None:
+    """The one rule of a default pool: the state slots of ``max_num_seqs`` sequences and one KV block (none where no
+    layer keeps K/V) fit in every bound, else a ``RuntimeError`` naming the bound and what would make room."""
+    for bound in bounds:
+        if state_bytes + block_bytes <= bound.bytes:
+            continue
+        advice = ", ".join(filter(None, ["lower max_num_seqs", bound.advice]))
+        if not state_bytes:
+            raise RuntimeError(
+                f"no device memory is left for a KV cache: one block ({block_bytes} bytes) does not fit in "
+                f"{bound.name}; {advice}, lower max_model_len (what multi-head latent attention expands grows with "
+                "it), or give num_blocks / kv_cache_memory"
+            )
+        state = f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB)"
+        if block_bytes:
+            raise RuntimeError(
+                f"{state} leaves no room for a KV block in {bound.name}; {advice}, or give num_blocks / kv_cache_memory"
+            )
+        raise RuntimeError(f"{state} does not fit in {bound.name}; {advice}")

@@ -85,6 +85,9 @@ def test_bad_settings_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB // 2, 80 * GIB))
     with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
         _plan(model, max_model_len=1 << 20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GIB, 80 * GIB))
+    with pytest.raises(RuntimeError, match=r"one block \(\d+ bytes\) does not fit in kv_cache_fraction=1e-12 of"):
+        _plan(model, kv_cache_fraction=1e-12)  # not one block anyway, past what the user allowed
 
 
 def test_latent_attention_reserves_what_it_expands(monkeypatch):
@@ -140,8 +143,8 @@ def test_sparse_attention_reserves_its_indexers_bounded_calls():
 def test_a_recurrent_only_model_takes_one_block_per_sequence_and_its_state_slots(monkeypatch):
     """No layer of Mamba-2 keeps K/V: a block holds no memory, so each sequence takes one block of ``max_model_len``
     tokens (twice as many blocks as sequences: the scheduler's watermark holds none back) and the state slots alone
-    bound the engine — every slot running at once; on CUDA they must fit in kv_cache_fraction of the device and in
-    its free memory beside the activations; kv_cache_memory does not apply."""
+    bound the engine — every slot running at once; they must fit in the CPU's default pool, and on CUDA in
+    kv_cache_fraction of the device and in its free memory beside the activations; kv_cache_memory does not apply."""
     from tests.helpers import mixed_prompts, reference, run
     from tests.models import family_model
 
@@ -162,6 +165,10 @@ def test_a_recurrent_only_model_takes_one_block_per_sequence_and_its_state_slots
     assert (engine.stats()["running"], engine.stats()["waiting"]) == (2, 1)  # both slots in use, the third waits
     engine = Engine(model, max_num_seqs=2)
     assert [out.outputs[0].token_ids for out in run(engine, prompts, budgets)] == expected
+    monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", budget.state_bytes - 1)
+    with pytest.raises(RuntimeError, match=r"sequences \(0.00 GiB\) does not fit in 1 GiB on the CPU"):
+        _plan(model)
+    monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", GIB)
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
     reserve = activation_reserve(model.config, model_layout(model), model.dtype, 512, 8)
     fits = reserve + budget.state_bytes
@@ -185,7 +192,7 @@ def test_a_hybrid_models_state_that_leaves_no_kv_block_is_refused(monkeypatch):
     state_bytes = _plan(model).state_bytes
     assert state_bytes > 0
     monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", state_bytes - 1)
-    with pytest.raises(RuntimeError, match="leaves no room for a KV block in the 1 GiB default pool on the CPU"):
+    with pytest.raises(RuntimeError, match=r"leaves no room for a KV block in 1 GiB on the CPU \(the default pool\)"):
         _plan(model)
     block_bytes = _plan(model, num_blocks=1).block_bytes
     monkeypatch.setattr(kv_budget, "CPU_POOL_BYTES", state_bytes + 3 * block_bytes)
