@@ -24,7 +24,9 @@ no broadcast — together about 40% of an attention kernel's interpreted time. :
 what the first type of each shape computed (its shape tuple, numel and name, which nothing changes afterwards) and
 shares it with the later ones, and returns blocks of one shape unbroadcast at once, as the interpreter's broadcast
 returns them: the same types, the same numpy operations on the same values. A shape seen first (or one the
-interpreter would refuse) still goes through the interpreter's own construction and checks.
+interpreter would refuse) still goes through the interpreter's own construction and checks. Two tensor operands of one
+arithmetic dtype also skip the type promotion (a dozen dtype predicates, then two casts that return them as they
+are) and go straight to the broadcast: what the interpreter's checks return for them.
 
 Test processes only: hfaccel itself never changes Triton. Where the interpreter's internals differ from what this
 expects (another Triton release), nothing is changed and kernels run at the interpreter's own speed.
@@ -210,9 +212,28 @@ def reuse_interpreted_types() -> bool:
             return lhs, rhs  # what the interpreter's returns for blocks of one shape, without comparing them thrice
         return broadcast(self, lhs, rhs)
 
+    check_operands = semantics.binary_op_type_checking_impl
+    tensor_class = core.tensor
+
+    @functools.wraps(check_operands)
+    def operands_of_one_type(self, lhs, rhs, *args, **kwargs):
+        if type(lhs) is tensor_class and type(rhs) is tensor_class and _one_arithmetic_dtype(lhs.dtype, rhs.dtype):
+            div_or_mod = kwargs.get("div_or_mod", args[3] if len(args) > 3 else False)
+            narrow_division = div_or_mod and lhs.dtype.is_floating() and lhs.dtype.name not in ("fp32", "fp64")
+            if not narrow_division:  # promoted to their own dtype (/ and % of fewer bits: to fp32), no casts
+                return self.broadcast_impl_value(lhs, rhs)
+        return check_operands(self, lhs, rhs, *args, **kwargs)
+
+    def _one_arithmetic_dtype(a, b) -> bool:
+        """One non-pointer int or float dtype (of tensors, scalar or block; Python numbers take the promotion rules)."""
+        return (
+            type(a) is scalar_type and type(b) is scalar_type and a.name == b.name and (a.is_floating() or a.is_int())
+        )
+
     init_tensor.reuses_types = True
     interpreter._get_np_dtype = np_dtype
     block_type.__init__ = init_block_type
     core.tensor.__init__ = init_tensor
     semantics.broadcast_impl_value = broadcast_values
+    semantics.binary_op_type_checking_impl = operands_of_one_type
     return True

@@ -146,3 +146,30 @@ def test_broadcasts_give_the_values_torch_gives():
     _broadcasts_kernel[(1,)](x, y, out, N=4)
     grid = x[:, None] * 2 + y[None, :] - x[:, None] + 0.5
     assert torch.equal(out, grid * (grid > 1.0))
+
+
+@triton.jit
+def _one_type_kernel(X, Y, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x, y = tl.load(X + offs), tl.load(Y + offs)  # float16 blocks of one shape
+    tl.static_assert((x * y).dtype == tl.float16)
+    tl.static_assert((x / y).dtype == tl.float32)  # / and % of 16-bit floats: in float32, as compiled
+    i = offs * 3 - offs // 2 + (tl.program_id(0) + 3)  # int32 blocks of one shape, then an int32 scalar broadcast
+    tl.store(OUT + offs, (x / y + x * y) * (i % 5).to(tl.float32))
+
+
+def test_operands_of_one_type_keep_it_and_16_bit_division_is_promoted():
+    """Tensors of one arithmetic dtype skip the promotion rules, which would return them as they are, and are broadcast
+    as before; a 16-bit division still runs in float32, as the interpreter's rules (and compiled kernels) make it."""
+    from triton.language import semantic
+
+    assert hasattr(semantic.TritonSemantic.binary_op_type_checking_impl, "__wrapped__"), (
+        f"tests/interpreter.py did not apply to triton {triton.__version__}"
+    )
+    x = torch.tensor([1.0, -2.5, 3.0, 0.5, 7.0, -1.0, 2.0, 9.0], dtype=torch.float16)
+    y = torch.tensor([3.0, 0.5, -7.0, 2.0, 3.0, 6.0, -0.25, 1.5], dtype=torch.float16)
+    out = torch.empty(8)
+    _one_type_kernel[(1,)](x, y, out, N=8)
+    i = torch.arange(8, dtype=torch.int32)
+    expected = (x.float() / y.float() + (x * y).float()) * ((i * 3 - i // 2 + 3) % 5).float()
+    assert torch.equal(out, expected)
