@@ -60,11 +60,11 @@ class KVBudget:
         return {**stats, "state_bytes": self.state_bytes} if self.state_bytes else stats
 
     def __str__(self) -> str:
-        state = f" and {self.state_bytes / (1 << 30):.2f} GiB of recurrent state" if self.state_bytes else ""
+        state = f" and {_gib(self.state_bytes):.2f} GiB of recurrent state" if self.state_bytes else ""
         if not self.block_bytes:  # a recurrent-only model: its blocks only count sequences
             return f"no KV cache{state}: {self.reason}"
         return (
-            f"KV cache of {self.tokens:,} tokens ({self.bytes / (1 << 30):.2f} GiB, {self.num_blocks:,} blocks "
+            f"KV cache of {self.tokens:,} tokens ({_gib(self.bytes):.2f} GiB, {self.num_blocks:,} blocks "
             f"of {self.block_size}){state}: {self.reason}"
         )
 
@@ -185,19 +185,22 @@ def _memory_bounds(
     absorbed = absorbed_layers(model, layout, kv_cache_dtype)  # first: it may dequantize matrices (kv.latent)
     free, total = torch.cuda.mem_get_info(device)
     reserve = activation_reserve(model.config, layout, model.dtype, tokens, max_num_seqs, max_model_len, absorbed)
-    gib = lambda n: n / (1 << 30)  # noqa: E731
     return [
         _Bound(
             int(total * fraction),
-            f"kv_cache_fraction={fraction} of the device's {gib(total):.1f} GiB",
+            f"kv_cache_fraction={fraction} of the device's {_gib(total):.1f} GiB",
             "raise kv_cache_fraction",
         ),
         _Bound(
             max(free - reserve, 0),
-            f"the free {gib(free):.2f} GiB less {gib(reserve):.2f} GiB for the engine's activations",
+            f"the free {_gib(free):.2f} GiB less {_gib(reserve):.2f} GiB for the engine's activations",
             "free device memory",
         ),
     ]
+
+
+def _gib(n: int) -> float:
+    return n / (1 << 30)
 
 
 def _check_room(bounds: list[_Bound], state_bytes: int, block_bytes: int, max_num_seqs: int) -> None:
@@ -209,11 +212,11 @@ def _check_room(bounds: list[_Bound], state_bytes: int, block_bytes: int, max_nu
         advice = ", ".join(filter(None, ["lower max_num_seqs", bound.advice]))
         if not state_bytes:
             raise RuntimeError(
-                f"no device memory is left for a KV cache: one block ({block_bytes} bytes) does not fit in "
+                f"no memory is left for a KV cache: one block ({block_bytes} bytes) does not fit in "
                 f"{bound.name}; {advice}, lower max_model_len (what multi-head latent attention expands grows with "
                 "it), or give num_blocks / kv_cache_memory"
             )
-        state = f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({state_bytes / (1 << 30):.2f} GiB)"
+        state = f"the recurrent state of max_num_seqs={max_num_seqs} sequences ({_gib(state_bytes):.2f} GiB)"
         if block_bytes:
             raise RuntimeError(
                 f"{state} leaves no room for a KV block in {bound.name}; {advice}, or give num_blocks / kv_cache_memory"

@@ -83,7 +83,7 @@ def test_bad_settings_are_refused(monkeypatch):
         _plan(model, kv_cache_memory=10)
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GIB // 2, 80 * GIB))
-    with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
+    with pytest.raises(RuntimeError, match="no memory is left for a KV cache"):
         _plan(model, max_model_len=1 << 20)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GIB, 80 * GIB))
     with pytest.raises(RuntimeError, match=r"one block \(\d+ bytes\) does not fit in kv_cache_fraction=1e-12 of"):
@@ -115,7 +115,7 @@ def test_latent_attention_reserves_what_it_expands(monkeypatch):
     monkeypatch.setattr(kv_budget, "model_device", lambda model: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
     assert _plan(model, max_num_seqs=256, max_model_len=1 << 17).num_blocks > 0
-    with pytest.raises(RuntimeError, match="no device memory is left for a KV cache"):
+    with pytest.raises(RuntimeError, match="no memory is left for a KV cache"):
         _plan(model, max_num_seqs=256, max_model_len=1 << 17, kv_cache_dtype=torch.float8_e4m3fn)
 
 

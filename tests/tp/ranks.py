@@ -24,7 +24,8 @@ _CONTEXT.set_forkserver_preload(["tests.tp.preload"])
 
 def run_ranks(target: Callable, *args, world_size: int = 2, timeout: float = 90.0, workdir: Path) -> list:
     """``target(*args)`` on ``world_size`` ranks (``torch.distributed`` initialized, gloo); each rank's return
-    value, in rank order. ``target`` must be a module-level function (spawned processes import it)."""
+    value, in rank order. ``target`` must be a module-level function (the ranks, forked from the server, unpickle it by
+    name)."""
     store = rendezvous_store()
     environment = dict(os.environ)
     processes = [
