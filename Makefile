@@ -37,42 +37,93 @@ MODEL_TESTS ?= tests/hf tests/runner tests/engine/test_engine.py tests/engine/te
 MODEL_TESTS_SKIP ?= --deselect tests/hf/test_compile_cache.py
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-newest test-lowest venv install assets gpu-wheels gpu-install gpu-test gpu-smoke gpu-bench \
+.PHONY: demo test test-newest test-lowest suite-newest suite-lowest environments requirements-newest \
+	requirements-lowest venv requirements editable install assets gpu-wheels gpu-install gpu-test gpu-smoke gpu-bench \
 	gpu-round gpu-round-1 gpu-round-2 gpu-round-3 gpu-round-4
 
 demo: install
 	$(PYTHON) -m hfaccel.tools.cli demo
 
-test: test-newest test-lowest
+test: environments
+	$(MAKE) --no-print-directory suite-newest
+	$(MAKE) --no-print-directory suite-lowest
 
-test-newest:
-	$(MAKE) venv VENV=$(VENV)
+test-newest: requirements-newest
+	$(MAKE) --no-print-directory editable VENV=$(VENV)
+	$(MAKE) --no-print-directory suite-newest
+
+test-lowest: requirements-lowest
+	$(MAKE) --no-print-directory editable VENV=$(VENV_LOWEST)
+	$(MAKE) --no-print-directory suite-lowest
+
+suite-newest:
 	$(VENV)/bin/ruff check hfaccel tests
 	$(VENV)/bin/ruff format --check hfaccel tests
 	$(VENV)/bin/python -m hfaccel.tools.assets
 	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 
-test-lowest:
-	$(MAKE) venv VENV=$(VENV_LOWEST) PINS="$(LOWEST_PINS)"
-	if $(VENV_LOWEST)/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
-		$(VENV_LOWEST)/bin/pip install $(LOWEST_CPU_PINS) && $(VENV_LOWEST)/bin/python -c \
-		"import numpy, triton; print('$(VENV_LOWEST): triton', triton.__version__, 'numpy', numpy.__version__)"; fi
+suite-lowest:
 	$(VENV_LOWEST)/bin/python -m hfaccel.tools.assets
 	$(VENV_LOWEST)/bin/python -m pytest -n $(PYTEST_WORKERS) --durations=10 $(MODEL_TESTS) $(MODEL_TESTS_SKIP)
 
+# Both test environments: their requirements installed at once (pip works on one core), then hfaccel into each in
+# turn (its editable build writes hfaccel.egg-info into the tree).
+environments:
+	$(MAKE) --no-print-directory -j2 -Orecurse requirements-newest requirements-lowest
+	$(MAKE) --no-print-directory editable VENV=$(VENV)
+	$(MAKE) --no-print-directory editable VENV=$(VENV_LOWEST)
+
+requirements-newest:
+	$(MAKE) --no-print-directory requirements VENV=$(VENV)
+
+requirements-lowest:
+	$(MAKE) --no-print-directory requirements VENV=$(VENV_LOWEST) PINS="$(LOWEST_PINS)"
+	if $(VENV_LOWEST)/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(VENV_LOWEST)/bin/pip install $(LOWEST_CPU_PINS) && $(VENV_LOWEST)/bin/python -c \
+		"import numpy, triton; print('$(VENV_LOWEST): triton', triton.__version__, 'numpy', numpy.__version__)"; fi
+
 # A virtual environment $(VENV) with hfaccel (editable) and its test extras at their newest releases (or at
-# $(PINS)); the torch it has is kept. pip would compile the installed modules to bytecode one file at a time; they are
+# $(PINS)); the torch it has is kept.
+venv:
+	$(MAKE) --no-print-directory requirements
+	$(MAKE) --no-print-directory editable
+
+# $(VENV) with what `pip install -e ".[dev]"` would install besides hfaccel (pyproject.toml's requirements and its
+# dev extras', upgraded eagerly). pip would compile the installed modules to bytecode one file at a time; they are
 # compiled afterwards on every core instead (the same files: 40 s rather than 70 on two cores; as pip does, a file
 # written for another Python, such as torch's py312_intrinsics, is skipped).
-venv:
+requirements:
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --no-compile $(TORCH_PIN)
-	$(VENV)/bin/pip install --no-compile --upgrade --upgrade-strategy eager -e ".[dev]" \
+	$(VENV)/bin/python -c "$$DEV_REQUIREMENTS" > $(VENV)/dev-requirements.txt
+	$(VENV)/bin/pip install --no-compile --upgrade --upgrade-strategy eager -r $(VENV)/dev-requirements.txt \
 		"torch==$$($(VENV)/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')" $(PINS)
 	$(VENV)/bin/python -c "import compileall, sysconfig; \
 		compileall.compile_dir(sysconfig.get_path('purelib'), quiet=2, workers=0)"
+
+# hfaccel itself, editable, into $(VENV)
+editable:
+	$(VENV)/bin/pip install --no-deps -e .
 	$(VENV)/bin/python -c "import torch, transformers, triton; print('$(VENV):', 'torch', torch.__version__, \
 		'transformers', transformers.__version__, 'triton', triton.__version__)"
+
+# hfaccel's requirements and its dev extras' from pyproject.toml, one per line (the extras of hfaccel that an extra
+# names expanded in place)
+define DEV_REQUIREMENTS
+import re
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+def expanded(requirements):
+    for requirement in requirements:
+        own = re.fullmatch(r"hfaccel\[(.+)\]", requirement)
+        yield from (r for extra in own[1].split(",") for r in expanded(extras[extra])) if own else [requirement]
+print("\n".join(expanded([*project["dependencies"], *extras["dev"]])))
+endef
+export DEV_REQUIREMENTS
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIN)

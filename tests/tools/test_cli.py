@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfaccel.tools.bench import engine as engine_bench
 from hfaccel.tools.cli import build_parser, main
 from tests.assets import smollm2_or_skip
 from tests.models import tiny_model
@@ -60,6 +61,8 @@ def test_generate_prints_text(model_dir, capsys):
 
 def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the command's plumbing, on the torch path (kernels: tests/kernels)
+    monkeypatch.setattr(engine_bench, "DECODE_BATCH", 3)  # the engine's decode-step table at CPU sizes (not 64 x 1024)
+    monkeypatch.setattr(engine_bench, "DECODE_CONTEXTS", (24, 40))
     output = tmp_path / "bench.json"
     assert (
         main(
@@ -133,7 +136,9 @@ def test_bench_writes_json(tmp_path, capsys, monkeypatch):
     assert len(fp8) == 1 and fp8[0]["output_tokens"] == paths["hfaccel Engine"]["output_tokens"]
     assert paths["hfaccel Engine"]["ttft_p50_ms"] > 0
     assert paths["transformers generate_batch (defaults)"]["vs_generate_batch"] == 1
-    assert all(row["step_ms"] > 0 for row in results["engine_decode_step"])
+    decode_steps = results["engine_decode_step"]
+    assert [(row["batch"], row["context"]) for row in decode_steps] == [(3, 24), (3, 40)]
+    assert all(row["step_ms"] > 0 for row in decode_steps)
 
 
 def test_bench_engine_host_splits_the_step(tmp_path, monkeypatch):
