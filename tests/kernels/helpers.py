@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -64,13 +65,16 @@ def compile_sm90(jobs: list[dict]) -> list[dict]:
     divisible by 16 are marked so), and only then does Triton vectorise and pipeline the loads (cp.async / TMA)
     and use the shared memory it will on the GPU; jobs should do the same. Returns per job ``{"ok": True,
     "shared": bytes, "ptx_counts": {pattern: occurrences in the PTX}}`` or ``{"ok": False, "error": text}``;
-    an error is what the GPU compiler rejects (e.g. a tl.dot with K < 16 on 16-bit inputs). Runs in a child
-    process because the kernels of this (interpreted) process are not compilable.
+    an error is what the GPU compiler rejects (e.g. a tl.dot with K < 16 on 16-bit inputs). Jobs that are equal
+    (two cases that launch the kernel alike) are compiled once. Runs in a child process because the kernels of this
+    (interpreted) process are not compilable.
     """
+    keys = [json.dumps(job, sort_keys=True) for job in jobs]
+    distinct = list(dict.fromkeys(keys))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.kernels.sm90_compile"],
-        input=json.dumps(jobs),
+        input=json.dumps([json.loads(key) for key in distinct]),
         capture_output=True,
         text=True,
         env=env,
@@ -79,7 +83,23 @@ def compile_sm90(jobs: list[dict]) -> list[dict]:
     )
     if done.returncode != 0:
         raise RuntimeError(f"sm_90 compile worker failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout)
+    results = dict(zip(distinct, json.loads(done.stdout)))
+    return [results[key] for key in keys]
+
+
+def assert_each_compiles_for_sm90(cases: list, jobs: list[dict], check: Callable[[object, dict], None]) -> None:
+    """Compile each case's job for sm_90 (:func:`compile_sm90`) and ``check(case, result)`` each; fails naming every
+    case that failed. One test per kernel module: its jobs are compiled by one pytest worker, not by each worker
+    that would run a share of per-case tests."""
+    failures = []
+    for index, (case, result) in enumerate(zip(cases, compile_sm90(jobs), strict=True)):
+        try:
+            if not result["ok"]:
+                raise AssertionError(result["error"])
+            check(case, result)
+        except AssertionError as failure:
+            failures.append(f"job {index} {case}: {failure}")
+    assert not failures, f"{len(failures)} of {len(jobs)} jobs failed:\n" + "\n".join(failures)
 
 
 def launch_like(kernel, signature: dict, constexprs: dict, unit: tuple[str, ...] = ()) -> dict:

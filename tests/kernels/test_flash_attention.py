@@ -15,7 +15,7 @@ from hfaccel.kernels.flash_attention import (
     visibility_mask,
 )
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
+from tests.kernels.helpers import TRITON_TYPES, assert_close, assert_each_compiles_for_sm90, launch_like
 
 flash_module = importlib.import_module("hfaccel.kernels.flash_attention")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -389,14 +389,8 @@ def _sm90_job(dtype, head_dim, cfg, all_features):
     )
 
 
-@pytest.fixture(scope="module")
-def sm90_results():
-    return compile_sm90([_sm90_job(*case) for case in SM90_CASES])
+def test_compiles_for_sm90():
+    def check(case, result):
+        assert result["shared"] <= 227 * 1024, f"{result['shared']} bytes of shared memory"
 
-
-@pytest.mark.parametrize("index", range(len(SM90_CASES)))
-def test_compiles_for_sm90(index, sm90_results):
-    result = sm90_results[index]
-    case = SM90_CASES[index]
-    assert result["ok"], f"{case}: {result.get('error')}"
-    assert result["shared"] <= 227 * 1024, f"{case}: {result['shared']} bytes of shared memory"
+    assert_each_compiles_for_sm90(SM90_CASES, [_sm90_job(*case) for case in SM90_CASES], check)

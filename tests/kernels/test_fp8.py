@@ -20,7 +20,7 @@ from hfaccel.kernels.fp8_config import (
     table_key,
 )
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import TRITON_TYPES, compile_sm90
+from tests.kernels.helpers import TRITON_TYPES, assert_each_compiles_for_sm90
 
 # relative to max|reference|: the GEMM and dequant paths round the dequantized weight (exact in 16 bits) times
 # nothing, but the dequant path rounds weight * scale to the activation dtype, and outputs are rounded once
@@ -303,19 +303,14 @@ SM90_KERNELS += [
 ]
 
 
-@pytest.fixture(scope="module")
-def sm90_results():
-    return compile_sm90([_job(*case) for case in SM90_KERNELS])
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SM90_KERNELS)))
-def test_compiles_for_sm90(index, sm90_results):
-    case, result = SM90_KERNELS[index], sm90_results[index]
-    assert result["ok"], f"{case}: {result.get('error')}"
-    assert result["shared"] <= 227 * 1024
-    if case[1] == "_gemv_kernel":
-        counts = result["ptx_counts"]
-        assert counts["ld.global.v4"] > 0 and counts["ld.global.b8"] == 0, (
-            f"{case}: the GEMV must stream the fp8 weight in 128-bit loads, not byte by byte ({counts})"
-        )
+def test_compiles_for_sm90():
+    def check(case, result):
+        assert result["shared"] <= 227 * 1024
+        if case[1] == "_gemv_kernel":
+            counts = result["ptx_counts"]
+            assert counts["ld.global.v4"] > 0 and counts["ld.global.b8"] == 0, (
+                f"the GEMV must stream the fp8 weight in 128-bit loads, not byte by byte ({counts})"
+            )
+
+    assert_each_compiles_for_sm90(SM90_KERNELS, [_job(*case) for case in SM90_KERNELS], check)

@@ -23,7 +23,7 @@ from hfaccel.kernels.lora import (
 )
 from hfaccel.kernels.ops import lora_op
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import TRITON_TYPES, compile_sm90, launch_like
+from tests.kernels.helpers import TRITON_TYPES, assert_each_compiles_for_sm90, launch_like
 
 lora_module = importlib.import_module("hfaccel.kernels.lora")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -384,21 +384,16 @@ def _sm90_job(kernel_name, dtype, index_dtype, cfg, rank):
     return job
 
 
-@pytest.fixture(scope="module")
-def sm90_results():
-    return compile_sm90([_sm90_job(*case) for case in SM90_CASES])
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(SM90_CASES)))
-def test_compiles_for_sm90(case, sm90_results):
-    result = sm90_results[case]
-    assert result["ok"], f"{SM90_CASES[case]}: {result.get('error')}"
-    assert result["shared"] <= 227 * 1024
-    counts = result["ptx_counts"]
-    assert counts["ld.global.v4"] > 0 and counts[".local"] == 0, (
-        f"{SM90_CASES[case]}: the gathered rows must load 128 bits at a time, with no spills"
-    )
+def test_compiles_for_sm90():
+    def check(case, result):
+        assert result["shared"] <= 227 * 1024
+        counts = result["ptx_counts"]
+        assert counts["ld.global.v4"] > 0 and counts[".local"] == 0, (
+            "the gathered rows must load 128 bits at a time, with no spills"
+        )
+
+    assert_each_compiles_for_sm90(SM90_CASES, [_sm90_job(*case) for case in SM90_CASES], check)
 
 
 def test_heuristics_split_k_for_decode_only():

@@ -17,7 +17,7 @@ from hfaccel.kernels.paged_attention import (
 )
 from hfaccel.kernels.write_kv import dequantize_kv, quantize_kv, write_kv, write_kv_reference
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import TRITON_TYPES, assert_close, compile_sm90, launch_like
+from tests.kernels.helpers import TRITON_TYPES, assert_close, assert_each_compiles_for_sm90, launch_like
 
 paged_module = importlib.import_module("hfaccel.kernels.paged_attention")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -773,14 +773,9 @@ def _side_jobs():
 SIDE_JOBS = _side_jobs()
 
 
-@pytest.fixture(scope="module")
-def sm90_results():
-    return compile_sm90([_attention_job(*case) for case in SM90_CASES] + SIDE_JOBS)
+def test_compiles_for_sm90():
+    def check(case, result):
+        assert result["shared"] <= 227 * 1024, f"{result['shared']} bytes of shared memory"
 
-
-@pytest.mark.parametrize("index", range(len(SM90_CASES) + len(SIDE_JOBS)))
-def test_compiles_for_sm90(index, sm90_results):
-    result = sm90_results[index]
-    case = SM90_CASES[index] if index < len(SM90_CASES) else SIDE_JOBS[index - len(SM90_CASES)]["kernel"]
-    assert result["ok"], f"job {index} {case}: {result.get('error')}"
-    assert result["shared"] <= 227 * 1024, f"job {index} {case}: {result['shared']} bytes of shared memory"
+    cases = SM90_CASES + [job["kernel"] for job in SIDE_JOBS]
+    assert_each_compiles_for_sm90(cases, [_attention_job(*case) for case in SM90_CASES] + SIDE_JOBS, check)

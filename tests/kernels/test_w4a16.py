@@ -31,7 +31,7 @@ from hfaccel.kernels.w4a16_config import (
     table_key,
 )
 from tests.devices import DEVICE, on_device
-from tests.kernels.helpers import INT4PACK_TOLERANCE, TRITON_TYPES, compile_sm90
+from tests.kernels.helpers import INT4PACK_TOLERANCE, TRITON_TYPES, assert_each_compiles_for_sm90
 
 # (atol, rtol) relative to the output's scale: the GEMM and dequant paths round the dequantized weight to the
 # activation dtype before the tensor-core dot (fp16: 2^-11 relative per weight, bf16: 2^-8), the reference does
@@ -406,27 +406,23 @@ SM90_KERNELS = _sm90_configs()
 SM90_DTYPES = DTYPES
 
 
-@pytest.fixture(scope="module")
-def sm90_results():
+@pytest.mark.slow
+def test_compiles_for_sm90():
+    def check(case, result):
+        assert result["shared"] <= 227 * 1024
+        counts = result["ptx_counts"]
+        assert counts.get("cvt.rn.f32.s32", 0) + counts.get("cvt.rn.f32.u32", 0) == 0, (
+            "int->float conversions in the dequantization"
+        )
+        if case in SM90_KERNELS and case[1] == "gemv":
+            assert counts["ld.global.v4"] > 0 and result["shared"] == 0, (
+                "the GEMV must stream 128-bit loads and keep its sums in registers"
+            )
+
     jobs = [
         _kernel_job(dtype, W4A16Config(path, block_m, block_n, block_k, 1, warps, stages), split)
         for dtype, path, block_m, block_n, block_k, warps, stages, split in SM90_KERNELS
     ]
-    return compile_sm90(jobs + [job for dtype in SM90_DTYPES for job in _side_jobs(dtype)])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SM90_KERNELS) + 2 * len(SM90_DTYPES)))
-def test_compiles_for_sm90(index, sm90_results):
-    result = sm90_results[index]
-    case = SM90_KERNELS[index] if index < len(SM90_KERNELS) else "dequantize / sum-splits kernel"
-    assert result["ok"], f"{case}: {result.get('error')}"
-    assert result["shared"] <= 227 * 1024
-    counts = result["ptx_counts"]
-    assert counts.get("cvt.rn.f32.s32", 0) + counts.get("cvt.rn.f32.u32", 0) == 0, (
-        f"{case}: int->float conversions in the dequantization"
-    )
-    if index < len(SM90_KERNELS) and case[1] == "gemv":
-        assert counts["ld.global.v4"] > 0 and result["shared"] == 0, (
-            f"{case}: the GEMV must stream 128-bit loads and keep its sums in registers"
-        )
+    side_jobs = [job for dtype in SM90_DTYPES for job in _side_jobs(dtype)]
+    cases = SM90_KERNELS + [f"{job['kernel']} (dequantize / sum-splits)" for job in side_jobs]
+    assert_each_compiles_for_sm90(cases, jobs + side_jobs, check)

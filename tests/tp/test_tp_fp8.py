@@ -29,9 +29,11 @@ def _fp8_rank(path: str, batch: dict) -> dict:
     }
 
 
-def test_fp8_under_tp_equals_fp8_single_process(saved_llama, tmp_path):
+def test_fp8_under_tp_equals_fp8_single_process(saved_llama, tmp_path, monkeypatch):
     import hfaccel
 
+    # the fp8 matmuls on their torch path, here and on the ranks: the sharding is under test (kernels: tests/kernels)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     batch = padded_batch()
     single = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.float32)
     hfaccel.accelerate(single, attention="torch", quantize="fp8")

@@ -38,9 +38,11 @@ def _int4_rank(path: str, batch: dict) -> dict:
     }
 
 
-def test_int4_under_tp_equals_int4_single_process(saved_llama, tmp_path):
+def test_int4_under_tp_equals_int4_single_process(saved_llama, tmp_path, monkeypatch):
     import hfaccel
 
+    # the int4 matmuls on their torch path, here and on the ranks: the sharding is under test (kernels: tests/kernels)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     batch = padded_batch()
     single = transformers.AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.float32)
     hfaccel.accelerate(single, attention="torch", quantize="rtn", group_size=GROUP)
