@@ -175,6 +175,9 @@ class PoolCache(Cache):
         Cache.__init__(self, layers=[CacheLayerView(self, i) for i in range(pool.num_layers)])
         # an indexed layer's latents of this forward, their view and slots, until its indexer keys join them
         self._unindexed: dict[int, tuple[torch.Tensor, torch.Tensor, PagedKV, torch.Tensor]] = {}
+        # what follows the packed rows token by token (the runner's LoRA context): told the rows of each recurrent
+        # mixer call (hfaccel.kv.state)
+        self.row_followers: tuple = ()
 
     @property
     def manager(self) -> BlockManager:

@@ -15,6 +15,10 @@ rules are transformers'), and written back to the slots afterwards. Under a
 :class:`~hfaccel.kv.PromptCache` (a multimodal prompt's prefill through the model's own forward) it runs once on the
 padded batch as transformers gives it, every row starting its state, each row's state then stored in its
 sequence's slot. Under any other cache the mixer runs as it is.
+
+Whatever follows the packed rows token by token (a LoRA index: ``hfaccel.lora``) is told which packed token each of
+a mixer call's rows is: the cache's ``row_followers`` get ``rows [R]`` for the call (the runner gives its LoRA
+context), so that LoRA adapters on a mixer's projections apply per sequence as on any other layer.
 """
 
 from __future__ import annotations
@@ -206,7 +210,7 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
         for name in arguments:
             if name.endswith("mask"):
                 arguments[name] = None  # packed sequences hold no padding (attention_mask; ZAYA's conv_mask)
-    call = _MixerCall(original, arguments, cache_name, cache.state_view, cache.pool.states, layer)
+    call = _MixerCall(original, arguments, cache_name, cache.state_view, cache.pool.states, layer, cache.row_followers)
     if step is None:  # a prompt's prefill through transformers' forward: its rows, padding and mask as they are
         return call.run(hidden, cache.prompt_state_slots, fresh=True)
     if step.groups is None:  # a static step: one token per sequence, each with its state
@@ -216,15 +220,18 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
         scratch = step.slots.new_full((1,), call.pool.scratch)
         slots = torch.cat([step.slots, scratch])  # [B + 1]
         stores = slots if step.stores is None else torch.cat([step.stores, scratch])
-        result = call.run(rows, slots, fresh=False, stores=stores)
+        packed_rows = None
+        if call.followers:  # the scratch row is a copy of row 0
+            packed_rows = torch.arange(rows.shape[0], device=rows.device) % hidden.shape[1]  # [B + 1]
+        result = call.run(rows, slots, fresh=False, stores=stores, packed_rows=packed_rows)
         return _packed_outputs(result, rows.shape[:2], lambda out: out[:-1].flatten(0, 1)[None])  # [1, B, ...]
     packed = result = None
     for group in step.groups:
         rows = hidden[0].index_select(0, group.tokens).view(len(group.slots), group.length, -1)  # [G, L, H]
         if group.fresh or group.length == 1 or layer not in call.pool.layout.restarts_chunks:
-            result = call.run(rows, group.slots, group.fresh)
+            result = call.run(rows, group.slots, group.fresh, packed_rows=group.tokens)
         else:  # a mixer that would start this chunk afresh (Mamba-1's): token by token from the state
-            result = call.run_token_by_token(rows, group.slots)
+            result = call.run_token_by_token(rows, group.slots, group.tokens)
         outputs = _outputs(result)
         if packed is None:  # each output of the token layout [G, L, ...] gathered into [1, T, ...]
             packed = [_packed_like(out, rows.shape[:2], hidden.shape[1]) for out in outputs]
@@ -237,7 +244,8 @@ def _mixer_forward(layer: int, original, arguments: dict, args: tuple, kwargs: d
 @dataclass
 class _MixerCall:
     """One mixer call under hfaccel's cache, run as transformers' forward on groups of rows, each group's states
-    loaded from and stored to their slots through ``view`` (passed to the mixer as its ``cache_name`` argument)."""
+    loaded from and stored to their slots through ``view`` (passed to the mixer as its ``cache_name`` argument), each
+    row's packed token told to the ``followers`` (module docstring)."""
 
     original: Callable
     arguments: dict
@@ -245,20 +253,35 @@ class _MixerCall:
     view: StateView
     pool: StatePool
     layer: int
+    followers: tuple = ()
 
-    def run(self, hidden: torch.Tensor, slots: torch.Tensor, fresh: bool, stores: torch.Tensor | None = None):
+    def run(
+        self,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: bool,
+        stores: torch.Tensor | None = None,
+        packed_rows: torch.Tensor | None = None,
+    ):
         """transformers' mixer forward on ``hidden [G, L, H]`` with the states of ``slots`` (none where ``fresh``),
         the new states written to ``stores`` (default ``slots``); its outputs as it returns them (``[G, L, H_out]``
-        first)."""
+        first). ``packed_rows [G * L]``: the packed token of each row (None: the rows are the packed ones)."""
         self.view.load(self.pool, self.layer, slots, fresh)
+        self._follow(packed_rows)
         result = self.original(hidden, **{**self.arguments, self.cache_name: self.view})
+        self._follow(None)
         self.view.store(self.pool, self.layer, slots if stores is None else stores)
         return result
 
-    def run_token_by_token(self, hidden: torch.Tensor, slots: torch.Tensor):
-        """:meth:`run` over ``hidden [G, L, H]`` one token at a time (each call reading the state the one before
-        wrote), its per-token outputs joined ``[G, L, ...]``, its other outputs the last call's."""
-        results = [self.run(hidden[:, t : t + 1], slots, fresh=False) for t in range(hidden.shape[1])]
+    def run_token_by_token(self, hidden: torch.Tensor, slots: torch.Tensor, packed_rows: torch.Tensor):
+        """:meth:`run` over ``hidden [G, L, H]`` (packed tokens ``packed_rows [G * L]``) one token at a time (each
+        call reading the state the one before wrote), its per-token outputs joined ``[G, L, ...]``, its other outputs
+        the last call's."""
+        by_token = packed_rows.view(hidden.shape[0], hidden.shape[1])  # [G, L]
+        results = [
+            self.run(hidden[:, t : t + 1], slots, fresh=False, packed_rows=by_token[:, t])
+            for t in range(hidden.shape[1])
+        ]
         outputs = [_outputs(result) for result in results]
         rows = hidden[:, :1].shape[:2]  # [G, 1]
         joined = [
@@ -266,6 +289,10 @@ class _MixerCall:
             for i, out in enumerate(outputs[-1])
         ]
         return _as_returned(results[-1], joined)
+
+    def _follow(self, packed_rows: torch.Tensor | None) -> None:
+        for follower in self.followers:
+            follower.rows = packed_rows
 
 
 def _holds_states(cache) -> bool:

@@ -24,13 +24,17 @@ class LoRAContext:
     """What one forward tells every wrapped layer of a model (set by the runner, read by :class:`LoRALinear`).
 
     ``index``: ``[T]`` int64 slot of each packed token on the model's device (-1: no adapter), or None (no token
-    takes one); ``slots``: the slots present, a host list the torch reference loops over (ignored by the kernels,
-    and by compiled or captured steps, which must serve any mix); ``backend``: the kernels' backend (``auto``,
-    ``triton``, ``torch``: the model's attention backend). ``detached``: another engine took these layers' places.
+    takes one); ``rows``: while a module runs on other rows than the packed ones (a hybrid model's recurrent mixer,
+    run per group of sequences by ``hfaccel.kv.state``), the packed token of each of its rows (``[R]`` int64; None:
+    the packed rows themselves); ``slots``: the slots present, a host list the torch reference loops over (ignored
+    by the kernels, and by compiled or captured steps, which must serve any mix); ``backend``: the kernels' backend
+    (``auto``, ``triton``, ``torch``: the model's attention backend). ``detached``: another engine took these
+    layers' places.
     """
 
     def __init__(self, backend: str = "auto"):
         self.index: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
         self.slots: list[int] | None = None
         self.backend = backend
         self.detached = False
@@ -58,12 +62,25 @@ class LoRALinear(nn.Module):
             "lora_b", torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype, device=device), persistent=False
         )
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight, for model code that reads it rather than calling the layer (Jamba's ``dt_proj``):
+        without the adapters, as under PEFT's layers."""
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (as :attr:`weight`)."""
+        return self.base_layer.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]; the runner's packed row is [1, T, K], one index per token
         y = self.base_layer(x)
         index = self.context.index
         if index is None:
             return y
+        if self.context.rows is not None:  # a mixer's rows: each one's packed token's slot
+            index = index.index_select(0, self.context.rows)
         flat = x.reshape(-1, self.in_features)  # [T, K]
         if flat.shape[0] != index.shape[0]:
             raise RuntimeError(

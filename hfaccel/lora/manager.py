@@ -282,11 +282,10 @@ def _latent_expanders(model: nn.Module) -> set[str]:
 
 def _grouped_layers(model: nn.Module) -> dict[str, str]:
     """The layers of the modules hfaccel runs per group of sequences, apart from the packed rows a LoRA index follows
-    (sparse-attention indexers: ``hfaccel.kv.indexer``; recurrent layers' mixers: ``hfaccel.kv.state``), each with
-    what it belongs to."""
+    (sparse-attention indexers: ``hfaccel.kv.indexer``), each with what it belongs to. (Recurrent layers' mixers,
+    also run per group, tell the LoRA context which packed token each of their rows is: ``hfaccel.kv.state``.)"""
     layout = model_layout(model)
     owners = {f"{name}.": "a sparse-attention indexer" for name in layout.indexers.values()}
-    owners.update({f"{name}.": "a recurrent layer's mixer" for name in layout.mixers.values()})
     if not owners:
         return {}
     prefixes = tuple(owners)
@@ -299,9 +298,9 @@ def _grouped_layers(model: nn.Module) -> dict[str, str]:
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers a LoRA adapter may target: every ``nn.Linear`` (not a subclass: quantized layers of other
-    libraries) and ``Int4Linear`` but the output embedding, MLA's latent expansions and the layers hfaccel runs per
-    group of sequences (sparse-attention indexers', recurrent mixers'), by module name — for a layer another engine
-    wrapped already, the layer it wraps."""
+    libraries) and ``Int4Linear`` but the output embedding, MLA's latent expansions and the sparse-attention
+    indexers' layers (run per group of sequences), by module name — for a layer another engine wrapped already, the
+    layer it wraps."""
     skip, found, wrapped = _output_layers(model) | _latent_expanders(model) | set(_grouped_layers(model)), {}, ()
     for name, m in model.named_modules():  # parents come before their children
         if name.startswith(wrapped):

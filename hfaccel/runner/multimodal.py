@@ -193,7 +193,7 @@ def _adapter(runner, index: torch.Tensor | None):
     try:
         yield
     finally:
-        runner.lora.index = None
+        runner.lora.index = runner.lora.rows = None
 
 
 def _set_offsets(runner, seq_ids: Sequence[Hashable], lengths: Sequence[int], ends: Sequence[int]) -> None:

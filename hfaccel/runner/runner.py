@@ -75,7 +75,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.catch_up: DecodeGraphs | None = None  # a second static step: a few tokens, the last one's logits
         self.metadata_seconds = 0.0  # host time building the forwards' metadata (``Engine.host_times`` reads it)
-        self.lora: LoRAContext | None = None  # the model's LoRA layers' context, when it has some (an engine's)
+        self._lora: LoRAContext | None = None
         self._cache_argument = compat.cache_argument(model)  # "cache" (transformers >= 5.24) or "past_key_values"
         self._mask = packed_mask(model.config.get_text_config(decoder=True))
         # latent layers (MLA) read in the latent space where their module and the pool allow it (hfaccel.kv.latent)
@@ -288,6 +288,21 @@ class ModelRunner:
         transformers runs them)."""
         return self.pool.states is None or all(start > 0 for start in starts)
 
+    @property
+    def lora(self) -> LoRAContext | None:
+        """The model's LoRA layers' context, when it has some (an engine's); it follows the rows of the recurrent
+        layers' mixers too (``hfaccel.kv.state``)."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, context: LoRAContext | None) -> None:
+        self._lora = context
+        self._follow_mixer_rows()
+
+    def _follow_mixer_rows(self) -> None:
+        """Have the LoRA context told the rows of each recurrent mixer call under the runner's cache."""
+        self.cache.row_followers = () if self._lora is None else (self._lora,)
+
     def run_model(
         self,
         input_ids: torch.Tensor,
@@ -319,7 +334,7 @@ class ModelRunner:
         finally:
             self.cache.step = None
             if self.lora is not None:
-                self.lora.index = None
+                self.lora.index = self.lora.rows = None
         return out.logits[0]
 
     @property
@@ -377,6 +392,7 @@ class ModelRunner:
         self.pool = make_pool()
         self.cache = sequence_cache(self.model, self.pool)
         self.cache.absorbed = self.absorbed
+        self._follow_mixer_rows()
         for graphs in self.static_steps():
             graphs.pool_changed()
 

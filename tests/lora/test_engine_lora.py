@@ -8,6 +8,7 @@ and go; bad adapters and names are clear errors after which the engine serves on
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 
 import hfaccel
 from hfaccel.engine import AsyncEngine, Engine, SamplingParams
-from hfaccel.kv import BlockManager
+from hfaccel.kv import BlockManager, model_layout
 from hfaccel.lora import LoRAContext, LoRALinear
 from hfaccel.quant import Int4Linear, quantize_rtn
 from tests.lora.adapters import NEW_TOKENS, PROMPTS, greedy_tokens, rewrite_tensors, save_adapter
@@ -426,21 +427,53 @@ def test_latent_attention_adapters_equal_peft_and_what_it_cannot_serve_is_refuse
     assert tokens(out) == expected
 
 
-def test_adapters_on_a_recurrent_layers_mixer_are_refused_and_the_others_served(tmp_path):
-    """Qwen3-Next's gated delta-net layers run per group of sequences (``hfaccel.kv.state``), apart from the packed
-    rows a LoRA index follows: an adapter on their projections is refused with the reason, the model left as it was;
-    one on the attention layers gives PEFT's tokens beside the base model's."""
+MAMBA_TYPES = ("falcon_h1", "mamba2")  # PEFT's models whose mixers' out_proj it refuses to adapt
+
+
+@pytest.mark.parametrize(
+    "name, mode",
+    [
+        ("qwen3_next", "static-step-async"),
+        ("falcon_h1", "eager"),
+        ("jamba", "static-step-async"),
+        ("lfm2", "eager"),
+        ("minimax", "static-step-async"),
+        ("mamba2", "eager"),
+    ],
+)
+def test_adapters_on_a_hybrid_models_mixers_equal_peft(tmp_path, name, mode):
+    """Adapters on the Linear layers of hybrid models' mixers and attention — the mixers run per group of sequences
+    (``hfaccel.kv.state``: a prefill's groups by prompt length, a static step's rows and its scratch row), each row
+    taking its own sequence's adapter: two adapters and the base model mixed in one batch give each one's PEFT
+    tokens, in eager or static decode steps, the mixers' projections wrapped (Jamba's ``dt_proj``, whose weight its
+    mixer reads rather than calling the layer, without the adapters, as under PEFT)."""
     from tests.models import family_model
 
-    base = family_model("qwen3_next").cpu()
-    peft = save_adapter(base, tmp_path / "ok", r=4, seed=1, target_modules=["q_proj", "v_proj", "o_proj"])
-    prompts = [[p % 90 + 3 for p in prompt] for prompt in PROMPTS[:2]]
-    expected = greedy_tokens(peft, prompts) + greedy_tokens(base, prompts)
-    save_adapter(base, tmp_path / "refused", r=4, seed=2, target_modules=["in_proj_qkvz"])
-    before = dict(base.named_modules())
-    with pytest.raises(ValueError, match="a layer of a recurrent layer's mixer, which hfaccel runs per group"):
-        Engine(hfaccel.accelerate(base, attention="torch"), lora_adapters={"refused": tmp_path / "refused"})
-    assert dict(base.named_modules()) == before
-    engine = Engine(base, lora_adapters={"ok": tmp_path / "ok"}, num_blocks=64, cuda_graphs=False)
-    out = engine.generate(prompts * 2, GREEDY, lora=["ok", "ok", None, None])
-    assert tokens(out) == expected
+    base = family_model(name).cpu()
+    mixers = tuple(f"{mixer}." for mixer in model_layout(base).mixers.values())
+    in_mixers = [n for n, m in base.named_modules() if type(m) is nn.Linear and n.startswith(mixers)]
+    if name in MAMBA_TYPES:  # PEFT refuses their out_proj
+        in_mixers = [n for n in in_mixers if not n.endswith(".out_proj")]
+    assert in_mixers, f"{name}'s mixers have no Linear layer"
+    targets = "|".join([*map(re.escape, in_mixers), r".*\.(q|k|v|o)_proj"])  # and the attention's
+    prompts = [[p % 90 + 3 for p in prompt] for prompt in PROMPTS[:3]]  # 7, 4 and 21 tokens
+    expected = {None: greedy_tokens(base, prompts)}
+    for seed, adapter in enumerate(("a", "b"), 1):
+        peft = save_adapter(base, tmp_path / adapter, r=4, seed=seed, target_modules=targets)
+        expected[adapter] = greedy_tokens(peft, prompts)
+    engine = Engine(
+        hfaccel.accelerate(base, attention="torch"),
+        lora_adapters={adapter: tmp_path / adapter for adapter in ("a", "b")},
+        num_blocks=64,
+        **MODES[mode],
+    )
+    try:
+        wrapped = [n for n, m in base.named_modules() if isinstance(m, LoRALinear) and n.startswith(mixers)]
+        assert wrapped == in_mixers
+        names = [None, "a", "b"]
+        batch = [(prompt, adapter, expected[adapter][i]) for i, prompt in enumerate(prompts) for adapter in names]
+        out = engine.generate([p for p, _, _ in batch], GREEDY, lora=[a for _, a, _ in batch])
+        assert tokens(out) == [want for _, _, want in batch]
+        assert engine.stats()["blocks_used"] == 0
+    finally:
+        engine.close()
