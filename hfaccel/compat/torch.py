@@ -36,7 +36,7 @@ def _distinct_cat_inputs(graph: torch.fx.GraphModule) -> None:
         for i, tensor in enumerate(inputs):
             if tensor in seen:
                 with graph.graph.inserting_before(node):
-                    inputs[i] = graph.graph.call_function(torch.Tensor.view_as, (tensor, tensor))
+                    inputs[i] = graph.graph.call_method("view_as", (tensor, tensor))
             seen.add(tensor)
         node.args = (inputs, *node.args[1:])
     graph.recompile()
