@@ -118,16 +118,26 @@ def test_speculative_with_an_int4_draft(smollm2, expected):
     )
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_greedy_equals_generate(smollm2, async_scheduling):
-    """The engine (chunked prefill, a pool small enough to preempt) gives each prompt its own generate()."""
+ENGINE_PROMPTS = PROMPTS + ["The three primary colors are", "In 1969, the first person to walk on the Moon was"]
+
+
+@pytest.fixture(scope="module")
+def expected_alone(smollm2) -> list[list[int]]:
+    """Each of ``ENGINE_PROMPTS``' greedy continuation by plain transformers, generated alone (24 tokens)."""
     model, tokenizer = smollm2
-    prompts = PROMPTS + ["The three primary colors are", "In 1969, the first person to walk on the Moon was"]
     expected = []
-    for prompt in prompts:
+    for prompt in ENGINE_PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(DEVICE)
         out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         expected.append(out[0, ids.shape[1] :].tolist())
+    return expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_greedy_equals_generate(smollm2, expected_alone, async_scheduling):
+    """The engine (chunked prefill, a pool small enough to preempt) gives each prompt its own generate()."""
+    model, tokenizer = smollm2
+    prompts, expected = ENGINE_PROMPTS, expected_alone
     hfaccel.accelerate(model, attention="torch", paged=False)
     try:
         engine = hfaccel.Engine(
