@@ -3,7 +3,8 @@
 A model is served when hfaccel's runner can run it exactly: its attention dispatches through transformers'
 ``AttentionInterface``, its forward takes each token's position and the logits to keep, what each layer keeps fits
 the pool (``hfaccel.kv.layout``: K/V of one width per layer, within the kernels' head sizes, or recurrent state),
-and a trial — two sequences packed into one forward, then a decode step, on hfaccel's torch kernels — runs. So a
+its layers attend causally, and a trial — two sequences packed into one forward, then a decode step, on hfaccel's
+torch kernels — runs and gives each sequence the last logits transformers' own forward of it alone gives. So a
 family hfaccel cannot serve is told before the user's first call, with the reason, and stays on transformers' path;
 none is accepted and then broken.
 """
@@ -80,7 +81,21 @@ def _forward_reason(model, layout: ModelLayout) -> str | None:
         )
     if "logits_to_keep" not in parameters:
         return "its forward takes no logits_to_keep (the logits of each sequence's last token)"
+    bidirectional = [layer for layer in sorted(layout.attention) if _attends_both_ways(model, layer)]
+    if bidirectional:
+        return (
+            f"layer {bidirectional[0]}'s attention is not causal (its module's is_causal is False: an encoder's, "
+            "or PaliGemma's prefix over the prompt), where hfaccel's prefill is causal"
+        )
     return None
+
+
+def _attends_both_ways(model, layer: int) -> bool:
+    """Whether the attention module of decoder ``layer`` says it is not causal (transformers' ``is_causal``)."""
+    return any(
+        getattr(module, "layer_idx", None) == layer and getattr(module, "is_causal", None) is False
+        for module in model.modules()
+    )
 
 
 def _layout_reason(model, layout: ModelLayout) -> str | None:
@@ -141,4 +156,39 @@ def _trial_reason(model) -> str | None:
         return f"hfaccel's packed forward fails on it ({failure_reason(error)})"
     finally:
         runner.release()
-    return None
+    return _logits_reason(prefill, _own_logits(model, tokens, (3, 2)))
+
+
+# the largest difference between the trial's logits and transformers' own, of the largest logit, that is rounding
+LOGITS_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+LOGITS_TOLERANCE_16_BIT = 5e-2
+
+
+def _own_logits(model, tokens: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor | None:
+    """transformers' own forward of each of the sequences ``tokens`` packs (``lengths``), alone and unpadded: its
+    last token's logits, ``[S, V]``; None where the model cannot run on token ids alone (one that needs its images)."""
+    rows, start = [], 0
+    try:
+        with torch.inference_mode():
+            for length in lengths:
+                ids = tokens[None, start : start + length]
+                rows.append(model(input_ids=ids, use_cache=False).logits[0, -1])
+                start += length
+    except Exception:
+        return None
+    return torch.stack(rows)
+
+
+def _logits_reason(trial: torch.Tensor, own: torch.Tensor | None) -> str | None:
+    """Why the trial's prefill logits ``[S, V]`` are not transformers' own (``own``), or None: beyond rounding, the
+    model computes something else than what hfaccel passes it (positions counted from its own offset, a mask)."""
+    if own is None or own.shape != trial.shape:
+        return None
+    scale = own.float().abs().amax().clamp(min=1e-6)
+    difference = ((trial.float() - own.float()).abs().amax() / scale).item()
+    if difference <= LOGITS_TOLERANCE.get(own.dtype, LOGITS_TOLERANCE_16_BIT):
+        return None
+    return (
+        f"hfaccel's packed forward gives other logits than transformers' own forward of each sequence alone (they "
+        f"differ by {difference:.1e} of the largest): its positions or attention are not the ones hfaccel passes"
+    )

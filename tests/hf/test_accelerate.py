@@ -99,6 +99,31 @@ def test_unsupported_architecture_falls_back_with_warning():
     assert model.config._attn_implementation == original
 
 
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        # positions counted from the padding index (its sinusoid table's row 0 is the padding's)
+        ("kosmos-2.5", "other logits than transformers' own forward of each sequence alone"),
+        # the prompt attended both ways (the Gemma backbone's is_causal is False)
+        ("paligemma", "layer 0's attention is not causal"),
+    ],
+)
+def test_a_model_whose_forward_is_not_what_hfaccel_passes_is_declined(model_type, reason):
+    """A model hfaccel's packed forward would compute otherwise than transformers (the trial's logits against
+    transformers' own forward, and attention modules that say they are not causal) stays on transformers' path with
+    the reason: its tokens for a prompt alone, where transformers' padded batches happen to agree with hfaccel's."""
+    from tests.hf.tiny_configs import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(tiny_config(model_type)).eval().to(DEVICE)
+    ids = torch.arange(3, 12, device=DEVICE)[None]
+    expected = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with pytest.warns(UserWarning, match="keeps its"):
+        hfaccel.accelerate(model, attention="torch")
+    assert not model.hfaccel.active and reason in model.hfaccel.fallback_reason, model.hfaccel.fallback_reason
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
+
+
 def test_attention_sinks_are_served():
     """gpt-oss's sinks: one more logit per query head in hfaccel's kernels' softmax; its alternating sliding and
     full layers; its experts as transformers runs them."""

@@ -298,6 +298,11 @@ OVERRIDES: dict[str, dict] = {
     # widths and depths under names the generic shrinking does not know (a 410M text model; a 600M audio tower; 96M
     # of hashed byte-group embeddings)
     "kosmos-2": {"text_config": {"embed_dim": 64, "layers": 2}},
+    "kosmos-2.5": {
+        "latent_query_num": 8,
+        "text_config": {"embed_dim": 64, "layers": 2},
+        "vision_config": {"patch_embed_hidden_size": 48, "max_num_patches": 64},
+    },
     "blt": {"encoder_hash_byte_group_vocab": 1024},
     **dict.fromkeys(
         ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"],
