@@ -91,10 +91,12 @@ def _forward_reason(model, layout: ModelLayout) -> str | None:
 
 
 def _attends_both_ways(model, layer: int) -> bool:
-    """Whether the attention module of decoder ``layer`` says it is not causal (transformers' ``is_causal``)."""
+    """Whether the attention module of decoder ``layer`` says it is not causal (transformers' ``is_causal``); a
+    vision-language model's decoder only (its vision encoder attends both ways, as it should)."""
+    decoder = (model.get_decoder() if hasattr(model, "get_decoder") else None) or model
     return any(
         getattr(module, "layer_idx", None) == layer and getattr(module, "is_causal", None) is False
-        for module in model.modules()
+        for module in decoder.modules()
     )
 
 
