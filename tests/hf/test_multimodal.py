@@ -29,6 +29,7 @@ def test_images_through_hfaccels_loop_give_transformers_tokens(family):
     inputs = {name: case.inputs(prompts) for name, prompts in batches.items()}
     expected = {name: model.generate(**batch, **GREEDY) for name, batch in inputs.items()}
     hfaccel.accelerate(model, attention="torch")
+    assert model.hfaccel.active, model.hfaccel.fallback_reason
     for name, batch in inputs.items():
         assert torch.equal(model.generate(**batch, **GREEDY), expected[name]), name
         assert str(model.hfaccel.decode) == "hfaccel", name
